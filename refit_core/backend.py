@@ -1,0 +1,38 @@
+"""What a plugin registers: a named backend serving the train side, the gen side, or both."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .demo.context import DemoContext, DemoReport
+
+TRAIN = "train"
+GEN = "gen"
+
+DemoProgram = Callable[["DemoContext"], "DemoReport"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend a plugin provides.
+
+    ``demo_train`` / ``demo_gen`` are the programs ``refit demo`` runs for this backend on each
+    side: each receives a :class:`~refit_core.demo.context.DemoContext` and returns a report.
+    ``priority`` orders backends when ``refit demo`` picks the best installed pair.
+    """
+
+    name: str
+    sides: frozenset[str]
+    description: str = ""
+    demo_train: DemoProgram | None = field(default=None, compare=False)
+    demo_gen: DemoProgram | None = field(default=None, compare=False)
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sides", frozenset(self.sides))
+        unknown = self.sides - {TRAIN, GEN}
+        if unknown or not self.sides:
+            raise ValueError(f"backend {self.name!r}: sides must be within {{'train', 'gen'}}")

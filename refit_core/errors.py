@@ -1,0 +1,17 @@
+"""Exceptions raised by refit. Every message names the tensors, ranks or settings at fault."""
+
+
+class RefitError(RuntimeError):
+    """Base class of every error refit raises on purpose."""
+
+
+class PluginError(RefitError):
+    """No installed plugin recognizes a model or backend, or a plugin misbehaved."""
+
+
+class PlanError(RefitError):
+    """The two sides' metadata cannot be matched; raised at setup, before any collective."""
+
+
+class TransferError(RefitError):
+    """A step failed: a peer died, timed out, or sent data for a different plan."""

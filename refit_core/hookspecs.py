@@ -1,0 +1,107 @@
+"""The plugin contract: every hook a backend plugin may implement.
+
+A plugin is a module (or object) with functions named like the hooks below, decorated with
+``refit_core.hookimpl``, and registered under the entry-point group ``refit``. Hooks that take a
+model *select themselves by that model*: a plugin returns None for a model it does not know, and the
+first non-None answer wins (``firstresult``). Hooks that take a ``backend`` name (metadata only,
+no model built) answer only for their own backend names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from .backend import Backend
+    from .experts import ExpertName
+    from .layout import ParallelLayout
+    from .pieces import DestinationMap, SourcePiece
+
+hookspec = pluggy.HookspecMarker("refit")
+
+
+@hookspec
+def refit_register_backends(register: Callable[[Backend], None]) -> None:
+    """Register the backends this plugin provides by calling ``register(Backend(...))``.
+
+    A backend has a name (``"dtensor"``, ``"vllm"``), the side(s) it serves (``"train"``,
+    ``"gen"``) and, optionally, the demo programs ``refit demo`` runs for it.
+    """
+
+
+@hookspec(firstresult=True)
+def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
+    """This training rank's source pieces for a live ``model``, or None if the model is not yours.
+
+    Each piece names a logical HF tensor (per-expert or grouped names), the box of it this rank
+    holds, and a view of local memory with exactly those elements (strided views are welcome;
+    never gather or copy). Views must stay valid across steps: update parameters in place.
+    Replicas (data-parallel copies) return identical pieces; the planner balances them.
+    """
+
+
+@hookspec(firstresult=True)
+def refit_source_layout(
+    backend: str, config: dict[str, Any], layout: ParallelLayout, rank: int
+) -> list[SourcePiece] | None:
+    """Source pieces of ``rank`` from metadata alone (views are None), or None if not ``backend``.
+
+    ``config`` is a HuggingFace ``config.json`` as a dict. Nothing is built and no tensor is
+    allocated: this is what lets ``refit plan`` reason about thousands of ranks.
+    """
+
+
+@hookspec(firstresult=True)
+def refit_expert_name(hf_name: str) -> ExpertName | None:
+    """Split a per-expert HF name into its grouped logical name and expert index.
+
+    The core's default handles ``...experts.{e}.{rest}``; implement this only for other naming
+    schemes, and return None for names that are not per-expert tensors of yours.
+    """
+
+
+@hookspec(firstresult=True)
+def refit_destination_map(model: Any) -> DestinationMap | None:
+    """This generation rank's destination map for a live ``model``, or None if not yours.
+
+    ``pieces`` are views of engine memory to write straight into (e.g. the rows of a fused
+    ``qkv_proj`` that hold this TP rank's slice of ``k_proj``); ``loader`` lists the logical tensors
+    that must instead be received whole and handed to ``refit_load_weights``.
+    The hook is called at setup and again after every ``refit_begin_update`` that returns True,
+    and must then return the same pieces (same specs and boxes, in the same order).
+    """
+
+
+@hookspec(firstresult=True)
+def refit_destination_layout(
+    backend: str, config: dict[str, Any], layout: ParallelLayout, rank: int
+) -> DestinationMap | None:
+    """The destination map of ``rank`` from metadata alone (views are None), or None."""
+
+
+@hookspec(firstresult=True)
+def refit_begin_update(model: Any) -> bool | None:
+    """Prepare ``model`` to receive new weights, before any byte lands.
+
+    Return True if destination views changed (the engine re-materialized its parameters), so
+    ``refit_destination_map`` is asked again; False if the views stay valid; None if not yours.
+    """
+
+
+@hookspec(firstresult=True)
+def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> bool | None:
+    """Hand whole HF tensors (the loader path) to the engine's own loader; True when done.
+
+    Called once per step, after the fast-path bytes landed, with every loader tensor of the step
+    under its checkpoint name (grouped experts arrive split back into per-expert names).
+    """
+
+
+@hookspec(firstresult=True)
+def refit_finish_update(model: Any, version: int) -> bool | None:
+    """Finish a refit: post-load processing, cache resets, publishing the weight ``version``."""

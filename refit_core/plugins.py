@@ -1,0 +1,171 @@
+"""The plugin manager: entry-point discovery, selection by environment, and hook calls that fail clearly."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from . import defaults, hookspecs
+from .backend import Backend
+from .errors import PluginError
+from .experts import ExpertName
+from .layout import ParallelLayout
+from .pieces import DestinationMap, SourcePiece
+
+ENTRY_POINT_GROUP = "refit"
+PLUGINS_ENV = "REFIT_PLUGINS"
+"""Comma-separated plugin (entry point) names to load; unset loads all, empty loads none."""
+
+hookimpl = pluggy.HookimplMarker("refit")
+
+
+@dataclass
+class PluginInfo:
+    """A registered plugin: its name, the distribution that ships it, and its backends."""
+
+    name: str
+    distribution: str
+    version: str
+    backends: list[Backend] = field(default_factory=list)
+
+
+class PluginManager:
+    """refit's hook caller. ``get_plugin_manager()`` returns the process-wide instance."""
+
+    def __init__(self, *, load_entry_points: bool = True) -> None:
+        self._pm = pluggy.PluginManager("refit")
+        self._pm.add_hookspecs(hookspecs)
+        self._pm.register(defaults, name="refit-core-defaults")
+        self._info: dict[str, PluginInfo] = {}
+        if load_entry_points:
+            self._load_entry_points()
+
+    # -- registration -------------------------------------------------------------------------
+
+    def _load_entry_points(self) -> None:
+        wanted = os.environ.get(PLUGINS_ENV)
+        allowed = None if wanted is None else {n.strip() for n in wanted.split(",") if n.strip()}
+        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if (allowed is not None and ep.name not in allowed) or self._pm.has_plugin(ep.name):
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken plugin must not take the others down silently
+                raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {exc}") from exc
+            dist = ep.dist
+            self.register(plugin, name=ep.name,
+                          distribution=dist.name if dist else "?", version=dist.version if dist else "?")
+
+    def register(self, plugin: Any, name: str, distribution: str = "(registered in code)",
+                 version: str = "") -> None:
+        """Register a plugin object or module by hand (tests, notebooks, in-tree backends)."""
+        self._pm.register(plugin, name=name)
+        info = PluginInfo(name, distribution, version)
+        self._info[name] = info
+
+        def add(backend: Backend) -> None:
+            info.backends.append(backend)
+
+        impl = getattr(plugin, "refit_register_backends", None)
+        if impl is not None:
+            impl(register=add)
+
+    def unregister(self, name: str) -> None:
+        self._pm.unregister(name=name)
+        self._info.pop(name, None)
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @property
+    def plugins(self) -> list[PluginInfo]:
+        return list(self._info.values())
+
+    def backends(self, side: str | None = None) -> list[Backend]:
+        found = [b for info in self._info.values() for b in info.backends]
+        return [b for b in found if side is None or side in b.sides]
+
+    def backend(self, name: str, side: str) -> Backend:
+        for backend in self.backends(side):
+            if backend.name == name:
+                return backend
+        known = ", ".join(b.name for b in self.backends(side)) or "none"
+        raise PluginError(f"no installed plugin provides a {side} backend named {name!r} "
+                          f"(installed {side} backends: {known}){self._env_hint()}")
+
+    def _installed(self) -> str:
+        return ", ".join(f"{i.name} ({i.distribution})" for i in self._info.values()) or "none"
+
+    def _env_hint(self) -> str:
+        wanted = os.environ.get(PLUGINS_ENV)
+        return f"; {PLUGINS_ENV}={wanted!r} restricts which plugins load" if wanted is not None else ""
+
+    def _unrecognized(self, what: str, model: Any) -> PluginError:
+        return PluginError(f"no installed refit plugin recognizes {what} of type "
+                           f"{type(model).__module__}.{type(model).__qualname__} "
+                           f"(installed plugins: {self._installed()}){self._env_hint()}")
+
+    # -- hook calls ---------------------------------------------------------------------------
+
+    @property
+    def hook(self) -> Any:
+        return self._pm.hook
+
+    def source_pieces(self, model: Any) -> list[SourcePiece]:
+        pieces = self.hook.refit_source_pieces(model=model)
+        if pieces is None:
+            raise self._unrecognized("the training model", model)
+        return list(pieces)
+
+    def destination_map(self, model: Any) -> DestinationMap:
+        mapping = self.hook.refit_destination_map(model=model)
+        if mapping is None:
+            raise self._unrecognized("the generation model", model)
+        return mapping
+
+    def source_layout(self, backend: str, config: dict, layout: ParallelLayout, rank: int) -> list[SourcePiece]:
+        pieces = self.hook.refit_source_layout(backend=backend, config=config, layout=layout, rank=rank)
+        if pieces is None:
+            raise PluginError(f"no installed plugin describes train backend {backend!r} from metadata "
+                              f"(installed plugins: {self._installed()})")
+        return list(pieces)
+
+    def destination_layout(self, backend: str, config: dict, layout: ParallelLayout, rank: int) -> DestinationMap:
+        mapping = self.hook.refit_destination_layout(backend=backend, config=config, layout=layout, rank=rank)
+        if mapping is None:
+            raise PluginError(f"no installed plugin describes gen backend {backend!r} from metadata "
+                              f"(installed plugins: {self._installed()})")
+        return mapping
+
+    def expert_name(self, hf_name: str) -> ExpertName | None:
+        return self.hook.refit_expert_name(hf_name=hf_name)
+
+    def begin_update(self, model: Any) -> bool:
+        return bool(self.hook.refit_begin_update(model=model))
+
+    def load_weights(self, model: Any, weights: list) -> None:
+        if self.hook.refit_load_weights(model=model, weights=weights) is None:
+            raise self._unrecognized("(for the loader path) the generation model", model)
+
+    def finish_update(self, model: Any, version: int) -> None:
+        self.hook.refit_finish_update(model=model, version=version)
+
+
+_manager: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager, loading installed plugins on first use."""
+    global _manager
+    if _manager is None:
+        _manager = PluginManager()
+    return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager (the next call rediscovers plugins)."""
+    global _manager
+    _manager = None

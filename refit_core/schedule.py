@@ -1,0 +1,217 @@
+"""The static schedule: transfers cut into messages, messages placed in rounds.
+
+A *message* is one contiguous buffer from one train rank to one gen rank: a list of segments laid
+out back to back (16-byte aligned). A *round* is a set of messages that run at once as one grouped
+point-to-point exchange; in every round each rank sends (or receives) at most ``bucket_bytes`` in
+all, so the staging memory of a rank is bounded by ``bucket_bytes x num_buffers``. Every rank walks
+its rounds in increasing order, so rounds never wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .planner import Transfer
+from .spec import Box, dtype_size
+
+ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``box`` of local piece ``piece`` travels at byte ``offset`` of its message, as ``dtype``."""
+
+    piece: int
+    box: Box
+    offset: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One contiguous buffer from train rank ``src`` to gen rank ``dst`` (side-local ranks)."""
+
+    src: int
+    dst: int
+    nbytes: int
+    src_segments: tuple[Segment, ...]
+    dst_segments: tuple[Segment, ...]
+
+
+@dataclass
+class Schedule:
+    """All rounds of a refit, identical on every rank, and its fingerprint."""
+
+    num_src: int
+    num_dst: int
+    bucket_bytes: int
+    rounds: list[list[Message]]
+    fingerprint: str = ""
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def rounds_of_source(self, rank: int) -> list[list[Message]]:
+        """This train rank's messages, round by round (rounds it has no part in are skipped)."""
+        picked = ([m for m in msgs if m.src == rank] for msgs in self.rounds)
+        return [msgs for msgs in picked if msgs]
+
+    def rounds_of_destination(self, rank: int) -> list[list[Message]]:
+        picked = ([m for m in msgs if m.dst == rank] for msgs in self.rounds)
+        return [msgs for msgs in picked if msgs]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _chunks(box: Box, max_numel: int) -> Iterator[tuple[Box, ...]]:
+    """Sub-boxes of ``box`` (relative offsets) of at most ``max_numel`` elements, in memory order."""
+    if box.numel <= max_numel:
+        yield box
+        return
+    dim = next(d for d, s in enumerate(box.sizes) if s > 1)
+    inner = math.prod(box.sizes[dim + 1:])
+    if inner <= max_numel:
+        step = max_numel // inner
+        for start in range(0, box.sizes[dim], step):
+            size = min(step, box.sizes[dim] - start)
+            yield _narrow(box, dim, start, size)
+    else:
+        for index in range(box.sizes[dim]):
+            yield from _chunks(_narrow(box, dim, index, 1), max_numel)
+
+
+def _narrow(box: Box, dim: int, start: int, size: int) -> Box:
+    offsets = list(box.offsets)
+    sizes = list(box.sizes)
+    offsets[dim] += start
+    sizes[dim] = size
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
+    """Paired (src, dst) sub-boxes of a transfer, each at most ``max_bytes``."""
+    max_numel = max(1, max_bytes // dtype_size(t.dtype))
+    origin = Box((0,) * t.src_box.ndim, t.src_box.sizes)
+    for part in _chunks(origin, max_numel):
+        yield (Box(tuple(a + b for a, b in zip(t.src_box.offsets, part.offsets)), part.sizes),
+               Box(tuple(a + b for a, b in zip(t.dst_box.offsets, part.offsets)), part.sizes))
+
+
+def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int) -> list[Message]:
+    messages: list[Message] = []
+    src_segs: list[Segment] = []
+    dst_segs: list[Segment] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal used, src_segs, dst_segs
+        if src_segs:
+            t0 = pair_transfers[0]
+            messages.append(Message(t0.src, t0.dst, used, tuple(src_segs), tuple(dst_segs)))
+        src_segs, dst_segs, used = [], [], 0
+
+    for t in pair_transfers:
+        for src_box, dst_box in _split_transfer(t, bucket_bytes):
+            nbytes = src_box.numel * dtype_size(t.dtype)
+            offset = _align(used)
+            if offset + nbytes > bucket_bytes:
+                close()
+                offset = 0
+            src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))
+            dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
+            used = offset + nbytes
+    close()
+    return messages
+
+
+def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_bytes: int) -> list[list[Message]]:
+    rounds: list[list[Message]] = []
+    send_load: list[dict[int, int]] = []
+    recv_load: list[dict[int, int]] = []
+    queues = {pair: list(msgs) for pair, msgs in sorted(per_pair.items())}
+    next_round = {pair: 0 for pair in queues}
+    # Round-robin over pairs, so early rounds hold many pairs at once (all links busy).
+    while queues:
+        for pair in list(queues):
+            msg = queues[pair].pop(0)
+            r = next_round[pair]
+            while True:
+                if r == len(rounds):
+                    rounds.append([])
+                    send_load.append(defaultdict(int))
+                    recv_load.append(defaultdict(int))
+                if (send_load[r][msg.src] + msg.nbytes <= bucket_bytes
+                        and recv_load[r][msg.dst] + msg.nbytes <= bucket_bytes):
+                    break
+                r += 1
+            rounds[r].append(msg)
+            send_load[r][msg.src] += msg.nbytes
+            recv_load[r][msg.dst] += msg.nbytes
+            next_round[pair] = r + 1
+            if not queues[pair]:
+                del queues[pair]
+    return rounds
+
+
+def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bucket_bytes: int) -> Schedule:
+    """Cut ``transfers`` into messages of at most ``bucket_bytes`` and place them in rounds."""
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+    by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        by_pair[(t.src, t.dst)].append(t)
+    per_pair = {pair: _messages(ts, bucket_bytes) for pair, ts in by_pair.items()}
+    schedule = Schedule(num_src, num_dst, bucket_bytes, _place_in_rounds(per_pair, bucket_bytes))
+    schedule.fingerprint = fingerprint(schedule)
+    schedule.stats = schedule_stats(schedule)
+    return schedule
+
+
+def fingerprint(schedule: Schedule) -> str:
+    """A digest of everything both sides must agree on: ranks, bucket size, every segment."""
+    h = hashlib.sha256(f"{schedule.num_src}/{schedule.num_dst}/{schedule.bucket_bytes}".encode())
+    for r, msgs in enumerate(schedule.rounds):
+        for m in msgs:
+            h.update(f"|{r}:{m.src}>{m.dst}:{m.nbytes}".encode())
+            for s, d in zip(m.src_segments, m.dst_segments):
+                h.update(f";{s.piece}{s.box.offsets}{s.box.sizes}>{d.piece}{d.box.offsets}@{s.offset}{s.dtype}".encode())
+    return h.hexdigest()[:16]
+
+
+def schedule_stats(schedule: Schedule) -> dict[str, int]:
+    sent: dict[int, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    messages = segments = 0
+    peak_send = peak_recv = 0
+    for msgs in schedule.rounds:
+        round_send: dict[int, int] = defaultdict(int)
+        round_recv: dict[int, int] = defaultdict(int)
+        for m in msgs:
+            messages += 1
+            segments += len(m.src_segments)
+            sent[m.src] += m.nbytes
+            received[m.dst] += m.nbytes
+            round_send[m.src] += m.nbytes
+            round_recv[m.dst] += m.nbytes
+        peak_send = max([peak_send, *round_send.values()])
+        peak_recv = max([peak_recv, *round_recv.values()])
+    return {
+        "bytes": sum(sent.values()),
+        "messages": messages,
+        "segments": segments,
+        "rounds": len(schedule.rounds),
+        "busiest_sender_bytes": max(sent.values(), default=0),
+        "busiest_receiver_bytes": max(received.values(), default=0),
+        "peak_round_send_bytes": peak_send,
+        "peak_round_recv_bytes": peak_recv,
+    }

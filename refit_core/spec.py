@@ -1,0 +1,121 @@
+"""Tensor specs and boxes: the shared language of both sides, in HuggingFace checkpoint space."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A logical tensor of the HF checkpoint: its name, full (global) shape and dtype.
+
+    Grouped MoE experts are one logical tensor: ``model.layers.0.mlp.experts.gate_proj.weight``
+    of shape ``[E, I, H]`` stands for the checkpoint's ``...experts.{e}.gate_proj.weight``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.dtype)
+
+    def full_box(self) -> Box:
+        return Box.full(self.shape)
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle ``[offsets, offsets + sizes)`` of a logical tensor."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(f"box rank mismatch: offsets {self.offsets}, sizes {self.sizes}")
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...]) -> Box:
+        return cls((0,) * len(shape), tuple(shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def is_empty(self) -> bool:
+        return any(s <= 0 for s in self.sizes)
+
+    def within(self, shape: tuple[int, ...]) -> bool:
+        """Whether this box lies inside a tensor of ``shape``."""
+        return len(shape) == self.ndim and all(
+            o >= 0 and o + s <= n for o, s, n in zip(self.offsets, self.sizes, shape)
+        )
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common part of two boxes, or None when they do not overlap."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box in the coordinates of ``outer`` (which must contain it)."""
+        return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
+
+    def slice_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The view of ``tensor`` this box selects (a strided view, never a copy)."""
+        view = tensor
+        for dim, (o, s) in enumerate(zip(self.offsets, self.sizes)):
+            if o != 0 or s != view.shape[dim]:
+                view = view.narrow(dim, o, s)
+        return view
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+)}
+
+
+def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` (or ``"torch.bfloat16"``) -> ``torch.bfloat16``."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16",
+               "float": "float32"}
+    key = aliases.get(key, key)
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}")
+    return _DTYPES[key]
