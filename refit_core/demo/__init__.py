@@ -1,0 +1,1 @@
+"""``refit demo``: a real refit between two separately started programs, verified bitwise."""
