@@ -6,6 +6,7 @@ rank), :class:`RefitOptions`, the data model plugins speak (:class:`TensorSpec`,
 ``hookimpl`` for plugin authors.
 """
 
+from .api import RefitOptions, RefitReceiver, RefitSender, StepStats
 from .backend import GEN, TRAIN, Backend
 from .errors import PlanError, PluginError, RefitError, TransferError
 from .experts import ExpertName
@@ -15,13 +16,8 @@ from .plugins import get_plugin_manager, hookimpl
 from .spec import Box, TensorSpec
 
 __all__ = [
-    "GEN", "TRAIN", "Backend", "Box", "DestinationMap", "DestinationPiece", "ExpertName",
+    "GEN", "TRAIN", "Backend", "RefitOptions", "RefitReceiver", "RefitSender", "StepStats", "Box", "DestinationMap", "DestinationPiece", "ExpertName",
     "ParallelLayout", "PlanError", "PluginError", "RefitError", "SourcePiece", "TensorSpec",
     "TransferError", "get_plugin_manager", "hookimpl",
 ]
 
-try:  # the API pulls in torch.distributed; keep the data model importable on its own
-    from .api import RefitOptions, RefitReceiver, RefitSender  # noqa: F401
-    __all__ += ["RefitOptions", "RefitReceiver", "RefitSender"]
-except ImportError:  # pragma: no cover - during bootstrap only
-    pass

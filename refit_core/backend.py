@@ -21,7 +21,8 @@ class Backend:
 
     ``demo_train`` / ``demo_gen`` are the programs ``refit demo`` runs for this backend on each
     side: each receives a :class:`~refit_core.demo.context.DemoContext` and returns a report.
-    ``priority`` orders backends when ``refit demo`` picks the best installed pair.
+    ``demo_train_layout`` / ``demo_gen_layout`` are the layouts ``refit demo`` uses by default
+    (``"fsdp=2"``); ``priority`` orders backends when ``refit demo`` picks the best installed pair.
     """
 
     name: str
@@ -29,6 +30,8 @@ class Backend:
     description: str = ""
     demo_train: DemoProgram | None = field(default=None, compare=False)
     demo_gen: DemoProgram | None = field(default=None, compare=False)
+    demo_train_layout: str = ""
+    demo_gen_layout: str = ""
     priority: int = 0
 
     def __post_init__(self) -> None:

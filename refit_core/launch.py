@@ -19,14 +19,15 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, nprocs: int, args: tuple, env: dict[str, str],
-           errors: Any) -> None:
+           outcomes: Any) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs)})
     try:
-        fn(rank, nprocs, *args)
+        result = fn(rank, nprocs, *args)
     except BaseException:
-        errors.put((rank, traceback.format_exc()))
+        outcomes.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
+    outcomes.put((rank, True, result))
 
 
 class RankFailure(RuntimeError):
@@ -34,20 +35,21 @@ class RankFailure(RuntimeError):
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] | None = None,
-          timeout_s: float = 600.0) -> None:
-    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` fresh processes and wait for all of them.
+          timeout_s: float = 600.0) -> list[Any]:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` fresh processes; return their results by rank.
 
     If any rank fails or the timeout passes, the others are killed and :class:`RankFailure` is
     raised with each failing rank's traceback (never a hang). ``fn`` must be importable (top level).
     """
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, args, dict(env or {}), errors), daemon=False)
+    outcomes = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, args, dict(env or {}), outcomes), daemon=False)
              for r in range(nprocs)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
     failed: list[str] = []
+    results: dict[int, Any] = {}
     try:
         while any(p.is_alive() for p in procs):
             if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -60,11 +62,15 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] |
             if p.is_alive():
                 p.kill()
             p.join()
-        while not errors.empty():
-            rank, tb = errors.get()
-            failed.append(f"--- rank {rank} ---\n{tb}")
+        while not outcomes.empty():
+            rank, ok, payload = outcomes.get()
+            if ok:
+                results[rank] = payload
+            else:
+                failed.append(f"--- rank {rank} ---\n{payload}")
     bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if timed_out and not failed:
         raise RankFailure(f"ranks {bad} did not finish within {timeout_s:.0f} s")
     if bad:
         raise RankFailure(f"ranks {bad} of {fn.__name__} failed:\n" + "\n".join(failed))
+    return [results.get(r) for r in range(nprocs)]

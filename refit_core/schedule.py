@@ -150,13 +150,14 @@ def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_byte
                     rounds.append([])
                     send_load.append(defaultdict(int))
                     recv_load.append(defaultdict(int))
-                if (send_load[r][msg.src] + msg.nbytes <= bucket_bytes
-                        and recv_load[r][msg.dst] + msg.nbytes <= bucket_bytes):
+                size = _align(msg.nbytes)  # messages sit 16-byte aligned in staging buffers
+                if (send_load[r][msg.src] + size <= bucket_bytes
+                        and recv_load[r][msg.dst] + size <= bucket_bytes):
                     break
                 r += 1
             rounds[r].append(msg)
-            send_load[r][msg.src] += msg.nbytes
-            recv_load[r][msg.dst] += msg.nbytes
+            send_load[r][msg.src] += size
+            recv_load[r][msg.dst] += size
             next_round[pair] = r + 1
             if not queues[pair]:
                 del queues[pair]
@@ -165,8 +166,8 @@ def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_byte
 
 def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bucket_bytes: int) -> Schedule:
     """Cut ``transfers`` into messages of at most ``bucket_bytes`` and place them in rounds."""
-    if bucket_bytes < ALIGN:
-        raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+    if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
     by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         by_pair[(t.src, t.dst)].append(t)
@@ -201,8 +202,8 @@ def schedule_stats(schedule: Schedule) -> dict[str, int]:
             segments += len(m.src_segments)
             sent[m.src] += m.nbytes
             received[m.dst] += m.nbytes
-            round_send[m.src] += m.nbytes
-            round_recv[m.dst] += m.nbytes
+            round_send[m.src] += _align(m.nbytes)
+            round_recv[m.dst] += _align(m.nbytes)
         peak_send = max([peak_send, *round_send.values()])
         peak_recv = max([peak_recv, *round_recv.values()])
     return {

@@ -1,0 +1,256 @@
+"""The public API: a :class:`RefitSender` on every train rank, a :class:`RefitReceiver` on every gen rank.
+
+Both sides call ``setup()`` once (metadata exchange through the rendezvous store, planning, agreement
+on the plan's fingerprint, transport creation), then every step the train side calls
+``send(version)`` and the gen side ``receive()``. The two sides are separate programs; train rank 0
+hosts the rendezvous store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import PlanError, RefitError
+from .executor import ReceiveExecutor, SendExecutor, StepStats
+from .experts import expert_counts, group_meta, group_piece, ungroup_name
+from .pieces import DestinationPiece, Piece, PieceMeta
+from .planner import plan_transfers
+from .plugins import PluginManager, get_plugin_manager
+from .rendezvous import Rendezvous
+from .schedule import Schedule, build_schedule
+from .transport import Transport, open_transport
+
+log = logging.getLogger("refit")
+
+MiB = 1 << 20
+from .backend import GEN, TRAIN
+
+
+@dataclass(frozen=True)
+class RefitOptions:
+    """Knobs of one refit. The train side's rank 0 decides ``bucket_bytes`` and ``cast`` for both sides.
+
+    - ``bucket_bytes``: most bytes a rank sends or receives in one round (None: 512 MiB on CUDA,
+      64 MiB on CPU); staging memory per rank is at most ``bucket_bytes x num_buffers``.
+    - ``num_buffers``: staging buffers in flight (pack / transfer / unpack overlap on CUDA).
+    - ``cast``: ``"cast"`` converts to the destination dtype on the sender; ``"strict"`` rejects
+      dtype differences at setup.
+    - ``allow_unused_sources``: skip source tensors no destination wants instead of failing.
+    - ``transport``: ``"auto"`` (NCCL on CUDA, gloo on CPU), ``"gloo"`` or ``"nccl"``.
+    - ``timeout_s``: setup waits and every step's transfers fail after this long.
+    """
+
+    bucket_bytes: int | None = None
+    num_buffers: int = 3
+    cast: str = "cast"
+    allow_unused_sources: bool = False
+    transport: str = "auto"
+    timeout_s: float = 300.0
+
+    def resolved_bucket(self, device: torch.device) -> int:
+        if self.bucket_bytes is not None:
+            return self.bucket_bytes
+        return 512 * MiB if device.type == "cuda" else 64 * MiB
+
+
+def _device_of(pieces: list[Piece]) -> torch.device:
+    devices = {p.view.device for p in pieces if p.view is not None}
+    if len(devices) > 1:
+        raise RefitError(f"pieces live on several devices {sorted(map(str, devices))}; one device per rank")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _grouped(side_metas: list[list[PieceMeta]], pm: PluginManager) -> tuple[list[list[PieceMeta]], dict[str, int]]:
+    counts = expert_counts(side_metas, pm.expert_name)
+    return [[group_meta(m, pm.expert_name, counts) for m in metas] for metas in side_metas], counts
+
+
+class _Endpoint:
+    side: str
+
+    def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
+                 options: RefitOptions | None = None, plugins: PluginManager | None = None) -> None:
+        if not 0 <= rank < world_size:
+            raise RefitError(f"{self.side} rank {rank} is outside world_size {world_size}")
+        self.model = model
+        self.address = rendezvous
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options or RefitOptions()
+        self.plugins = plugins or get_plugin_manager()
+        self.schedule: Schedule | None = None
+        self.transport: Transport | None = None
+        self._rdv: Rendezvous | None = None
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def _local_pieces(self) -> list[Piece]:
+        raise NotImplementedError
+
+    def setup(self) -> Schedule:
+        """Exchange metadata, plan, check agreement and open the transport. Collective over both sides."""
+        start = time.perf_counter()
+        self._rdv = Rendezvous(self.address, host=(self.side == TRAIN and self.rank == 0),
+                               timeout_s=self.options.timeout_s)
+        try:
+            pieces = self._local_pieces()
+            self.device = _device_of(pieces)
+            self._rdv.publish(f"size/{self.side}", self.world_size) if self.rank == 0 else None
+            if self.side == TRAIN and self.rank == 0:
+                self._rdv.publish("options", {"bucket_bytes": self.options.resolved_bucket(self.device),
+                                              "cast": self.options.cast,
+                                              "allow_unused_sources": self.options.allow_unused_sources})
+            self._rdv.publish(f"meta/{self.side}/{self.rank}", [p.meta for p in pieces])
+            sizes = dict(zip((TRAIN, GEN), self._rdv.wait(["size/train", "size/gen"], "both sides' sizes")))
+            (settings,) = self._rdv.wait(["options"], "the train side's options")
+            metas = {side: self._rdv.wait([f"meta/{side}/{r}" for r in range(sizes[side])], f"{side} metadata")
+                     for side in (TRAIN, GEN)}
+            grouped = {side: _grouped(metas[side], self.plugins) for side in (TRAIN, GEN)}
+            self._counts = grouped[self.side][1]
+            transfers = plan_transfers(grouped[TRAIN][0], grouped[GEN][0], cast=settings["cast"],
+                                       allow_unused_sources=settings["allow_unused_sources"])
+            schedule = build_schedule(transfers, sizes[TRAIN], sizes[GEN], settings["bucket_bytes"])
+            self._rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
+            others = self._rdv.wait([f"fingerprint/{s}/{r}" for s in (TRAIN, GEN) for r in range(sizes[s])],
+                                    "every rank's plan fingerprint")
+            if any(fp != schedule.fingerprint for fp in others):
+                raise PlanError(f"ranks computed different plans (fingerprints {sorted(set(others))}); "
+                                "every rank must run the same refit version and options")
+        except Exception as exc:
+            self._rdv.fail(f"{self.side} rank {self.rank}: {type(exc).__name__}: {exc}")
+            raise
+        self.schedule = schedule
+        self.sizes = sizes
+        self.transport = open_transport(self.options.transport, self._rdv.store, self._global_rank(),
+                                        sizes[TRAIN] + sizes[GEN], self.device, self.options.timeout_s)
+        self._executor = self._make_executor(schedule, settings["bucket_bytes"])
+        self._pieces = pieces
+        stats = schedule.stats
+        log.info("refit %s rank %d ready in %.2f s: %.3f GB in %d messages over %d rounds, plan %s",
+                 self.side, self.rank, time.perf_counter() - start, stats["bytes"] / 1e9,
+                 stats["messages"], stats["rounds"], schedule.fingerprint)
+        return schedule
+
+    def _global_rank(self) -> int:
+        return self.rank if self.side == TRAIN else self.sizes[TRAIN] + self.rank
+
+    def _make_executor(self, schedule: Schedule, bucket: int):
+        raise NotImplementedError
+
+    def _bind(self, pieces: list[Piece]) -> None:
+        grouped = [group_piece(p, self.plugins.expert_name, self._counts) for p in pieces]
+        self._executor.bind([p.view for p in grouped])
+
+    def _require_setup(self) -> None:
+        if self.transport is None:
+            raise RefitError(f"call setup() on the {self.side} side before the first step")
+
+    def close(self) -> None:
+        """Release the transport and the rendezvous connection."""
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = None
+        self._rdv = None
+
+
+class RefitSender(_Endpoint):
+    """The train side of a refit, one per train rank. ``send(version)`` every step."""
+
+    side = TRAIN
+
+    def _local_pieces(self) -> list[Piece]:
+        pieces = self.plugins.source_pieces(self.model)
+        missing = [p.spec.name for p in pieces if p.view is None]
+        if missing:
+            raise RefitError(f"source pieces without views: {missing[:5]}")
+        return pieces
+
+    def _make_executor(self, schedule: Schedule, bucket: int) -> SendExecutor:
+        return SendExecutor(schedule.rounds_of_source(self.rank), self.transport, self.sizes[TRAIN],
+                            own_offset=0, bucket_bytes=bucket, num_buffers=self.options.num_buffers,
+                            fingerprint=schedule.fingerprint, timeout_s=self.options.timeout_s)
+
+    def setup(self) -> Schedule:
+        schedule = super().setup()
+        self._bind(self._pieces)
+        return schedule
+
+    def send(self, version: int) -> StepStats:
+        """Send the model's current weights as weight ``version``; returns this rank's step stats."""
+        self._require_setup()
+        stats = self._executor.run(version)
+        log.info("refit sent version %d: %.3f GB in %.3f s (%.2f GB/s)", version, stats.bytes / 1e9,
+                 stats.seconds, stats.gbps)
+        return stats
+
+
+class RefitReceiver(_Endpoint):
+    """The gen side of a refit, one per gen rank. ``receive()`` every step lands one weight version."""
+
+    side = GEN
+    _bound = False
+
+    def _local_pieces(self) -> list[Piece]:
+        mapping = self.plugins.destination_map(self.model)
+        self._loader = list(mapping.loader)
+        loader = [DestinationPiece(spec, spec.full_box()) for spec in self._loader]
+        return list(mapping.pieces) + loader
+
+    def _make_executor(self, schedule: Schedule, bucket: int) -> ReceiveExecutor:
+        return ReceiveExecutor(schedule.rounds_of_destination(self.rank), self.transport, 0,
+                               own_offset=self.sizes[TRAIN], bucket_bytes=bucket,
+                               num_buffers=self.options.num_buffers, fingerprint=schedule.fingerprint,
+                               timeout_s=self.options.timeout_s)
+
+    def _bind_step(self) -> list[tuple[str, torch.Tensor]]:
+        """(Re)bind destination views for this step; returns the fresh loader-path tensors."""
+        rebind = self.plugins.begin_update(self.model)
+        if rebind:
+            pieces = self._local_pieces()
+            if [p.meta for p in pieces] != [p.meta for p in self._pieces]:
+                raise RefitError("the generation model's destination pieces changed after "
+                                 "refit_begin_update; a plugin must return the same pieces every time")
+            self._pieces = pieces
+        if not self._loader:
+            if rebind or not self._bound:
+                self._bind(self._pieces)
+                self._bound = True
+            return []
+        fast = len(self._pieces) - len(self._loader)
+        buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in self._loader]
+        loaded = [DestinationPiece(s, s.full_box(), b) for s, b in zip(self._loader, buffers)]
+        self._bind(self._pieces[:fast] + loaded)
+        return [(s.name, b) for s, b in zip(self._loader, buffers)]
+
+    def receive(self) -> StepStats:
+        """Receive one step's weights into the engine; ``stats.version`` is the sender's version."""
+        self._require_setup()
+        loader_weights = self._bind_step()
+        stats = self._executor.run()
+        if loader_weights:
+            self.plugins.load_weights(self.model, _ungrouped(loader_weights, self.plugins))
+        self.plugins.finish_update(self.model, stats.version)
+        log.info("refit received version %d: %.3f GB in %.3f s (%.2f GB/s)", stats.version,
+                 stats.bytes / 1e9, stats.seconds, stats.gbps)
+        return stats
+
+
+def _ungrouped(weights: list[tuple[str, torch.Tensor]], pm: PluginManager) -> list[tuple[str, torch.Tensor]]:
+    """Grouped expert tensors back into the checkpoint's per-expert names, for an engine's loader."""
+    out = []
+    for name, tensor in weights:
+        probe = ungroup_name(name, 0) if ".experts." in name else None
+        expert = pm.expert_name(probe) if probe else None
+        if expert is not None and expert.group == name:
+            out.extend((ungroup_name(name, e), tensor[e]) for e in range(tensor.shape[0]))
+        else:
+            out.append((name, tensor))
+    return out
+
+
+__all__ = ["RefitOptions", "RefitReceiver", "RefitSender", "StepStats"]

@@ -1,0 +1,69 @@
+"""Setup-time coordination through a TCPStore: metadata exchange, agreement checks, error broadcast.
+
+Train rank 0 hosts the store at the rendezvous address; everyone else connects as a client. A rank
+that fails during setup writes its error under ``error`` so the others stop at once with that
+message instead of waiting for metadata that will never come.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import RefitError
+
+POLL_S = 0.02
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RefitError(f"rendezvous {address!r}: expected HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+class Rendezvous:
+    """A namespace in a TCPStore shared by every train and gen rank of one refit."""
+
+    def __init__(self, address: str, *, host: bool, timeout_s: float, namespace: str = "refit") -> None:
+        hostname, port = parse_address(address)
+        self.timeout_s = timeout_s
+        try:
+            tcp = dist.TCPStore(hostname, port, is_master=host, timeout=timedelta(seconds=timeout_s),
+                                wait_for_workers=False, use_libuv=True)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the address
+            role = "host" if host else "reach"
+            raise RefitError(f"could not {role} the refit rendezvous at {address}: {exc}") from exc
+        self.store = dist.PrefixStore(namespace + "/", tcp)
+        self._tcp = tcp
+
+    def publish(self, key: str, value: Any) -> None:
+        self.store.set(key, pickle.dumps(value))
+
+    def fail(self, message: str) -> None:
+        """Tell every other rank that setup failed, and why."""
+        try:
+            self.store.set("error", message.encode())
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            pass
+
+    def _check_error(self) -> None:
+        if self.store.check(["error"]):
+            raise RefitError(f"refit setup failed on another rank: {self.store.get('error').decode()}")
+
+    def wait(self, keys: list[str], what: str) -> list[Any]:
+        """Values of ``keys`` once all exist; raises on timeout or on another rank's error."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            self._check_error()
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
+                                 f"missing {', '.join(missing[:8])}")
+            time.sleep(POLL_S)
+        self._check_error()
+        return [pickle.loads(self.store.get(k)) for k in keys]

@@ -1,0 +1,7 @@
+"""An example refit backend plugin, written from docs/writing-a-plugin.md alone.
+
+Two toy "frameworks": :class:`~refit_toy.models.ToyTrainer` shards a small transformer-like state
+by rows (experts by expert index, norms replicated); :class:`~refit_toy.models.ToyEngine` holds it
+the way an inference engine would (column shards, a fused QKV replicated everywhere, stacked
+experts sharded on the expert dim, bf16 embeddings).
+"""

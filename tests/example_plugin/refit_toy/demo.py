@@ -1,0 +1,60 @@
+"""The toy backend's demo programs: each side spawns its ranks and refits ``ctx.steps`` times."""
+
+from __future__ import annotations
+
+import torch
+
+from refit_core import RefitOptions, RefitReceiver, RefitSender
+from refit_core.demo.context import DemoContext, DemoReport
+from refit_core.launch import spawn
+from refit_core.models import reference_tensor
+from refit_core.verify import mismatches
+
+from .models import CHECKPOINT, ToyEngine, ToyTrainer
+
+
+def reference(seed: int, step: int) -> dict[str, torch.Tensor]:
+    return {spec.name: reference_tensor(spec, seed, step) for spec in CHECKPOINT}
+
+
+def _train_rank(rank: int, world: int, ctx: DemoContext) -> list[float]:
+    trainer = ToyTrainer(rank, world)
+    sender = RefitSender(trainer, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
+                         options=RefitOptions(**ctx.options))
+    sender.setup()
+    seconds = []
+    for step in range(ctx.steps):
+        trainer.load(reference(ctx.seed, step))
+        seconds.append(sender.send(version=step).seconds)
+    sender.close()
+    return seconds
+
+
+def _gen_rank(rank: int, world: int, ctx: DemoContext) -> tuple[int, list[float]]:
+    engine = ToyEngine(rank, world)
+    receiver = RefitReceiver(engine, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
+                             options=RefitOptions(**ctx.options))
+    receiver.setup()
+    pieces = receiver.plugins.destination_map(engine).pieces
+    seconds = []
+    for step in range(ctx.steps):
+        stats = receiver.receive()
+        bad = mismatches(pieces, reference(ctx.seed, step))
+        if bad or engine.version != step:
+            raise AssertionError(f"gen rank {rank} step {step}: version {engine.version}, differs: {bad}")
+        seconds.append(stats.seconds)
+    receiver.close()
+    return stats.bytes, seconds
+
+
+def run_train(ctx: DemoContext) -> DemoReport:
+    seconds = spawn(_train_rank, ctx.layout.world_size, ctx)
+    return DemoReport(True, [f"toy trainer: {ctx.layout.world_size} ranks sent {ctx.steps} versions"],
+                      seconds_per_step=[max(s) for s in zip(*seconds)])
+
+
+def run_gen(ctx: DemoContext) -> DemoReport:
+    results = spawn(_gen_rank, ctx.layout.world_size, ctx)
+    received = sum(b for b, _ in results)
+    return DemoReport(True, [f"toy engine: {ctx.layout.world_size} ranks verified {ctx.steps} versions bitwise"],
+                      bytes_per_step=received, seconds_per_step=[max(s) for s in zip(*(s for _, s in results))])

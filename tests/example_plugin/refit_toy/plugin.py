@@ -1,0 +1,64 @@
+"""The toy backend's hooks: how each toy model's memory maps to HF checkpoint tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refit_core import (GEN, TRAIN, Backend, Box, DestinationMap, DestinationPiece, SourcePiece,
+                        TensorSpec, hookimpl)
+
+from .models import EXPERTS, HEADS_DIM, HIDDEN, KV_DIM, CHECKPOINT, ToyEngine, ToyTrainer
+
+
+@hookimpl
+def refit_register_backends(register) -> None:
+    from .demo import run_gen, run_train
+
+    register(Backend("toy", {TRAIN, GEN}, "example third-party plugin (toy sharded models)",
+                     demo_train=run_train, demo_gen=run_gen, demo_train_layout="dp=2",
+                     demo_gen_layout="dp=3", priority=-100))
+
+
+@hookimpl
+def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
+    if not isinstance(model, ToyTrainer):
+        return None
+    specs = {s.name: s for s in model.specs}
+    return [SourcePiece(specs[name], Box(offsets, tuple(view.shape)), view)
+            for name, (offsets, view) in model.shards.items()]
+
+
+@hookimpl
+def refit_destination_map(model: Any) -> DestinationMap | None:
+    if not isinstance(model, ToyEngine):
+        return None
+    spec = {s.name: s for s in CHECKPOINT}
+    embed = spec["model.embed_tokens.weight"]
+    embed = TensorSpec(embed.name, embed.shape, torch.bfloat16)
+    pieces = [DestinationPiece(embed, Box((0, model.col_start), tuple(model.embed.shape)), model.embed)]
+    row = 0
+    for proj, rows in (("q_proj", HEADS_DIM), ("k_proj", KV_DIM), ("v_proj", KV_DIM)):
+        pieces.append(DestinationPiece(spec[f"model.layers.0.self_attn.{proj}.weight"], Box((0, 0), (rows, HIDDEN)),
+                                       model.qkv[row:row + rows]))
+        row += rows
+    up = spec["model.layers.0.mlp.experts.0.up_proj.weight"]
+    grouped = TensorSpec("model.layers.0.mlp.experts.up_proj.weight", (EXPERTS, *up.shape), up.dtype)
+    pieces.append(DestinationPiece(grouped, Box((model.expert_start, 0, 0), tuple(model.experts_up.shape)),
+                                   model.experts_up))
+    pieces.append(DestinationPiece(spec["model.norm.weight"], Box((0,), (HIDDEN,)), model.norm))
+    return DestinationMap(pieces)
+
+
+@hookimpl
+def refit_begin_update(model: Any) -> bool | None:
+    return False if isinstance(model, ToyEngine) else None
+
+
+@hookimpl
+def refit_finish_update(model: Any, version: int) -> bool | None:
+    if not isinstance(model, ToyEngine):
+        return None
+    model.version = version
+    return True
