@@ -107,6 +107,7 @@ class _Endpoint:
                                               "allow_unused_sources": self.options.allow_unused_sources})
             self._rdv.publish(f"meta/{self.side}/{self.rank}", [p.meta for p in pieces])
             sizes = dict(zip((TRAIN, GEN), self._rdv.wait(["size/train", "size/gen"], "both sides' sizes")))
+            self._sizes_seen = sizes
             (settings,) = self._rdv.wait(["options"], "the train side's options")
             metas = {side: self._rdv.wait([f"meta/{side}/{r}" for r in range(sizes[side])], f"{side} metadata")
                      for side in (TRAIN, GEN)}
@@ -123,6 +124,10 @@ class _Endpoint:
                                 "every rank must run the same refit version and options")
         except Exception as exc:
             self._rdv.fail(f"{self.side} rank {self.rank}: {type(exc).__name__}: {exc}")
+            self._rdv.publish(f"done/{self.side}/{self.rank}", False)
+            if self.side == TRAIN and self.rank == 0:  # the store's host: let every rank read the error
+                everyone = [f"done/{s}/{r}" for s, n in getattr(self, "_sizes_seen", {}).items() for r in range(n)]
+                self._rdv.linger(everyone or ["done/gen/0"], timeout_s=min(self.options.timeout_s, 15.0))
             raise
         self.schedule = schedule
         self.sizes = sizes

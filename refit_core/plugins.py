@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ PLUGINS_ENV = "REFIT_PLUGINS"
 """Comma-separated plugin (entry point) names to load; unset loads all, empty loads none."""
 
 hookimpl = pluggy.HookimplMarker("refit")
+log = logging.getLogger("refit")
 
 
 @dataclass
@@ -41,6 +43,8 @@ class PluginManager:
         self._pm.add_hookspecs(hookspecs)
         self._pm.register(defaults, name="refit-core-defaults")
         self._info: dict[str, PluginInfo] = {}
+        self.broken: dict[str, str] = {}
+        """Plugins whose import failed: name -> error (they are skipped, and named in errors)."""
         if load_entry_points:
             self._load_entry_points()
 
@@ -50,12 +54,14 @@ class PluginManager:
         wanted = os.environ.get(PLUGINS_ENV)
         allowed = None if wanted is None else {n.strip() for n in wanted.split(",") if n.strip()}
         for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            if (allowed is not None and ep.name not in allowed) or self._pm.has_plugin(ep.name):
+            if (allowed is not None and ep.name not in allowed) or self._pm.has_plugin(name=ep.name):
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:  # a broken plugin must not take the others down silently
-                raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - one broken plugin must not take the others down
+                self.broken[ep.name] = f"{type(exc).__name__}: {exc}"
+                log.warning("refit plugin %r (%s) failed to import and is skipped: %s", ep.name, ep.value, exc)
+                continue
             dist = ep.dist
             self.register(plugin, name=ep.name,
                           distribution=dist.name if dist else "?", version=dist.version if dist else "?")
@@ -97,7 +103,9 @@ class PluginManager:
                           f"(installed {side} backends: {known}){self._env_hint()}")
 
     def _installed(self) -> str:
-        return ", ".join(f"{i.name} ({i.distribution})" for i in self._info.values()) or "none"
+        names = [f"{i.name} ({i.distribution})" for i in self._info.values()]
+        names += [f"{name} (failed to import: {error})" for name, error in self.broken.items()]
+        return ", ".join(names) or "none"
 
     def _env_hint(self) -> str:
         wanted = os.environ.get(PLUGINS_ENV)

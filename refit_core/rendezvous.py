@@ -51,6 +51,16 @@ class Rendezvous:
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
 
+    def linger(self, keys: list[str], timeout_s: float) -> None:
+        """Keep the store up until ``keys`` exist or ``timeout_s`` passes (the host, after a failure,
+        so that every rank can still read the error instead of losing the store)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.store.check(keys) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
     def _check_error(self) -> None:
         if self.store.check(["error"]):
             raise RefitError(f"refit setup failed on another rank: {self.store.get('error').decode()}")
@@ -58,12 +68,16 @@ class Rendezvous:
     def wait(self, keys: list[str], what: str) -> list[Any]:
         """Values of ``keys`` once all exist; raises on timeout or on another rank's error."""
         deadline = time.monotonic() + self.timeout_s
-        while not self.store.check(keys):
+        try:
+            while not self.store.check(keys):
+                self._check_error()
+                if time.monotonic() > deadline:
+                    missing = [k for k in keys if not self.store.check([k])]
+                    raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
+                                     f"missing {', '.join(missing[:8])}")
+                time.sleep(POLL_S)
             self._check_error()
-            if time.monotonic() > deadline:
-                missing = [k for k in keys if not self.store.check([k])]
-                raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
-                                 f"missing {', '.join(missing[:8])}")
-            time.sleep(POLL_S)
-        self._check_error()
-        return [pickle.loads(self.store.get(k)) for k in keys]
+            return [pickle.loads(self.store.get(k)) for k in keys]
+        except dist.DistNetworkError as exc:
+            raise RefitError(f"lost the refit rendezvous while waiting for {what} (the train side's "
+                             f"rank 0 hosts it and has probably exited): {exc}") from exc

@@ -30,7 +30,8 @@ class ToyTrainer:
     """Train side: every dense tensor row-sharded over ``world`` ranks, experts split by index
     (whole experts per rank, per-expert names), the final norm replicated on every rank."""
 
-    def __init__(self, rank: int, world: int, shape_overrides: dict[str, tuple[int, ...]] | None = None) -> None:
+    def __init__(self, rank: int, world: int, shape_overrides: dict[str, tuple[int, ...]] | None = None,
+                 device: str = "cpu") -> None:
         self.rank, self.world = rank, world
         self.specs = [TensorSpec(s.name, (shape_overrides or {}).get(s.name, s.shape), s.dtype) for s in CHECKPOINT]
         self.shards: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
@@ -38,12 +39,12 @@ class ToyTrainer:
             if ".experts." in spec.name:
                 expert = int(spec.name.split(".experts.")[1].split(".")[0])
                 if expert * world // EXPERTS == rank:
-                    self.shards[spec.name] = ((0,) * len(spec.shape), torch.zeros(spec.shape))
+                    self.shards[spec.name] = ((0,) * len(spec.shape), torch.zeros(spec.shape, device=device))
             elif spec.name == "model.norm.weight":
-                self.shards[spec.name] = ((0,), torch.zeros(spec.shape))
+                self.shards[spec.name] = ((0,), torch.zeros(spec.shape, device=device))
             else:
                 start, size = split(spec.shape[0], world, rank)
-                self.shards[spec.name] = ((start, 0), torch.zeros(size, *spec.shape[1:]))
+                self.shards[spec.name] = ((start, 0), torch.zeros(size, *spec.shape[1:], device=device))
 
     def load(self, full: dict[str, torch.Tensor]) -> None:
         """Copy this rank's part of a full state dict into the shards (in place)."""
@@ -58,12 +59,12 @@ class ToyEngine:
     """Gen side: embeddings column-sharded (bf16), a fused ``qkv`` replicated on every rank,
     stacked experts ``[E, rows, H]`` sharded on the expert dim, the norm replicated."""
 
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, device: str = "cpu") -> None:
         self.rank, self.world = rank, world
         self.col_start, cols = split(HIDDEN, world, rank)
         self.expert_start, experts = split(EXPERTS, world, rank)
-        self.embed = torch.zeros(VOCAB, cols, dtype=torch.bfloat16)
-        self.qkv = torch.zeros(HEADS_DIM + 2 * KV_DIM, HIDDEN)
-        self.experts_up = torch.zeros(experts, EXPERT_ROWS, HIDDEN)
-        self.norm = torch.zeros(HIDDEN)
+        self.embed = torch.zeros(VOCAB, cols, dtype=torch.bfloat16, device=device)
+        self.qkv = torch.zeros(HEADS_DIM + 2 * KV_DIM, HIDDEN, device=device)
+        self.experts_up = torch.zeros(experts, EXPERT_ROWS, HIDDEN, device=device)
+        self.norm = torch.zeros(HIDDEN, device=device)
         self.version = -1

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from refit_core import (GEN, TRAIN, Backend, Box, DestinationMap, DestinationPiece, SourcePiece,
-                        TensorSpec, hookimpl)
+from refit_core import (GEN, TRAIN, Backend, Box, DestinationMap, DestinationPiece, ParallelLayout,
+                        SourcePiece, TensorSpec, hookimpl)
 
 from .models import EXPERTS, HEADS_DIM, HIDDEN, KV_DIM, CHECKPOINT, ToyEngine, ToyTrainer
 
@@ -62,3 +62,22 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
         return None
     model.version = version
     return True
+
+
+# Metadata alone (``refit plan``): the same models built on the meta device allocate nothing; the
+# pieces keep their specs and boxes and drop their views.
+
+@hookimpl
+def refit_source_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> list[SourcePiece] | None:
+    if backend != "toy":
+        return None
+    pieces = refit_source_pieces(ToyTrainer(rank, layout.world_size, device="meta"))
+    return [SourcePiece(p.spec, p.box) for p in pieces]
+
+
+@hookimpl
+def refit_destination_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> DestinationMap | None:
+    if backend != "toy":
+        return None
+    mapping = refit_destination_map(ToyEngine(rank, layout.world_size, device="meta"))
+    return DestinationMap([DestinationPiece(p.spec, p.box) for p in mapping.pieces], mapping.loader)

@@ -1,0 +1,112 @@
+"""The ``refit`` command line: ``plugins``, ``plan``, ``demo`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .errors import RefitError
+from .layout import parse_backend_layout
+from .models import PRESETS, load_config
+from .plugins import get_plugin_manager
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    pm = get_plugin_manager()
+    rows = [("plugin", "distribution", "version", "backends (sides)")]
+    for info in pm.plugins:
+        backends = ", ".join(f"{b.name} ({'+'.join(sorted(b.sides))})" for b in info.backends) or "-"
+        rows.append((info.name, info.distribution, info.version, backends))
+    for name, error in pm.broken.items():
+        rows.append((name, "?", "?", f"BROKEN: {error}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    if len(rows) == 1:
+        print("(no refit plugins installed: pip install refit-plugin-dtensor refit-plugin-vllm ...)")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .metaplan import plan_from_metadata
+
+    train, train_layout = parse_backend_layout(args.train)
+    gen, gen_layout = parse_backend_layout(args.gen)
+    summary = plan_from_metadata(get_plugin_manager(), load_config(args.model), train, train_layout, gen,
+                                 gen_layout, bucket_bytes=args.bucket_mb << 20)
+    print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
+    for line in summary.lines():
+        print("  " + line)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo.runner import DemoPlan, default_device, pick_pair, run_demo
+
+    pm = get_plugin_manager()
+    train, gen = pick_pair(pm, args.train, args.gen)
+    plan = DemoPlan(train, gen, args.model,
+                    args.train_layout if args.train_layout is not None else train.demo_train_layout,
+                    args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout,
+                    args.steps, args.device or default_device())
+    print(f"refit demo: {train.name} -> {gen.name} on {plan.device} (model {plan.model}, {plan.steps} steps)",
+          flush=True)
+    ok, lines = run_demo(plan, timeout_s=args.timeout)
+    for line in lines:
+        print(line)
+    return 0 if ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from .bench import main as bench_main
+    except ImportError as exc:
+        raise RefitError(f"refit bench is unavailable: {exc}") from exc
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="refit", description="Move trained weights into inference engines.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress of setup and steps")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("plugins", help="list installed plugins and their backends").set_defaults(func=cmd_plugins)
+
+    models = f"preset ({', '.join(PRESETS)}) or HF model directory / config.json"
+    plan = sub.add_parser("plan", help="plan a refit from metadata alone and print its summary")
+    plan.add_argument("--model", required=True, help=models)
+    plan.add_argument("--train", required=True, help="BACKEND:LAYOUT, e.g. dtensor:fsdp=2,tp=2")
+    plan.add_argument("--gen", required=True, help="BACKEND:LAYOUT, e.g. vllm:tp=2,dp=2")
+    plan.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (default 512)")
+    plan.set_defaults(func=cmd_plan)
+
+    demo = sub.add_parser("demo", help="run a real, verified refit between two programs on this machine")
+    demo.add_argument("--train", help="train backend (default: best installed)")
+    demo.add_argument("--gen", help="gen backend (default: best installed)")
+    demo.add_argument("--model", default="tiny-llama", help=models)
+    demo.add_argument("--steps", type=int, default=2)
+    demo.add_argument("--train-layout", help="e.g. fsdp=2 (default: the backend's demo layout)")
+    demo.add_argument("--gen-layout", help="e.g. tp=2 (default: the backend's demo layout)")
+    demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
+    demo.add_argument("--timeout", type=float, default=900.0, help="seconds before both programs are stopped")
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="GPU benchmark: wire vs baselines vs refit (see benchmarks/)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except RefitError as exc:
+        print(f"refit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

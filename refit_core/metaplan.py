@@ -1,0 +1,62 @@
+"""Planning from metadata alone: HF config + parallel layouts, no model built, no tensor allocated."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .backend import GEN, TRAIN
+from .experts import expert_counts, group_meta
+from .layout import ParallelLayout
+from .pieces import DestinationPiece, PieceMeta
+from .planner import plan_transfers
+from .plugins import PluginManager
+from .schedule import Schedule, build_schedule
+from .units import format_bytes
+
+
+@dataclass
+class PlanSummary:
+    """A plan's schedule and how long planning took."""
+
+    schedule: Schedule
+    train_ranks: int
+    gen_ranks: int
+    seconds: float
+
+    def lines(self) -> list[str]:
+        s = self.schedule.stats
+        return [
+            f"ranks:        {self.train_ranks} train -> {self.gen_ranks} gen",
+            f"bytes:        {format_bytes(s['bytes'])} in {s['segments']} segments",
+            f"messages:     {s['messages']} in {s['rounds']} rounds (bucket {format_bytes(self.schedule.bucket_bytes)})",
+            f"busiest:      sender {format_bytes(s['busiest_sender_bytes'])}, "
+            f"receiver {format_bytes(s['busiest_receiver_bytes'])}",
+            f"fingerprint:  {self.schedule.fingerprint}",
+            f"planned in:   {self.seconds:.3f} s",
+        ]
+
+
+def _grouped(ranks: list[list[PieceMeta]], pm: PluginManager) -> list[list[PieceMeta]]:
+    counts = expert_counts(ranks, pm.expert_name)
+    return [[group_meta(m, pm.expert_name, counts) for m in metas] for metas in ranks]
+
+
+def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, train_layout: ParallelLayout,
+                       gen: str, gen_layout: ParallelLayout, *, bucket_bytes: int = 512 << 20,
+                       cast: str = "cast") -> PlanSummary:
+    """Every rank's pieces from the plugins' layout hooks, then the same planner as a live refit."""
+    start = time.perf_counter()
+    pm.backend(train, TRAIN)
+    pm.backend(gen, GEN)
+    src = [[p.meta for p in pm.source_layout(train, config, train_layout, r)]
+           for r in range(train_layout.world_size)]
+    dst = []
+    for r in range(gen_layout.world_size):
+        mapping = pm.destination_layout(gen, config, gen_layout, r)
+        dst.append([p.meta for p in mapping.pieces]
+                   + [DestinationPiece(s, s.full_box()).meta for s in mapping.loader])
+    transfers = plan_transfers(_grouped(src, pm), _grouped(dst, pm), cast=cast)
+    schedule = build_schedule(transfers, len(src), len(dst), bucket_bytes)
+    return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start)

