@@ -24,6 +24,7 @@ from .plugins import PluginManager, get_plugin_manager
 from .rendezvous import Rendezvous
 from .schedule import Schedule, build_schedule
 from .transport import Transport, open_transport
+from .units import format_bytes
 
 log = logging.getLogger("refit")
 
@@ -95,53 +96,73 @@ class _Endpoint:
     def setup(self) -> Schedule:
         """Exchange metadata, plan, check agreement and open the transport. Collective over both sides."""
         start = time.perf_counter()
-        self._rdv = Rendezvous(self.address, host=(self.side == TRAIN and self.rank == 0),
-                               timeout_s=self.options.timeout_s)
+        self._rdv = Rendezvous(self.address, host=self._hosts_store, timeout_s=self.options.timeout_s)
+        self.sizes: dict[str, int] = {}
         try:
             pieces = self._local_pieces()
             self.device = _device_of(pieces)
-            self._rdv.publish(f"size/{self.side}", self.world_size) if self.rank == 0 else None
-            if self.side == TRAIN and self.rank == 0:
-                self._rdv.publish("options", {"bucket_bytes": self.options.resolved_bucket(self.device),
-                                              "cast": self.options.cast,
-                                              "allow_unused_sources": self.options.allow_unused_sources})
-            self._rdv.publish(f"meta/{self.side}/{self.rank}", [p.meta for p in pieces])
-            sizes = dict(zip((TRAIN, GEN), self._rdv.wait(["size/train", "size/gen"], "both sides' sizes")))
-            self._sizes_seen = sizes
-            (settings,) = self._rdv.wait(["options"], "the train side's options")
-            metas = {side: self._rdv.wait([f"meta/{side}/{r}" for r in range(sizes[side])], f"{side} metadata")
-                     for side in (TRAIN, GEN)}
-            grouped = {side: _grouped(metas[side], self.plugins) for side in (TRAIN, GEN)}
-            self._counts = grouped[self.side][1]
-            transfers = plan_transfers(grouped[TRAIN][0], grouped[GEN][0], cast=settings["cast"],
-                                       allow_unused_sources=settings["allow_unused_sources"])
-            schedule = build_schedule(transfers, sizes[TRAIN], sizes[GEN], settings["bucket_bytes"])
-            self._rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
-            others = self._rdv.wait([f"fingerprint/{s}/{r}" for s in (TRAIN, GEN) for r in range(sizes[s])],
-                                    "every rank's plan fingerprint")
-            if any(fp != schedule.fingerprint for fp in others):
-                raise PlanError(f"ranks computed different plans (fingerprints {sorted(set(others))}); "
-                                "every rank must run the same refit version and options")
+            settings, metas = self._exchange_metadata(pieces)
+            schedule = self._plan(settings, metas)
         except Exception as exc:
-            self._rdv.fail(f"{self.side} rank {self.rank}: {type(exc).__name__}: {exc}")
-            self._rdv.publish(f"done/{self.side}/{self.rank}", False)
-            if self.side == TRAIN and self.rank == 0:  # the store's host: let every rank read the error
-                everyone = [f"done/{s}/{r}" for s, n in getattr(self, "_sizes_seen", {}).items() for r in range(n)]
-                self._rdv.linger(everyone or ["done/gen/0"], timeout_s=min(self.options.timeout_s, 15.0))
+            self._abort_setup(exc)
             raise
         self.schedule = schedule
-        self.sizes = sizes
         self.transport = open_transport(self.options.transport, self._rdv.store, self._global_rank(),
-                                        sizes[TRAIN] + sizes[GEN], self.device, self.options.timeout_s)
+                                        sum(self.sizes.values()), self.device, self.options.timeout_s)
         self._executor = self._make_executor(schedule, settings["bucket_bytes"])
         self._pieces = pieces
         stats = schedule.stats
-        log.info("refit %s rank %d ready in %.2f s: %.3f GB in %d messages over %d rounds, plan %s",
-                 self.side, self.rank, time.perf_counter() - start, stats["bytes"] / 1e9,
+        log.info("refit %s rank %d ready in %.2f s: %s in %d messages over %d rounds, plan %s",
+                 self.side, self.rank, time.perf_counter() - start, format_bytes(stats["bytes"]),
                  stats["messages"], stats["rounds"], schedule.fingerprint)
         return schedule
 
+    @property
+    def _hosts_store(self) -> bool:
+        return self.side == TRAIN and self.rank == 0
+
+    def _exchange_metadata(self, pieces: list[Piece]) -> tuple[dict, dict[str, list[list[PieceMeta]]]]:
+        """Publish this rank's piece metadata; return the train side's settings and everyone's metadata."""
+        rdv = self._rdv
+        if self.rank == 0:
+            rdv.publish(f"size/{self.side}", self.world_size)
+        if self._hosts_store:
+            rdv.publish("options", {"bucket_bytes": self.options.resolved_bucket(self.device),
+                                    "cast": self.options.cast,
+                                    "allow_unused_sources": self.options.allow_unused_sources})
+        rdv.publish(f"meta/{self.side}/{self.rank}", [p.meta for p in pieces])
+        self.sizes = dict(zip((TRAIN, GEN), rdv.wait(["size/train", "size/gen"], "both sides' sizes")))
+        (settings,) = rdv.wait(["options"], "the train side's options")
+        metas = {side: rdv.wait([f"meta/{side}/{r}" for r in range(self.sizes[side])], f"{side} metadata")
+                 for side in (TRAIN, GEN)}
+        return settings, metas
+
+    def _plan(self, settings: dict, metas: dict[str, list[list[PieceMeta]]]) -> Schedule:
+        """Plan (identically on every rank) and check that every rank got the same fingerprint."""
+        grouped = {side: _grouped(metas[side], self.plugins) for side in (TRAIN, GEN)}
+        self._counts = grouped[self.side][1]
+        transfers = plan_transfers(grouped[TRAIN][0], grouped[GEN][0], cast=settings["cast"],
+                                   allow_unused_sources=settings["allow_unused_sources"])
+        schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings["bucket_bytes"])
+        self._rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
+        everyone = self._rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
+        if any(fp != schedule.fingerprint for fp in everyone):
+            raise PlanError(f"ranks computed different plans (fingerprints {sorted(set(everyone))}); "
+                            "every rank must run the same refit version and options")
+        return schedule
+
+    def _rank_keys(self, prefix: str) -> list[str]:
+        return [f"{prefix}/{side}/{r}" for side, n in self.sizes.items() for r in range(n)]
+
+    def _abort_setup(self, exc: Exception) -> None:
+        """Tell every rank why setup failed; the store's host waits until they have read it."""
+        self._rdv.fail(f"{self.side} rank {self.rank}: {type(exc).__name__}: {exc}", f"done/{self.side}/{self.rank}")
+        if self._hosts_store:
+            self._rdv.linger(self._rank_keys("done") or ["done/gen/0"],
+                             timeout_s=min(self.options.timeout_s, 15.0))
+
     def _global_rank(self) -> int:
+        """Train ranks come first in refit's own process group, then gen ranks."""
         return self.rank if self.side == TRAIN else self.sizes[TRAIN] + self.rank
 
     def _make_executor(self, schedule: Schedule, bucket: int):
@@ -189,7 +210,7 @@ class RefitSender(_Endpoint):
         """Send the model's current weights as weight ``version``; returns this rank's step stats."""
         self._require_setup()
         stats = self._executor.run(version)
-        log.info("refit sent version %d: %.3f GB in %.3f s (%.2f GB/s)", version, stats.bytes / 1e9,
+        log.info("refit sent version %d: %s in %.3f s (%.2f GB/s)", version, format_bytes(stats.bytes),
                  stats.seconds, stats.gbps)
         return stats
 
@@ -240,8 +261,8 @@ class RefitReceiver(_Endpoint):
         if loader_weights:
             self.plugins.load_weights(self.model, _ungrouped(loader_weights, self.plugins))
         self.plugins.finish_update(self.model, stats.version)
-        log.info("refit received version %d: %.3f GB in %.3f s (%.2f GB/s)", stats.version,
-                 stats.bytes / 1e9, stats.seconds, stats.gbps)
+        log.info("refit received version %d: %s in %.3f s (%.2f GB/s)", stats.version,
+                 format_bytes(stats.bytes), stats.seconds, stats.gbps)
         return stats
 
 

@@ -1,10 +1,18 @@
 """The executor: runs this rank's part of the schedule every step.
 
-Per round, the sender packs its segments (casting to the wire dtype) into a contiguous staging
-buffer with one batched copy, then posts the round's sends as one grouped exchange; the receiver
-posts its receives, then unpacks with one batched copy. With ``num_buffers`` staging buffers the
-packing of round k+1 overlaps the transfer of round k (and unpacking of k-1) on CUDA, and staging
-memory never exceeds ``num_buffers x bucket_bytes``. Buffers live for one step only.
+Per round, the sender packs the segments of its *staged* messages (casting to the wire dtype) into a
+contiguous staging buffer with one batched copy, then posts the round's sends as one grouped
+exchange; the receiver posts its receives, then unpacks its staged messages with one batched copy.
+A message whose segments are one contiguous, gap-free run of this side's memory in the same dtype
+(a whole parameter, the ``[Q; K; V]`` rows of a fused QKV, ``[gate_e; up_e]`` of stacked experts) is
+*direct*: sent straight from the weights or received straight into them, with no staging copy. Each
+side decides that for itself at ``bind()``: the bytes on the wire are the same either way.
+
+With ``num_buffers`` staging buffers the packing of round k+1 overlaps the transfer of round k and
+the unpacking of round k-1 on CUDA (copies on a side stream, the transport on its own stream,
+ordered by events only; a buffer is reused only after the event of its last use). Staging memory
+never exceeds ``num_buffers x bucket_bytes``, is allocated at the start of a step and released at its
+end. Refit's streams first wait for the work already queued on the caller's current stream.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import TransferError
-from .lanes import Lane, lane_for
+from .lanes import Lane, current_work, lane_for
 from .schedule import Message, Segment
 from .spec import dtype_size
 from .transport import Fence, Transport
@@ -33,6 +41,7 @@ class StepStats:
     bytes: int
     seconds: float
     staging_bytes: int
+    direct_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -41,15 +50,6 @@ class StepStats:
 
 def _align(n: int) -> int:
     return (n + 15) // 16 * 16
-
-
-def _layout(msgs: list[Message]) -> tuple[list[int], int]:
-    """Byte offsets of a round's messages in its staging buffer (16-byte aligned), and its size."""
-    bases, used = [], 0
-    for m in msgs:
-        bases.append(used)
-        used = _align(used + m.nbytes)
-    return bases, used
 
 
 def _buffer_views(buffer: torch.Tensor, segments: Sequence[tuple[Segment, int]]) -> list[torch.Tensor]:
@@ -69,8 +69,54 @@ def _buffer_views(buffer: torch.Tensor, segments: Sequence[tuple[Segment, int]])
     return views
 
 
+def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nbytes: int, *,
+                  gaps_allowed: bool) -> torch.Tensor | None:
+    """A flat uint8 tensor over local memory whose bytes are exactly the message, or None.
+
+    That is so when every segment's view is contiguous, of the wire dtype, in one storage, and sits
+    at the same distance from the first as in the message. A receiver must not write the alignment
+    gaps between segments (they may be other weights), so it also needs a gap-free message; a sender
+    merely reads gap bytes, so it may allow them.
+    """
+    if not views:
+        return None
+    first = views[0]
+    storage = first.untyped_storage()
+    start = first.data_ptr() - segments[0].offset
+    expected = 0
+    for view, seg in zip(views, segments):
+        if view.dtype != seg.dtype or not view.is_contiguous() or view.device != first.device:
+            return None
+        if view.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        if view.data_ptr() - start != seg.offset or (not gaps_allowed and seg.offset != expected):
+            return None
+        expected = seg.offset + seg.nbytes
+    if expected != nbytes:
+        return None
+    begin = start - storage.data_ptr()
+    if begin < 0 or begin + nbytes > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, begin, (nbytes,), (1,))
+
+
+@dataclass
+class _RoundPlan:
+    """One round on this rank: each message's peer and tensor (direct) or staging slice, and copies."""
+
+    peers: list[int]
+    direct: list[torch.Tensor | None]
+    bases: list[int]
+    sizes: list[int]
+    staged_bytes: int
+    segments: list[tuple[Segment, int]]  # staged segments with their message's staging base
+    views: list[torch.Tensor]  # the local views of those segments (sources or destinations)
+
+
 class _RoundRunner:
     """State shared by both directions: rounds, peers, buffers, header checks."""
+
+    gaps_allowed = False
 
     def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int, *,
                  own_offset: int, bucket_bytes: int, num_buffers: int, fingerprint: str,
@@ -80,17 +126,15 @@ class _RoundRunner:
         self.device = transport.device
         self.peer_offset = peer_offset
         self.own_offset = own_offset
+        self.bucket_bytes = bucket_bytes
         self.num_buffers = max(1, num_buffers)
         self.timeout_s = timeout_s
         self.fingerprint = int(fingerprint[:15], 16)
-        layouts = [_layout(msgs) for msgs in rounds]
-        self.bases = [bases for bases, _ in layouts]
         self.payload_bytes = sum(m.nbytes for msgs in rounds for m in msgs)
-        self.buffer_bytes = max((size for _, size in layouts), default=0)
-        if self.buffer_bytes > bucket_bytes:
-            raise TransferError(f"refit bug: a round needs {self.buffer_bytes} staging bytes "
-                                f"but the bucket is {bucket_bytes}")
         self.lane: Lane = lane_for(self.device, "refit copies")
+        self.plans: list[_RoundPlan] = []
+        self.buffer_bytes = 0
+        self.direct_bytes = 0
         self.step = 0
 
     def peers(self) -> list[int]:
@@ -99,7 +143,39 @@ class _RoundRunner:
     def _peer(self, m: Message) -> int:
         raise NotImplementedError
 
-    def _exchange_headers(self, version: int) -> int:
+    def _segments(self, m: Message) -> tuple[Segment, ...]:
+        raise NotImplementedError
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        """Resolve every segment to its local view (never a copy) and pick direct messages."""
+        plans = []
+        for msgs in self.rounds:
+            plan = _RoundPlan([], [], [], [], 0, [], [])
+            for m in msgs:
+                segs = self._segments(m)
+                seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
+                region = direct_region(seg_views, segs, m.nbytes, gaps_allowed=self.gaps_allowed)
+                plan.peers.append(self._peer(m) + self.peer_offset)
+                plan.direct.append(region)
+                plan.sizes.append(m.nbytes)
+                if region is not None:
+                    plan.bases.append(-1)
+                    continue
+                base = plan.staged_bytes
+                plan.bases.append(base)
+                plan.staged_bytes = _align(base + m.nbytes)
+                plan.segments.extend((seg, base) for seg in segs)
+                plan.views.extend(seg_views)
+            plans.append(plan)
+        buffer_bytes = max((p.staged_bytes for p in plans), default=0)
+        if buffer_bytes > self.bucket_bytes:
+            raise TransferError(f"refit bug: a round needs {buffer_bytes} staging bytes "
+                                f"but the bucket is {self.bucket_bytes}")
+        self.plans = plans
+        self.buffer_bytes = buffer_bytes
+        self.direct_bytes = sum(n for p in plans for n, d in zip(p.sizes, p.direct) if d is not None)
+
+    def _exchange_headers(self, version: int, after: Sequence[Fence]) -> int:
         """Both sides send ``[magic, fingerprint, version, step]`` to each peer and check theirs."""
         peers = self.peers()
         if not peers:
@@ -107,7 +183,7 @@ class _RoundRunner:
         mine = torch.tensor([MAGIC, self.fingerprint, version, self.step], dtype=torch.int64, device=self.device)
         theirs = {p: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device) for p in peers}
         fence = self.transport.exchange([(p + self.peer_offset, mine) for p in peers],
-                                        [(p + self.peer_offset, t) for p, t in theirs.items()])
+                                        [(p + self.peer_offset, t) for p, t in theirs.items()], after=after)
         fence.synchronize(self.timeout_s)
         versions = set()
         for peer, header in theirs.items():
@@ -120,72 +196,96 @@ class _RoundRunner:
             versions.add(peer_version)
         return versions.pop() if len(versions) == 1 else version
 
+    def _buffers(self) -> list[torch.Tensor]:
+        staged_rounds = sum(1 for p in self.plans if p.staged_bytes)
+        count = min(self.num_buffers, staged_rounds)
+        return [self.lane.allocate(self.buffer_bytes, self.device) for _ in range(count)]
+
     def _finish(self, fences: list[Fence]) -> None:
         for fence in fences:
             fence.synchronize(self.timeout_s)
 
+    def _stats(self, version: int, start: float, buffers: list[torch.Tensor]) -> StepStats:
+        self.step += 1
+        return StepStats(version, self.payload_bytes, time.perf_counter() - start,
+                         len(buffers) * self.buffer_bytes, self.direct_bytes)
+
 
 class SendExecutor(_RoundRunner):
-    """Runs a train rank's rounds: pack, send."""
+    """Runs a train rank's rounds: pack (staged messages only), send."""
 
-    def bind(self, views: list[torch.Tensor]) -> None:
-        """Precompute the source slices of every segment (views of the model's parameters)."""
-        self.sources = [[seg.box.slice_of(views[seg.piece]) for m in msgs for seg in m.src_segments]
-                        for msgs in self.rounds]
+    gaps_allowed = True
 
     def _peer(self, m: Message) -> int:
         return m.dst
 
+    def _segments(self, m: Message) -> tuple[Segment, ...]:
+        return m.src_segments
+
     def run(self, version: int) -> StepStats:
         start = time.perf_counter()
-        self._exchange_headers(version)
-        buffers = [self.lane.allocate(self.buffer_bytes, self.device)
-                   for _ in range(min(self.num_buffers, len(self.rounds)))]
+        ready = current_work(self.device, "the trainer's pending work")
+        self._exchange_headers(version, [ready])
+        buffers = self._buffers()
         free: list[Fence | None] = [None] * len(buffers)
-        for index, msgs in enumerate(self.rounds):
-            slot = index % len(buffers)
-            buffer = buffers[slot]
-            bases = self.bases[index]
-            targets = _buffer_views(buffer, [(s, b) for m, b in zip(msgs, bases) for s in m.src_segments])
-            sources = self.sources[index]
-            packed = self.lane.run(lambda t=targets, s=sources: torch._foreach_copy_(t, s),
-                                   after=[f for f in (free[slot],) if f is not None])
-            sends = [(m.dst + self.peer_offset, buffer[b:b + m.nbytes]) for m, b in zip(msgs, bases)]
-            free[slot] = self.transport.exchange(sends, [], after=[packed])
-        self._finish([f for f in free if f is not None])
-        staging = len(buffers) * self.buffer_bytes
-        del buffers
-        self.step += 1
-        return StepStats(version, self.payload_bytes, time.perf_counter() - start, staging)
+        pending: list[Fence] = []
+        staged = 0
+        for plan in self.plans:
+            after: list[Fence] = []
+            tensors = list(plan.direct)
+            if plan.staged_bytes:
+                slot = staged % len(buffers)
+                staged += 1
+                buffer = buffers[slot]
+                targets = _buffer_views(buffer, plan.segments)
+                sources = plan.views
+                after.append(self.lane.run(lambda t=targets, s=sources: torch._foreach_copy_(t, s),
+                                           after=[ready, free[slot]]))
+                tensors = [d if d is not None else buffer[b:b + n]
+                           for d, b, n in zip(plan.direct, plan.bases, plan.sizes)]
+            fence = self.transport.exchange(list(zip(plan.peers, tensors)), [], after=after)
+            pending.append(fence)
+            if plan.staged_bytes:
+                free[slot] = fence
+        self._finish(pending)
+        stats = self._stats(version, start, buffers)
+        del buffers, free, pending
+        return stats
 
 
 class ReceiveExecutor(_RoundRunner):
-    """Runs a gen rank's rounds: receive, unpack into destination views."""
-
-    def bind(self, views: list[torch.Tensor]) -> None:
-        self.targets = [[seg.box.slice_of(views[seg.piece]) for m in msgs for seg in m.dst_segments]
-                        for msgs in self.rounds]
+    """Runs a gen rank's rounds: receive (straight into the weights where possible), unpack the rest."""
 
     def _peer(self, m: Message) -> int:
         return m.src
 
+    def _segments(self, m: Message) -> tuple[Segment, ...]:
+        return m.dst_segments
+
     def run(self, version_hint: int = -1) -> StepStats:
         start = time.perf_counter()
-        version = self._exchange_headers(version_hint)
-        buffers = [self.lane.allocate(self.buffer_bytes, self.device)
-                   for _ in range(min(self.num_buffers, len(self.rounds)))]
+        ready = current_work(self.device, "the engine's pending work")
+        version = self._exchange_headers(version_hint, [ready])
+        buffers = self._buffers()
         free: list[Fence | None] = [None] * len(buffers)
-        for index, msgs in enumerate(self.rounds):
-            slot = index % len(buffers)
+        pending: list[Fence] = []
+        staged = 0
+        for plan in self.plans:
+            if not plan.staged_bytes:
+                pending.append(self.transport.exchange([], list(zip(plan.peers, plan.direct))))
+                continue
+            slot = staged % len(buffers)
+            staged += 1
             buffer = buffers[slot]
-            bases = self.bases[index]
-            recvs = [(m.src + self.peer_offset, buffer[b:b + m.nbytes]) for m, b in zip(msgs, bases)]
-            received = self.transport.exchange([], recvs, after=[f for f in (free[slot],) if f is not None])
-            sources = _buffer_views(buffer, [(s, b) for m, b in zip(msgs, bases) for s in m.dst_segments])
-            targets = self.targets[index]
+            tensors = [d if d is not None else buffer[b:b + n]
+                       for d, b, n in zip(plan.direct, plan.bases, plan.sizes)]
+            received = self.transport.exchange([], list(zip(plan.peers, tensors)),
+                                               after=[f for f in (free[slot],) if f is not None])
+            sources = _buffer_views(buffer, plan.segments)
+            targets = plan.views
             free[slot] = self.lane.run(lambda t=targets, s=sources: torch._foreach_copy_(t, s), after=[received])
-        self._finish([f for f in free if f is not None])
-        staging = len(buffers) * self.buffer_bytes
-        del buffers
-        self.step += 1
-        return StepStats(version, self.payload_bytes, time.perf_counter() - start, staging)
+            pending += [received, free[slot]]
+        self._finish(pending)
+        stats = self._stats(version, start, buffers)
+        del buffers, free, pending
+        return stats

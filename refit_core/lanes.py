@@ -1,4 +1,9 @@
-"""Where copies run: synchronously on the host (CPU), or on a CUDA side stream with events."""
+"""Where copies run: synchronously on the host (CPU), or on a CUDA side stream with events.
+
+A *lane* runs batches of copies after fences and returns a fence for their completion. On CUDA the
+lane is a dedicated stream, ordered against the transport's stream and the caller's stream by events
+only, so packing of round k+1 runs while round k is on the wire and round k-1 is being unpacked.
+"""
 
 from __future__ import annotations
 
@@ -25,12 +30,16 @@ class EventFence(Fence):
             stream.wait_event(self.event)
 
     def synchronize(self, timeout_s: float) -> None:
+        if self.event.query():
+            return
         deadline = time.monotonic() + timeout_s
+        spins = 0
         while not self.event.query():
             if time.monotonic() > deadline:
                 raise TransferError(f"{self.what} did not complete within {timeout_s:.0f} s "
                                     "(a peer died or hung)")
-            time.sleep(1e-4)
+            spins += 1
+            time.sleep(0 if spins < 200 else 5e-5)
 
 
 def record(stream: torch.cuda.Stream, what: str) -> EventFence:
@@ -39,12 +48,24 @@ def record(stream: torch.cuda.Stream, what: str) -> EventFence:
     return EventFence(event, what)
 
 
+def current_work(device: torch.device, what: str = "the caller's pending work") -> Fence:
+    """A fence for everything already queued on ``device``'s current stream (CPU: nothing).
+
+    Refit's own streams wait on it first, so that packing never reads weights an optimizer step is
+    still writing and a zero-copy receive never overwrites weights a running forward still reads.
+    """
+    if device.type != "cuda":
+        return DoneFence()
+    return record(torch.cuda.current_stream(device), what)
+
+
 class Lane:
     """Runs batches of copies after fences; returns a fence for their completion."""
 
-    def run(self, copies: Callable[[], None], after: Sequence[Fence] = ()) -> Fence:
+    def run(self, copies: Callable[[], None], after: Sequence[Fence | None] = ()) -> Fence:
         for fence in after:
-            fence.wait()
+            if fence is not None:
+                fence.wait()
         copies()
         return DoneFence()
 
@@ -59,9 +80,10 @@ class StreamLane(Lane):
         self.stream = torch.cuda.Stream(device=device)
         self.what = what
 
-    def run(self, copies: Callable[[], None], after: Sequence[Fence] = ()) -> Fence:
+    def run(self, copies: Callable[[], None], after: Sequence[Fence | None] = ()) -> Fence:
         for fence in after:
-            fence.wait(self.stream)
+            if fence is not None:
+                fence.wait(self.stream)
         with torch.cuda.stream(self.stream):
             copies()
         return record(self.stream, self.what)

@@ -44,11 +44,13 @@ class Rendezvous:
     def publish(self, key: str, value: Any) -> None:
         self.store.set(key, pickle.dumps(value))
 
-    def fail(self, message: str) -> None:
-        """Tell every other rank that setup failed, and why."""
+    def fail(self, message: str, done_key: str) -> None:
+        """Tell every other rank that setup failed, and why; then mark this rank as done."""
         try:
-            self.store.set("error", message.encode())
-        except Exception:  # noqa: BLE001 - the store may be gone already
+            if not self.store.check(["error"]):  # the first error is the cause; keep it
+                self.store.set("error", message.encode())
+            self.store.set(done_key, b"")
+        except Exception:  # noqa: BLE001 - best effort: the store's host may have exited already
             pass
 
     def linger(self, keys: list[str], timeout_s: float) -> None:
@@ -78,6 +80,6 @@ class Rendezvous:
                 time.sleep(POLL_S)
             self._check_error()
             return [pickle.loads(self.store.get(k)) for k in keys]
-        except dist.DistNetworkError as exc:
+        except dist.DistError as exc:
             raise RefitError(f"lost the refit rendezvous while waiting for {what} (the train side's "
                              f"rank 0 hosts it and has probably exited): {exc}") from exc

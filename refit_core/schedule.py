@@ -5,12 +5,24 @@ out back to back (16-byte aligned). A *round* is a set of messages that run at o
 point-to-point exchange; in every round each rank sends (or receives) at most ``bucket_bytes`` in
 all, so the staging memory of a rank is bounded by ``bucket_bytes x num_buffers``. Every rank walks
 its rounds in increasing order, so rounds never wait on each other in a cycle.
+
+Messages are cut from *units*: the transfers of one pair into one destination piece (e.g. the eight
+query-group blocks that make up ``q_proj``), with sibling grouped-expert tensors of equal shape
+(``experts.gate_proj`` and ``experts.up_proj``) interleaved expert by expert. A unit of at least
+``direct_bytes`` gets messages of its own; smaller units share packed messages. A message whose
+segments happen to be one contiguous, gap-free run of memory on a side (a whole parameter, the
+``[Q; K; V]`` rows of a fused QKV, ``[gate_e; up_e]`` of a stacked ``w13``) is then sent or received
+by the executor straight from or into that memory, with no staging copy; each side decides that
+alone, since the bytes on the wire are the same either way. The interleaving is a guess about memory
+(expert-major fused gate/up, as Megatron's and vLLM's stacked experts are); a wrong guess costs a
+staging copy, never correctness.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +33,10 @@ from .planner import Transfer
 from .spec import Box, dtype_size
 
 ALIGN = 16
+DIRECT_BYTES = 16 << 20
+"""Units of at least this many bytes get messages of their own (candidates for zero-copy)."""
+DIRECT_BYTES_ENV = "REFIT_DIRECT_MIN_BYTES"
+"""Overrides :data:`DIRECT_BYTES` (benchmarking); every rank of a refit must see the same value."""
 
 
 @dataclass(frozen=True)
@@ -107,30 +123,84 @@ def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
                Box(tuple(a + b for a, b in zip(t.dst_box.offsets, part.offsets)), part.sizes))
 
 
-def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int) -> list[Message]:
-    messages: list[Message] = []
-    src_segs: list[Segment] = []
-    dst_segs: list[Segment] = []
-    used = 0
+class _MessageBuilder:
+    """Lays segments back to back (16-byte aligned) into messages of at most ``bucket_bytes``."""
 
-    def close() -> None:
-        nonlocal used, src_segs, dst_segs
-        if src_segs:
-            t0 = pair_transfers[0]
-            messages.append(Message(t0.src, t0.dst, used, tuple(src_segs), tuple(dst_segs)))
-        src_segs, dst_segs, used = [], [], 0
+    def __init__(self, bucket_bytes: int, out: list[Message]) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.out = out
+        self.src_segs: list[Segment] = []
+        self.dst_segs: list[Segment] = []
+        self.used = 0
+        self.pair = (0, 0)
 
+    def add(self, t: Transfer, src_box: Box, dst_box: Box) -> None:
+        nbytes = src_box.numel * dtype_size(t.dtype)
+        offset = _align(self.used)
+        if self.src_segs and offset + nbytes > self.bucket_bytes:
+            self.close()
+            offset = 0
+        self.pair = (t.src, t.dst)
+        self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))
+        self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
+        self.used = offset + nbytes
+
+    def close(self) -> None:
+        if self.src_segs:
+            self.out.append(Message(*self.pair, self.used, tuple(self.src_segs), tuple(self.dst_segs)))
+        self.src_segs, self.dst_segs, self.used = [], [], 0
+
+
+_Part = tuple[Transfer, Box, Box]
+
+
+def _expert_family(t: Transfer) -> tuple | None:
+    """What sibling grouped-expert transfers share (None for other tensors)."""
+    prefix, sep, _ = t.name.partition(".experts.")
+    if not sep or t.src_box.ndim < 2 or t.src_box.sizes[0] < 2:
+        return None
+    return (prefix, t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
+
+
+def _units(pair_transfers: Sequence[Transfer]) -> list[list[_Part]]:
+    """Transfers of one pair grouped into units (see the module doc), in transfer order."""
+    runs: list[list[Transfer]] = []
     for t in pair_transfers:
-        for src_box, dst_box in _split_transfer(t, bucket_bytes):
-            nbytes = src_box.numel * dtype_size(t.dtype)
-            offset = _align(used)
-            if offset + nbytes > bucket_bytes:
-                close()
-                offset = 0
-            src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))
-            dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
-            used = offset + nbytes
-    close()
+        if runs and (runs[-1][0].name, runs[-1][0].dst_piece) == (t.name, t.dst_piece):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    units: list[list[_Part]] = []
+    i = 0
+    while i < len(runs):
+        family = _expert_family(runs[i][0]) if len(runs[i]) == 1 else None
+        j = i + 1
+        while (family is not None and j < len(runs) and len(runs[j]) == 1
+               and _expert_family(runs[j][0]) == family and runs[j][0].name != runs[i][0].name):
+            j += 1
+        if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
+            siblings = [run[0] for run in runs[i:j]]
+            units.append([(t, _narrow(t.src_box, 0, e, 1), _narrow(t.dst_box, 0, e, 1))
+                          for e in range(siblings[0].src_box.sizes[0]) for t in siblings])
+        else:
+            units.extend([[(t, t.src_box, t.dst_box) for t in run] for run in runs[i:j]])
+        i = j
+    return units
+
+
+def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, direct_bytes: int) -> list[Message]:
+    messages: list[Message] = []
+    shared = _MessageBuilder(bucket_bytes, messages)
+    for unit in _units(pair_transfers):
+        nbytes = sum(src.numel * dtype_size(t.dtype) for t, src, _ in unit)
+        builder = _MessageBuilder(bucket_bytes, messages) if nbytes >= direct_bytes else shared
+        for t, src, dst in unit:
+            part = Transfer(t.name, t.src, t.src_piece, src, t.dst, t.dst_piece, dst, t.dtype)
+            for src_box, dst_box in _split_transfer(part, bucket_bytes):
+                builder.add(t, src_box, dst_box)
+        if builder is not shared:
+            builder.close()
+    shared.close()
     return messages
 
 
@@ -158,20 +228,27 @@ def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_byte
             rounds[r].append(msg)
             send_load[r][msg.src] += size
             recv_load[r][msg.dst] += size
-            next_round[pair] = r + 1
+            next_round[pair] = r  # later messages of this pair may share the round
             if not queues[pair]:
                 del queues[pair]
     return rounds
 
 
-def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bucket_bytes: int) -> Schedule:
-    """Cut ``transfers`` into messages of at most ``bucket_bytes`` and place them in rounds."""
+def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bucket_bytes: int,
+                   direct_bytes: int | None = None) -> Schedule:
+    """Cut ``transfers`` into messages of at most ``bucket_bytes`` and place them in rounds.
+
+    Units of at least ``direct_bytes`` (default :data:`DIRECT_BYTES`, or ``$REFIT_DIRECT_MIN_BYTES``)
+    get messages of their own.
+    """
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
+    if direct_bytes is None:
+        direct_bytes = int(os.environ.get(DIRECT_BYTES_ENV) or DIRECT_BYTES)
     by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         by_pair[(t.src, t.dst)].append(t)
-    per_pair = {pair: _messages(ts, bucket_bytes) for pair, ts in by_pair.items()}
+    per_pair = {pair: _messages(ts, bucket_bytes, direct_bytes) for pair, ts in by_pair.items()}
     schedule = Schedule(num_src, num_dst, bucket_bytes, _place_in_rounds(per_pair, bucket_bytes))
     schedule.fingerprint = fingerprint(schedule)
     schedule.stats = schedule_stats(schedule)

@@ -1,0 +1,325 @@
+"""The benchmark's synthetic backends: a Megatron-style trainer and a vLLM-style engine.
+
+Both are built from a HF ``config.json`` (a preset of :mod:`refit_core.models`) directly on a device,
+every parameter a view into one flat allocation (so the wire test can move exactly the model's bytes
+and the memory accounting sees one block), and describe their memory as HF-space boxes:
+
+- :class:`MegatronStyleModel` (train side, tensor parallel ``tp``, rank ``rank``): vocab-parallel
+  embedding and output layer, ``linear_qkv`` interleaved per query group (``[q_g; k_g; v_g]`` for each
+  local KV group, so ``q_proj`` is one piece per group), ``linear_proj`` split on columns, dense
+  ``linear_fc1`` = ``[gate; up]`` shards, ``linear_fc2`` split on columns, MoE experts stacked
+  ``[E, 2I, H]`` (fc1) and ``[E, H, I]`` (fc2), the grouped HF names (``...experts.gate_proj.weight``
+  ``[E, I, H]`` is the strided view ``fc1[:, :I]``).
+- :class:`VllmStyleModel` (gen side, ``tp``/``rank``): ``qkv_proj`` = ``[Q; K; V]`` shards,
+  ``gate_up_proj`` = ``[gate; up]`` shards, ``o_proj``/``down_proj`` split on columns, MoE ``w13``
+  ``[E, 2I/tp, H]`` and ``w2`` ``[E, H, I/tp]``.
+
+Weights are random and deterministic per HF tensor (:func:`reference`), drawn on the device, so the
+receiving side checks every byte by drawing them again. Register the hooks with
+:func:`register` (``refit bench`` does, in code; this is not an installed plugin).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+from ..backend import GEN, TRAIN, Backend
+from ..models import checkpoint_specs, config_dtype, head_dim, num_experts
+from ..pieces import DestinationMap, DestinationPiece, SourcePiece
+from ..plugins import PluginManager, get_plugin_manager, hookimpl
+from ..spec import Box, TensorSpec, dtype_size
+
+ALIGN = 256
+
+
+def reference(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor:
+    """The benchmark's value of HF tensor ``spec``: random normal, the same on every device of a kind."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
+    values = torch.randn(spec.shape, generator=gen, device=device, dtype=torch.float32)
+    return values.to(spec.dtype)
+
+
+class _FlatModel:
+    """Parameters as views of one flat allocation, plus the HF pieces they hold."""
+
+    side = ""
+
+    def __init__(self, config: dict[str, Any], *, tp: int, rank: int, device: torch.device | str) -> None:
+        self.config = config
+        self.tp, self.rank = tp, rank
+        self.device = torch.device(device)
+        self.dtype = config_dtype(config)
+        self.specs = {s.name: s for s in checkpoint_specs(config, grouped=True)}
+        self._layout: list[tuple[str, tuple[int, ...], int]] = []
+        self._used = 0
+        self.params: dict[str, torch.Tensor] = {}
+        self.pieces: list = []
+        self.version = -1
+        self._declare()
+        self.flat = torch.empty(self._used, dtype=torch.uint8, device=self.device)
+        for name, shape, offset in self._layout:
+            numel = 1
+            for s in shape:
+                numel *= s
+            self.params[name] = self.flat[offset:offset + numel * dtype_size(self.dtype)].view(self.dtype).view(shape)
+        self._pieces()
+
+    # -- declaration helpers ---------------------------------------------------------------------
+
+    def _param(self, name: str, *shape: int) -> None:
+        self._layout.append((name, tuple(shape), self._used))
+        numel = 1
+        for s in shape:
+            numel *= s
+        self._used = (self._used + numel * dtype_size(self.dtype) + ALIGN - 1) // ALIGN * ALIGN
+
+    def _declare(self) -> None:
+        raise NotImplementedError
+
+    def _pieces(self) -> None:
+        raise NotImplementedError
+
+    def _piece(self, hf: str, offsets: tuple[int, ...], view: torch.Tensor) -> None:
+        cls = SourcePiece if self.side == TRAIN else DestinationPiece
+        self.pieces.append(cls(self.specs[hf], Box(offsets, tuple(view.shape)), view))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of HF tensor data this rank holds (the model's size, without alignment padding)."""
+        return sum(p.view.numel() * p.view.element_size() for p in self.pieces)
+
+    # -- shapes --------------------------------------------------------------------------------
+
+    @property
+    def dims(self) -> dict[str, int]:
+        c = self.config
+        heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+        if heads % self.tp or kv % self.tp or c["vocab_size"] % self.tp:
+            raise ValueError(f"tp={self.tp} must divide heads {heads}, kv heads {kv} and vocab {c['vocab_size']}")
+        experts = num_experts(c)
+        inter = c.get("moe_intermediate_size") if experts else c["intermediate_size"]
+        if inter % self.tp:
+            raise ValueError(f"tp={self.tp} must divide the intermediate size {inter}")
+        return {"H": c["hidden_size"], "V": c["vocab_size"], "L": c["num_hidden_layers"], "nq": heads,
+                "nkv": kv, "hd": head_dim(c), "E": experts, "I": inter,
+                "qk_norm": int(any(".q_norm." in n for n in self.specs))}
+
+    def layer_names(self, layer: int) -> dict[str, str]:
+        p = f"model.layers.{layer}"
+        return {"in_norm": f"{p}.input_layernorm.weight", "q": f"{p}.self_attn.q_proj.weight",
+                "k": f"{p}.self_attn.k_proj.weight", "v": f"{p}.self_attn.v_proj.weight",
+                "o": f"{p}.self_attn.o_proj.weight", "q_norm": f"{p}.self_attn.q_norm.weight",
+                "k_norm": f"{p}.self_attn.k_norm.weight", "post_norm": f"{p}.post_attention_layernorm.weight",
+                "gate": f"{p}.mlp.gate_proj.weight", "up": f"{p}.mlp.up_proj.weight",
+                "down": f"{p}.mlp.down_proj.weight", "router": f"{p}.mlp.gate.weight",
+                "e_gate": f"{p}.mlp.experts.gate_proj.weight", "e_up": f"{p}.mlp.experts.up_proj.weight",
+                "e_down": f"{p}.mlp.experts.down_proj.weight"}
+
+    # -- values --------------------------------------------------------------------------------
+
+    def by_name(self) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for piece in self.pieces:
+            out.setdefault(piece.spec.name, []).append(piece)
+        return out
+
+
+class MegatronStyleModel(_FlatModel):
+    """Train side: Megatron-core's fused layouts (TP ``tp``, rank ``rank``; experts all local)."""
+
+    side = TRAIN
+
+    def _declare(self) -> None:
+        d, t = self.dims, self.tp
+        H, hd = d["H"], d["hd"]
+        self._param("embedding.word_embeddings.weight", d["V"] // t, H)
+        for layer in range(d["L"]):
+            p = f"decoder.layers.{layer}"
+            self._param(f"{p}.self_attention.linear_qkv.layer_norm_weight", H)
+            self._param(f"{p}.self_attention.linear_qkv.weight", (d["nq"] + 2 * d["nkv"]) * hd // t, H)
+            if d["qk_norm"]:
+                self._param(f"{p}.self_attention.q_layernorm.weight", hd)
+                self._param(f"{p}.self_attention.k_layernorm.weight", hd)
+            self._param(f"{p}.self_attention.linear_proj.weight", H, d["nq"] * hd // t)
+            self._param(f"{p}.mlp.linear_fc1.layer_norm_weight", H)
+            if d["E"]:
+                self._param(f"{p}.mlp.router.weight", d["E"], H)
+                self._param(f"{p}.mlp.experts.linear_fc1.weight", d["E"], 2 * d["I"] // t, H)
+                self._param(f"{p}.mlp.experts.linear_fc2.weight", d["E"], H, d["I"] // t)
+            else:
+                self._param(f"{p}.mlp.linear_fc1.weight", 2 * d["I"] // t, H)
+                self._param(f"{p}.mlp.linear_fc2.weight", H, d["I"] // t)
+        self._param("decoder.final_layernorm.weight", H)
+        self._param("output_layer.weight", d["V"] // t, H)
+
+    def _pieces(self) -> None:
+        d, t, r, P = self.dims, self.tp, self.rank, self.params
+        H, hd = d["H"], d["hd"]
+        vs = d["V"] // t
+        self._piece("model.embed_tokens.weight", (r * vs, 0), P["embedding.word_embeddings.weight"])
+        groups = d["nkv"] // t
+        per_group = d["nq"] // d["nkv"]
+        for layer in range(d["L"]):
+            n, p = self.layer_names(layer), f"decoder.layers.{layer}"
+            self._piece(n["in_norm"], (0,), P[f"{p}.self_attention.linear_qkv.layer_norm_weight"])
+            qkv = P[f"{p}.self_attention.linear_qkv.weight"].view(groups, (per_group + 2) * hd, H)
+            for g in range(groups):
+                gg = r * groups + g
+                self._piece(n["q"], (gg * per_group * hd, 0), qkv[g, :per_group * hd])
+                self._piece(n["k"], (gg * hd, 0), qkv[g, per_group * hd:(per_group + 1) * hd])
+                self._piece(n["v"], (gg * hd, 0), qkv[g, (per_group + 1) * hd:])
+            if d["qk_norm"]:
+                self._piece(n["q_norm"], (0,), P[f"{p}.self_attention.q_layernorm.weight"])
+                self._piece(n["k_norm"], (0,), P[f"{p}.self_attention.k_layernorm.weight"])
+            self._piece(n["o"], (0, r * d["nq"] * hd // t), P[f"{p}.self_attention.linear_proj.weight"])
+            self._piece(n["post_norm"], (0,), P[f"{p}.mlp.linear_fc1.layer_norm_weight"])
+            inter = d["I"] // t
+            if d["E"]:
+                self._piece(n["router"], (0, 0), P[f"{p}.mlp.router.weight"])
+                fc1 = P[f"{p}.mlp.experts.linear_fc1.weight"]
+                self._piece(n["e_gate"], (0, r * inter, 0), fc1[:, :inter])
+                self._piece(n["e_up"], (0, r * inter, 0), fc1[:, inter:])
+                self._piece(n["e_down"], (0, 0, r * inter), P[f"{p}.mlp.experts.linear_fc2.weight"])
+            else:
+                fc1 = P[f"{p}.mlp.linear_fc1.weight"]
+                self._piece(n["gate"], (r * inter, 0), fc1[:inter])
+                self._piece(n["up"], (r * inter, 0), fc1[inter:])
+                self._piece(n["down"], (0, r * inter), P[f"{p}.mlp.linear_fc2.weight"])
+        self._piece("model.norm.weight", (0,), P["decoder.final_layernorm.weight"])
+        self._piece("lm_head.weight", (r * vs, 0), P["output_layer.weight"])
+
+    def fill(self, seed: int) -> None:
+        """Write this rank's part of every HF tensor's benchmark values into the parameters."""
+        with torch.no_grad():
+            for name, pieces in self.by_name().items():
+                full = reference(self.specs[name], seed, self.device)
+                for piece in pieces:
+                    piece.view.copy_(piece.box.slice_of(full))
+                del full
+
+
+class VllmStyleModel(_FlatModel):
+    """Gen side: vLLM's fused layouts (TP ``tp``, rank ``rank``)."""
+
+    side = GEN
+
+    def _declare(self) -> None:
+        d, t = self.dims, self.tp
+        H, hd = d["H"], d["hd"]
+        self._param("model.embed_tokens.weight", d["V"] // t, H)
+        for layer in range(d["L"]):
+            p = f"model.layers.{layer}"
+            self._param(f"{p}.input_layernorm.weight", H)
+            self._param(f"{p}.self_attn.qkv_proj.weight", (d["nq"] + 2 * d["nkv"]) * hd // t, H)
+            if d["qk_norm"]:
+                self._param(f"{p}.self_attn.q_norm.weight", hd)
+                self._param(f"{p}.self_attn.k_norm.weight", hd)
+            self._param(f"{p}.self_attn.o_proj.weight", H, d["nq"] * hd // t)
+            self._param(f"{p}.post_attention_layernorm.weight", H)
+            if d["E"]:
+                self._param(f"{p}.mlp.gate.weight", d["E"], H)
+                self._param(f"{p}.mlp.experts.w13_weight", d["E"], 2 * d["I"] // t, H)
+                self._param(f"{p}.mlp.experts.w2_weight", d["E"], H, d["I"] // t)
+            else:
+                self._param(f"{p}.mlp.gate_up_proj.weight", 2 * d["I"] // t, H)
+                self._param(f"{p}.mlp.down_proj.weight", H, d["I"] // t)
+        self._param("model.norm.weight", H)
+        self._param("lm_head.weight", d["V"] // t, H)
+
+    def _pieces(self) -> None:
+        d, t, r, P = self.dims, self.tp, self.rank, self.params
+        H, hd = d["H"], d["hd"]
+        vs = d["V"] // t
+        self._piece("model.embed_tokens.weight", (r * vs, 0), P["model.embed_tokens.weight"])
+        q_rows, kv_rows = d["nq"] * hd // t, d["nkv"] * hd // t
+        for layer in range(d["L"]):
+            n, p = self.layer_names(layer), f"model.layers.{layer}"
+            self._piece(n["in_norm"], (0,), P[f"{p}.input_layernorm.weight"])
+            qkv = P[f"{p}.self_attn.qkv_proj.weight"]
+            self._piece(n["q"], (r * q_rows, 0), qkv[:q_rows])
+            self._piece(n["k"], (r * kv_rows, 0), qkv[q_rows:q_rows + kv_rows])
+            self._piece(n["v"], (r * kv_rows, 0), qkv[q_rows + kv_rows:])
+            if d["qk_norm"]:
+                self._piece(n["q_norm"], (0,), P[f"{p}.self_attn.q_norm.weight"])
+                self._piece(n["k_norm"], (0,), P[f"{p}.self_attn.k_norm.weight"])
+            self._piece(n["o"], (0, r * q_rows), P[f"{p}.self_attn.o_proj.weight"])
+            self._piece(n["post_norm"], (0,), P[f"{p}.post_attention_layernorm.weight"])
+            inter = d["I"] // t
+            if d["E"]:
+                self._piece(n["router"], (0, 0), P[f"{p}.mlp.gate.weight"])
+                w13 = P[f"{p}.mlp.experts.w13_weight"]
+                self._piece(n["e_gate"], (0, r * inter, 0), w13[:, :inter])
+                self._piece(n["e_up"], (0, r * inter, 0), w13[:, inter:])
+                self._piece(n["e_down"], (0, 0, r * inter), P[f"{p}.mlp.experts.w2_weight"])
+            else:
+                gate_up = P[f"{p}.mlp.gate_up_proj.weight"]
+                self._piece(n["gate"], (r * inter, 0), gate_up[:inter])
+                self._piece(n["up"], (r * inter, 0), gate_up[inter:])
+                self._piece(n["down"], (0, r * inter), P[f"{p}.mlp.down_proj.weight"])
+        self._piece("model.norm.weight", (0,), P["model.norm.weight"])
+        self._piece("lm_head.weight", (r * vs, 0), P["lm_head.weight"])
+
+    def poison(self) -> None:
+        """Overwrite every weight with NaN, so a byte that was not written fails the check."""
+        self.flat.view(self.dtype).fill_(float("nan"))
+
+    def mismatches(self, seed: int) -> list[str]:
+        """Every piece whose memory differs (bitwise) from the benchmark's values."""
+        bad = []
+        for name, pieces in self.by_name().items():
+            full = reference(self.specs[name], seed, self.device)
+            for piece in pieces:
+                if not torch.equal(piece.view, piece.box.slice_of(full)):
+                    bad.append(f"{name}{piece.box}")
+            del full
+        return bad
+
+
+# -- the hooks ------------------------------------------------------------------------------------
+
+@hookimpl
+def refit_register_backends(register) -> None:
+    register(Backend("bench-megatron-style", {TRAIN}, "refit bench: synthetic Megatron-style trainer layout",
+                     priority=-200))
+    register(Backend("bench-vllm-style", {GEN}, "refit bench: synthetic vLLM-style engine layout",
+                     priority=-200))
+
+
+@hookimpl
+def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
+    return list(model.pieces) if isinstance(model, MegatronStyleModel) else None
+
+
+@hookimpl
+def refit_destination_map(model: Any) -> DestinationMap | None:
+    return DestinationMap(list(model.pieces)) if isinstance(model, VllmStyleModel) else None
+
+
+@hookimpl
+def refit_begin_update(model: Any) -> bool | None:
+    return False if isinstance(model, VllmStyleModel) else None
+
+
+@hookimpl
+def refit_finish_update(model: Any, version: int) -> bool | None:
+    if not isinstance(model, VllmStyleModel):
+        return None
+    model.version = version
+    return True
+
+
+PLUGIN_NAME = "refit-bench"
+
+
+def register(pm: PluginManager | None = None) -> PluginManager:
+    """Register the benchmark backends with ``pm`` (default: the process-wide manager), once."""
+    import sys
+
+    pm = pm or get_plugin_manager()
+    if not pm._pm.has_plugin(PLUGIN_NAME):
+        pm.register(sys.modules[__name__], name=PLUGIN_NAME)
+    return pm

@@ -1,0 +1,313 @@
+"""The GPU transport: NCCL point-to-point through nccl4py, built from the refit's own store.
+
+Every exchange is one NCCL group (``ncclGroupStart``/``End``) of all its sends and receives, so all
+pairs move at once, posted on a high-priority stream of this transport after the ``after`` fences
+(CUDA events: no host wait). The communicator is created from the refit's rendezvous store, like the
+gloo transport's process group: rank 0 draws the NCCL unique id and publishes it there. Trainers and
+engines keep their own process groups; refit never touches the default group.
+
+Placement. NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected").
+When every rank has a GPU of its own there is one communicator for the whole refit; when some ranks
+share a GPU (several ranks per GPU on a small machine), every pair of ranks on *different* GPUs gets a
+2-rank communicator of its own, created in one global order (deadlock-free), each with its own
+stream. Two ranks on the same GPU cannot exchange through NCCL at all; such a plan fails clearly at
+its first exchange.
+
+Backends. ``nccl4py`` (``pip install nccl4py``; the default) or, where it cannot be imported, a
+``torch.distributed.ProcessGroupNCCL`` built on the same store (``REFIT_NCCL_BACKEND=torch`` forces
+it; it has no pairwise mode). ``nccl4py`` does not check contiguity: only contiguous tensors may be
+handed to it, which :func:`~refit_core.transport.base._check_contiguous` enforces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RefitError, TransferError
+from .base import DoneFence, Fence, Transport, _check_contiguous
+
+log = logging.getLogger("refit")
+
+BACKEND_ENV = "REFIT_NCCL_BACKEND"
+_IN_PROGRESS = 7  # ncclInProgress
+
+
+def _stream_for(device: torch.device) -> torch.cuda.Stream:
+    # The lowest number is the highest priority (torch clamps to the device's range): NCCL's blocks
+    # then win over concurrently queued packing copies when SMs free up.
+    return torch.cuda.Stream(device=device, priority=-8)
+
+
+class NcclComm:
+    """One NCCL communicator (nccl4py), with the few calls refit and its benchmark use."""
+
+    backend = "nccl4py"
+
+    def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
+                 timeout_s: float) -> None:
+        import nccl.core as nccl
+
+        self._nccl = nccl
+        self.nranks, self.rank, self.device = nranks, rank, device
+        if rank == 0:
+            uid = nccl.get_unique_id()
+            store.set(f"{key}/uid", bytes(uid.as_bytes))
+        raw = store.get(f"{key}/uid")
+        with torch.cuda.device(device):
+            self.comm = nccl.Communicator.init(nranks, rank, nccl.UniqueId.from_bytes(raw))
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             stream: torch.cuda.Stream) -> None:
+        handle = stream.cuda_stream
+        with self._nccl.group():
+            for peer, tensor in recvs:
+                self.comm.recv(tensor, peer, stream=handle)
+            for peer, tensor in sends:
+                self.comm.send(tensor, peer, stream=handle)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None:
+        self.comm.broadcast(tensor, tensor, root, stream=stream.cuda_stream)
+
+    def error(self) -> str | None:
+        """NCCL's asynchronous error, if any (a dead peer, a broken link)."""
+        try:
+            result = self.comm.get_async_error()
+        except Exception as exc:  # noqa: BLE001 - report whatever the binding raises
+            return str(exc)
+        if int(result) in (0, _IN_PROGRESS):
+            return None
+        return f"{self._nccl.get_error_string(result)} ({result})"
+
+    def abort(self) -> None:
+        self.comm.abort()
+
+    def close(self) -> None:
+        self.comm.destroy()
+
+
+class TorchNcclComm:
+    """The fallback: ``torch.distributed.ProcessGroupNCCL`` on the refit's store (never the default group)."""
+
+    backend = "torch"
+
+    def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
+                 timeout_s: float) -> None:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        opts._timeout = timedelta(seconds=timeout_s)
+        self.nranks, self.rank, self.device = nranks, rank, device
+        self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"{key}/", store), rank, nranks, opts)
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             stream: torch.cuda.Stream) -> None:
+        with torch.cuda.stream(stream):  # the process group's stream waits for this one, and back
+            coalesce = hasattr(self.pg, "_start_coalescing")
+            if coalesce:
+                self.pg._start_coalescing(self.device)
+            works = [self.pg.recv([t], peer, 0) for peer, t in recvs]
+            works += [self.pg.send([t], peer, 0) for peer, t in sends]
+            if coalesce:
+                works = [self.pg._end_coalescing(self.device)]
+            for work in works:
+                if work is not None:
+                    work.wait()
+
+    def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        with torch.cuda.stream(stream):
+            self.pg.broadcast([tensor], opts).wait()
+
+    def error(self) -> str | None:
+        return None
+
+    def abort(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def _comm_class() -> type:
+    choice = os.environ.get(BACKEND_ENV, "auto")
+    if choice not in ("auto", "nccl4py", "torch"):
+        raise RefitError(f"{BACKEND_ENV}={choice!r}: use 'auto', 'nccl4py' or 'torch'")
+    if choice == "torch":
+        return TorchNcclComm
+    try:
+        import nccl.core  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a cuda-core/bindings mismatch
+        if choice == "nccl4py":
+            raise RefitError(f"nccl4py cannot be imported ({exc}); pip install nccl4py") from exc
+        log.warning("refit: nccl4py unavailable (%s); using torch's ProcessGroupNCCL", exc)
+        return TorchNcclComm
+    return NcclComm
+
+
+def open_comm(store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
+              timeout_s: float = 300.0) -> NcclComm | TorchNcclComm:
+    """A communicator of ``nranks`` over ``store`` (keys under ``key``); collective over its ranks."""
+    return _comm_class()(store, key, nranks, rank, device, timeout_s)
+
+
+class _NcclFence(Fence):
+    """Completion of one exchange: an event per stream it was posted on."""
+
+    def __init__(self, events: list[torch.cuda.Event], transport: NcclTransport) -> None:
+        self.events = events
+        self.transport = transport
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        for event in self.events:
+            if stream is None:
+                event.synchronize()
+            else:
+                stream.wait_event(event)
+
+    def synchronize(self, timeout_s: float) -> None:
+        deadline = None
+        spins = 0
+        for event in self.events:
+            while not event.query():
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout_s
+                spins += 1
+                if spins % 2000 == 0:
+                    self.transport.check()
+                if now > deadline:
+                    self.transport.check()
+                    raise TransferError(f"NCCL exchange did not complete within {timeout_s:.0f} s "
+                                        "(a peer died or hung)")
+                time.sleep(0 if spins < 200 else 5e-5)
+
+
+class _AllFence(Fence):
+    def __init__(self, fences: Sequence[Fence]) -> None:
+        self.fences = list(fences)
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        for fence in self.fences:
+            fence.wait(stream)
+
+    def synchronize(self, timeout_s: float) -> None:
+        for fence in self.fences:
+            fence.synchronize(timeout_s)
+
+
+class NcclTransport(Transport):
+    """Grouped NCCL send/recv between the ranks of one refit (one rank per process)."""
+
+    name = "nccl"
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float) -> None:
+        if not torch.cuda.is_available():
+            raise RefitError("the nccl transport needs CUDA; use transport='gloo' on CPU")
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise RefitError(f"the nccl transport needs CUDA tensors, but this rank's pieces are on {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        store = dist.PrefixStore("nccl/", store)
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        store.set(f"gpu/{rank}", uuid)
+        gpus = [store.get(f"gpu/{r}").decode() for r in range(world_size)]
+        self.gpus = gpus
+        self._comms: list = []
+        # peer -> (communicator, the peer's rank in it, stream)
+        self._links: dict[int, tuple[object, int, torch.cuda.Stream]] = {}
+        cls = _comm_class()
+        if len(set(gpus)) == world_size:
+            comm = cls(store, "world", world_size, rank, device, timeout_s)
+            stream = _stream_for(device)
+            self._comms.append(comm)
+            self._links = {peer: (comm, peer, stream) for peer in range(world_size) if peer != rank}
+            self.mode = "world"
+        else:
+            if cls is not NcclComm:
+                raise RefitError("several refit ranks share a GPU: that needs one NCCL communicator per "
+                                 "pair of ranks, which only the nccl4py backend provides")
+            for i in range(world_size):
+                for j in range(i + 1, world_size):
+                    if rank not in (i, j) or gpus[i] == gpus[j]:
+                        continue
+                    comm = cls(store, f"pair/{i}/{j}", 2, 0 if rank == i else 1, device, timeout_s)
+                    self._comms.append(comm)
+                    peer = j if rank == i else i
+                    self._links[peer] = (comm, 1 if rank == i else 0, _stream_for(device))
+            self.mode = "pairwise"
+        self.backend = cls.backend
+        log.info("refit nccl transport: rank %d/%d on %s, %s communicator(s), backend %s", rank, world_size,
+                 device, self.mode, self.backend)
+
+    def _link(self, peer: int) -> tuple[object, int, torch.cuda.Stream]:
+        try:
+            return self._links[peer]
+        except KeyError:
+            if 0 <= peer < self.world_size and self.gpus[peer] == self.gpus[self.rank]:
+                raise TransferError(f"refit ranks {self.rank} and {peer} share a GPU ({self.gpus[peer]}); "
+                                    "NCCL cannot connect two ranks on one GPU: place them on different "
+                                    "GPUs") from None
+            raise TransferError(f"no NCCL link from rank {self.rank} to rank {peer}") from None
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 after: Sequence[Fence] = ()) -> Fence:
+        if self._comms is None:
+            raise TransferError("the nccl transport is closed")
+        _check_contiguous(sends)
+        _check_contiguous(recvs)
+        groups: dict[int, tuple[object, torch.cuda.Stream, list, list]] = {}
+        for peer, tensor in sends:
+            comm, local, stream = self._link(peer)
+            groups.setdefault(id(comm), (comm, stream, [], []))[2].append((local, tensor))
+        for peer, tensor in recvs:
+            comm, local, stream = self._link(peer)
+            groups.setdefault(id(comm), (comm, stream, [], []))[3].append((local, tensor))
+        if not groups:
+            return _AllFence(after)
+        events = []
+        for comm, stream, group_sends, group_recvs in groups.values():
+            for fence in after:
+                fence.wait(stream)
+            comm.post(group_sends, group_recvs, stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return _NcclFence(events, self)
+
+    def check(self) -> None:
+        """Raise :class:`TransferError` if NCCL reported an asynchronous error."""
+        for comm in self._comms or ():
+            message = comm.error()
+            if message is not None:
+                raise TransferError(f"NCCL failed on rank {self.rank}: {message}")
+
+    def close(self) -> None:
+        comms, self._comms = self._comms, None
+        if not comms:
+            return
+        for _, _, stream in self._links.values():
+            stream.synchronize()
+        for comm in comms:
+            try:
+                comm.close()
+            except Exception as exc:  # noqa: BLE001 - closing must not mask the caller's outcome
+                log.warning("refit: closing an NCCL communicator failed: %s", exc)
+        self._links = {}
+
+
+__all__ = ["DoneFence", "NcclComm", "NcclTransport", "TorchNcclComm", "open_comm"]
