@@ -37,6 +37,8 @@ class Piece:
             raise ValueError(
                 f"{self.spec.name}: view shape {tuple(self.view.shape)} != box sizes {self.box.sizes}"
             )
+        if self.view is not None and self.view.dtype != self.spec.dtype:
+            raise ValueError(f"{self.spec.name}: view dtype {self.view.dtype} != spec dtype {self.spec.dtype}")
 
     @property
     def meta(self) -> PieceMeta:
