@@ -156,7 +156,7 @@ class _Endpoint:
 
     def _abort_setup(self, exc: Exception) -> None:
         """Tell every rank why setup failed; the store's host waits until they have read it."""
-        self._rdv.fail(f"{self.side} rank {self.rank}: {type(exc).__name__}: {exc}", f"done/{self.side}/{self.rank}")
+        self._rdv.fail(exc, f"{self.side} rank {self.rank}", f"done/{self.side}/{self.rank}")
         if self._hosts_store:
             self._rdv.linger(self._rank_keys("done") or ["done/gen/0"],
                              timeout_s=min(self.options.timeout_s, 15.0))

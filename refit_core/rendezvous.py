@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import RefitError
+from .errors import PlanError, RefitError
 
 POLL_S = 0.02
 
@@ -44,11 +44,11 @@ class Rendezvous:
     def publish(self, key: str, value: Any) -> None:
         self.store.set(key, pickle.dumps(value))
 
-    def fail(self, message: str, done_key: str) -> None:
+    def fail(self, error: Exception, where: str, done_key: str) -> None:
         """Tell every other rank that setup failed, and why; then mark this rank as done."""
         try:
             if not self.store.check(["error"]):  # the first error is the cause; keep it
-                self.store.set("error", message.encode())
+                self.publish("error", (type(error).__name__, f"{where}: {error}"))
             self.store.set(done_key, b"")
         except Exception:  # noqa: BLE001 - best effort: the store's host may have exited already
             pass
@@ -65,7 +65,9 @@ class Rendezvous:
 
     def _check_error(self) -> None:
         if self.store.check(["error"]):
-            raise RefitError(f"refit setup failed on another rank: {self.store.get('error').decode()}")
+            kind, message = pickle.loads(self.store.get("error"))
+            cls = PlanError if kind == PlanError.__name__ else RefitError  # a bad plan is a bad plan everywhere
+            raise cls(f"refit setup failed on another rank: {message}")
 
     def wait(self, keys: list[str], what: str) -> list[Any]:
         """Values of ``keys`` once all exist; raises on timeout or on another rank's error."""

@@ -49,6 +49,7 @@ def test_mismatched_model_fails_at_setup_on_every_rank_naming_the_tensor():
     results = run(overrides={"model.layers.0.self_attn.k_proj.weight": (24, 32)})
     assert all(r[0] == "error" for r in results)
     for kind, message in (r[1:] for r in results):
+        assert kind == "PlanError"
         assert "model.layers.0.self_attn.k_proj.weight: source (24, 32) vs destination (16, 32)" in message, message
 
 

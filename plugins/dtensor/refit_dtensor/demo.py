@@ -1,0 +1,117 @@
+"""``refit demo`` programs of the dtensor backend: an FSDP2 trainer and a DTensor-sharded policy copy.
+
+Each side spawns its ranks (``ctx.layout``; the backend's registered defaults are ``fsdp=2`` for
+train and ``tp=2`` for gen; an empty layout is one rank holding a plain, unsharded model), builds the tiny model from ``ctx.config`` with random weights and shards it with
+:func:`refit_dtensor.parallel.shard_model` on its own process group (gloo on CPU, NCCL on CUDA).
+The trainer keeps fp32 master weights and, before every step, loads
+``reference_state_dict(config, seed, step)`` into its shards in place, then sends it as weight
+version ``step``. The generation side holds the config's dtype (the sender casts), receives, and
+checks every destination view bit for bit against the same reference.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refit_core import ParallelLayout, RefitOptions, RefitReceiver, RefitSender
+from refit_core.demo.context import DemoContext, DemoReport
+from refit_core.launch import free_port, spawn
+from refit_core.models import config_dtype, reference_state_dict
+from refit_core.units import format_bytes
+from refit_core.verify import mismatches
+
+from .parallel import build_model, init_mesh, shard_model
+from .shards import load_hf_weights
+
+DEFAULT_TRAIN_LAYOUT = "fsdp=2"
+DEFAULT_GEN_LAYOUT = "tp=2"
+
+def _start(rank: int, world: int, port: int, device: str, gpu_offset: int) -> torch.device:
+    """Join this side's own process group; pick this rank's device."""
+    if device == "cuda":
+        index = (gpu_offset + rank) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        target = torch.device("cuda", index)
+    else:
+        torch.set_num_threads(1)
+        target = torch.device("cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    return target
+
+
+def _model(ctx: DemoContext, layout: ParallelLayout, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    model = build_model(ctx.config, dtype=dtype, device=device)
+    shard_model(model, layout, init_mesh(layout, device.type))
+    return model
+
+
+def _train_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, port: int) -> dict[str, Any]:
+    device = _start(rank, world, port, ctx.device, 0)
+    model = _model(ctx, layout, torch.float32, device)
+    sender = RefitSender(model, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
+                         options=RefitOptions(**ctx.options))
+    sender.setup()
+    seconds = []
+    for step in range(ctx.steps):
+        load_hf_weights(model, reference_state_dict(ctx.config, ctx.seed, step))
+        seconds.append(sender.send(version=step).seconds)
+    sender.close()
+    dist.destroy_process_group()
+    return {"seconds": seconds}
+
+
+def _gen_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, port: int,
+              gpu_offset: int) -> dict[str, Any]:
+    device = _start(rank, world, port, ctx.device, gpu_offset)
+    model = _model(ctx, layout, config_dtype(ctx.config), device)
+    receiver = RefitReceiver(model, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
+                             options=RefitOptions(**ctx.options))
+    receiver.setup()
+    pieces = receiver.plugins.destination_map(model).pieces
+    seconds, problems, received = [], [], 0
+    for step in range(ctx.steps):
+        stats = receiver.receive()
+        seconds.append(stats.seconds)
+        received = stats.bytes
+        if stats.version != step:
+            problems.append(f"step {step}: received version {stats.version}")
+        bad = mismatches(pieces, reference_state_dict(ctx.config, ctx.seed, step))
+        problems += [f"step {step}: {name} differs" for name in bad]
+    receiver.close()
+    dist.destroy_process_group()
+    return {"seconds": seconds, "bytes": received, "problems": problems,
+            "tensors": len({p.spec.name for p in pieces})}
+
+
+def demo_train(ctx: DemoContext) -> DemoReport:
+    """The training program: ``ctx.layout`` ranks of FSDP2 / TP / 2-D, sending ``ctx.steps`` versions."""
+    layout = ctx.layout
+    start = time.perf_counter()
+    results = spawn(_train_rank, layout.world_size, ctx, layout, free_port())
+    steps = [max(r["seconds"][i] for r in results) for i in range(ctx.steps)]
+    return DemoReport(True, [f"dtensor trainer ({layout}, {layout.world_size} ranks, fp32 master weights): "
+                             f"sent {ctx.steps} versions in {time.perf_counter() - start:.1f} s"],
+                      seconds_per_step=steps)
+
+
+def demo_gen(ctx: DemoContext) -> DemoReport:
+    """The generation program: receives every version and verifies it bitwise."""
+    layout = ctx.layout
+    gpu_offset = 0
+    if ctx.device == "cuda" and torch.cuda.device_count() > layout.world_size:
+        gpu_offset = torch.cuda.device_count() - layout.world_size  # keep off the trainer's first GPUs
+    results = spawn(_gen_rank, layout.world_size, ctx, layout, free_port(), gpu_offset)
+    problems = [f"gen rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    received = sum(r["bytes"] for r in results)
+    dtype = str(config_dtype(ctx.config)).removeprefix("torch.")
+    lines = [f"dtensor policy ({layout}, {layout.world_size} ranks, {dtype}): received {ctx.steps} versions, "
+             f"{format_bytes(received)}/step, {results[0]['tensors']} checkpoint tensors on rank 0, "
+             + ("verified bitwise" if not problems else f"{len(problems)} MISMATCHES")]
+    lines += problems[:10]
+    steps = [max(r["seconds"][i] for r in results) for i in range(ctx.steps)]
+    return DemoReport(not problems, lines, bytes_per_step=received, seconds_per_step=steps)

@@ -1,0 +1,114 @@
+"""The refit hooks of the ``dtensor`` backend (entry point ``refit: dtensor``).
+
+Models are selected by type: a ``transformers.PreTrainedModel``, bare or inside torch.compile /
+activation-checkpoint / DDP wrappers, sharded with any DTensor placements or not at all. Every
+other model (a vLLM or Megatron module, for instance) gets None, so other plugins answer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch.distributed.tensor import DTensor
+
+from refit_core import (
+    GEN, TRAIN, Backend, DestinationMap, DestinationPiece, ParallelLayout, PluginError, SourcePiece,
+    hookimpl,
+)
+
+from .layout import layout_pieces
+from .names import clean_name, tied_targets, unwrap
+from .shards import model_pieces, reshard
+
+BACKEND = "dtensor"
+
+_untied: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+"""Destination models whose config ties parameters that sharding split apart: (copy, original)."""
+
+
+@hookimpl
+def refit_register_backends(register: Any) -> None:
+    from .demo import DEFAULT_GEN_LAYOUT, DEFAULT_TRAIN_LAYOUT, demo_gen, demo_train
+
+    register(Backend(
+        BACKEND, {TRAIN, GEN},
+        description="PyTorch DTensor / FSDP2 / tensor-parallel transformers models (source and destination)",
+        demo_train=demo_train, demo_gen=demo_gen, demo_train_layout=DEFAULT_TRAIN_LAYOUT,
+        demo_gen_layout=DEFAULT_GEN_LAYOUT, priority=10,
+    ))
+
+
+@hookimpl
+def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
+    if unwrap(model) is None:
+        return None
+    return model_pieces(model, SourcePiece)
+
+
+@hookimpl
+def refit_destination_map(model: Any) -> DestinationMap | None:
+    hf = unwrap(model)
+    if hf is None:
+        return None
+    _untied[hf] = _broken_ties(hf)
+    return DestinationMap(model_pieces(model, DestinationPiece))
+
+
+@hookimpl
+def refit_begin_update(model: Any) -> bool | None:
+    hf = unwrap(model)
+    if hf is None:
+        return None
+    reshard(hf)  # drop FSDP2's all-gathered copies: the next forward gathers the new weights
+    return False
+
+
+@hookimpl
+def refit_finish_update(model: Any, version: int) -> bool | None:
+    hf = unwrap(model)
+    if hf is None:
+        return None
+    for copy, original in _untied.get(hf, ()):
+        if isinstance(copy, DTensor):
+            copy._local_tensor.detach().copy_(original._local_tensor.detach())
+        else:
+            copy.detach().copy_(original.detach())
+    return True
+
+
+@hookimpl
+def refit_source_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> list[SourcePiece] | None:
+    if backend != BACKEND:
+        return None
+    return layout_pieces(SourcePiece, config, layout, rank)
+
+
+@hookimpl
+def refit_destination_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> DestinationMap | None:
+    if backend != BACKEND:
+        return None
+    return DestinationMap(layout_pieces(DestinationPiece, config, layout, rank))
+
+
+def _broken_ties(hf: Any) -> list[tuple[Any, Any]]:
+    """Tied parameters that sharding made separate tensors (TP on a tied embedding): the copy is
+    refreshed from the original after every refit, which needs identical local layouts."""
+    ties = tied_targets(hf)
+    if not ties:
+        return []
+    params = {clean_name(n): p for n, p in hf.named_parameters(remove_duplicate=False)}
+    broken = []
+    for target, source in ties.items():
+        copy, original = params.get(target), params.get(source)
+        if copy is None or original is None or copy is original:
+            continue
+        same = (type(copy) is type(original) and copy.shape == original.shape
+                and (not isinstance(copy, DTensor)
+                     or (copy.device_mesh == original.device_mesh and copy.placements == original.placements)))
+        if not same:
+            raise PluginError(f"{target} is tied to {source} in the config but sharded differently "
+                              f"({getattr(copy, 'placements', 'plain')} vs {getattr(original, 'placements', 'plain')}): "
+                              "refit cannot keep the copy in sync; shard them alike or untie them")
+        broken.append((copy, original))
+    return broken

@@ -1,0 +1,98 @@
+"""A (DTensor-sharded) ``transformers`` model -> the pieces of the HF checkpoint this rank holds.
+
+For every parameter: its blocks (``placements.py``) times the checkpoint tensors it holds
+(``names.py``); each non-empty intersection is one piece whose view is a strided view of the
+parameter's local storage. The same code runs on metadata (``layout.py``), with views left None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from refit_core import PluginError, TensorSpec
+from refit_core.pieces import Piece
+
+from .names import Naming, Target, named_parameters, unwrap
+from .placements import LocalBlock, tensor_blocks
+
+P = TypeVar("P", bound=Piece)
+
+
+def param_pieces(kind: type[P], targets: Sequence[Target], dtype: torch.dtype, blocks: Sequence[LocalBlock],
+                 local: torch.Tensor | None) -> list[P]:
+    """The pieces of one parameter, given its blocks on this rank and its checkpoint targets."""
+    pieces: list[P] = []
+    for target in targets:
+        spec = TensorSpec(target.name, target.shape, dtype)
+        for block in blocks:
+            placed = target.place(block.box)
+            if placed is None:
+                continue
+            inside, hf_box = placed
+            view = None
+            if local is not None:
+                view = inside.slice_of(block.local.slice_of(local))
+                if target.perm != tuple(range(len(target.perm))):
+                    view = view.permute(target.perm)
+            pieces.append(kind(spec, hf_box, view))
+    return pieces
+
+
+def reshard(model: Any) -> int:
+    """Put every FSDP2 module of ``model`` back in its sharded state; returns how many there are.
+
+    FSDP2 keeps the root's parameters unsharded after a forward (no backward to reshard them):
+    the module then holds all-gathered copies, which a later forward would reuse. Pieces are views
+    of the sharded storage, so a destination reshards before bytes land (the next forward
+    all-gathers the new weights) and both sides reshard before pieces are taken.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return 0
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.reshard()
+    return len(modules)
+
+
+def model_pieces(model: Any, kind: type[P]) -> list[P]:
+    """Every piece of the HF checkpoint that this rank's shard of ``model`` holds."""
+    hf = unwrap(model)
+    if hf is None:
+        raise PluginError(f"{type(model).__qualname__} is not a transformers PreTrainedModel")
+    reshard(hf)
+    naming = Naming(hf)
+    pieces: list[P] = []
+    owners: dict[str, str] = {}
+    for name, param in named_parameters(hf):
+        local, blocks = tensor_blocks(param, what=name)
+        targets = naming.targets(name, tuple(param.shape))
+        for target in targets:
+            if owners.setdefault(target.name, name) != name:
+                raise PluginError(f"parameters {owners[target.name]} and {name} both map to checkpoint "
+                                  f"tensor {target.name}")
+        pieces.extend(param_pieces(kind, targets, param.dtype, blocks, local.detach()))
+    return pieces
+
+
+@torch.no_grad()
+def load_hf_weights(model: Any, state_dict: dict[str, torch.Tensor]) -> int:
+    """Copy checkpoint tensors (per-expert or grouped names) into this rank's shards, in place.
+
+    Every source piece's view is overwritten with its box of ``state_dict`` (cast to the
+    parameter's dtype); parameters keep their storage, so refit views stay valid. Returns the
+    number of elements written. Used by ``refit demo`` and the tests to set a training step's
+    weights without gathering anything.
+    """
+    from refit_core import SourcePiece
+    from refit_core.verify import reference_region
+
+    written = 0
+    for piece in model_pieces(model, SourcePiece):
+        piece.view.copy_(reference_region(piece, state_dict))
+        written += piece.box.numel
+    return written
