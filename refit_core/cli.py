@@ -34,7 +34,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
     summary = plan_from_metadata(get_plugin_manager(), load_config(args.model), train, train_layout, gen,
-                                 gen_layout, bucket_bytes=args.bucket_mb << 20)
+                                 gen_layout, bucket_bytes=args.bucket_mb << 20,
+                                 progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
         print("  " + line)

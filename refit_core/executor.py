@@ -17,6 +17,7 @@ end. Refit's streams first wait for the work already queued on the caller's curr
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from .transport import Fence, Transport
 
 MAGIC = 0x52454649  # "REFI"
 HEADER_WORDS = 4
+ZERO_COPY_ENV = "REFIT_ZERO_COPY"
 
 
 @dataclass
@@ -147,14 +149,19 @@ class _RoundRunner:
         raise NotImplementedError
 
     def bind(self, views: list[torch.Tensor]) -> None:
-        """Resolve every segment to its local view (never a copy) and pick direct messages."""
+        """Resolve every segment to its local view (never a copy) and pick direct messages.
+
+        ``REFIT_ZERO_COPY=0`` stages every message (for comparisons; each side may choose alone).
+        """
+        zero_copy = os.environ.get(ZERO_COPY_ENV, "1") != "0"
         plans = []
         for msgs in self.rounds:
             plan = _RoundPlan([], [], [], [], 0, [], [])
             for m in msgs:
                 segs = self._segments(m)
                 seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
-                region = direct_region(seg_views, segs, m.nbytes, gaps_allowed=self.gaps_allowed)
+                region = (direct_region(seg_views, segs, m.nbytes, gaps_allowed=self.gaps_allowed)
+                          if zero_copy else None)
                 plan.peers.append(self._peer(m) + self.peer_offset)
                 plan.direct.append(region)
                 plan.sizes.append(m.nbytes)
@@ -182,6 +189,7 @@ class _RoundRunner:
             return version
         mine = torch.tensor([MAGIC, self.fingerprint, version, self.step], dtype=torch.int64, device=self.device)
         theirs = {p: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device) for p in peers}
+        after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
         fence = self.transport.exchange([(p + self.peer_offset, mine) for p in peers],
                                         [(p + self.peer_offset, t) for p, t in theirs.items()], after=after)
         fence.synchronize(self.timeout_s)
@@ -243,7 +251,7 @@ class SendExecutor(_RoundRunner):
                                            after=[ready, free[slot]]))
                 tensors = [d if d is not None else buffer[b:b + n]
                            for d, b, n in zip(plan.direct, plan.bases, plan.sizes)]
-            fence = self.transport.exchange(list(zip(plan.peers, tensors)), [], after=after)
+            fence = self.transport.exchange(list(zip(plan.peers, tensors)), [], after=after or [ready])
             pending.append(fence)
             if plan.staged_bytes:
                 free[slot] = fence
@@ -271,8 +279,8 @@ class ReceiveExecutor(_RoundRunner):
         pending: list[Fence] = []
         staged = 0
         for plan in self.plans:
-            if not plan.staged_bytes:
-                pending.append(self.transport.exchange([], list(zip(plan.peers, plan.direct))))
+            if not plan.staged_bytes:  # straight into the weights: after the engine's pending work
+                pending.append(self.transport.exchange([], list(zip(plan.peers, plan.direct)), after=[ready]))
                 continue
             slot = staged % len(buffers)
             staged += 1
@@ -280,7 +288,7 @@ class ReceiveExecutor(_RoundRunner):
             tensors = [d if d is not None else buffer[b:b + n]
                        for d, b, n in zip(plan.direct, plan.bases, plan.sizes)]
             received = self.transport.exchange([], list(zip(plan.peers, tensors)),
-                                               after=[f for f in (free[slot],) if f is not None])
+                                               after=[ready] + [f for f in (free[slot],) if f is not None])
             sources = _buffer_views(buffer, plan.segments)
             targets = plan.views
             free[slot] = self.lane.run(lambda t=targets, s=sources: torch._foreach_copy_(t, s), after=[received])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,9 @@ from .planner import plan_transfers
 from .plugins import PluginManager
 from .schedule import Schedule, build_schedule
 from .units import format_bytes
+
+
+Progress = Callable[[str], None]
 
 
 @dataclass
@@ -43,20 +47,39 @@ def _grouped(ranks: list[list[PieceMeta]], pm: PluginManager) -> list[list[Piece
     return [[group_meta(m, pm.expert_name, counts) for m in metas] for metas in ranks]
 
 
+def _every_tenth(total: int, progress: Progress | None, what: str) -> Callable[[int], None]:
+    step = max(1, total // 10)
+
+    def tick(done: int) -> None:
+        if progress is not None and total >= 64 and (done % step == 0 or done == total):
+            progress(f"described {done}/{total} {what} ranks")
+    return tick
+
+
 def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, train_layout: ParallelLayout,
                        gen: str, gen_layout: ParallelLayout, *, bucket_bytes: int = 512 << 20,
-                       cast: str = "cast") -> PlanSummary:
-    """Every rank's pieces from the plugins' layout hooks, then the same planner as a live refit."""
+                       cast: str = "cast", progress: Progress | None = None) -> PlanSummary:
+    """Every rank's pieces from the plugins' layout hooks, then the same planner as a live refit.
+
+    ``progress`` receives a line now and then on large layouts.
+    """
     start = time.perf_counter()
     pm.backend(train, TRAIN)
     pm.backend(gen, GEN)
-    src = [[p.meta for p in pm.source_layout(train, config, train_layout, r)]
-           for r in range(train_layout.world_size)]
-    dst = []
+    src: list[list[PieceMeta]] = []
+    tick = _every_tenth(train_layout.world_size, progress, TRAIN)
+    for r in range(train_layout.world_size):
+        src.append([p.meta for p in pm.source_layout(train, config, train_layout, r)])
+        tick(r + 1)
+    dst: list[list[PieceMeta]] = []
+    tick = _every_tenth(gen_layout.world_size, progress, GEN)
     for r in range(gen_layout.world_size):
         mapping = pm.destination_layout(gen, config, gen_layout, r)
         dst.append([p.meta for p in mapping.pieces]
                    + [DestinationPiece(s, s.full_box()).meta for s in mapping.loader])
+        tick(r + 1)
+    if progress is not None:
+        progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
     transfers = plan_transfers(_grouped(src, pm), _grouped(dst, pm), cast=cast)
     schedule = build_schedule(transfers, len(src), len(dst), bucket_bytes)
     return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import PlanError
+from .boxindex import BoxIndex
 from .pieces import PieceMeta
 from .spec import Box, TensorSpec, dtype_size
 
@@ -91,18 +92,21 @@ class _SourceRegion:
     holders: list[tuple[int, int]]  # (train rank, piece index), identical replicas
 
 
-def _source_regions(name: str, holders: list[tuple[int, int, Box]]) -> list[_SourceRegion]:
+def _source_regions(name: str, holders: list[tuple[int, int, Box]]) -> tuple[list[_SourceRegion], BoxIndex]:
     by_box: dict[Box, _SourceRegion] = {}
     for rank, index, box in holders:
-        by_box.setdefault(box, _SourceRegion(box, [])).holders.append((rank, index))
+        if box.numel:
+            by_box.setdefault(box, _SourceRegion(box, [])).holders.append((rank, index))
     regions = sorted(by_box.values(), key=lambda r: (r.box.offsets, r.box.sizes))
+    index = BoxIndex([r.box for r in regions])
     for i, a in enumerate(regions):
-        for b in regions[i + 1:]:
-            if a.box.intersect(b.box) is not None:
+        for j, _ in index.overlapping(a.box):
+            if j > i:
+                b = regions[j]
                 raise PlanError(f"{name}: source boxes {a.box} (train ranks {[h[0] for h in a.holders]}) and "
                                 f"{b.box} (train ranks {[h[0] for h in b.holders]}) overlap without being "
                                 "replicas of each other")
-    return regions
+    return regions, index
 
 
 def _check_destinations(name: str, pieces: list[tuple[int, int, Box]]) -> None:
@@ -148,15 +152,14 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     # (name, dst rank, dst piece, dst piece box, region, holders)
     pending: list[tuple[str, int, int, Box, Box, list[tuple[int, int]], Box]] = []
     for name, dst_pieces in dst_by_name.items():
+        dst_pieces = [p for p in dst_pieces if p[2].numel]
         _check_destinations(name, dst_pieces)
-        regions = _source_regions(name, src_by_name[name])
+        regions, index = _source_regions(name, src_by_name[name])
         item = dst_specs[name].dtype
         for dst_rank, dst_index, dst_box in dst_pieces:
             covered = 0
-            for region in regions:
-                common = dst_box.intersect(region.box)
-                if common is None:
-                    continue
+            for i, common in index.overlapping(dst_box):
+                region = regions[i]
                 covered += common.numel
                 big = common.numel * dtype_size(item) >= balance_split_bytes
                 slabs = _split_rows(common, len(region.holders)) if big and len(region.holders) > 1 else [common]

@@ -8,14 +8,19 @@ its rounds in increasing order, so rounds never wait on each other in a cycle.
 
 Messages are cut from *units*: the transfers of one pair into one destination piece (e.g. the eight
 query-group blocks that make up ``q_proj``), with sibling grouped-expert tensors of equal shape
-(``experts.gate_proj`` and ``experts.up_proj``) interleaved expert by expert. A unit of at least
-``direct_bytes`` gets messages of its own; smaller units share packed messages. A message whose
-segments happen to be one contiguous, gap-free run of memory on a side (a whole parameter, the
-``[Q; K; V]`` rows of a fused QKV, ``[gate_e; up_e]`` of a stacked ``w13``) is then sent or received
-by the executor straight from or into that memory, with no staging copy; each side decides that
-alone, since the bytes on the wire are the same either way. The interleaving is a guess about memory
-(expert-major fused gate/up, as Megatron's and vLLM's stacked experts are); a wrong guess costs a
-staging copy, never correctness.
+(``experts.gate_proj`` and ``experts.up_proj``) interleaved expert by expert. By default (``units``)
+a unit of at least ``direct_bytes`` gets messages of its own and smaller units share packed messages.
+A message whose segments are one contiguous, gap-free run of memory on a side (a whole parameter, the
+``q_proj`` rows of a fused QKV, ``[gate_e; up_e]`` of a stacked ``w13``) is then sent or received by the
+executor straight from or into that memory, with no staging copy; each side decides that alone, since
+the bytes on the wire are the same either way. The interleaving is a guess about memory (expert-major
+fused gate/up, as in Megatron's and vLLM's stacked experts); a wrong guess costs a staging copy on that
+side, never correctness.
+
+``REFIT_MESSAGES=runs`` (benchmarking) instead lays consecutive units of one kind (*gather* units, fed
+by several transfers like Megatron's per-group QKV, or *plain* ones) back to back into messages of up to
+``bucket_bytes``: fewer NCCL operations, zero-copy only where neighbouring parameters are neighbours in
+memory on a side (one flat parameter buffer), staged everywhere else.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from .spec import Box, dtype_size
 
 ALIGN = 16
 DIRECT_BYTES = 16 << 20
-"""Units of at least this many bytes get messages of their own (candidates for zero-copy)."""
+"""``units`` mode: units of at least this many bytes get messages of their own."""
 DIRECT_BYTES_ENV = "REFIT_DIRECT_MIN_BYTES"
 """Overrides :data:`DIRECT_BYTES` (benchmarking); every rank of a refit must see the same value."""
+MESSAGES_ENV = "REFIT_MESSAGES"
+"""``units`` (default) or ``runs`` (benchmarking); every rank of a refit must see the same value."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,9 @@ def _narrow(box: Box, dim: int, start: int, size: int) -> Box:
 def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
     """Paired (src, dst) sub-boxes of a transfer, each at most ``max_bytes``."""
     max_numel = max(1, max_bytes // dtype_size(t.dtype))
+    if t.src_box.numel <= max_numel:
+        yield t.src_box, t.dst_box
+        return
     origin = Box((0,) * t.src_box.ndim, t.src_box.sizes)
     for part in _chunks(origin, max_numel):
         yield (Box(tuple(a + b for a, b in zip(t.src_box.offsets, part.offsets)), part.sizes),
@@ -162,15 +172,15 @@ def _expert_family(t: Transfer) -> tuple | None:
     return (prefix, t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
 
 
-def _units(pair_transfers: Sequence[Transfer]) -> list[list[_Part]]:
-    """Transfers of one pair grouped into units (see the module doc), in transfer order."""
+def _units(pair_transfers: Sequence[Transfer]) -> list[tuple[bool, list[_Part]]]:
+    """Transfers of one pair grouped into ``(is_gather, parts)`` units (see the module doc), in order."""
     runs: list[list[Transfer]] = []
     for t in pair_transfers:
         if runs and (runs[-1][0].name, runs[-1][0].dst_piece) == (t.name, t.dst_piece):
             runs[-1].append(t)
         else:
             runs.append([t])
-    units: list[list[_Part]] = []
+    units: list[tuple[bool, list[_Part]]] = []
     i = 0
     while i < len(runs):
         family = _expert_family(runs[i][0]) if len(runs[i]) == 1 else None
@@ -180,20 +190,28 @@ def _units(pair_transfers: Sequence[Transfer]) -> list[list[_Part]]:
             j += 1
         if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
             siblings = [run[0] for run in runs[i:j]]
-            units.append([(t, _narrow(t.src_box, 0, e, 1), _narrow(t.dst_box, 0, e, 1))
-                          for e in range(siblings[0].src_box.sizes[0]) for t in siblings])
+            units.append((False, [(t, _narrow(t.src_box, 0, e, 1), _narrow(t.dst_box, 0, e, 1))
+                                  for e in range(siblings[0].src_box.sizes[0]) for t in siblings]))
         else:
-            units.extend([[(t, t.src_box, t.dst_box) for t in run] for run in runs[i:j]])
+            units.extend((len(run) > 1, [(t, t.src_box, t.dst_box) for t in run]) for run in runs[i:j])
         i = j
     return units
 
 
-def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, direct_bytes: int) -> list[Message]:
+def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, direct_bytes: int,
+              mode: str = "units") -> list[Message]:
     messages: list[Message] = []
     shared = _MessageBuilder(bucket_bytes, messages)
-    for unit in _units(pair_transfers):
-        nbytes = sum(src.numel * dtype_size(t.dtype) for t, src, _ in unit)
-        builder = _MessageBuilder(bucket_bytes, messages) if nbytes >= direct_bytes else shared
+    kind = None
+    for gather, unit in _units(pair_transfers):
+        if mode == "runs":
+            if gather != kind:  # a new run: close the last one's message
+                shared.close()
+                kind = gather
+            builder = shared
+        else:
+            nbytes = sum(src.numel * dtype_size(t.dtype) for t, src, _ in unit)
+            builder = _MessageBuilder(bucket_bytes, messages) if nbytes >= direct_bytes else shared
         for t, src, dst in unit:
             part = Transfer(t.name, t.src, t.src_piece, src, t.dst, t.dst_piece, dst, t.dtype)
             for src_box, dst_box in _split_transfer(part, bucket_bytes):
@@ -238,17 +256,20 @@ def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bu
                    direct_bytes: int | None = None) -> Schedule:
     """Cut ``transfers`` into messages of at most ``bucket_bytes`` and place them in rounds.
 
-    Units of at least ``direct_bytes`` (default :data:`DIRECT_BYTES`, or ``$REFIT_DIRECT_MIN_BYTES``)
-    get messages of their own.
+    Units of at least ``direct_bytes`` (default :data:`DIRECT_BYTES`, or ``$REFIT_DIRECT_MIN_BYTES``) get
+    messages of their own (see the module doc; ``REFIT_MESSAGES=runs`` packs runs of units instead).
     """
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
     if direct_bytes is None:
         direct_bytes = int(os.environ.get(DIRECT_BYTES_ENV) or DIRECT_BYTES)
+    mode = os.environ.get(MESSAGES_ENV) or "units"
+    if mode not in ("runs", "units"):
+        raise ValueError(f"{MESSAGES_ENV}={mode!r}: use 'runs' or 'units'")
     by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         by_pair[(t.src, t.dst)].append(t)
-    per_pair = {pair: _messages(ts, bucket_bytes, direct_bytes) for pair, ts in by_pair.items()}
+    per_pair = {pair: _messages(ts, bucket_bytes, direct_bytes, mode) for pair, ts in by_pair.items()}
     schedule = Schedule(num_src, num_dst, bucket_bytes, _place_in_rounds(per_pair, bucket_bytes))
     schedule.fingerprint = fingerprint(schedule)
     schedule.stats = schedule_stats(schedule)

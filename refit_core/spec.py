@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,12 +42,15 @@ class Box:
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
-        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
-        if len(self.offsets) != len(self.sizes):
-            raise ValueError(f"box rank mismatch: offsets {self.offsets}, sizes {self.sizes}")
+        offsets, sizes = tuple(map(int, self.offsets)), tuple(map(int, self.sizes))
+        if len(offsets) != len(sizes):
+            raise ValueError(f"box rank mismatch: offsets {offsets}, sizes {sizes}")
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "ends", tuple(o + s for o, s in zip(offsets, sizes)))
 
     @classmethod
     def full(cls, shape: tuple[int, ...]) -> Box:
@@ -55,10 +59,6 @@ class Box:
     @property
     def ndim(self) -> int:
         return len(self.sizes)
-
-    @property
-    def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
 
     @property
     def numel(self) -> int:
@@ -75,11 +75,14 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes, or None when they do not overlap."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(h <= l for l, h in zip(lo, hi)):
-            return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        lo, size = [], []
+        for a, b, ea, eb in zip(self.offsets, other.offsets, self.ends, other.ends):
+            start, end = max(a, b), min(ea, eb)
+            if end <= start:
+                return None
+            lo.append(start)
+            size.append(end - start)
+        return Box(tuple(lo), tuple(size))
 
     def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which must contain it)."""
@@ -97,9 +100,10 @@ class Box:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
 
 
+@functools.cache
 def dtype_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (

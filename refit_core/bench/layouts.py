@@ -1,8 +1,8 @@
 """The benchmark's synthetic backends: a Megatron-style trainer and a vLLM-style engine.
 
 Both are built from a HF ``config.json`` (a preset of :mod:`refit_core.models`) directly on a device,
-every parameter a view into one flat allocation (so the wire test can move exactly the model's bytes
-and the memory accounting sees one block), and describe their memory as HF-space boxes:
+every parameter its own allocation as in the real frameworks (so no refit message can count on two
+parameters being neighbours in memory), and describe their memory as HF-space boxes:
 
 - :class:`MegatronStyleModel` (train side, tensor parallel ``tp``, rank ``rank``): vocab-parallel
   embedding and output layer, ``linear_qkv`` interleaved per query group (``[q_g; k_g; v_g]`` for each
@@ -30,9 +30,7 @@ from ..backend import GEN, TRAIN, Backend
 from ..models import checkpoint_specs, config_dtype, head_dim, num_experts
 from ..pieces import DestinationMap, DestinationPiece, SourcePiece
 from ..plugins import PluginManager, get_plugin_manager, hookimpl
-from ..spec import Box, TensorSpec, dtype_size
-
-ALIGN = 256
+from ..spec import Box, TensorSpec
 
 
 def reference(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor:
@@ -44,7 +42,7 @@ def reference(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor
 
 
 class _FlatModel:
-    """Parameters as views of one flat allocation, plus the HF pieces they hold."""
+    """Parameters (one allocation each) and the HF pieces they hold."""
 
     side = ""
 
@@ -54,28 +52,16 @@ class _FlatModel:
         self.device = torch.device(device)
         self.dtype = config_dtype(config)
         self.specs = {s.name: s for s in checkpoint_specs(config, grouped=True)}
-        self._layout: list[tuple[str, tuple[int, ...], int]] = []
-        self._used = 0
         self.params: dict[str, torch.Tensor] = {}
         self.pieces: list = []
         self.version = -1
         self._declare()
-        self.flat = torch.empty(self._used, dtype=torch.uint8, device=self.device)
-        for name, shape, offset in self._layout:
-            numel = 1
-            for s in shape:
-                numel *= s
-            self.params[name] = self.flat[offset:offset + numel * dtype_size(self.dtype)].view(self.dtype).view(shape)
         self._pieces()
 
     # -- declaration helpers ---------------------------------------------------------------------
 
     def _param(self, name: str, *shape: int) -> None:
-        self._layout.append((name, tuple(shape), self._used))
-        numel = 1
-        for s in shape:
-            numel *= s
-        self._used = (self._used + numel * dtype_size(self.dtype) + ALIGN - 1) // ALIGN * ALIGN
+        self.params[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _declare(self) -> None:
         raise NotImplementedError
@@ -265,7 +251,8 @@ class VllmStyleModel(_FlatModel):
 
     def poison(self) -> None:
         """Overwrite every weight with NaN, so a byte that was not written fails the check."""
-        self.flat.view(self.dtype).fill_(float("nan"))
+        for param in self.params.values():
+            param.fill_(float("nan"))
 
     def mismatches(self, seed: int) -> list[str]:
         """Every piece whose memory differs (bitwise) from the benchmark's values."""

@@ -13,6 +13,12 @@ share a GPU (several ranks per GPU on a small machine), every pair of ranks on *
 stream. Two ranks on the same GPU cannot exchange through NCCL at all; such a plan fails clearly at
 its first exchange.
 
+Several communicators per link. NCCL runs the operations to one peer one after another, and each
+costs some 20 us beyond its bytes (filling and draining its pipeline). With ``REFIT_NCCL_COMMS=K``
+(default 2) every link has K communicators, each on its own stream, and the i-th operation to a peer
+goes to communicator ``i % K``: both sides post the same sequence of operations per peer (NCCL needs
+that anyway), so they agree on the communicator without a word, and consecutive operations overlap.
+
 Backends. ``nccl4py`` (``pip install nccl4py``; the default) or, where it cannot be imported, a
 ``torch.distributed.ProcessGroupNCCL`` built on the same store (``REFIT_NCCL_BACKEND=torch`` forces
 it; it has no pairwise mode). ``nccl4py`` does not check contiguity: only contiguous tensors may be
@@ -36,6 +42,8 @@ from .base import DoneFence, Fence, Transport, _check_contiguous
 log = logging.getLogger("refit")
 
 BACKEND_ENV = "REFIT_NCCL_BACKEND"
+COMMS_ENV = "REFIT_NCCL_COMMS"
+DEFAULT_COMMS = 2
 _IN_PROGRESS = 7  # ncclInProgress
 
 
@@ -228,14 +236,22 @@ class NcclTransport(Transport):
         gpus = [store.get(f"gpu/{r}").decode() for r in range(world_size)]
         self.gpus = gpus
         self._comms: list = []
-        # peer -> (communicator, the peer's rank in it, stream)
-        self._links: dict[int, tuple[object, int, torch.cuda.Stream]] = {}
+        # peer -> [(communicator, the peer's rank in it, stream)], one entry per communicator
+        self._links: dict[int, list[tuple[object, int, torch.cuda.Stream]]] = {}
+        self._sent: dict[int, int] = {}
+        self._received: dict[int, int] = {}
         cls = _comm_class()
+        count = max(1, int(os.environ.get(COMMS_ENV) or DEFAULT_COMMS))
+        if cls is not NcclComm:
+            count = 1
         if len(set(gpus)) == world_size:
-            comm = cls(store, "world", world_size, rank, device, timeout_s)
-            stream = _stream_for(device)
-            self._comms.append(comm)
-            self._links = {peer: (comm, peer, stream) for peer in range(world_size) if peer != rank}
+            for k in range(count):
+                comm = cls(store, f"world/{k}", world_size, rank, device, timeout_s)
+                stream = _stream_for(device)
+                self._comms.append(comm)
+                for peer in range(world_size):
+                    if peer != rank:
+                        self._links.setdefault(peer, []).append((comm, peer, stream))
             self.mode = "world"
         else:
             if cls is not NcclComm:
@@ -245,24 +261,30 @@ class NcclTransport(Transport):
                 for j in range(i + 1, world_size):
                     if rank not in (i, j) or gpus[i] == gpus[j]:
                         continue
-                    comm = cls(store, f"pair/{i}/{j}", 2, 0 if rank == i else 1, device, timeout_s)
-                    self._comms.append(comm)
                     peer = j if rank == i else i
-                    self._links[peer] = (comm, 1 if rank == i else 0, _stream_for(device))
+                    for k in range(count):
+                        comm = cls(store, f"pair/{i}/{j}/{k}", 2, 0 if rank == i else 1, device, timeout_s)
+                        self._comms.append(comm)
+                        self._links.setdefault(peer, []).append((comm, 1 if rank == i else 0, _stream_for(device)))
             self.mode = "pairwise"
+        self.comms_per_link = count
         self.backend = cls.backend
-        log.info("refit nccl transport: rank %d/%d on %s, %s communicator(s), backend %s", rank, world_size,
-                 device, self.mode, self.backend)
+        log.info("refit nccl transport: rank %d/%d on %s, %s communicators x %d, backend %s", rank,
+                 world_size, device, self.mode, count, self.backend)
 
-    def _link(self, peer: int) -> tuple[object, int, torch.cuda.Stream]:
+    def _link(self, peer: int, counts: dict[int, int]) -> tuple[object, int, torch.cuda.Stream]:
+        """The communicator of this rank's next operation with ``peer`` in one direction."""
         try:
-            return self._links[peer]
+            links = self._links[peer]
         except KeyError:
             if 0 <= peer < self.world_size and self.gpus[peer] == self.gpus[self.rank]:
                 raise TransferError(f"refit ranks {self.rank} and {peer} share a GPU ({self.gpus[peer]}); "
                                     "NCCL cannot connect two ranks on one GPU: place them on different "
                                     "GPUs") from None
             raise TransferError(f"no NCCL link from rank {self.rank} to rank {peer}") from None
+        index = counts.get(peer, 0)
+        counts[peer] = index + 1
+        return links[index % len(links)]
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                  after: Sequence[Fence] = ()) -> Fence:
@@ -272,10 +294,10 @@ class NcclTransport(Transport):
         _check_contiguous(recvs)
         groups: dict[int, tuple[object, torch.cuda.Stream, list, list]] = {}
         for peer, tensor in sends:
-            comm, local, stream = self._link(peer)
+            comm, local, stream = self._link(peer, self._sent)
             groups.setdefault(id(comm), (comm, stream, [], []))[2].append((local, tensor))
         for peer, tensor in recvs:
-            comm, local, stream = self._link(peer)
+            comm, local, stream = self._link(peer, self._received)
             groups.setdefault(id(comm), (comm, stream, [], []))[3].append((local, tensor))
         if not groups:
             return _AllFence(after)
@@ -300,8 +322,9 @@ class NcclTransport(Transport):
         comms, self._comms = self._comms, None
         if not comms:
             return
-        for _, _, stream in self._links.values():
-            stream.synchronize()
+        for links in self._links.values():
+            for _, _, stream in links:
+                stream.synchronize()
         for comm in comms:
             try:
                 comm.close()
