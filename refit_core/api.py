@@ -256,10 +256,14 @@ class RefitReceiver(_Endpoint):
     def receive(self) -> StepStats:
         """Receive one step's weights into the engine; ``stats.version`` is the sender's version."""
         self._require_setup()
-        loader_weights = self._bind_step()
-        stats = self._executor.run()
-        if loader_weights:
-            self.plugins.load_weights(self.model, _ungrouped(loader_weights, self.plugins))
+        try:
+            loader_weights = self._bind_step()
+            stats = self._executor.run()
+            if loader_weights:
+                self.plugins.load_weights(self.model, _ungrouped(loader_weights, self.plugins))
+        except Exception:
+            self.plugins.abort_update(self.model)
+            raise
         self.plugins.finish_update(self.model, stats.version)
         log.info("refit received version %d: %s in %.3f s (%.2f GB/s)", stats.version,
                  format_bytes(stats.bytes), stats.seconds, stats.gbps)
@@ -270,6 +274,9 @@ def _ungrouped(weights: list[tuple[str, torch.Tensor]], pm: PluginManager) -> li
     """Grouped expert tensors back into the checkpoint's per-expert names, for an engine's loader."""
     out = []
     for name, tensor in weights:
+        if pm.expert_name(name) is not None:  # already a per-expert checkpoint name
+            out.append((name, tensor))
+            continue
         probe = ungroup_name(name, 0) if ".experts." in name else None
         expert = pm.expert_name(probe) if probe else None
         if expert is not None and expert.group == name:

@@ -73,7 +73,9 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
     ``qkv_proj`` that hold this TP rank's slice of ``k_proj``); ``loader`` lists the logical tensors
     that must instead be received whole and handed to ``refit_load_weights``.
     The hook is called at setup and again after every ``refit_begin_update`` that returns True,
-    and must then return the same pieces (same specs and boxes, in the same order).
+    and must then return the same pieces (same specs and boxes, in the same order). For an engine
+    whose ``refit_begin_update`` returns True, the setup-time views may be placeholders (right shape,
+    dtype and device, not writable): refit writes only into views obtained after ``begin_update``.
     """
 
 
@@ -105,3 +107,10 @@ def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> b
 @hookspec(firstresult=True)
 def refit_finish_update(model: Any, version: int) -> bool | None:
     """Finish a refit: post-load processing, cache resets, publishing the weight ``version``."""
+
+
+@hookspec(firstresult=True)
+def refit_abort_update(model: Any) -> bool | None:
+    """A step failed after ``refit_begin_update`` (a peer died, a header disagreed): put ``model``
+    back in a state that serves its previous weights if you can; True when handled, None if not yours.
+    """

@@ -78,7 +78,7 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
         dst.append([p.meta for p in mapping.pieces]
                    + [DestinationPiece(s, s.full_box()).meta for s in mapping.loader])
         tick(r + 1)
-    if progress is not None:
+    if progress is not None and len(src) + len(dst) >= 64:
         progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
     transfers = plan_transfers(_grouped(src, pm), _grouped(dst, pm), cast=cast)
     schedule = build_schedule(transfers, len(src), len(dst), bucket_bytes)

@@ -161,6 +161,9 @@ class PluginManager:
     def finish_update(self, model: Any, version: int) -> None:
         self.hook.refit_finish_update(model=model, version=version)
 
+    def abort_update(self, model: Any) -> None:
+        self.hook.refit_abort_update(model=model)
+
 
 _manager: PluginManager | None = None
 

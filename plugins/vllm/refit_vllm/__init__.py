@@ -1,0 +1,13 @@
+"""refit-plugin-vllm: refit straight into a running vLLM engine.
+
+- :mod:`refit_vllm.plugin`: refit's hooks (destination map, update lifecycle, metadata-only layout);
+- :mod:`refit_vllm.transfer`: the ``refit`` vLLM weight-transfer backend, worker and trainer sides;
+- :mod:`refit_vllm.extension`: a worker extension class for ``collective_rpc`` users;
+- :mod:`refit_vllm.clients`: trainer-side clients for an in-process ``LLM`` / ``AsyncLLM``.
+
+Importing this package does not import vLLM.
+"""
+
+from .state import attach
+
+__all__ = ["attach"]

@@ -1,0 +1,109 @@
+"""``refit demo`` program of the vllm backend: a real vLLM engine, refit through vLLM's own API.
+
+The engine starts from a tiny HF model directory written from ``ctx.config`` (weights of a step
+the trainer never sends), with ``WeightTransferConfig(backend="refit")`` and tensor parallelism
+``ctx.layout.tp``. It joins the refit with ``init_weight_transfer_engine``, then for every step
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update(weight_version=...)`` and a
+prefix-cache reset, and checks the result the way a user would: greedy generation equals HF
+transformers' generation with ``reference_state_dict(config, seed, step)``, token for token, and
+request outputs carry the new weight version.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+from refit_core import PluginError
+from refit_core.demo.context import DemoContext, DemoReport
+
+NEW_TOKENS = 16
+INITIAL_STEP = -1  # the engine's starting weights: a step the trainer never sends
+
+CPU_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def engine_env(tp: int, device: str) -> None:
+    """Environment a vLLM engine needs on this machine (set before vLLM is imported)."""
+    for key, value in CPU_ENV.items():
+        os.environ.setdefault(key, value)
+    if device != "cpu":
+        return
+    if tp == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[i % len(cores)]) for i in range(tp)))
+
+
+def engine_kwargs(config: dict[str, Any], tp: int, **extra: Any) -> dict[str, Any]:
+    """``LLM`` / ``AsyncEngineArgs`` arguments for a tiny checkpoint: eager, no tokenizer, small cache."""
+    from refit_core.models import config_dtype
+
+    return {"skip_tokenizer_init": True, "enforce_eager": True,
+            "dtype": str(config_dtype(config)).removeprefix("torch."),
+            "max_model_len": min(256, int(config.get("max_position_embeddings", 256))), "max_num_seqs": 8,
+            "tensor_parallel_size": tp, "distributed_executor_backend": "uni" if tp == 1 else "mp", **extra}
+
+
+def prompts_for(config: dict[str, Any]) -> list[list[int]]:
+    from .reference import DEFAULT_PROMPTS
+
+    return [[t % config["vocab_size"] for t in p] for p in DEFAULT_PROMPTS]
+
+
+def demo_gen(ctx: DemoContext) -> DemoReport:
+    """Receive ``ctx.steps`` versions into a vLLM engine and verify each by generation."""
+    layout = ctx.layout
+    if layout.world_size != layout.tp or layout.ep != 1:
+        raise PluginError(f"the vllm demo runs one engine with tensor parallelism only; got {layout}")
+    tp = layout.tp
+    engine_env(tp, ctx.device)
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
+
+    from .extension import EXTENSION
+    from .reference import hf_greedy, reference_dir
+
+    prompts = prompts_for(ctx.config)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    lines, problems, seconds, received = [], [], [], 0
+    with tempfile.TemporaryDirectory(prefix="refit-vllm-demo-") as tmp:
+        start = time.perf_counter()
+        model_dir = reference_dir(ctx.config, ctx.seed, INITIAL_STEP, os.path.join(tmp, "initial"))
+        llm = LLM(model=str(model_dir), **engine_kwargs(ctx.config, tp, worker_extension_cls=EXTENSION,
+                                                         weight_transfer_config=WeightTransferConfig(backend="refit")))
+        built = time.perf_counter() - start
+        llm.init_weight_transfer_engine({"init_info": {"rendezvous": ctx.rendezvous, "options": dict(ctx.options)}})
+        for step in range(ctx.steps):
+            began = time.perf_counter()
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": step}})
+            llm.finish_weight_update(weight_version=str(step))
+            llm.reset_prefix_cache()
+            seconds.append(time.perf_counter() - began)
+            received = sum(s.get("bytes", 0) for s in llm.collective_rpc("refit_step_stats"))
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            got = [list(o.outputs[0].token_ids) for o in outputs]
+            want = hf_greedy(reference_dir(ctx.config, ctx.seed, step, os.path.join(tmp, f"step{step}")),
+                             prompts, NEW_TOKENS)
+            if got != want:
+                problems.append(f"step {step}: vLLM generated {got[0]}..., HF transformers {want[0]}...")
+            versions = {span.version for o in outputs for span in (o.outputs[0].weight_versions or [])}
+            if versions != {str(step)}:
+                problems.append(f"step {step}: outputs carry weight versions {sorted(versions)}")
+        llm.collective_rpc("shutdown_weight_transfer_engine")
+        llm.llm_engine.engine_core.shutdown()
+    lines.append(f"vllm engine ({'tp=' + str(tp) if tp > 1 else 'single'} worker{'s' if tp > 1 else ''}, "
+                 f"{ctx.device}, built in {built:.1f} s): received {ctx.steps} versions through "
+                 "WeightTransferConfig(backend='refit'), "
+                 + ("greedy generation equals HF transformers token for token after every step"
+                    if not problems else f"{len(problems)} MISMATCHES"))
+    lines += problems
+    return DemoReport(not problems, lines, bytes_per_step=received, seconds_per_step=seconds)
+
+
+__all__ = ["demo_gen", "engine_env", "engine_kwargs", "prompts_for"]

@@ -1,0 +1,80 @@
+"""A worker extension for ``collective_rpc`` users: ``LLM(..., worker_extension_cls=EXTENSION)``.
+
+    llm = LLM(model, worker_extension_cls="refit_vllm.extension.RefitWorkerExtension")
+    llm.collective_rpc("refit_init", args=("127.0.0.1:29600",))   # with the trainers' setup
+    llm.collective_rpc("refit_receive")                           # each step, with their send
+    llm.reset_prefix_cache()
+
+The same receiver as the ``refit`` weight-transfer backend, without vLLM's weight-transfer config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refit_core import RefitError, RefitOptions, RefitReceiver
+
+from .state import attach, ensure_attached, state_of
+
+EXTENSION = "refit_vllm.extension.RefitWorkerExtension"
+
+
+class RefitWorkerExtension:
+    """Mixed into every vLLM worker; methods run through ``collective_rpc``."""
+
+    def _refit_model(self) -> Any:
+        model = self.model_runner.get_model()
+        ensure_attached(model, self.vllm_config)
+        return model
+
+    def refit_init(self, rendezvous: str, world_size: int | None = None, rank_offset: int = 0,
+                   options: dict[str, Any] | None = None, loader: list[str] | None = None) -> int:
+        """Join the refit at ``rendezvous`` as gen rank ``rank_offset`` + this worker's rank; returns it."""
+        from .transfer import worker_rank
+
+        self.refit_close()
+        rank, workers = worker_rank(self.vllm_config.parallel_config)
+        model = self._refit_model()
+        attach(model, self.vllm_config, loader=loader or ())
+        receiver = RefitReceiver(model, rendezvous=rendezvous, rank=rank_offset + rank,
+                                 world_size=world_size or workers, options=RefitOptions(**(options or {})))
+        receiver.setup()
+        self._refit_receiver = receiver
+        return rank_offset + rank
+
+    def refit_receive(self, version: int | None = None) -> int:
+        """Receive one step (the engine keeps its previous weights if it fails); returns its version."""
+        from .transfer import receive_step
+
+        receiver = getattr(self, "_refit_receiver", None)
+        if receiver is None:
+            raise RefitError("call refit_init before refit_receive")
+        version, self._refit_stats = receive_step(receiver, self._refit_model(), version)
+        return version
+
+    def refit_weight_version(self) -> int | None:
+        """The last weight version refit landed in this worker (None before the first)."""
+        state = state_of(self._refit_model())
+        return None if state is None else state.version
+
+    def refit_destination_metas(self) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]]:
+        """This worker's destination map as plain data: (name, shape, dtype, box offsets, box sizes)."""
+        from refit_core import get_plugin_manager
+
+        model = self._refit_model()
+        mapping = get_plugin_manager().destination_map(model)
+        rows = [(p.spec.name, p.spec.shape, str(p.spec.dtype), p.box.offsets, p.box.sizes) for p in mapping.pieces]
+        rows += [(s.name, s.shape, str(s.dtype), (0,) * len(s.shape), s.shape) for s in mapping.loader]
+        return rows
+
+    def refit_step_stats(self) -> dict[str, Any]:
+        """The last step's stats on this worker (version, bytes, seconds), either route."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        stats = getattr(engine, "last_stats", None) or getattr(self, "_refit_stats", None)
+        return dict(stats or {})
+
+    def refit_close(self) -> None:
+        receiver = getattr(self, "_refit_receiver", None)
+        if receiver is not None:
+            receiver.close()
+        self._refit_receiver = None

@@ -1,0 +1,170 @@
+"""refit's hooks for vLLM (entry point ``refit: vllm``).
+
+The hooks select themselves only for models built by vLLM (the ``nn.Module`` under a worker's model
+runner) and for the backend name ``"vllm"``. Importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, hookimpl
+
+from .state import MODE_ENV, ModelState, engine_context, model_device, state_of
+
+if TYPE_CHECKING:
+    from refit_core.demo.context import DemoContext, DemoReport
+
+    from .destinations import ModelPlan
+
+log = logging.getLogger("refit.vllm")
+
+
+def _demo_gen(ctx: DemoContext) -> DemoReport:
+    from .demo import demo_gen
+
+    return demo_gen(ctx)
+
+
+@hookimpl
+def refit_register_backends(register: Callable[[Backend], None]) -> None:
+    register(Backend("vllm", {GEN}, "a running vLLM engine: fused qkv/gate_up/w13 written in place, "
+                     "vLLM's layerwise reload, loader path for the rest", demo_gen=_demo_gen, priority=20))
+
+
+def _plan(model: torch.nn.Module, state: ModelState) -> ModelPlan:
+    if state.plan is None:
+        from refit_core import get_plugin_manager
+
+        from .checkpoint import engine_checkpoint_specs
+        from .destinations import plan_model
+        from .reload import direct_capable
+
+        with engine_context(state):
+            specs = engine_checkpoint_specs(state.model_config)
+            plan = plan_model(model, specs, namer=get_plugin_manager().expert_name,
+                              loader_patterns=state.loader_patterns)
+        mode = os.environ.get(MODE_ENV, "auto")
+        if mode not in ("auto", "reload", "direct"):
+            raise RefitError(f"{MODE_ENV}={mode!r}: use auto, reload or direct")
+        capable = direct_capable(model, plan)
+        if mode == "direct" and not capable:
+            raise RefitError(f"{MODE_ENV}=direct, but this model needs vLLM's post-load processing "
+                             "(CPU, quantized or re-laid-out layers, or a loader path)")
+        state.mode = "direct" if capable and mode != "reload" else "reload"
+        state.plan = plan
+        log.info("refit: vLLM destination plan (%s mode): %s", state.mode, plan.summary())
+        for module, why in sorted(plan.loader_reasons.items()):
+            log.info("refit: loader path for %s (%s)", module, why)
+    return state.plan
+
+
+def _views(model: torch.nn.Module, plan: ModelPlan, live: bool) -> list[torch.Tensor]:
+    """Views of engine memory for every piece; zero-size placeholders when memory is not there yet.
+
+    Outside an update in reload mode the checkpoint-format tensors do not exist (vLLM keeps only its
+    kernel format); the placeholders carry shape, dtype and device, and cannot be written to.
+    """
+    from .reload import live_tensor
+
+    if not live:
+        device = model_device(model)
+        return [torch.empty((), dtype=p.spec.dtype, device=device).expand(p.box.sizes) for p in plan.pieces]
+    views = []
+    for piece in plan.pieces:
+        tensor = live_tensor(model, piece.target)
+        target = plan.targets[piece.target]
+        if (tensor is None or tensor.is_meta or tuple(tensor.shape) != target.shape
+                or tuple(tensor.stride()) != target.stride or tensor.dtype != target.dtype):
+            raise RefitError(f"vLLM tensor {'.'.join(piece.target)} is not in the traced checkpoint format "
+                             f"(expected {target.shape} {target.dtype}, found "
+                             f"{None if tensor is None else (tuple(tensor.shape), tensor.dtype, tensor.device)})")
+        views.append(tensor.detach().as_strided(piece.box.sizes, piece.strides,
+                                                tensor.storage_offset() + piece.offset))
+    return views
+
+
+@hookimpl
+def refit_destination_map(model: Any) -> DestinationMap | None:
+    state = state_of(model)
+    if state is None:
+        return None
+    plan = _plan(model, state)
+    views = _views(model, plan, live=state.updating or state.mode == "direct")
+    pieces = [DestinationPiece(p.spec, p.box, v) for p, v in zip(plan.pieces, views)]
+    return DestinationMap(pieces=pieces, loader=list(plan.loader))
+
+
+@hookimpl
+def refit_begin_update(model: Any) -> bool | None:
+    state = state_of(model)
+    if state is None:
+        return None
+    plan = _plan(model, state)
+    if state.mode == "direct":
+        return False
+    if state.updating:
+        raise RefitError("refit_begin_update called twice without refit_finish_update")
+    from . import reload
+
+    with engine_context(state):
+        reload.begin(model, plan)
+    state.updating = True
+    return True
+
+
+@hookimpl
+def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> bool | None:
+    state = state_of(model)
+    if state is None:
+        return None
+    if not state.updating:
+        raise RefitError("the vLLM loader path needs refit_begin_update first")
+    from .probe import _quiet_loads
+
+    with engine_context(state), _quiet_loads(), torch.no_grad():
+        model.load_weights(iter(weights))
+    return True
+
+
+@hookimpl
+def refit_finish_update(model: Any, version: int) -> bool | None:
+    state = state_of(model)
+    if state is None:
+        return None
+    if state.updating:
+        from . import reload
+
+        with engine_context(state):
+            reload.finish(model, state.plan, state.model_config)
+        state.updating = False
+    state.version = version
+    state.history.append(version)
+    return True
+
+
+def abort_update(model: Any) -> None:
+    """Give the engine its previous weights back after a failed step (no-op when none is open)."""
+    state = state_of(model)
+    if state is None or not state.updating:
+        return
+    from . import reload
+
+    with engine_context(state):
+        reload.abort(model)
+    state.updating = False
+
+
+@hookimpl
+def refit_destination_layout(backend: str, config: dict[str, Any], layout: ParallelLayout,
+                             rank: int) -> DestinationMap | None:
+    if backend != "vllm":
+        return None
+    from .layout import destination_layout
+
+    return destination_layout(config, layout, rank)

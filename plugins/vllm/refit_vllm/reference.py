@@ -1,0 +1,72 @@
+"""Ground truth for checks: tiny HF model directories and greedy generation with HF transformers.
+
+Nothing here touches a hub: a model directory is written from a config dict (``refit_core.models``
+presets) and a state dict in checkpoint format (per-expert names), which both vLLM and transformers
+load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = ((1, 2, 3, 4, 5), (17, 99, 3), (400, 5, 271, 8, 31, 2))
+
+
+def hf_config(config: Mapping[str, Any]) -> Any:
+    """A transformers config object from a ``config.json``-style dict."""
+    import transformers
+
+    values = dict(config)
+    model_type = values.pop("model_type")
+    architectures = values.pop("architectures", None)
+    cfg = transformers.AutoConfig.for_model(model_type, **values)
+    if architectures:
+        cfg.architectures = list(architectures)
+    return cfg
+
+
+def write_model_dir(config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
+                    path: str | os.PathLike) -> Path:
+    """``config.json`` + ``model.safetensors`` (checkpoint names, contiguous tensors) in ``path``."""
+    from safetensors.torch import save_file
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    hf_config(config).save_pretrained(root)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(root / "model.safetensors"),
+              metadata={"format": "pt"})
+    return root
+
+
+def hf_greedy(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` by HF transformers (fp32, CPU), EOS ignored."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([list(prompt)], dtype=torch.long)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs
+
+
+def reference_dir(config: Mapping[str, Any], seed: int, step: int, path: str | os.PathLike) -> Path:
+    """A model directory holding ``refit_core.models.reference_state_dict(config, seed, step)``."""
+    from refit_core.models import reference_state_dict
+
+    return write_model_dir(config, reference_state_dict(dict(config), seed, step), path)
+
+
+def config_of(model_dir: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())

@@ -1,0 +1,106 @@
+"""Per-model state of the vLLM plugin: the engine config a model belongs to, its plan, its version."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refit_core import RefitError
+
+from .destinations import ModelPlan
+
+log = logging.getLogger("refit.vllm")
+
+MODE_ENV = "REFIT_VLLM_MODE"
+"""``auto`` (default): write live tensors directly where that is safe (CUDA, unquantized dense,
+no loader path), else drive vLLM's layerwise reload; ``reload`` or ``direct`` force one."""
+
+LOADER_ENV = "REFIT_VLLM_LOADER"
+"""Comma-separated regular expressions of HF names forced onto the loader path (debugging)."""
+
+
+@dataclass
+class ModelState:
+    """What the plugin knows about one live vLLM model."""
+
+    vllm_config: Any
+    loader_patterns: tuple[str, ...] = ()
+    plan: ModelPlan | None = None
+    mode: str | None = None
+    updating: bool = False
+    version: int | None = None
+    history: list[int] = field(default_factory=list)
+
+    @property
+    def model_config(self) -> Any:
+        return self.vllm_config.model_config
+
+
+_STATES: weakref.WeakKeyDictionary[torch.nn.Module, ModelState] = weakref.WeakKeyDictionary()
+
+
+def is_vllm_model(model: Any) -> bool:
+    """A model built by vLLM's loader (it recorded reload metadata for it) -- never imports vLLM."""
+    if "vllm" not in sys.modules or not isinstance(model, torch.nn.Module):
+        return False
+    if not callable(getattr(model, "load_weights", None)):
+        return False
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return model in LAYERWISE_INFO
+
+
+def attach(model: torch.nn.Module, vllm_config: Any, *, loader: Sequence[str] = ()) -> ModelState:
+    """Register ``model`` (the worker's model) with its engine config; returns its fresh state."""
+    patterns = tuple(loader) + tuple(p for p in os.environ.get(LOADER_ENV, "").split(",") if p)
+    state = ModelState(vllm_config, patterns)
+    _STATES[model] = state
+    return state
+
+
+def ensure_attached(model: torch.nn.Module, vllm_config: Any) -> ModelState:
+    """``model``'s state, attaching it to ``vllm_config`` if nothing did yet (keeps an existing plan)."""
+    state = _STATES.get(model)
+    return state if state is not None else attach(model, vllm_config)
+
+
+def state_of(model: Any) -> ModelState | None:
+    """The state of a vLLM model (attaching it to the current vLLM config if needed), else None."""
+    state = _STATES.get(model) if isinstance(model, torch.nn.Module) else None
+    if state is not None or not is_vllm_model(model):
+        return state
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None or config.model_config is None:
+        raise RefitError("refit found a vLLM model with no engine config: call refit_vllm.attach(model, "
+                         "vllm_config) first, or use the 'refit' weight-transfer backend / "
+                         "RefitWorkerExtension, which do")
+    return attach(model, config)
+
+
+@contextlib.contextmanager
+def engine_context(state: ModelState) -> Iterator[None]:
+    """vLLM's current-config context (loaders and post-processing may consult it)."""
+    from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config
+
+    if get_current_vllm_config_or_none() is state.vllm_config:
+        yield
+        return
+    with set_current_vllm_config(state.vllm_config):
+        yield
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    return torch.device("cpu")

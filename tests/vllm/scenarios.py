@@ -1,0 +1,484 @@
+"""Real-engine scenarios of the vLLM plugin tests, each run in a fresh process.
+
+``python tests/vllm/scenarios.py NAME '{"json": "args"}'`` prints ``RESULT {...}`` as its last line.
+A fresh process per scenario keeps vLLM's process-global state (environment cache, plugin and
+distributed state) from leaking between engines. The train side is always the dtensor plugin:
+FSDP2 over 2 spawned CPU ranks (gloo), fp32 master weights, ``reference_state_dict(config, 0, step)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+       "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # test-only worker probes go through collective_rpc
+for _k, _v in ENV.items():
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+
+NEW_TOKENS = 12
+SEED = 0
+
+
+# -- configs ----------------------------------------------------------------------------------
+
+
+def tiny_config(name: str) -> dict[str, Any]:
+    """A preset, or a variant: ``tiny-qwen2`` (q/k/v biases), ``tiny-llama-mqa`` (one KV head and a
+    vocabulary of 500, which vLLM pads to 512), ``tiny-qwen3-tied-v500`` (tied, padded vocabulary)."""
+    from refit_core.models import PRESETS
+
+    if name == "tiny-qwen2":
+        cfg = dict(PRESETS["tiny-qwen3"], architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    elif name == "tiny-llama-mqa":
+        cfg = dict(PRESETS["tiny-llama"], num_key_value_heads=1, vocab_size=500)
+    elif name == "tiny-qwen3-tied-v500":
+        cfg = dict(PRESETS["tiny-qwen3-tied"], vocab_size=500)
+    else:
+        cfg = dict(PRESETS[name])
+    return cfg
+
+
+# -- the train side ---------------------------------------------------------------------------
+
+
+def _train_model(cfg: dict[str, Any], world: int, rank: int, port: int) -> torch.nn.Module:
+    import torch.distributed as dist
+    from refit_dtensor import build_model, init_mesh, shard_model
+
+    from refit_core import ParallelLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    layout = ParallelLayout(fsdp=world)
+    model = build_model(cfg, dtype=torch.float32, device=torch.device("cpu"))
+    shard_model(model, layout, init_mesh(layout, "cpu"))
+    return model
+
+
+def train_sender(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, port: int, steps: list[int],
+                 options: dict[str, Any]) -> None:
+    """FSDP2 trainer rank with refit's own API: setup, then one send per step."""
+    import torch.distributed as dist
+    from refit_dtensor import load_hf_weights
+
+    from refit_core import RefitOptions, RefitSender
+    from refit_core.models import reference_state_dict
+
+    model = _train_model(cfg, world, rank, port)
+    sender = RefitSender(model, rendezvous=rendezvous, rank=rank, world_size=world, options=RefitOptions(**options))
+    try:
+        sender.setup()
+        for step in steps:
+            load_hf_weights(model, reference_state_dict(cfg, SEED, step))
+            sender.send(version=step)
+    finally:
+        sender.close()
+        dist.destroy_process_group()
+
+
+def train_then_die(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, port: int) -> None:
+    """Set up, then die in the middle of the first step (before sending a byte)."""
+    from refit_core import RefitSender
+
+    model = _train_model(cfg, world, rank, port)
+    sender = RefitSender(model, rendezvous=rendezvous, rank=rank, world_size=world)
+    sender.setup()
+    time.sleep(1.0)
+    os._exit(3)
+
+
+def train_engine(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, port: int, steps: list[int],
+                 conn: Any, gate: Any) -> None:
+    """FSDP2 trainer rank through vLLM's trainer-side API, registered as backend ``refit``."""
+    import torch.distributed as dist
+    from refit_dtensor import load_hf_weights
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from refit_core.models import reference_state_dict
+    from refit_vllm.transfer import RefitSource, RefitTrainerInitInfo
+
+    model = _train_model(cfg, world, rank, port)
+    client = ProxyClient(conn)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        RefitTrainerInitInfo(rank=rank, rendezvous=rendezvous, world_size=world), client=client,
+        source=RefitSource(model))
+    for step in steps:
+        if not gate.wait(timeout=300):
+            raise TimeoutError("the test never opened the gate")
+        load_hf_weights(model, reference_state_dict(cfg, SEED, step))
+        engine.send_weights(version=step)
+    engine.shutdown()
+    dist.destroy_process_group()
+
+
+class Trainers:
+    """``spawn`` of the train ranks on a background thread; ``join`` re-raises their failure."""
+
+    def __init__(self, fn: Any, world: int, *args: Any) -> None:
+        from refit_core.launch import spawn
+
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                spawn(fn, world, *args, timeout_s=400)
+            except BaseException as exc:  # noqa: BLE001 - reported by join
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 400) -> BaseException | None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError("train ranks did not finish")
+        return self.error
+
+
+class ProxyClient:
+    """A ``VLLMWeightSyncClient`` in a trainer process: calls run in the engine's process (``serve``)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.conn.send((method, args, kwargs))
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"engine side {method} failed: {value}")
+        return value
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version=weight_version)
+
+
+def serve(client: Any, conn: Any, log: list[str], done: threading.Event) -> None:
+    """Run a trainer's proxied client calls on ``client`` until the trainer hangs up."""
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            return
+        try:
+            value = getattr(client, method)(*args, **kwargs)
+            conn.send((True, value))
+        except BaseException as exc:  # noqa: BLE001 - sent back to the trainer
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
+        log.append(method)
+        if method == "finish_weight_update":
+            done.set()
+
+
+# -- the gen side -----------------------------------------------------------------------------
+
+
+def _engine_env(tp: int) -> None:
+    if tp == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count()) for i in range(tp))
+
+
+def hf_tokens(cfg: dict[str, Any], step: int, prompts: list[list[int]], tmp: str) -> list[list[int]]:
+    from refit_vllm.reference import hf_greedy, reference_dir
+
+    return hf_greedy(reference_dir(cfg, SEED, step, os.path.join(tmp, f"hf{step}")), prompts, NEW_TOKENS)
+
+
+def _count_load_weights(worker: Any) -> None:
+    model = worker.model_runner.get_model()
+    original = model.load_weights
+    model._refit_test_calls = 0
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        model._refit_test_calls += 1
+        return original(*args, **kwargs)
+
+    model.load_weights = counted
+
+
+def _load_weights_calls(worker: Any) -> int:
+    return worker.model_runner.get_model()._refit_test_calls
+
+
+def _plan_summary(worker: Any) -> dict[str, Any]:
+    from refit_vllm.state import state_of
+
+    state = state_of(worker.model_runner.get_model())
+    plan = state.plan
+    return {"loader": [s.name for s in plan.loader], "pieces": len(plan.pieces), "mode": state.mode,
+            "loader_modules": sorted(plan.loader_reasons)}
+
+
+def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", loader: list[str] | None = None,
+                   steps: list[int] | None = None) -> dict[str, Any]:
+    """FSDP2 (2 ranks) -> vLLM (``tp`` workers): after each refit, vLLM's greedy tokens vs HF's."""
+    _engine_env(tp)
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
+
+    from refit_core import ParallelLayout
+    from refit_core.launch import free_port
+    from refit_vllm.demo import engine_kwargs, prompts_for
+    from refit_vllm.extension import EXTENSION
+    from refit_vllm.layout import destination_layout
+    from refit_vllm.reference import reference_dir
+
+    steps = steps or [1, 2]
+    cfg = tiny_config(model)
+    prompts = prompts_for(cfg)
+    tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
+    result: dict[str, Any] = {"steps": []}
+    start = time.perf_counter()
+    llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
+              **engine_kwargs(cfg, tp, weight_transfer_config=WeightTransferConfig(backend="refit"),
+                              worker_extension_cls=EXTENSION))
+    result["build_s"] = time.perf_counter() - start
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def generate() -> list[Any]:
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    result["initial_equal"] = [list(o.outputs[0].token_ids) for o in generate()] == hf_tokens(cfg, 0, prompts, tmp)
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), steps, {})
+    start = time.perf_counter()
+    if route == "weight_transfer":
+        llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "loader": loader or []}})
+    else:
+        result["ranks"] = llm.collective_rpc("refit_init", args=(rendezvous,), kwargs={"loader": loader or []})
+    result["setup_s"] = time.perf_counter() - start
+    live = llm.collective_rpc("refit_destination_metas")
+    result["layout_equal"] = [
+        {tuple(map(lambda x: tuple(x) if isinstance(x, list) else x, row)) for row in rows}
+        == {(p.spec.name, p.spec.shape, str(p.spec.dtype), p.box.offsets, p.box.sizes)
+            for p in destination_layout(cfg, ParallelLayout(tp=tp), rank).pieces}
+        for rank, rows in enumerate(live)]
+    result["plan"] = llm.collective_rpc(_plan_summary)
+    llm.collective_rpc(_count_load_weights)
+    for step in steps:
+        began = time.perf_counter()
+        if route == "weight_transfer":
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": step}})
+            llm.finish_weight_update(weight_version=str(step))
+            versions = [step] * tp
+        else:
+            versions = llm.collective_rpc("refit_receive", kwargs={"version": step})
+            llm.update_weight_version(str(step))
+        llm.reset_prefix_cache()
+        seconds = time.perf_counter() - began
+        outputs = generate()
+        got = [list(o.outputs[0].token_ids) for o in outputs]
+        want = hf_tokens(cfg, step, prompts, tmp)
+        result["steps"].append({
+            "step": step, "seconds": seconds, "equal": got == want, "got": got[0], "want": want[0],
+            "received_versions": versions, "engine_version": llm.get_weight_version(),
+            "worker_versions": llm.collective_rpc("refit_weight_version"),
+            "output_versions": sorted({s.version for o in outputs for s in o.outputs[0].weight_versions or []}),
+        })
+    result["load_weights_calls_during_steps"] = llm.collective_rpc(_load_weights_calls)
+    error = trainers.join()
+    result["trainer_error"] = None if error is None else str(error)
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
+    """A trainer whose model does not match the engine's: setup fails, the engine keeps serving."""
+    _engine_env(1)
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
+
+    from refit_core.launch import free_port
+    from refit_vllm.demo import engine_kwargs, prompts_for
+    from refit_vllm.reference import reference_dir
+
+    cfg = tiny_config(engine_model)
+    prompts = prompts_for(cfg)
+    tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
+    llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
+              **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def generate() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids)
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    before = generate()
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, tiny_config(train_model), rendezvous, free_port(), [1],
+                        {"timeout_s": 60})
+    result: dict[str, Any] = {"engine_error": None}
+    start = time.perf_counter()
+    try:
+        llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": {"timeout_s": 60}}})
+    except Exception as exc:  # noqa: BLE001 - the expected outcome
+        result["engine_error"] = f"{type(exc).__name__}: {exc}"
+    result["fail_s"] = time.perf_counter() - start
+    error = trainers.join()
+    result["trainer_error"] = None if error is None else str(error)
+    after = generate()
+    result["still_generates"] = after == before
+    result["matches_hf_initial"] = after == hf_tokens(cfg, 0, prompts, tmp)
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def scenario_abort(model: str) -> dict[str, Any]:
+    """The trainers die after setup: the step fails, and the engine keeps its previous weights."""
+    _engine_env(1)
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
+
+    from refit_core.launch import free_port
+    from refit_vllm.demo import engine_kwargs, prompts_for
+    from refit_vllm.reference import reference_dir
+
+    cfg = tiny_config(model)
+    prompts = prompts_for(cfg)
+    tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
+    llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
+              **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def generate() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids)
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    before = generate()
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_then_die, 2, cfg, rendezvous, free_port())
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": {"timeout_s": 30}}})
+    result: dict[str, Any] = {"step_error": None}
+    start = time.perf_counter()
+    llm.start_weight_update()
+    try:
+        llm.update_weights({"update_info": {"version": 1}})
+    except Exception as exc:  # noqa: BLE001 - the expected outcome
+        result["step_error"] = f"{type(exc).__name__}: {exc}"
+    result["fail_s"] = time.perf_counter() - start
+    trainers.join()
+    llm.reset_prefix_cache()
+    result["same_tokens_after"] = generate() == before
+    result["engine_version"] = llm.get_weight_version()
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def scenario_inflight(model: str) -> dict[str, Any]:
+    """AsyncLLM: a request in flight across pause(keep) -> refit (trainer-side API) -> resume."""
+    _engine_env(1)
+    return asyncio.run(_inflight(model))
+
+
+async def _inflight(model: str) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.config import WeightTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from refit_core.launch import free_port
+    from refit_vllm.clients import AsyncLLMClient
+    from refit_vllm.demo import engine_kwargs, prompts_for
+    from refit_vllm.reference import reference_dir
+
+    cfg = tiny_config(model)
+    tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
+    args = AsyncEngineArgs(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
+                           **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
+    engine = AsyncLLM.from_engine_args(args)
+    result: dict[str, Any] = {}
+    try:
+        await engine.update_weight_version("0")
+        loop = asyncio.get_running_loop()
+        spawn_ctx = mp.get_context("spawn")
+        ours, theirs = spawn_ctx.Pipe()
+        gate = spawn_ctx.Event()
+        calls: list[str] = []
+        finished = threading.Event()
+        server = threading.Thread(target=serve, args=(AsyncLLMClient(engine, loop), ours, calls, finished),
+                                  daemon=True)
+        server.start()
+        rendezvous = f"127.0.0.1:{free_port()}"
+        trainers = Trainers(train_engine, 2, cfg, rendezvous, free_port(), [1], theirs, gate)
+        while "init_weight_transfer_engine" not in calls:  # the trainer drives setup through its client
+            await asyncio.sleep(0.05)
+            if trainers.error is not None:
+                raise trainers.error
+
+        long_tokens = 48
+        prompt = prompts_for(cfg)[0]
+        params = SamplingParams(max_tokens=long_tokens, temperature=0.0, ignore_eos=True)
+        seen: list[int] = []
+
+        async def run_request() -> Any:
+            final = None
+            async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id="inflight"):
+                seen.append(len(out.outputs[0].token_ids))
+                final = out
+            return final
+
+        task = asyncio.create_task(run_request())
+        while not seen or seen[-1] < 6:
+            await asyncio.sleep(0.005)
+        await engine.pause_generation(mode="keep")
+        result["tokens_at_pause"] = seen[-1]
+        result["unfinished_at_pause"] = not task.done()
+        gate.set()  # the trainers send version 1 now
+        await loop.run_in_executor(None, finished.wait, 300)
+        result["engine_version_after_refit"] = await engine.get_weight_version()
+        await engine.resume_generation()
+        final = await asyncio.wait_for(task, 300)
+        completion = final.outputs[0]
+        result["completed_tokens"] = len(completion.token_ids)
+        result["spans"] = [(s.version, s.start, s.end) for s in completion.weight_versions or []]
+        after = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        fresh = []
+        for i, p in enumerate(prompts_for(cfg)):
+            out = None
+            async for out in engine.generate({"prompt_token_ids": p}, after, request_id=f"after{i}"):
+                pass
+            fresh.append(list(out.outputs[0].token_ids))
+        result["after_equal_hf"] = fresh == hf_tokens(cfg, 1, prompts_for(cfg), tmp)
+        result["client_calls"] = calls
+        error = trainers.join()
+        result["trainer_error"] = None if error is None else str(error)
+    finally:
+        engine.shutdown()
+    return result
+
+
+SCENARIOS = {"refit": scenario_refit, "mismatch": scenario_mismatch, "abort": scenario_abort,
+             "inflight": scenario_inflight}
+
+if __name__ == "__main__":
+    name, arguments = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
+    try:
+        outcome = SCENARIOS[name](**arguments)
+    except BaseException:  # noqa: BLE001 - reported to the test
+        outcome = {"scenario_error": traceback.format_exc()}
+    print("RESULT " + json.dumps(outcome, default=str), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # engine processes and threads must not keep the scenario alive
