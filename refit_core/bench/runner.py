@@ -197,6 +197,7 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
                 if not is_train:
                     expected = int(store.get("wire/checksum").decode())
                     entry["check"] = "checksum ok" if _checksum(data) == expected else "CHECKSUM MISMATCH"
+                del data  # the wire's buffer must go with the method
             elif not is_train:
                 bad = model.mismatches(seed)
                 entry["check"] = "bitwise ok" if not bad else f"{len(bad)} MISMATCHED: {bad[:3]}"
@@ -430,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in summary["rows"]:
             if any(("ok" not in c) for c in row["checks"]) or (row["method"] != "wire" and not row["checks"]):
                 ok = False
-    if args.out:
-        _write(report, args.out)
+        if args.out:  # after every model, so a later failure keeps what was measured
+            _write(report, args.out)
     return 0 if ok else 1
 
 

@@ -148,16 +148,19 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
     return True
 
 
-def abort_update(model: Any) -> None:
+@hookimpl
+def refit_abort_update(model: Any) -> bool | None:
     """Give the engine its previous weights back after a failed step (no-op when none is open)."""
     state = state_of(model)
-    if state is None or not state.updating:
-        return
-    from . import reload
+    if state is None:
+        return None
+    if state.updating:
+        from . import reload
 
-    with engine_context(state):
-        reload.abort(model)
-    state.updating = False
+        with engine_context(state):
+            reload.abort(model)
+        state.updating = False
+    return True
 
 
 @hookimpl

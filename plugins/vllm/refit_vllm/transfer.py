@@ -132,16 +132,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
 
 def receive_step(receiver: RefitReceiver, model: torch.nn.Module,
                  expected: int | None = None) -> tuple[int, dict[str, Any]]:
-    """One refit step into ``model`` -> (version, stats); the engine keeps its old weights on failure."""
-    from .plugin import abort_update
-
-    try:
-        result = receiver.receive()
-    except BaseException:
-        abort_update(model)
-        raise
-    version = int(getattr(result, "version", result))
-    stats = {k: getattr(result, k) for k in ("version", "bytes", "seconds") if hasattr(result, k)}
+    """One refit step into ``model`` -> (version, stats); on failure the core calls
+    ``refit_abort_update`` and the engine keeps its old weights."""
+    result = receiver.receive()
+    version = result.version
+    stats = {"version": result.version, "bytes": result.bytes, "seconds": result.seconds}
     if expected is not None and version != expected:
         raise RefitError(f"refit received weight version {version}, but update_weights asked for {expected}")
     return version, stats

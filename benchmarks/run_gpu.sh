@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The whole GPU check in one go, for a 2-GPU machine (made for nvidia-h200-x2):
+#   1. environment (GPUs, link topology, torch / NCCL / nccl4py versions),
+#   2. `refit bench` on the Llama-3-8B and Qwen3-30B-A3B shapes: wire, per-tensor, packed, refit,
+#   3. the GPU tests (tests/gpu),
+#   4. multi-rank reshards of the Llama shape with several ranks per GPU (pairwise communicators):
+#      TP2 (2 ranks on GPU 0) -> TP2 (2 ranks on GPU 1), and TP2 -> TP1 x DP2.
+# Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
+#
+#   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
+#   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard
+set -o pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results}
+STEPS=${STEPS:-"env bench tests reshard reshard-dp"}
+MACHINE=${MACHINE:-nvidia-h200-x2}
+DATE=$(date -u +%F)
+PY=${PY:-python3}
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+
+if ls .whl/nccl4py-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+export PYTHONPATH=$PWD:$PWD/tests/example_plugin:$PYTHONPATH
+
+step() { [[ " $STEPS " == *" $1 "* ]] && echo "== $1 at $(date -u +%T)" | tee -a "$LOG"; }
+
+# limit SECONDS CMD...: run CMD in a process group of its own; end that group (the benchmark's rank
+# processes included) if it runs past SECONDS.
+limit() {
+  local seconds=$1; shift
+  setsid "$@" &
+  local pid=$!
+  # The watchdog keeps no descriptor of ours open (else whoever reads our output waits for it).
+  setsid bash -c "sleep $seconds; echo '!! $1 ran past ${seconds}s: stopping it' >>'$LOG';
+    kill -TERM -- -$pid 2>/dev/null; sleep 5; kill -KILL -- -$pid 2>/dev/null" </dev/null >/dev/null 2>&1 &
+  local watchdog=$!
+  wait "$pid"; local rc=$?
+  kill -- "-$watchdog" 2>/dev/null
+  return $rc
+}
+
+if step env; then
+  {
+    echo "== $(date -u) on $(hostname)"
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+    nvidia-smi topo -m
+    $PY - <<'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+try:
+    print("torch nccl", torch.cuda.nccl.version())
+except Exception as exc:
+    print("torch nccl: -", exc)
+try:
+    import cuda.core, nccl.core as nccl
+    print("cuda.core", getattr(cuda.core, "__version__", "?"), "nccl4py", nccl.__version__, nccl.get_version())
+except Exception as exc:
+    print("nccl4py import failed:", type(exc).__name__, exc)
+EOF
+  } 2>&1 | tee -a "$LOG"
+fi
+
+if step bench; then
+  CMD="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit-staged} --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
+  limit ${BENCH_TIMEOUT:-300} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 120 \
+    --command "$CMD" --out "$OUT/h200x2-$DATE" 2>&1 | tee -a "$LOG"
+  echo "bench exit: $?" | tee -a "$LOG"
+fi
+
+if step tests; then
+  limit ${TESTS_TIMEOUT:-120} $PY -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -30 | tee -a "$LOG"
+  echo "tests exit: $?" | tee -a "$LOG"
+fi
+
+if step reshard; then
+  CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
+  limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
+    --command "$CMD" --out "$OUT/h200x2-reshard-$DATE" 2>&1 | tee -a "$LOG"
+  echo "reshard exit: $?" | tee -a "$LOG"
+fi
+
+if step reshard-dp; then
+  CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
+  limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
+    --command "$CMD" --out "$OUT/h200x2-reshard-dp-$DATE" 2>&1 | tee -a "$LOG"
+  echo "reshard-dp exit: $?" | tee -a "$LOG"
+fi
+echo "== done at $(date -u +%T)" | tee -a "$LOG"
