@@ -158,8 +158,10 @@ class _Endpoint:
         """Tell every rank why setup failed; the store's host waits until they have read it."""
         self._rdv.fail(exc, f"{self.side} rank {self.rank}", f"done/{self.side}/{self.rank}")
         if self._hosts_store:
-            self._rdv.linger(self._rank_keys("done") or ["done/gen/0"],
-                             timeout_s=min(self.options.timeout_s, 15.0))
+            if not self.sizes:  # failed before learning the gen side's size: wait for it to show up
+                self._rdv.linger(["size/gen"], timeout_s=self.options.timeout_s)
+                self.sizes = {TRAIN: self.world_size, GEN: self._rdv.read("size/gen", default=0)}
+            self._rdv.linger(self._rank_keys("done"), timeout_s=self.options.timeout_s)
 
     def _global_rank(self) -> int:
         """Train ranks come first in refit's own process group, then gen ranks."""

@@ -44,6 +44,13 @@ class Rendezvous:
     def publish(self, key: str, value: Any) -> None:
         self.store.set(key, pickle.dumps(value))
 
+    def read(self, key: str, default: Any = None) -> Any:
+        """The value under ``key`` now, or ``default``; never waits, never raises."""
+        try:
+            return pickle.loads(self.store.get(key)) if self.store.check([key]) else default
+        except Exception:  # noqa: BLE001
+            return default
+
     def fail(self, error: Exception, where: str, done_key: str) -> None:
         """Tell every other rank that setup failed, and why; then mark this rank as done."""
         try:
@@ -57,11 +64,13 @@ class Rendezvous:
         """Keep the store up until ``keys`` exist or ``timeout_s`` passes (the host, after a failure,
         so that every rank can still read the error instead of losing the store)."""
         deadline = time.monotonic() + timeout_s
-        try:
-            while not self.store.check(keys) and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check(keys):
+                    return
+            except Exception:  # noqa: BLE001 - a slow client must not make the host leave early
+                pass
+            time.sleep(POLL_S)
 
     def _check_error(self) -> None:
         if self.store.check(["error"]):

@@ -60,3 +60,31 @@ def test_a_peer_that_dies_gives_an_error_not_a_hang():
     assert gen_errors, results
     assert all(r[1] == "TransferError" for r in gen_errors), gen_errors
     assert time.monotonic() - start < 90
+
+
+def _unknown_model_on_the_host(rank: int, world: int, address: str):
+    from refit_core import RefitOptions, RefitReceiver, RefitSender
+    from refit_toy.models import ToyEngine, ToyTrainer
+
+    options = RefitOptions(timeout_s=30)
+    try:
+        if rank == 0:  # the store's host fails before it learns anything about the gen side
+            RefitSender(object(), rendezvous=address, rank=0, world_size=2, options=options).setup()
+        elif rank == 1:
+            time.sleep(1)
+            RefitSender(ToyTrainer(1, 2), rendezvous=address, rank=1, world_size=2, options=options).setup()
+        else:
+            time.sleep(2)
+            RefitReceiver(ToyEngine(0, 1), rendezvous=address, rank=0, world_size=1, options=options).setup()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+    return "none", "setup succeeded"
+
+
+def test_a_rank_failing_early_still_tells_every_other_rank_why():
+    start = time.monotonic()
+    results = spawn(_unknown_model_on_the_host, 3, f"127.0.0.1:{free_port()}", timeout_s=120)
+    assert results[0][0] == "PluginError"
+    for kind, message in results:
+        assert "no installed refit plugin recognizes the training model of type builtins.object" in message, message
+    assert time.monotonic() - start < 25  # nobody waited for the full timeout
