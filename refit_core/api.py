@@ -66,6 +66,13 @@ def _device_of(pieces: list[Piece]) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
+def _device_identity(device: torch.device) -> str:
+    """``cuda:<uuid>`` for a GPU (equal on every process that uses it), ``cpu`` otherwise."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
 def _grouped(side_metas: list[list[PieceMeta]], pm: PluginManager) -> tuple[list[list[PieceMeta]], dict[str, int]]:
     counts = expert_counts(side_metas, pm.expert_name)
     return [[group_meta(m, pm.expert_name, counts) for m in metas] for metas in side_metas], counts
@@ -131,6 +138,7 @@ class _Endpoint:
                                     "cast": self.options.cast,
                                     "allow_unused_sources": self.options.allow_unused_sources})
         rdv.publish(f"meta/{self.side}/{self.rank}", [p.meta for p in pieces])
+        rdv.publish(f"device/{self.side}/{self.rank}", _device_identity(self.device))
         self.sizes = dict(zip((TRAIN, GEN), rdv.wait(["size/train", "size/gen"], "both sides' sizes")))
         (settings,) = rdv.wait(["options"], "the train side's options")
         metas = {side: rdv.wait([f"meta/{side}/{r}" for r in range(self.sizes[side])], f"{side} metadata")
@@ -144,12 +152,25 @@ class _Endpoint:
         transfers = plan_transfers(grouped[TRAIN][0], grouped[GEN][0], cast=settings["cast"],
                                    allow_unused_sources=settings["allow_unused_sources"])
         schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings["bucket_bytes"])
+        self._check_placement(schedule)
         self._rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
         everyone = self._rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
         if any(fp != schedule.fingerprint for fp in everyone):
             raise PlanError(f"ranks computed different plans (fingerprints {sorted(set(everyone))}); "
                             "every rank must run the same refit version and options")
         return schedule
+
+    def _check_placement(self, schedule: Schedule) -> None:
+        """NCCL cannot connect two ranks on one GPU: refuse such a plan before any collective."""
+        devices = {side: self._rdv.wait([f"device/{side}/{r}" for r in range(n)], f"{side} devices")
+                   for side, n in self.sizes.items()}
+        shared = sorted({(m.src, m.dst) for msgs in schedule.rounds for m in msgs
+                         if devices[TRAIN][m.src].startswith("cuda") and devices[TRAIN][m.src] == devices[GEN][m.dst]})
+        if shared and self.options.transport in ("auto", "nccl"):
+            pairs = ", ".join(f"train {s} -> gen {d}" for s, d in shared[:5])
+            raise PlanError(f"{len(shared)} transfer(s) would connect two ranks on the same GPU ({pairs}); "
+                            "NCCL cannot do that: place the train and gen ranks that exchange weights "
+                            "on different GPUs")
 
     def _rank_keys(self, prefix: str) -> list[str]:
         return [f"{prefix}/{side}/{r}" for side, n in self.sizes.items() for r in range(n)]

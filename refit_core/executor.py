@@ -202,7 +202,10 @@ class _RoundRunner:
                     f"(fingerprint {fp:x} step {step} vs ours {self.fingerprint:x} step {self.step}); "
                     "both sides must call setup() with the same models and options")
             versions.add(peer_version)
-        return versions.pop() if len(versions) == 1 else version
+        if len(versions) > 1:
+            raise TransferError(f"train ranks sent different weight versions {sorted(versions)} in one step: "
+                                "every train rank must call send() with the same version")
+        return versions.pop()
 
     def _buffers(self) -> list[torch.Tensor]:
         staged_rounds = sum(1 for p in self.plans if p.staged_bytes)

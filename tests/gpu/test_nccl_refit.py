@@ -74,3 +74,51 @@ def test_several_ranks_per_gpu_use_pairwise_communicators(tmp_path, monkeypatch)
         (row,) = model["rows"]
         assert row["checks"] == ["bitwise ok"]
         assert row["info"]["transport_mode"] == "pairwise"
+
+
+def _toy_rank(rank: int, world: int, address: str, gpus: tuple[int, int]):
+    from refit_core import RefitOptions, RefitReceiver, RefitSender
+    from refit_core.verify import mismatches
+    from refit_toy.demo import reference
+    from refit_toy.models import ToyEngine, ToyTrainer
+
+    device = f"cuda:{gpus[rank]}"
+    torch.cuda.set_device(device)
+    try:
+        if rank == 0:
+            model = ToyTrainer(0, 1, device=device)
+            sender = RefitSender(model, rendezvous=address, rank=0, world_size=1, options=RefitOptions(timeout_s=60))
+            sender.setup()
+            for step in range(2):
+                model.load({k: v.to(device) for k, v in reference(0, step).items()})
+                sender.send(version=step)
+            return "sent"
+        engine = ToyEngine(0, 1, device=device)
+        receiver = RefitReceiver(engine, rendezvous=address, rank=0, world_size=1, options=RefitOptions(timeout_s=60))
+        receiver.setup()
+        pieces = receiver.plugins.destination_map(engine).pieces
+        checks = []
+        for step in range(2):
+            stats = receiver.receive()
+            checks.append((stats.version, mismatches(pieces, reference(0, step))))
+        return checks
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+
+
+def test_nccl_refit_casts_fp32_to_bf16_and_lands_bitwise():
+    """The toy plugin over NCCL (cuda:0 -> cuda:1): fused qkv, grouped experts, a bf16 destination
+    cast on the sender."""
+    from refit_core.launch import free_port, spawn
+
+    sent, received = spawn(_toy_rank, 2, f"127.0.0.1:{free_port()}", (0, 1), timeout_s=300)
+    assert sent == "sent"
+    assert received == [(0, []), (1, [])]
+
+
+def test_two_ranks_on_one_gpu_are_refused_at_setup():
+    from refit_core.launch import free_port, spawn
+
+    results = spawn(_toy_rank, 2, f"127.0.0.1:{free_port()}", (0, 0), timeout_s=300)
+    for kind, message in results:
+        assert kind == "PlanError" and "would connect two ranks on the same GPU (train 0 -> gen 0)" in message
