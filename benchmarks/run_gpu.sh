@@ -4,16 +4,17 @@
 #   2. `refit bench` on the Llama-3-8B and Qwen3-30B-A3B shapes: wire, per-tensor, packed, refit,
 #   3. the GPU tests (tests/gpu),
 #   4. multi-rank reshards of the Llama shape with several ranks per GPU (pairwise communicators):
-#      TP2 (2 ranks on GPU 0) -> TP2 (2 ranks on GPU 1), and TP2 -> TP1 x DP2.
+#      TP2 (2 ranks on GPU 0) -> TP2 (2 ranks on GPU 1), and TP2 -> TP1 x DP2,
+#   5. `refit demo --train dtensor --gen dtensor --device cuda` (FSDP2/DTensor over NCCL, verified).
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
-#   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard
+#   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
-STEPS=${STEPS:-"env bench tests reshard reshard-dp"}
+STEPS=${STEPS:-"env bench tests reshard reshard-dp demo"}
 MACHINE=${MACHINE:-nvidia-h200-x2}
 DATE=$(date -u +%F)
 PY=${PY:-python3}
@@ -25,6 +26,10 @@ if ls .whl/nccl4py-*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 export PYTHONPATH=$PWD:$PWD/tests/example_plugin:$PYTHONPATH
+# Plugins are found through entry points: install refit and its plugins (no dependencies: the
+# machine has torch and transformers) so that the tests and `refit demo` discover them.
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . -e plugins/dtensor -e tests/example_plugin \
+  2>&1 | tail -3 | tee -a "$LOG"
 
 step() { [[ " $STEPS " == *" $1 "* ]] && echo "== $1 at $(date -u +%T)" | tee -a "$LOG"; }
 
@@ -88,5 +93,10 @@ if step reshard-dp; then
   limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
     --command "$CMD" --out "$OUT/h200x2-reshard-dp-$DATE" 2>&1 | tee -a "$LOG"
   echo "reshard-dp exit: $?" | tee -a "$LOG"
+fi
+if step demo; then
+  limit ${DEMO_TIMEOUT:-240} $PY -m refit_core.cli demo --train dtensor --gen dtensor --device cuda --steps 2 \
+    2>&1 | tail -8 | tee -a "$LOG"
+  echo "demo exit: $?" | tee -a "$LOG"
 fi
 echo "== done at $(date -u +%T)" | tee -a "$LOG"
