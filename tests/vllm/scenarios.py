@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
@@ -305,17 +306,16 @@ def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", load
     return result
 
 
-def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
-    """A trainer whose model does not match the engine's: setup fails, the engine keeps serving."""
+def _refit_engine(cfg: dict[str, Any]) -> tuple[Any, list[list[int]], str, Callable[[], list[list[int]]]]:
+    """A TP-1 vLLM engine on the step-0 reference weights with refit as its weight-transfer backend:
+    ``(llm, prompts, tmp dir, generate)``, where ``generate()`` returns greedy tokens per prompt."""
     _engine_env(1)
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
-    from refit_core.launch import free_port
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.reference import reference_dir
 
-    cfg = tiny_config(engine_model)
     prompts = prompts_for(cfg)
     tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
     llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
@@ -326,6 +326,15 @@ def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
         return [list(o.outputs[0].token_ids)
                 for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
+    return llm, prompts, tmp, generate
+
+
+def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
+    """A trainer whose model does not match the engine's: setup fails, the engine keeps serving."""
+    from refit_core.launch import free_port
+
+    cfg = tiny_config(engine_model)
+    llm, prompts, tmp, generate = _refit_engine(cfg)
     before = generate()
     rendezvous = f"127.0.0.1:{free_port()}"
     trainers = Trainers(train_sender, 2, tiny_config(train_model), rendezvous, free_port(), [1],
@@ -348,25 +357,10 @@ def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
 
 def scenario_abort(model: str) -> dict[str, Any]:
     """The trainers die after setup: the step fails, and the engine keeps its previous weights."""
-    _engine_env(1)
-    from vllm import LLM, SamplingParams
-    from vllm.config import WeightTransferConfig
-
     from refit_core.launch import free_port
-    from refit_vllm.demo import engine_kwargs, prompts_for
-    from refit_vllm.reference import reference_dir
 
     cfg = tiny_config(model)
-    prompts = prompts_for(cfg)
-    tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
-    llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
-              **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-    def generate() -> list[list[int]]:
-        return [list(o.outputs[0].token_ids)
-                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-
+    llm, prompts, tmp, generate = _refit_engine(cfg)
     before = generate()
     rendezvous = f"127.0.0.1:{free_port()}"
     trainers = Trainers(train_then_die, 2, cfg, rendezvous, free_port())
