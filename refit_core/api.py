@@ -221,7 +221,7 @@ class RefitSender(_Endpoint):
 
     def _make_executor(self, schedule: Schedule, bucket: int) -> SendExecutor:
         return SendExecutor(schedule.rounds_of_source(self.rank), self.transport, self.sizes[TRAIN],
-                            own_offset=0, bucket_bytes=bucket, num_buffers=self.options.num_buffers,
+                            bucket_bytes=bucket, num_buffers=self.options.num_buffers,
                             fingerprint=schedule.fingerprint, timeout_s=self.options.timeout_s)
 
     def setup(self) -> Schedule:
@@ -252,7 +252,7 @@ class RefitReceiver(_Endpoint):
 
     def _make_executor(self, schedule: Schedule, bucket: int) -> ReceiveExecutor:
         return ReceiveExecutor(schedule.rounds_of_destination(self.rank), self.transport, 0,
-                               own_offset=self.sizes[TRAIN], bucket_bytes=bucket,
+                               bucket_bytes=bucket,
                                num_buffers=self.options.num_buffers, fingerprint=schedule.fingerprint,
                                timeout_s=self.options.timeout_s)
 

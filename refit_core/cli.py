@@ -43,7 +43,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo.runner import DemoPlan, default_device, pick_pair, run_demo
+    from .demo.runner import DemoPlan, default_device, fit_to_gpus, pick_pair, run_demo
 
     pm = get_plugin_manager()
     train, gen = pick_pair(pm, args.train, args.gen)
@@ -51,6 +51,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     args.train_layout if args.train_layout is not None else train.demo_train_layout,
                     args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout,
                     args.steps, args.device or default_device())
+    if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None:
+        plan = fit_to_gpus(plan)
     print(f"refit demo: {train.name} -> {gen.name} on {plan.device} (model {plan.model}, {plan.steps} steps)",
           flush=True)
     ok, lines = run_demo(plan, timeout_s=args.timeout)

@@ -121,13 +121,12 @@ class _RoundRunner:
     gaps_allowed = False
 
     def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int, *,
-                 own_offset: int, bucket_bytes: int, num_buffers: int, fingerprint: str,
+                 bucket_bytes: int, num_buffers: int, fingerprint: str,
                  timeout_s: float) -> None:
         self.rounds = rounds
         self.transport = transport
         self.device = transport.device
         self.peer_offset = peer_offset
-        self.own_offset = own_offset
         self.bucket_bytes = bucket_bytes
         self.num_buffers = max(1, num_buffers)
         self.timeout_s = timeout_s

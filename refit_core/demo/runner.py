@@ -51,6 +51,21 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def fit_to_gpus(plan: DemoPlan) -> DemoPlan:
+    """Default layouts shrunk to one rank a side when the GPUs cannot give every rank its own
+    (NCCL cannot connect two ranks on one GPU)."""
+    from dataclasses import replace
+
+    from ..layout import ParallelLayout
+
+    needed = ParallelLayout.parse(plan.train_layout).world_size + ParallelLayout.parse(plan.gen_layout).world_size
+    if needed <= torch.cuda.device_count():
+        return plan
+    print(f"refit demo: {needed} ranks need {needed} GPUs, {torch.cuda.device_count()} present: "
+          "running one rank a side (pass --train-layout/--gen-layout to choose)", flush=True)
+    return replace(plan, train_layout="", gen_layout="")
+
+
 def _side_command(plan: DemoPlan, side: str, rendezvous: str, report: str, options: dict) -> list[str]:
     backend, peer = (plan.train, plan.gen) if side == TRAIN else (plan.gen, plan.train)
     layout = plan.train_layout if side == TRAIN else plan.gen_layout
