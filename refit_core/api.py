@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .backend import GEN, TRAIN
 from .errors import PlanError, RefitError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
 from .experts import expert_counts, group_meta, group_piece, ungroup_name
@@ -29,7 +30,6 @@ from .units import format_bytes
 log = logging.getLogger("refit")
 
 MiB = 1 << 20
-from .backend import GEN, TRAIN
 
 
 @dataclass(frozen=True)
