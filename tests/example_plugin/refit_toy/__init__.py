@@ -1,4 +1,4 @@
-"""An example refit backend plugin, written from docs/writing-a-plugin.md alone.
+"""An example third-party refit backend plugin, the one docs/writing-a-plugin.md walks through.
 
 Two toy "frameworks": :class:`~refit_toy.models.ToyTrainer` shards a small transformer-like state
 by rows (experts by expert index, norms replicated); :class:`~refit_toy.models.ToyEngine` holds it
