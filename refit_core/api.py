@@ -18,7 +18,7 @@ import torch
 from .backend import GEN, TRAIN
 from .errors import PlanError, RefitError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
-from .experts import expert_counts, group_meta, group_piece, ungroup_name
+from .experts import group_piece, group_side, ungroup_name
 from .pieces import DestinationPiece, Piece, PieceMeta
 from .planner import plan_transfers
 from .plugins import PluginManager, get_plugin_manager
@@ -71,11 +71,6 @@ def _device_identity(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
-
-
-def _grouped(side_metas: list[list[PieceMeta]], pm: PluginManager) -> tuple[list[list[PieceMeta]], dict[str, int]]:
-    counts = expert_counts(side_metas, pm.expert_name)
-    return [[group_meta(m, pm.expert_name, counts) for m in metas] for metas in side_metas], counts
 
 
 class _Endpoint:
@@ -147,7 +142,7 @@ class _Endpoint:
 
     def _plan(self, settings: dict, metas: dict[str, list[list[PieceMeta]]]) -> Schedule:
         """Plan (identically on every rank) and check that every rank got the same fingerprint."""
-        grouped = {side: _grouped(metas[side], self.plugins) for side in (TRAIN, GEN)}
+        grouped = {side: group_side(metas[side], self.plugins.expert_name) for side in (TRAIN, GEN)}
         self._counts = grouped[self.side][1]
         transfers = plan_transfers(grouped[TRAIN][0], grouped[GEN][0], cast=settings["cast"],
                                    allow_unused_sources=settings["allow_unused_sources"])

@@ -69,8 +69,15 @@ def group_meta(meta: PieceMeta, namer: ExpertNamer, counts: dict[str, int]) -> P
 
 def group_piece(piece: Piece, namer: ExpertNamer, counts: dict[str, int]) -> Piece:
     """Like :func:`group_meta` for a live piece: the view gains a leading dim of 1."""
-    meta = group_meta(piece.meta, namer, counts)
-    if meta is piece.meta or meta == piece.meta:
+    if namer(piece.spec.name) is None:
         return piece
+    meta = group_meta(piece.meta, namer, counts)
     view = None if piece.view is None else piece.view.unsqueeze(0)
     return type(piece)(meta.spec, meta.box, view)
+
+
+def group_side(ranks: Sequence[Sequence[PieceMeta]], namer: ExpertNamer
+               ) -> tuple[list[list[PieceMeta]], dict[str, int]]:
+    """Every rank's metadata of one side with per-expert pieces grouped, and the experts per group."""
+    counts = expert_counts(ranks, namer)
+    return [[group_meta(m, namer, counts) for m in metas] for metas in ranks], counts

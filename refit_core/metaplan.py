@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backend import GEN, TRAIN
-from .experts import expert_counts, group_meta
+from .experts import group_side
 from .layout import ParallelLayout
 from .pieces import DestinationPiece, PieceMeta
 from .planner import plan_transfers
@@ -40,11 +40,6 @@ class PlanSummary:
             f"fingerprint:  {self.schedule.fingerprint}",
             f"planned in:   {self.seconds:.3f} s",
         ]
-
-
-def _grouped(ranks: list[list[PieceMeta]], pm: PluginManager) -> list[list[PieceMeta]]:
-    counts = expert_counts(ranks, pm.expert_name)
-    return [[group_meta(m, pm.expert_name, counts) for m in metas] for metas in ranks]
 
 
 def _every_tenth(total: int, progress: Progress | None, what: str) -> Callable[[int], None]:
@@ -80,6 +75,6 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
         tick(r + 1)
     if progress is not None and len(src) + len(dst) >= 64:
         progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
-    transfers = plan_transfers(_grouped(src, pm), _grouped(dst, pm), cast=cast)
+    transfers = plan_transfers(group_side(src, pm.expert_name)[0], group_side(dst, pm.expert_name)[0], cast=cast)
     schedule = build_schedule(transfers, len(src), len(dst), bucket_bytes)
     return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start)

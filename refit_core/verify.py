@@ -8,32 +8,21 @@ import torch
 
 from .experts import ungroup_name
 from .pieces import Piece
+from .spec import Box
 
 
 def reference_region(piece: Piece, reference: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The reference values of ``piece``'s box, in the piece's dtype.
 
     ``reference`` holds checkpoint tensors; a grouped expert name missing from it is stacked from
-    its per-expert entries.
+    its per-expert entries (only the experts the box covers).
     """
-    name = piece.spec.name
+    name, box = piece.spec.name, piece.box
     if name in reference:
-        full = reference[name]
-    else:
-        first, count = piece.box.offsets[0], piece.box.sizes[0]
-        rows = [reference[ungroup_name(name, e)] for e in range(first, first + count)]
-        full = torch.stack(rows)
-        return _cut(full, piece, skip_first=True)
-    return _cut(full, piece, skip_first=False)
-
-
-def _cut(full: torch.Tensor, piece: Piece, *, skip_first: bool) -> torch.Tensor:
-    region = full
-    for dim, (o, s) in enumerate(zip(piece.box.offsets, piece.box.sizes)):
-        if skip_first and dim == 0:
-            continue
-        region = region.narrow(dim, o, s)
-    return region.to(piece.spec.dtype)
+        return box.slice_of(reference[name]).to(piece.spec.dtype)
+    first, count = box.offsets[0], box.sizes[0]
+    stacked = torch.stack([reference[ungroup_name(name, e)] for e in range(first, first + count)])
+    return Box((0, *box.offsets[1:]), box.sizes).slice_of(stacked).to(piece.spec.dtype)
 
 
 def mismatches(pieces: Sequence[Piece], reference: Mapping[str, torch.Tensor]) -> list[str]:
