@@ -10,53 +10,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .backend import GEN, TRAIN
+from .env import with_overrides
 from .errors import PlanError, RefitError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
 from .experts import group_piece, group_side, ungroup_name
+from .options import RefitOptions
 from .pieces import DestinationPiece, Piece, PieceMeta
 from .planner import plan_transfers
 from .plugins import PluginManager, get_plugin_manager
 from .rendezvous import Rendezvous
 from .schedule import Schedule, build_schedule
-from .transport import Transport, open_transport
+from .transport import Transport, open_transport, refuse_shared_gpus
 from .units import format_bytes
 
 log = logging.getLogger("refit")
-
-MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class RefitOptions:
-    """Knobs of one refit. The train side's rank 0 decides ``bucket_bytes`` and ``cast`` for both sides.
-
-    - ``bucket_bytes``: most bytes a rank sends or receives in one round (None: 512 MiB on CUDA,
-      64 MiB on CPU); staging memory per rank is at most ``bucket_bytes x num_buffers``.
-    - ``num_buffers``: staging buffers in flight (pack / transfer / unpack overlap on CUDA).
-    - ``cast``: ``"cast"`` converts to the destination dtype on the sender; ``"strict"`` rejects
-      dtype differences at setup.
-    - ``allow_unused_sources``: skip source tensors no destination wants instead of failing.
-    - ``transport``: ``"auto"`` (NCCL on CUDA, gloo on CPU), ``"gloo"`` or ``"nccl"``.
-    - ``timeout_s``: setup waits and every step's transfers fail after this long.
-    """
-
-    bucket_bytes: int | None = None
-    num_buffers: int = 3
-    cast: str = "cast"
-    allow_unused_sources: bool = False
-    transport: str = "auto"
-    timeout_s: float = 300.0
-
-    def resolved_bucket(self, device: torch.device) -> int:
-        if self.bucket_bytes is not None:
-            return self.bucket_bytes
-        return 512 * MiB if device.type == "cuda" else 64 * MiB
 
 
 def _device_of(pieces: list[Piece]) -> torch.device:
@@ -74,6 +46,13 @@ def _device_identity(device: torch.device) -> str:
 
 
 class _Endpoint:
+    """What both sides share: setup (metadata exchange, agreement, planning, transport) and teardown.
+
+    ``options`` are this rank's wishes, with the environment's overrides applied
+    (:mod:`refit_core.env`); ``settings`` are the options every rank agreed on at setup (the train
+    side's rank 0's), None before setup.
+    """
+
     side: str
 
     def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
@@ -84,11 +63,17 @@ class _Endpoint:
         self.address = rendezvous
         self.rank = rank
         self.world_size = world_size
-        self.options = options or RefitOptions()
+        self.options = with_overrides(options or RefitOptions())
         self.plugins = plugins or get_plugin_manager()
+        self.settings: RefitOptions | None = None
         self.schedule: Schedule | None = None
         self.transport: Transport | None = None
+        self.device = torch.device("cpu")
+        self.sizes: dict[str, int] = {}
         self._rdv: Rendezvous | None = None
+        self._pieces: list[Piece] = []
+        self._counts: dict[str, int] = {}
+        self._executor: SendExecutor | ReceiveExecutor | None = None
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -99,7 +84,7 @@ class _Endpoint:
         """Exchange metadata, plan, check agreement and open the transport. Collective over both sides."""
         start = time.perf_counter()
         self._rdv = Rendezvous(self.address, host=self._hosts_store, timeout_s=self.options.timeout_s)
-        self.sizes: dict[str, int] = {}
+        self.sizes = {}
         try:
             pieces = self._local_pieces()
             self.device = _device_of(pieces)
@@ -108,46 +93,53 @@ class _Endpoint:
         except Exception as exc:
             self._abort_setup(exc)
             raise
+        self.settings = settings
         self.schedule = schedule
-        self.transport = open_transport(self.options.transport, self._rdv.store, self._global_rank(),
-                                        sum(self.sizes.values()), self.device, self.options.timeout_s)
-        self._executor = self._make_executor(schedule, settings["bucket_bytes"])
+        self.transport = open_transport(settings.transport, self._rdv.store, self._global_rank(),
+                                        sum(self.sizes.values()), self.device, settings.timeout_s, settings.nccl)
+        self._executor = self._make_executor(schedule, settings)
         self._pieces = pieces
-        stats = schedule.stats
+        summary = schedule.summary
         log.info("refit %s rank %d ready in %.2f s: %s in %d messages over %d rounds, plan %s",
-                 self.side, self.rank, time.perf_counter() - start, format_bytes(stats["bytes"]),
-                 stats["messages"], stats["rounds"], schedule.fingerprint)
+                 self.side, self.rank, time.perf_counter() - start, format_bytes(summary.bytes),
+                 summary.messages, summary.rounds, schedule.fingerprint)
         return schedule
 
     @property
     def _hosts_store(self) -> bool:
         return self.side == TRAIN and self.rank == 0
 
-    def _exchange_metadata(self, pieces: list[Piece]) -> tuple[dict, dict[str, list[list[PieceMeta]]]]:
-        """Publish this rank's piece metadata; return the train side's settings and everyone's metadata."""
-        rdv = self._rdv
+    def _exchange_metadata(self, pieces: list[Piece]) -> tuple[RefitOptions, dict[str, list[list[PieceMeta]]]]:
+        """Publish this rank's piece metadata; return the agreed settings and everyone's metadata.
+
+        The train side's rank 0 publishes its resolved options; every rank adopts them or, where it
+        set a setting explicitly to another value, fails with a :class:`PlanError` naming it.
+        """
+        rdv = self._require_rendezvous()
         if self.rank == 0:
             rdv.publish(f"size/{self.side}", self.world_size)
         if self._hosts_store:
-            rdv.publish("options", {"bucket_bytes": self.options.resolved_bucket(self.device),
-                                    "cast": self.options.cast,
-                                    "allow_unused_sources": self.options.allow_unused_sources})
+            rdv.publish("options", self.options.resolved(self.device.type).to_wire())
+        (published,) = rdv.wait(["options"], "the train side's options")
+        settings = self.options.agree_with(RefitOptions.from_wire(published), f"{self.side} rank {self.rank}")
         rdv.publish(f"meta/{self.side}/{self.rank}", [p.meta for p in pieces])
         rdv.publish(f"device/{self.side}/{self.rank}", _device_identity(self.device))
         self.sizes = dict(zip((TRAIN, GEN), rdv.wait(["size/train", "size/gen"], "both sides' sizes")))
-        (settings,) = rdv.wait(["options"], "the train side's options")
         metas = {side: rdv.wait([f"meta/{side}/{r}" for r in range(self.sizes[side])], f"{side} metadata")
                  for side in (TRAIN, GEN)}
         return settings, metas
 
-    def _plan(self, settings: dict, metas: dict[str, list[list[PieceMeta]]]) -> Schedule:
+    def _plan(self, settings: RefitOptions, metas: dict[str, list[list[PieceMeta]]]) -> Schedule:
         """Plan (identically on every rank) and check that every rank got the same fingerprint."""
         grouped = {side: group_side(metas[side], self.plugins.expert_name) for side in (TRAIN, GEN)}
         self._counts = grouped[self.side][1]
-        transfers = plan_transfers(grouped[TRAIN][0], grouped[GEN][0], cast=settings["cast"],
-                                   allow_unused_sources=settings["allow_unused_sources"])
-        schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings["bucket_bytes"])
-        self._check_placement(schedule)
+        transfers = plan_transfers(grouped[TRAIN][0], grouped[GEN][0], cast=settings.cast,
+                                   allow_unused_sources=settings.allow_unused_sources)
+        assert settings.bucket_bytes is not None  # resolved by the train side's rank 0
+        schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings.bucket_bytes,
+                                  settings.messages, expert_groups=set(grouped[GEN][1]) | set(grouped[TRAIN][1]),
+                                  agreed_settings=settings.digest())
+        self._check_placement(schedule, settings)
         self._rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
         everyone = self._rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
         if any(fp != schedule.fingerprint for fp in everyone):
@@ -155,44 +147,55 @@ class _Endpoint:
                             "every rank must run the same refit version and options")
         return schedule
 
-    def _check_placement(self, schedule: Schedule) -> None:
-        """NCCL cannot connect two ranks on one GPU: refuse such a plan before any collective."""
-        devices = {side: self._rdv.wait([f"device/{side}/{r}" for r in range(n)], f"{side} devices")
+    def _check_placement(self, schedule: Schedule, settings: RefitOptions) -> None:
+        """Refuse, before any collective, a plan the transport cannot connect."""
+        rdv = self._require_rendezvous()
+        devices = {side: rdv.wait([f"device/{side}/{r}" for r in range(n)], f"{side} devices")
                    for side, n in self.sizes.items()}
-        shared = sorted({(m.src, m.dst) for msgs in schedule.rounds for m in msgs
-                         if devices[TRAIN][m.src].startswith("cuda") and devices[TRAIN][m.src] == devices[GEN][m.dst]})
-        if shared and self.options.transport in ("auto", "nccl"):
-            pairs = ", ".join(f"train {s} -> gen {d}" for s, d in shared[:5])
-            raise PlanError(f"{len(shared)} transfer(s) would connect two ranks on the same GPU ({pairs}); "
-                            "NCCL cannot do that: place the train and gen ranks that exchange weights "
-                            "on different GPUs")
+        pairs = {(m.src, m.dst) for msgs in schedule.rounds for m in msgs}
+        refuse_shared_gpus(settings.transport, devices[TRAIN], devices[GEN], pairs)
+
+    def _require_rendezvous(self) -> Rendezvous:
+        if self._rdv is None:
+            raise RefitError(f"the {self.side} side's rendezvous is closed")
+        return self._rdv
+
+    def _require_executor(self) -> SendExecutor | ReceiveExecutor:
+        if self._executor is None or self.transport is None:
+            raise RefitError(f"call setup() on the {self.side} side before the first step")
+        return self._executor
+
+    @property
+    def executor(self) -> SendExecutor | ReceiveExecutor:
+        """This rank's executor (after setup): its rounds, staging and zero-copy bytes."""
+        return self._require_executor()
 
     def _rank_keys(self, prefix: str) -> list[str]:
         return [f"{prefix}/{side}/{r}" for side, n in self.sizes.items() for r in range(n)]
 
     def _abort_setup(self, exc: Exception) -> None:
         """Tell every rank why setup failed; the store's host waits until they have read it."""
-        self._rdv.fail(exc, f"{self.side} rank {self.rank}", f"done/{self.side}/{self.rank}")
+        rdv = self._require_rendezvous()
+        rdv.fail(exc, f"{self.side} rank {self.rank}", f"done/{self.side}/{self.rank}")
         if self._hosts_store:
             if not self.sizes:  # failed before learning the gen side's size: wait for it to show up
-                self._rdv.linger(["size/gen"], timeout_s=self.options.timeout_s)
-                self.sizes = {TRAIN: self.world_size, GEN: self._rdv.read("size/gen", default=0)}
-            self._rdv.linger(self._rank_keys("done"), timeout_s=self.options.timeout_s)
+                rdv.linger(["size/gen"], timeout_s=self.options.timeout_s)
+                self.sizes = {TRAIN: self.world_size, GEN: rdv.read("size/gen", default=0)}
+            rdv.linger(self._rank_keys("done"), timeout_s=self.options.timeout_s)
 
     def _global_rank(self) -> int:
         """Train ranks come first in refit's own process group, then gen ranks."""
         return self.rank if self.side == TRAIN else self.sizes[TRAIN] + self.rank
 
-    def _make_executor(self, schedule: Schedule, bucket: int):
+    def _make_executor(self, schedule: Schedule, settings: RefitOptions) -> SendExecutor | ReceiveExecutor:
         raise NotImplementedError
 
     def _bind(self, pieces: list[Piece]) -> None:
         grouped = [group_piece(p, self.plugins.expert_name, self._counts) for p in pieces]
-        self._executor.bind([p.view for p in grouped])
-
-    def _require_setup(self) -> None:
-        if self.transport is None:
-            raise RefitError(f"call setup() on the {self.side} side before the first step")
+        views = [p.view for p in grouped]
+        if any(v is None for v in views):
+            raise RefitError(f"{self.side} rank {self.rank}: a piece without a view cannot be bound")
+        self._require_executor().bind(views)  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Release the transport and the rendezvous connection."""
@@ -214,10 +217,12 @@ class RefitSender(_Endpoint):
             raise RefitError(f"source pieces without views: {missing[:5]}")
         return pieces
 
-    def _make_executor(self, schedule: Schedule, bucket: int) -> SendExecutor:
+    def _make_executor(self, schedule: Schedule, settings: RefitOptions) -> SendExecutor:
+        assert self.transport is not None and settings.bucket_bytes is not None
         return SendExecutor(schedule.rounds_of_source(self.rank), self.transport, self.sizes[TRAIN],
-                            bucket_bytes=bucket, num_buffers=self.options.num_buffers,
-                            fingerprint=schedule.fingerprint, timeout_s=self.options.timeout_s)
+                            bucket_bytes=settings.bucket_bytes, num_buffers=settings.num_buffers,
+                            zero_copy=settings.messages.zero_copy, fingerprint=schedule.fingerprint,
+                            timeout_s=settings.timeout_s)
 
     def setup(self) -> Schedule:
         schedule = super().setup()
@@ -226,8 +231,9 @@ class RefitSender(_Endpoint):
 
     def send(self, version: int) -> StepStats:
         """Send the model's current weights as weight ``version``; returns this rank's step stats."""
-        self._require_setup()
-        stats = self._executor.run(version)
+        executor = self._require_executor()
+        assert isinstance(executor, SendExecutor)
+        stats = executor.run(version)
         log.info("refit sent version %d: %s in %.3f s (%.2f GB/s)", version, format_bytes(stats.bytes),
                  stats.seconds, stats.gbps)
         return stats
@@ -245,11 +251,12 @@ class RefitReceiver(_Endpoint):
         loader = [DestinationPiece(spec, spec.full_box()) for spec in self._loader]
         return list(mapping.pieces) + loader
 
-    def _make_executor(self, schedule: Schedule, bucket: int) -> ReceiveExecutor:
+    def _make_executor(self, schedule: Schedule, settings: RefitOptions) -> ReceiveExecutor:
+        assert self.transport is not None and settings.bucket_bytes is not None
         return ReceiveExecutor(schedule.rounds_of_destination(self.rank), self.transport, 0,
-                               bucket_bytes=bucket,
-                               num_buffers=self.options.num_buffers, fingerprint=schedule.fingerprint,
-                               timeout_s=self.options.timeout_s)
+                               bucket_bytes=settings.bucket_bytes, num_buffers=settings.num_buffers,
+                               zero_copy=settings.messages.zero_copy, fingerprint=schedule.fingerprint,
+                               timeout_s=settings.timeout_s)
 
     def _bind_step(self) -> list[tuple[str, torch.Tensor]]:
         """(Re)bind destination views for this step; returns the fresh loader-path tensors."""
@@ -273,10 +280,11 @@ class RefitReceiver(_Endpoint):
 
     def receive(self) -> StepStats:
         """Receive one step's weights into the engine; ``stats.version`` is the sender's version."""
-        self._require_setup()
+        executor = self._require_executor()
+        assert isinstance(executor, ReceiveExecutor)
         try:
             loader_weights = self._bind_step()
-            stats = self._executor.run()
+            stats = executor.run()
             if loader_weights:
                 self.plugins.load_weights(self.model, _ungrouped(loader_weights, self.plugins))
         except Exception:
@@ -304,4 +312,4 @@ def _ungrouped(weights: list[tuple[str, torch.Tensor]], pm: PluginManager) -> li
     return out
 
 
-__all__ = ["RefitOptions", "RefitReceiver", "RefitSender", "StepStats"]
+__all__ = ["RefitReceiver", "RefitSender", "StepStats"]

@@ -15,3 +15,7 @@ class PlanError(RefitError):
 
 class TransferError(RefitError):
     """A step failed: a peer died, timed out, or sent data for a different plan."""
+
+
+class OptionError(RefitError, ValueError):
+    """A setting has a bad value or an unknown name; the message names the class and the field."""

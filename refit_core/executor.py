@@ -17,22 +17,21 @@ end. Refit's streams first wait for the work already queued on the caller's curr
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .errors import TransferError
 from .lanes import Lane, current_work, lane_for
+from .options import align
 from .schedule import Message, Segment
-from .spec import dtype_size
+from .spec import contiguous_strides, dtype_size
 from .transport import Fence, Transport
 
 MAGIC = 0x52454649  # "REFI"
 HEADER_WORDS = 4
-ZERO_COPY_ENV = "REFIT_ZERO_COPY"
 
 
 @dataclass
@@ -50,24 +49,25 @@ class StepStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def _align(n: int) -> int:
-    return (n + 15) // 16 * 16
+@dataclass(frozen=True)
+class StagedSegment:
+    """A segment of a staged message, laid out in the staging buffer at ``offset`` (bytes)."""
+
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
 
 
-def _buffer_views(buffer: torch.Tensor, segments: Sequence[tuple[Segment, int]]) -> list[torch.Tensor]:
-    """Typed, shaped views of ``buffer`` for ``(segment, message base)`` pairs."""
+def _buffer_views(buffer: torch.Tensor, segments: Sequence[StagedSegment]) -> list[torch.Tensor]:
+    """Typed, shaped views of ``buffer`` for staged segments."""
     typed: dict[torch.dtype, torch.Tensor] = {}
     views = []
-    for seg, base in segments:
+    for seg in segments:
         flat = typed.get(seg.dtype)
         if flat is None:
             flat = typed[seg.dtype] = buffer.view(seg.dtype)
-        size = dtype_size(seg.dtype)
-        sizes = seg.box.sizes
-        strides = [1] * len(sizes)
-        for d in range(len(sizes) - 2, -1, -1):
-            strides[d] = strides[d + 1] * sizes[d + 1]
-        views.append(flat.as_strided(sizes, strides, (base + seg.offset) // size))
+        views.append(flat.as_strided(seg.sizes, seg.strides, seg.offset // dtype_size(seg.dtype)))
     return views
 
 
@@ -102,17 +102,36 @@ def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nb
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, begin, (nbytes,), (1,))
 
 
-@dataclass
-class _RoundPlan:
-    """One round on this rank: each message's peer and tensor (direct) or staging slice, and copies."""
+@dataclass(frozen=True)
+class Post:
+    """One message of a round on this rank: the peer (global rank) and where its bytes are.
 
-    peers: list[int]
-    direct: list[torch.Tensor | None]
-    bases: list[int]
-    sizes: list[int]
-    staged_bytes: int
-    segments: list[tuple[Segment, int]]  # staged segments with their message's staging base
-    views: list[torch.Tensor]  # the local views of those segments (sources or destinations)
+    ``direct`` is the local memory sent or received straight (zero-copy); when it is None the
+    message is staged at ``staging_offset`` of the round's staging buffer.
+    """
+
+    peer: int
+    nbytes: int
+    direct: torch.Tensor | None = None
+    staging_offset: int = 0
+
+
+@dataclass
+class RoundPlan:
+    """One round on this rank: its messages, and the copies between staging buffer and local views."""
+
+    posts: list[Post] = field(default_factory=list)
+    staged_bytes: int = 0
+    segments: list[StagedSegment] = field(default_factory=list)
+    views: list[torch.Tensor] = field(default_factory=list)
+    """The local views of ``segments`` (sources or destinations), in the same order."""
+
+    def pairs(self, buffer: torch.Tensor | None) -> list[tuple[int, torch.Tensor]]:
+        """``(peer, tensor)`` of every message for the transport; ``buffer`` is None when nothing is staged."""
+        if buffer is None:
+            return [(p.peer, p.direct) for p in self.posts if p.direct is not None]
+        return [(p.peer, p.direct if p.direct is not None else buffer[p.staging_offset:p.staging_offset + p.nbytes])
+                for p in self.posts]
 
 
 class _RoundRunner:
@@ -121,7 +140,7 @@ class _RoundRunner:
     gaps_allowed = False
 
     def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int, *,
-                 bucket_bytes: int, num_buffers: int, fingerprint: str,
+                 bucket_bytes: int, num_buffers: int, zero_copy: bool, fingerprint: str,
                  timeout_s: float) -> None:
         self.rounds = rounds
         self.transport = transport
@@ -129,11 +148,12 @@ class _RoundRunner:
         self.peer_offset = peer_offset
         self.bucket_bytes = bucket_bytes
         self.num_buffers = max(1, num_buffers)
+        self.zero_copy = zero_copy
         self.timeout_s = timeout_s
         self.fingerprint = int(fingerprint[:15], 16)
         self.payload_bytes = sum(m.nbytes for msgs in rounds for m in msgs)
         self.lane: Lane = lane_for(self.device, "refit copies")
-        self.plans: list[_RoundPlan] = []
+        self.plans: list[RoundPlan] = []
         self.buffer_bytes = 0
         self.direct_bytes = 0
         self.step = 0
@@ -150,27 +170,25 @@ class _RoundRunner:
     def bind(self, views: list[torch.Tensor]) -> None:
         """Resolve every segment to its local view (never a copy) and pick direct messages.
 
-        ``REFIT_ZERO_COPY=0`` stages every message (for comparisons; each side may choose alone).
+        With ``zero_copy`` False every message is staged (for comparisons).
         """
-        zero_copy = os.environ.get(ZERO_COPY_ENV, "1") != "0"
         plans = []
         for msgs in self.rounds:
-            plan = _RoundPlan([], [], [], [], 0, [], [])
+            plan = RoundPlan()
             for m in msgs:
                 segs = self._segments(m)
                 seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
                 region = (direct_region(seg_views, segs, m.nbytes, gaps_allowed=self.gaps_allowed)
-                          if zero_copy else None)
-                plan.peers.append(self._peer(m) + self.peer_offset)
-                plan.direct.append(region)
-                plan.sizes.append(m.nbytes)
+                          if self.zero_copy else None)
+                peer = self._peer(m) + self.peer_offset
                 if region is not None:
-                    plan.bases.append(-1)
+                    plan.posts.append(Post(peer, m.nbytes, direct=region))
                     continue
                 base = plan.staged_bytes
-                plan.bases.append(base)
-                plan.staged_bytes = _align(base + m.nbytes)
-                plan.segments.extend((seg, base) for seg in segs)
+                plan.posts.append(Post(peer, m.nbytes, staging_offset=base))
+                plan.staged_bytes = align(base + m.nbytes)
+                plan.segments.extend(StagedSegment(seg.dtype, seg.box.sizes, contiguous_strides(seg.box.sizes),
+                                                   base + seg.offset) for seg in segs)
                 plan.views.extend(seg_views)
             plans.append(plan)
         buffer_bytes = max((p.staged_bytes for p in plans), default=0)
@@ -179,7 +197,7 @@ class _RoundRunner:
                                 f"but the bucket is {self.bucket_bytes}")
         self.plans = plans
         self.buffer_bytes = buffer_bytes
-        self.direct_bytes = sum(n for p in plans for n, d in zip(p.sizes, p.direct) if d is not None)
+        self.direct_bytes = sum(post.nbytes for p in plans for post in p.posts if post.direct is not None)
 
     def _exchange_headers(self, version: int, after: Sequence[Fence]) -> int:
         """Both sides send ``[magic, fingerprint, version, step]`` to each peer and check theirs."""
@@ -242,7 +260,7 @@ class SendExecutor(_RoundRunner):
         staged = 0
         for plan in self.plans:
             after: list[Fence] = []
-            tensors = list(plan.direct)
+            buffer = None
             if plan.staged_bytes:
                 slot = staged % len(buffers)
                 staged += 1
@@ -251,9 +269,7 @@ class SendExecutor(_RoundRunner):
                 sources = plan.views
                 after.append(self.lane.run(lambda t=targets, s=sources: torch._foreach_copy_(t, s),
                                            after=[ready, free[slot]]))
-                tensors = [d if d is not None else buffer[b:b + n]
-                           for d, b, n in zip(plan.direct, plan.bases, plan.sizes)]
-            fence = self.transport.exchange(list(zip(plan.peers, tensors)), [], after=after or [ready])
+            fence = self.transport.exchange(plan.pairs(buffer), [], after=after or [ready])
             pending.append(fence)
             if plan.staged_bytes:
                 free[slot] = fence
@@ -282,14 +298,12 @@ class ReceiveExecutor(_RoundRunner):
         staged = 0
         for plan in self.plans:
             if not plan.staged_bytes:  # straight into the weights: after the engine's pending work
-                pending.append(self.transport.exchange([], list(zip(plan.peers, plan.direct)), after=[ready]))
+                pending.append(self.transport.exchange([], plan.pairs(None), after=[ready]))
                 continue
             slot = staged % len(buffers)
             staged += 1
             buffer = buffers[slot]
-            tensors = [d if d is not None else buffer[b:b + n]
-                       for d, b, n in zip(plan.direct, plan.bases, plan.sizes)]
-            received = self.transport.exchange([], list(zip(plan.peers, tensors)),
+            received = self.transport.exchange([], plan.pairs(buffer),
                                                after=[ready] + [f for f in (free[slot],) if f is not None])
             sources = _buffer_views(buffer, plan.segments)
             targets = plan.views

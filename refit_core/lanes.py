@@ -7,13 +7,11 @@ only, so packing of round k+1 runs while round k is on the wire and round k-1 is
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from .errors import TransferError
-from .transport.base import DoneFence, Fence
+from .transport.base import DoneFence, Fence, spin_until
 
 
 class EventFence(Fence):
@@ -30,19 +28,11 @@ class EventFence(Fence):
             stream.wait_event(self.event)
 
     def synchronize(self, timeout_s: float) -> None:
-        if self.event.query():
-            return
-        deadline = time.monotonic() + timeout_s
-        spins = 0
-        while not self.event.query():
-            if time.monotonic() > deadline:
-                raise TransferError(f"{self.what} did not complete within {timeout_s:.0f} s "
-                                    "(a peer died or hung)")
-            spins += 1
-            time.sleep(0 if spins < 200 else 5e-5)
+        spin_until(self.event.query, timeout_s, self.what)
 
 
 def record(stream: torch.cuda.Stream, what: str) -> EventFence:
+    """A fence for the work queued on ``stream`` so far."""
     event = torch.cuda.Event()
     event.record(stream)
     return EventFence(event, what)
@@ -90,4 +80,5 @@ class StreamLane(Lane):
 
 
 def lane_for(device: torch.device, what: str) -> Lane:
+    """A stream lane on CUDA, the synchronous host lane elsewhere."""
     return StreamLane(device, what) if device.type == "cuda" else Lane()

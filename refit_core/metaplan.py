@@ -30,13 +30,13 @@ class PlanSummary:
     seconds: float
 
     def lines(self) -> list[str]:
-        s = self.schedule.stats
+        s = self.schedule.summary
         return [
             f"ranks:        {self.train_ranks} train -> {self.gen_ranks} gen",
-            f"bytes:        {format_bytes(s['bytes'])} in {s['segments']} segments",
-            f"messages:     {s['messages']} in {s['rounds']} rounds (bucket {format_bytes(self.schedule.bucket_bytes)})",
-            f"busiest:      sender {format_bytes(s['busiest_sender_bytes'])}, "
-            f"receiver {format_bytes(s['busiest_receiver_bytes'])}",
+            f"bytes:        {format_bytes(s.bytes)} in {s.segments} segments",
+            f"messages:     {s.messages} in {s.rounds} rounds (bucket {format_bytes(self.schedule.bucket_bytes)})",
+            f"busiest:      sender {format_bytes(s.busiest_sender_bytes)}, "
+            f"receiver {format_bytes(s.busiest_receiver_bytes)}",
             f"fingerprint:  {self.schedule.fingerprint}",
             f"planned in:   {self.seconds:.3f} s",
         ]

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PlanError
 from .boxindex import BoxIndex
+from .errors import PlanError
+from .options import CastPolicy
 from .pieces import PieceMeta
 from .spec import Box, TensorSpec, dtype_size
 
-CAST = "cast"
-STRICT = "strict"
 _MAX_LISTED = 5
 
 
@@ -62,7 +61,7 @@ def _specs_by_name(side: str, ranks: Sequence[Sequence[PieceMeta]]) -> dict[str,
     return specs
 
 
-def check_specs(src: dict[str, TensorSpec], dst: dict[str, TensorSpec], *, cast: str,
+def check_specs(src: dict[str, TensorSpec], dst: dict[str, TensorSpec], *, cast: CastPolicy | str,
                 allow_unused_sources: bool) -> None:
     """Names on one side only, shape and dtype disagreements: all found before anything moves."""
     missing = [n for n in dst if n not in src]
@@ -76,46 +75,68 @@ def check_specs(src: dict[str, TensorSpec], dst: dict[str, TensorSpec], *, cast:
               if src[n].shape != d.shape]
     if shapes:
         raise PlanError(f"shape mismatch in {len(shapes)} tensor(s): {_listing(shapes)}")
-    if cast == STRICT:
+    if cast == CastPolicy.STRICT:
         dtypes = [f"{n}: source {src[n].dtype} vs destination {d.dtype}" for n, d in dst.items()
                   if src[n].dtype != d.dtype]
         if dtypes:
             raise PlanError(f"dtype mismatch in {len(dtypes)} tensor(s) under cast policy 'strict': "
                             f"{_listing(dtypes)}")
-    elif cast != CAST:
+    elif cast != CastPolicy.CAST:
         raise PlanError(f"unknown cast policy {cast!r}: use 'cast' or 'strict'")
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """Piece ``piece`` of side-local rank ``rank`` holds ``box`` of a logical tensor."""
+
+    rank: int
+    piece: int
+    box: Box
 
 
 @dataclass
 class _SourceRegion:
+    """A box of a logical tensor and the train ranks' pieces holding it (identical replicas)."""
+
     box: Box
-    holders: list[tuple[int, int]]  # (train rank, piece index), identical replicas
+    holders: list[_Holder]
 
 
-def _source_regions(name: str, holders: list[tuple[int, int, Box]]) -> tuple[list[_SourceRegion], BoxIndex]:
+@dataclass(frozen=True)
+class _Pending:
+    """A region of a destination piece to be served by one of its source region's holders."""
+
+    name: str
+    dst: _Holder
+    region: Box
+    source: _SourceRegion
+    nbytes: int
+
+
+def _source_regions(name: str, holders: list[_Holder]) -> tuple[list[_SourceRegion], BoxIndex]:
     by_box: dict[Box, _SourceRegion] = {}
-    for rank, index, box in holders:
-        if box.numel:
-            by_box.setdefault(box, _SourceRegion(box, [])).holders.append((rank, index))
+    for holder in holders:
+        if holder.box.numel:
+            by_box.setdefault(holder.box, _SourceRegion(holder.box, [])).holders.append(holder)
     regions = sorted(by_box.values(), key=lambda r: (r.box.offsets, r.box.sizes))
     index = BoxIndex([r.box for r in regions])
     for i, a in enumerate(regions):
         for j, _ in index.overlapping(a.box):
             if j > i:
                 b = regions[j]
-                raise PlanError(f"{name}: source boxes {a.box} (train ranks {[h[0] for h in a.holders]}) and "
-                                f"{b.box} (train ranks {[h[0] for h in b.holders]}) overlap without being "
+                raise PlanError(f"{name}: source boxes {a.box} (train ranks {[h.rank for h in a.holders]}) and "
+                                f"{b.box} (train ranks {[h.rank for h in b.holders]}) overlap without being "
                                 "replicas of each other")
     return regions, index
 
 
-def _check_destinations(name: str, pieces: list[tuple[int, int, Box]]) -> None:
+def _check_destinations(name: str, pieces: list[_Holder]) -> None:
     by_rank: dict[int, list[Box]] = defaultdict(list)
-    for rank, _, box in pieces:
-        for other in by_rank[rank]:
-            if other.intersect(box) is not None:
-                raise PlanError(f"{name}: destination boxes {other} and {box} overlap on gen rank {rank}")
-        by_rank[rank].append(box)
+    for piece in pieces:
+        for other in by_rank[piece.rank]:
+            if other.intersect(piece.box) is not None:
+                raise PlanError(f"{name}: destination boxes {other} and {piece.box} overlap on gen rank {piece.rank}")
+        by_rank[piece.rank].append(piece.box)
 
 
 def _split_rows(box: Box, parts: int) -> list[Box]:
@@ -128,7 +149,7 @@ def _split_rows(box: Box, parts: int) -> list[Box]:
 
 
 def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence[Sequence[PieceMeta]], *,
-                   cast: str = CAST, allow_unused_sources: bool = False,
+                   cast: CastPolicy | str = CastPolicy.CAST, allow_unused_sources: bool = False,
                    balance_split_bytes: int = 1 << 20) -> list[Transfer]:
     """Match destinations to sources and balance replicas; deterministic for the same input.
 
@@ -140,49 +161,45 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     dst_specs = _specs_by_name("gen", dst_ranks)
     check_specs(src_specs, dst_specs, cast=cast, allow_unused_sources=allow_unused_sources)
 
-    src_by_name: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)
-    for rank, metas in enumerate(src_ranks):
-        for index, meta in enumerate(metas):
-            src_by_name[meta.spec.name].append((rank, index, meta.box))
-    dst_by_name: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)
-    for rank, metas in enumerate(dst_ranks):
-        for index, meta in enumerate(metas):
-            dst_by_name[meta.spec.name].append((rank, index, meta.box))
+    src_by_name = _holders_by_name(src_ranks)
+    dst_by_name = _holders_by_name(dst_ranks)
 
-    # (name, dst rank, dst piece, dst piece box, region, holders)
-    pending: list[tuple[str, int, int, Box, Box, list[tuple[int, int]], Box]] = []
+    pending: list[_Pending] = []
     for name, dst_pieces in dst_by_name.items():
-        dst_pieces = [p for p in dst_pieces if p[2].numel]
+        dst_pieces = [p for p in dst_pieces if p.box.numel]
         _check_destinations(name, dst_pieces)
         regions, index = _source_regions(name, src_by_name[name])
-        item = dst_specs[name].dtype
-        for dst_rank, dst_index, dst_box in dst_pieces:
+        item = dtype_size(dst_specs[name].dtype)
+        for dst in dst_pieces:
             covered = 0
-            for i, common in index.overlapping(dst_box):
+            for i, common in index.overlapping(dst.box):
                 region = regions[i]
                 covered += common.numel
-                big = common.numel * dtype_size(item) >= balance_split_bytes
+                big = common.numel * item >= balance_split_bytes
                 slabs = _split_rows(common, len(region.holders)) if big and len(region.holders) > 1 else [common]
-                for slab in slabs:
-                    pending.append((name, dst_rank, dst_index, dst_box, slab, region.holders, region.box))
-            if covered != dst_box.numel:
-                raise PlanError(f"{name}: {dst_box.numel - covered} of {dst_box.numel} elements of box "
-                                f"{dst_box} on gen rank {dst_rank} are held by no train rank")
+                pending.extend(_Pending(name, dst, slab, region, slab.numel * item) for slab in slabs)
+            if covered != dst.box.numel:
+                raise PlanError(f"{name}: {dst.box.numel - covered} of {dst.box.numel} elements of box "
+                                f"{dst.box} on gen rank {dst.rank} are held by no train rank")
 
     load: dict[int, int] = defaultdict(int)
-    order = sorted(range(len(pending)), key=lambda i: (-pending[i][4].numel * dtype_size(dst_specs[pending[i][0]].dtype), i))
-    chosen: dict[int, tuple[int, int]] = {}
-    for i in order:
-        name, *_rest = pending[i]
-        holders = pending[i][5]
-        nbytes = pending[i][4].numel * dtype_size(dst_specs[name].dtype)
-        rank, index = min(holders, key=lambda h: (load[h[0]], h[0]))
-        load[rank] += nbytes
-        chosen[i] = (rank, index)
+    chosen: dict[int, _Holder] = {}
+    for i in sorted(range(len(pending)), key=lambda i: (-pending[i].nbytes, i)):
+        holder = min(pending[i].source.holders, key=lambda h: (load[h.rank], h.rank))
+        load[holder.rank] += pending[i].nbytes
+        chosen[i] = holder
 
     transfers = []
-    for i, (name, dst_rank, dst_index, dst_box, region, _holders, src_box) in enumerate(pending):
-        src_rank, src_index = chosen[i]
-        transfers.append(Transfer(name, src_rank, src_index, region.relative_to(src_box),
-                                  dst_rank, dst_index, region.relative_to(dst_box), dst_specs[name].dtype))
+    for i, p in enumerate(pending):
+        src = chosen[i]
+        transfers.append(Transfer(p.name, src.rank, src.piece, p.region.relative_to(p.source.box),
+                                  p.dst.rank, p.dst.piece, p.region.relative_to(p.dst.box), dst_specs[p.name].dtype))
     return transfers
+
+
+def _holders_by_name(ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, list[_Holder]]:
+    by_name: dict[str, list[_Holder]] = defaultdict(list)
+    for rank, metas in enumerate(ranks):
+        for index, meta in enumerate(metas):
+            by_name[meta.spec.name].append(_Holder(rank, index, meta.box))
+    return by_name

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,14 +11,14 @@ import pluggy
 
 from . import defaults, hookspecs
 from .backend import Backend
+from .env import PLUGINS as PLUGINS_ENV
+from .env import plugin_selection, read
 from .errors import PluginError
 from .experts import ExpertName
 from .layout import ParallelLayout
 from .pieces import DestinationMap, SourcePiece
 
 ENTRY_POINT_GROUP = "refit"
-PLUGINS_ENV = "REFIT_PLUGINS"
-"""Comma-separated plugin (entry point) names to load; unset loads all, empty loads none."""
 
 hookimpl = pluggy.HookimplMarker("refit")
 log = logging.getLogger("refit")
@@ -51,8 +50,7 @@ class PluginManager:
     # -- registration -------------------------------------------------------------------------
 
     def _load_entry_points(self) -> None:
-        wanted = os.environ.get(PLUGINS_ENV)
-        allowed = None if wanted is None else {n.strip() for n in wanted.split(",") if n.strip()}
+        allowed = plugin_selection()
         for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             if (allowed is not None and ep.name not in allowed) or self._pm.has_plugin(name=ep.name):
                 continue
@@ -108,7 +106,7 @@ class PluginManager:
         return ", ".join(names) or "none"
 
     def _env_hint(self) -> str:
-        wanted = os.environ.get(PLUGINS_ENV)
+        wanted = read(PLUGINS_ENV)
         return f"; {PLUGINS_ENV}={wanted!r} restricts which plugins load" if wanted is not None else ""
 
     def _unrecognized(self, what: str, model: Any) -> PluginError:

@@ -17,8 +17,9 @@ the bytes on the wire are the same either way. The interleaving is a guess about
 fused gate/up, as in Megatron's and vLLM's stacked experts); a wrong guess costs a staging copy on that
 side, never correctness.
 
-``REFIT_MESSAGES=runs`` (benchmarking) instead lays consecutive units of one kind (*gather* units, fed
-by several transfers like Megatron's per-group QKV, or *plain* ones) back to back into messages of up to
+The ``runs`` :class:`~refit_core.options.MessageMode` (benchmarking) instead lays consecutive units of
+one kind (*gather* units, fed by several transfers like Megatron's per-group QKV, or *plain* ones) back
+to back into messages of up to
 ``bucket_bytes``: fewer NCCL operations, zero-copy only where neighbouring parameters are neighbours in
 memory on a side (one flat parameter buffer), staged everywhere else.
 """
@@ -27,23 +28,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from .options import ALIGN, MessageMode, MessageOptions, align
 from .planner import Transfer
 from .spec import Box, dtype_size
-
-ALIGN = 16
-DIRECT_BYTES = 16 << 20
-"""``units`` mode: units of at least this many bytes get messages of their own."""
-DIRECT_BYTES_ENV = "REFIT_DIRECT_MIN_BYTES"
-"""Overrides :data:`DIRECT_BYTES` (benchmarking); every rank of a refit must see the same value."""
-MESSAGES_ENV = "REFIT_MESSAGES"
-"""``units`` (default) or ``runs`` (benchmarking); every rank of a refit must see the same value."""
 
 
 @dataclass(frozen=True)
@@ -71,16 +64,30 @@ class Message:
     dst_segments: tuple[Segment, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
+class ScheduleSummary:
+    """What a schedule moves: totals, the busiest ranks, and the largest round per rank."""
+
+    bytes: int
+    messages: int
+    segments: int
+    rounds: int
+    busiest_sender_bytes: int
+    busiest_receiver_bytes: int
+    peak_round_send_bytes: int
+    peak_round_recv_bytes: int
+
+
+@dataclass(frozen=True)
 class Schedule:
-    """All rounds of a refit, identical on every rank, and its fingerprint."""
+    """All rounds of a refit, identical on every rank, its fingerprint and its summary."""
 
     num_src: int
     num_dst: int
     bucket_bytes: int
     rounds: list[list[Message]]
-    fingerprint: str = ""
-    stats: dict[str, int] = field(default_factory=dict)
+    fingerprint: str
+    summary: ScheduleSummary
 
     def rounds_of_source(self, rank: int) -> list[list[Message]]:
         """This train rank's messages, round by round (rounds it has no part in are skipped)."""
@@ -90,10 +97,6 @@ class Schedule:
     def rounds_of_destination(self, rank: int) -> list[list[Message]]:
         picked = ([m for m in msgs if m.dst == rank] for msgs in self.rounds)
         return [msgs for msgs in picked if msgs]
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _chunks(box: Box, max_numel: int) -> Iterator[tuple[Box, ...]]:
@@ -146,7 +149,7 @@ class _MessageBuilder:
 
     def add(self, t: Transfer, src_box: Box, dst_box: Box) -> None:
         nbytes = src_box.numel * dtype_size(t.dtype)
-        offset = _align(self.used)
+        offset = align(self.used)
         if self.src_segs and offset + nbytes > self.bucket_bytes:
             self.close()
             offset = 0
@@ -161,59 +164,73 @@ class _MessageBuilder:
         self.src_segs, self.dst_segs, self.used = [], [], 0
 
 
-_Part = tuple[Transfer, Box, Box]
+@dataclass(frozen=True)
+class _Part:
+    """A transfer's ``src``/``dst`` sub-boxes that travel together in a unit."""
+
+    transfer: Transfer
+    src: Box
+    dst: Box
 
 
-def _expert_family(t: Transfer) -> tuple | None:
-    """What sibling grouped-expert transfers share (None for other tensors)."""
-    prefix, sep, _ = t.name.partition(".experts.")
-    if not sep or t.src_box.ndim < 2 or t.src_box.sizes[0] < 2:
+@dataclass(frozen=True)
+class _Unit:
+    """Parts cut into messages together; ``gather`` when several transfers feed one destination piece."""
+
+    gather: bool
+    parts: list[_Part]
+
+
+def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
+    """What sibling grouped-expert transfers of one layer share (None for other tensors)."""
+    if t.name not in expert_groups or t.src_box.ndim < 2 or t.src_box.sizes[0] < 2:
         return None
-    return (prefix, t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
+    return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
 
 
-def _units(pair_transfers: Sequence[Transfer]) -> list[tuple[bool, list[_Part]]]:
-    """Transfers of one pair grouped into ``(is_gather, parts)`` units (see the module doc), in order."""
+def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -> list[_Unit]:
+    """Transfers of one pair grouped into units (see the module doc), in order."""
     runs: list[list[Transfer]] = []
     for t in pair_transfers:
         if runs and (runs[-1][0].name, runs[-1][0].dst_piece) == (t.name, t.dst_piece):
             runs[-1].append(t)
         else:
             runs.append([t])
-    units: list[tuple[bool, list[_Part]]] = []
+    units: list[_Unit] = []
     i = 0
     while i < len(runs):
-        family = _expert_family(runs[i][0]) if len(runs[i]) == 1 else None
+        family = _expert_family(runs[i][0], expert_groups) if len(runs[i]) == 1 else None
         j = i + 1
         while (family is not None and j < len(runs) and len(runs[j]) == 1
-               and _expert_family(runs[j][0]) == family and runs[j][0].name != runs[i][0].name):
+               and _expert_family(runs[j][0], expert_groups) == family and runs[j][0].name != runs[i][0].name):
             j += 1
         if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
             siblings = [run[0] for run in runs[i:j]]
-            units.append((False, [(t, _narrow(t.src_box, 0, e, 1), _narrow(t.dst_box, 0, e, 1))
-                                  for e in range(siblings[0].src_box.sizes[0]) for t in siblings]))
+            units.append(_Unit(False, [_Part(t, _narrow(t.src_box, 0, e, 1), _narrow(t.dst_box, 0, e, 1))
+                                       for e in range(siblings[0].src_box.sizes[0]) for t in siblings]))
         else:
-            units.extend((len(run) > 1, [(t, t.src_box, t.dst_box) for t in run]) for run in runs[i:j])
+            units.extend(_Unit(len(run) > 1, [_Part(t, t.src_box, t.dst_box) for t in run]) for run in runs[i:j])
         i = j
     return units
 
 
-def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, direct_bytes: int,
-              mode: str = "units") -> list[Message]:
+def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: MessageOptions,
+              expert_groups: Collection[str]) -> list[Message]:
     messages: list[Message] = []
     shared = _MessageBuilder(bucket_bytes, messages)
     kind = None
-    for gather, unit in _units(pair_transfers):
-        if mode == "runs":
-            if gather != kind:  # a new run: close the last one's message
+    for unit in _units(pair_transfers, expert_groups):
+        if formation.mode == MessageMode.RUNS:
+            if unit.gather != kind:  # a new run: close the last one's message
                 shared.close()
-                kind = gather
+                kind = unit.gather
             builder = shared
         else:
-            nbytes = sum(src.numel * dtype_size(t.dtype) for t, src, _ in unit)
-            builder = _MessageBuilder(bucket_bytes, messages) if nbytes >= direct_bytes else shared
-        for t, src, dst in unit:
-            part = Transfer(t.name, t.src, t.src_piece, src, t.dst, t.dst_piece, dst, t.dtype)
+            nbytes = sum(p.src.numel * dtype_size(p.transfer.dtype) for p in unit.parts)
+            builder = _MessageBuilder(bucket_bytes, messages) if nbytes >= formation.direct_min_bytes else shared
+        for p in unit.parts:
+            t = p.transfer
+            part = Transfer(t.name, t.src, t.src_piece, p.src, t.dst, t.dst_piece, p.dst, t.dtype)
             for src_box, dst_box in _split_transfer(part, bucket_bytes):
                 builder.add(t, src_box, dst_box)
         if builder is not shared:
@@ -238,7 +255,7 @@ def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_byte
                     rounds.append([])
                     send_load.append(defaultdict(int))
                     recv_load.append(defaultdict(int))
-                size = _align(msg.nbytes)  # messages sit 16-byte aligned in staging buffers
+                size = align(msg.nbytes)  # messages sit 16-byte aligned in staging buffers
                 if (send_load[r][msg.src] + size <= bucket_bytes
                         and recv_load[r][msg.dst] + size <= bucket_bytes):
                     break
@@ -253,33 +270,33 @@ def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_byte
 
 
 def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bucket_bytes: int,
-                   direct_bytes: int | None = None) -> Schedule:
+                   formation: MessageOptions | None = None, *, expert_groups: Collection[str] = (),
+                   agreed_settings: str = "") -> Schedule:
     """Cut ``transfers`` into messages of at most ``bucket_bytes`` and place them in rounds.
 
-    Units of at least ``direct_bytes`` (default :data:`DIRECT_BYTES`, or ``$REFIT_DIRECT_MIN_BYTES``) get
-    messages of their own (see the module doc; ``REFIT_MESSAGES=runs`` packs runs of units instead).
+    ``formation`` says how messages are formed (see the module doc); ``expert_groups`` names the
+    grouped expert tensors whose siblings are interleaved expert by expert; ``agreed_settings``
+    (:meth:`RefitOptions.digest <refit_core.options.RefitOptions.digest>`) is hashed into the
+    fingerprint with the rounds.
     """
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
-    if direct_bytes is None:
-        direct_bytes = int(os.environ.get(DIRECT_BYTES_ENV) or DIRECT_BYTES)
-    mode = os.environ.get(MESSAGES_ENV) or "units"
-    if mode not in ("runs", "units"):
-        raise ValueError(f"{MESSAGES_ENV}={mode!r}: use 'runs' or 'units'")
+    formation = formation or MessageOptions()
+    groups = frozenset(expert_groups)
     by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         by_pair[(t.src, t.dst)].append(t)
-    per_pair = {pair: _messages(ts, bucket_bytes, direct_bytes, mode) for pair, ts in by_pair.items()}
-    schedule = Schedule(num_src, num_dst, bucket_bytes, _place_in_rounds(per_pair, bucket_bytes))
-    schedule.fingerprint = fingerprint(schedule)
-    schedule.stats = schedule_stats(schedule)
-    return schedule
+    per_pair = {pair: _messages(ts, bucket_bytes, formation, groups) for pair, ts in by_pair.items()}
+    rounds = _place_in_rounds(per_pair, bucket_bytes)
+    return Schedule(num_src, num_dst, bucket_bytes, rounds,
+                    fingerprint(num_src, num_dst, bucket_bytes, rounds, agreed_settings), summarize(rounds))
 
 
-def fingerprint(schedule: Schedule) -> str:
-    """A digest of everything both sides must agree on: ranks, bucket size, every segment."""
-    h = hashlib.sha256(f"{schedule.num_src}/{schedule.num_dst}/{schedule.bucket_bytes}".encode())
-    for r, msgs in enumerate(schedule.rounds):
+def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[Sequence[Message]],
+                agreed_settings: str = "") -> str:
+    """A digest of everything both sides must agree on: ranks, settings, every segment."""
+    h = hashlib.sha256(f"{num_src}/{num_dst}/{bucket_bytes}/{agreed_settings}".encode())
+    for r, msgs in enumerate(rounds):
         for m in msgs:
             h.update(f"|{r}:{m.src}>{m.dst}:{m.nbytes}".encode())
             for s, d in zip(m.src_segments, m.dst_segments):
@@ -287,12 +304,13 @@ def fingerprint(schedule: Schedule) -> str:
     return h.hexdigest()[:16]
 
 
-def schedule_stats(schedule: Schedule) -> dict[str, int]:
+def summarize(rounds: Sequence[Sequence[Message]]) -> ScheduleSummary:
+    """Totals and peaks of ``rounds``."""
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
     messages = segments = 0
     peak_send = peak_recv = 0
-    for msgs in schedule.rounds:
+    for msgs in rounds:
         round_send: dict[int, int] = defaultdict(int)
         round_recv: dict[int, int] = defaultdict(int)
         for m in msgs:
@@ -300,17 +318,17 @@ def schedule_stats(schedule: Schedule) -> dict[str, int]:
             segments += len(m.src_segments)
             sent[m.src] += m.nbytes
             received[m.dst] += m.nbytes
-            round_send[m.src] += _align(m.nbytes)
-            round_recv[m.dst] += _align(m.nbytes)
+            round_send[m.src] += align(m.nbytes)
+            round_recv[m.dst] += align(m.nbytes)
         peak_send = max([peak_send, *round_send.values()])
         peak_recv = max([peak_recv, *round_recv.values()])
-    return {
-        "bytes": sum(sent.values()),
-        "messages": messages,
-        "segments": segments,
-        "rounds": len(schedule.rounds),
-        "busiest_sender_bytes": max(sent.values(), default=0),
-        "busiest_receiver_bytes": max(received.values(), default=0),
-        "peak_round_send_bytes": peak_send,
-        "peak_round_recv_bytes": peak_recv,
-    }
+    return ScheduleSummary(
+        bytes=sum(sent.values()),
+        messages=messages,
+        segments=segments,
+        rounds=len(rounds),
+        busiest_sender_bytes=max(sent.values(), default=0),
+        busiest_receiver_bytes=max(received.values(), default=0),
+        peak_round_send_bytes=peak_send,
+        peak_round_recv_bytes=peak_recv,
+    )

@@ -101,6 +101,14 @@ class Box:
 
 
 @functools.cache
+def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a contiguous (row-major) tensor of ``sizes``."""
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+    return tuple(strides)
+
+
 def dtype_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return dtype.itemsize

@@ -16,16 +16,17 @@ real code walks names and loaders every step.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..api import RefitReceiver, RefitSender
 from ..experts import default_expert_name
 from ..models import checkpoint_specs
+from ..options import RefitOptions
 from ..spec import Box, TensorSpec
 
 PACKED_TARGET_BYTES = 1 << 30
@@ -56,7 +57,8 @@ class GlooComm:
         self.pg = None
 
 
-def open_bench_comm(store: dist.Store, key: str, nranks: int, rank: int, device: torch.device):
+def open_bench_comm(store: dist.Store, key: str, nranks: int, rank: int, device: torch.device) -> Any:
+    """An NCCL communicator between the two benchmark ranks on CUDA, a gloo stand-in on CPU."""
     if device.type == "cuda":
         from ..transport.nccl import open_comm
         return open_comm(store, key, nranks, rank, device)
@@ -247,30 +249,32 @@ class _null:
 
 
 class Refit(Method):
-    """refit itself; ``variant`` settings become environment variables on both sides."""
+    """refit itself; a variant's ``settings`` (dotted :class:`RefitOptions` names) apply on both sides."""
 
     name = "refit"
-    env: dict[str, str] = {}
-    options: dict[str, int] = {}
+    settings: dict[str, object] = {}
 
     def setup(self) -> None:
-        from ..api import RefitOptions, RefitReceiver, RefitSender
-
         c = self.ctx
-        self._saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        options = RefitOptions(bucket_bytes=self.options.get("bucket_bytes", c.bucket_bytes),
-                               num_buffers=self.options.get("num_buffers", c.num_buffers), timeout_s=c.timeout_s)
-        cls = RefitSender if c.is_train else RefitReceiver
-        self.endpoint = cls(c.model, rendezvous=c.refit_address(self.name), rank=c.side_rank,
-                            world_size=c.side_size, options=options, plugins=c.plugins)
-        self.schedule = self.endpoint.setup()
-        self.info.update({k: self.schedule.stats[k] for k in ("messages", "segments", "rounds")},
-                         transport=getattr(self.endpoint.transport, "backend", self.endpoint.transport.name),
-                         transport_mode=getattr(self.endpoint.transport, "mode", ""))
+        options = RefitOptions(bucket_bytes=c.bucket_bytes, num_buffers=c.num_buffers, timeout_s=c.timeout_s)
+        options = options.overridden(self.settings) if self.settings else options
+        endpoint: RefitSender | RefitReceiver
+        if c.is_train:
+            endpoint = RefitSender(c.model, rendezvous=c.refit_address(self.name), rank=c.side_rank,
+                                   world_size=c.side_size, options=options, plugins=c.plugins)
+        else:
+            endpoint = RefitReceiver(c.model, rendezvous=c.refit_address(self.name), rank=c.side_rank,
+                                     world_size=c.side_size, options=options, plugins=c.plugins)
+        self.endpoint = endpoint
+        self.schedule = endpoint.setup()
+        transport = endpoint.transport
+        summary = self.schedule.summary
+        self.info.update(messages=summary.messages, segments=summary.segments, rounds=summary.rounds,
+                         transport=str(getattr(transport, "backend", transport.kind if transport else "")),
+                         transport_mode=getattr(transport, "mode", ""))
 
     def _executor_info(self) -> None:
-        ex = self.endpoint._executor
+        ex = self.endpoint.executor
         side = "send" if self.ctx.is_train else "recv"
         staged_rounds = sum(1 for p in ex.plans if p.staged_bytes)
         self.info[f"{side}_direct_bytes"] = ex.direct_bytes
@@ -288,18 +292,13 @@ class Refit(Method):
 
     def close(self) -> None:
         self.endpoint.close()
-        for k, v in self._saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class RefitStaged(Refit):
     """refit with every message staged through the buffers (no zero-copy): for comparison."""
 
     name = "refit-staged"
-    env = {"REFIT_ZERO_COPY": "0"}
+    settings = {"messages.zero_copy": False}
 
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Wire, PerTensor, Packed, Refit, RefitStaged)}
@@ -321,22 +320,24 @@ def method_class(name: str) -> type[Method]:
         return type("WireOps", (Wire,), {"name": name, "ops": int(spec[4:])})
     if base != "refit" or not sep:
         raise KeyError(name)
-    env: dict[str, str] = {}
-    options: dict[str, int] = {}
+    settings: dict[str, object] = {}
     for item in filter(None, spec.split("+")):
         key, _, value = item.partition("=")
-        if key == "bucket":
-            options["bucket_bytes"] = _size(value)
-        elif key == "buffers":
-            options["num_buffers"] = int(value)
-        elif key == "direct":
-            env["REFIT_DIRECT_MIN_BYTES"] = str(_size(value))
-        elif key == "zero_copy":
-            env["REFIT_ZERO_COPY"] = value
-        elif key == "messages":
-            env["REFIT_MESSAGES"] = value
-        elif key == "comms":
-            env["REFIT_NCCL_COMMS"] = value
-        else:
-            raise KeyError(f"{name}: unknown refit setting {key!r} (bucket, buffers, direct, zero_copy, messages, comms)")
-    return type("RefitVariant", (Refit,), {"name": name, "env": env, "options": options})
+        if key not in VARIANT_SETTINGS:
+            raise KeyError(f"{name}: unknown refit setting {key!r} ({', '.join(VARIANT_SETTINGS)})")
+        setting, parse = VARIANT_SETTINGS[key]
+        settings[setting] = parse(value)
+    RefitOptions().overridden(settings)  # a bad value fails here, naming the setting
+    return type("RefitVariant", (Refit,), {"name": name, "settings": settings})
+
+
+VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "bucket": ("bucket_bytes", _size),
+    "buffers": ("num_buffers", int),
+    "direct": ("messages.direct_min_bytes", _size),
+    "zero_copy": ("messages.zero_copy", lambda v: v not in ("0", "false", "False")),
+    "messages": ("messages.mode", str),
+    "comms": ("nccl.comms_per_link", int),
+    "nccl": ("nccl.backend", str),
+}
+"""``refit@KEY=VALUE`` variant keys: the :class:`RefitOptions` setting each sets, and its parser."""

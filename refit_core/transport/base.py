@@ -2,16 +2,20 @@
 
 Ranks are global within one refit: train ranks ``0..S-1``, gen ranks ``S..S+D-1``. A transport
 only ever receives contiguous tensors (refit packs everything into contiguous buffers first).
+Every failure of a transport surfaces as a :class:`~refit_core.errors.TransferError` naming the
+peer(s).
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import RefitError
+from ..errors import RefitError, TransferError
+from ..options import NcclOptions, TransportKind
 
 
 class Fence(ABC):
@@ -24,6 +28,29 @@ class Fence(ABC):
     @abstractmethod
     def synchronize(self, timeout_s: float) -> None:
         """Block the host until done; raise :class:`~refit_core.errors.TransferError` on timeout."""
+
+
+def spin_until(done: Callable[[], bool], timeout_s: float, what: str,
+               poll: Callable[[], None] | None = None) -> None:
+    """Wait on the host until ``done()``; :class:`TransferError` naming ``what`` after ``timeout_s``.
+
+    Spins without sleeping at first (a GPU fence usually completes within microseconds), then
+    sleeps 50 us between checks; ``poll`` (e.g. a check for NCCL's asynchronous errors, which
+    raises) runs every 2000 checks and once more before timing out.
+    """
+    if done():
+        return
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while not done():
+        spins += 1
+        if poll is not None and spins % 2000 == 0:
+            poll()
+        if time.monotonic() > deadline:
+            if poll is not None:
+                poll()
+            raise TransferError(f"{what} did not complete within {timeout_s:.0f} s (a peer died or hung)")
+        time.sleep(0 if spins < 200 else 5e-5)
 
 
 class DoneFence(Fence):
@@ -39,7 +66,7 @@ class DoneFence(Fence):
 class Transport(ABC):
     """Grouped point-to-point exchange among the ranks of one refit."""
 
-    name: str
+    kind: TransportKind
     device: torch.device
 
     @abstractmethod
@@ -52,21 +79,29 @@ class Transport(ABC):
         """Release the communicator."""
 
 
-def _check_contiguous(pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
+def check_contiguous(pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Refuse a non-contiguous tensor before it reaches a collective (gloo and nccl4py would
+    silently move the wrong bytes)."""
     for peer, tensor in pairs:
         if not tensor.is_contiguous():
-            raise RefitError(f"refit bug: non-contiguous buffer for peer {peer} handed to a collective")
+            raise TransferError(f"refit bug: non-contiguous buffer for peer {peer} handed to a collective")
 
 
-def open_transport(kind: str, store: torch.distributed.Store, rank: int, world_size: int,
-                   device: torch.device, timeout_s: float) -> Transport:
-    """Create the transport ``kind`` (``auto``, ``gloo`` or ``nccl``) from the refit's store."""
-    if kind == "auto":
-        kind = "nccl" if device.type == "cuda" else "gloo"
-    if kind == "gloo":
+def resolve_kind(kind: TransportKind, device: torch.device) -> TransportKind:
+    """``auto`` becomes NCCL for a rank on CUDA, gloo otherwise."""
+    if kind == TransportKind.AUTO:
+        return TransportKind.NCCL if device.type == "cuda" else TransportKind.GLOO
+    return kind
+
+
+def open_transport(kind: TransportKind, store: torch.distributed.Store, rank: int, world_size: int,
+                   device: torch.device, timeout_s: float, nccl: NcclOptions | None = None) -> Transport:
+    """Create the transport ``kind`` from the refit's store; collective over all ranks of the refit."""
+    kind = resolve_kind(TransportKind(kind), device)
+    if kind == TransportKind.GLOO:
         from .gloo import GlooTransport
         return GlooTransport(store, rank, world_size, timeout_s)
-    if kind == "nccl":
+    if kind == TransportKind.NCCL:
         from .nccl import NcclTransport
-        return NcclTransport(store, rank, world_size, device, timeout_s)
-    raise RefitError(f"unknown transport {kind!r}: use 'auto', 'gloo' or 'nccl'")
+        return NcclTransport(store, rank, world_size, device, timeout_s, nccl or NcclOptions())
+    raise RefitError(f"unknown transport {kind!r}: use one of {', '.join(k.value for k in TransportKind)}")

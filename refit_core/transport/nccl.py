@@ -10,40 +10,40 @@ Placement. NCCL refuses two ranks of one communicator on the same GPU ("Duplicat
 When every rank has a GPU of its own there is one communicator for the whole refit; when some ranks
 share a GPU (several ranks per GPU on a small machine), every pair of ranks on *different* GPUs gets a
 2-rank communicator of its own, created in one global order (deadlock-free), each with its own
-stream. Two ranks on the same GPU cannot exchange through NCCL at all; such a plan fails clearly at
-its first exchange.
+stream. Two ranks on the same GPU cannot exchange through NCCL at all: setup refuses such a plan
+before any collective (:func:`~refit_core.transport.placement.refuse_shared_gpus`).
 
 Several communicators per link. NCCL runs the operations to one peer one after another, and each
-costs some 20 us beyond its bytes (filling and draining its pipeline). With ``REFIT_NCCL_COMMS=K``
-(default 2) every link has K communicators, each on its own stream, and the i-th operation to a peer
-goes to communicator ``i % K``: both sides post the same sequence of operations per peer (NCCL needs
-that anyway), so they agree on the communicator without a word, and consecutive operations overlap.
+costs some 20 us beyond its bytes (filling and draining its pipeline). With
+:attr:`NcclOptions.comms_per_link <refit_core.options.NcclOptions.comms_per_link>` = K (default 2)
+every link has K communicators, each on its own stream, and the i-th operation to a peer goes to
+communicator ``i % K``: both sides post the same sequence of operations per peer (NCCL needs that
+anyway), so they agree on the communicator without a word, and consecutive operations overlap.
 
-Backends. ``nccl4py`` (``pip install nccl4py``; the default) or, where it cannot be imported, a
-``torch.distributed.ProcessGroupNCCL`` built on the same store (``REFIT_NCCL_BACKEND=torch`` forces
-it; it has no pairwise mode). ``nccl4py`` does not check contiguity: only contiguous tensors may be
-handed to it, which :func:`~refit_core.transport.base._check_contiguous` enforces.
+Backends (:class:`~refit_core.options.NcclBackend`). ``nccl4py`` (``pip install nccl4py``; the
+default) or, where it cannot be imported, a ``torch.distributed.ProcessGroupNCCL`` built on the same
+store (``torch`` forces it; it has no pairwise mode). ``nccl4py`` does not check contiguity: only
+contiguous tensors may be handed to it, which :func:`~refit_core.transport.base.check_contiguous`
+enforces.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..errors import RefitError, TransferError
-from .base import DoneFence, Fence, Transport, _check_contiguous
+from ..options import NcclBackend, NcclOptions, TransportKind
+from .base import Fence, Transport, check_contiguous, spin_until
 
 log = logging.getLogger("refit")
 
-BACKEND_ENV = "REFIT_NCCL_BACKEND"
-COMMS_ENV = "REFIT_NCCL_COMMS"
-DEFAULT_COMMS = 2
 _IN_PROGRESS = 7  # ncclInProgress
 
 
@@ -53,13 +53,27 @@ def _stream_for(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device, priority=-8)
 
 
+class Communicator(Protocol):
+    """What refit and its benchmark need of one NCCL communicator."""
+
+    backend: NcclBackend
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             stream: torch.cuda.Stream) -> None: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None: ...
+
+    def error(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
 class NcclComm:
     """One NCCL communicator (nccl4py), with the few calls refit and its benchmark use."""
 
-    backend = "nccl4py"
+    backend = NcclBackend.NCCL4PY
 
-    def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
-                 timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device) -> None:
         import nccl.core as nccl
 
         self._nccl = nccl
@@ -93,9 +107,6 @@ class NcclComm:
             return None
         return f"{self._nccl.get_error_string(result)} ({result})"
 
-    def abort(self) -> None:
-        self.comm.abort()
-
     def close(self) -> None:
         self.comm.destroy()
 
@@ -103,7 +114,7 @@ class NcclComm:
 class TorchNcclComm:
     """The fallback: ``torch.distributed.ProcessGroupNCCL`` on the refit's store (never the default group)."""
 
-    backend = "torch"
+    backend = NcclBackend.TORCH
 
     def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
                  timeout_s: float) -> None:
@@ -136,43 +147,63 @@ class TorchNcclComm:
     def error(self) -> str | None:
         return None
 
-    def abort(self) -> None:
-        self.close()
-
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
 
 
-def _comm_class() -> type:
-    choice = os.environ.get(BACKEND_ENV, "auto")
-    if choice not in ("auto", "nccl4py", "torch"):
-        raise RefitError(f"{BACKEND_ENV}={choice!r}: use 'auto', 'nccl4py' or 'torch'")
-    if choice == "torch":
-        return TorchNcclComm
+def resolve_backend(backend: NcclBackend) -> NcclBackend:
+    """``auto`` becomes nccl4py where it imports, torch otherwise; nccl4py that cannot import is an error."""
+    if backend == NcclBackend.TORCH:
+        return backend
     try:
         import nccl.core  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a cuda-core/bindings mismatch
-        if choice == "nccl4py":
+    except Exception as exc:  # ImportError, or a cuda-core/bindings mismatch
+        if backend == NcclBackend.NCCL4PY:
             raise RefitError(f"nccl4py cannot be imported ({exc}); pip install nccl4py") from exc
         log.warning("refit: nccl4py unavailable (%s); using torch's ProcessGroupNCCL", exc)
-        return TorchNcclComm
-    return NcclComm
+        return NcclBackend.TORCH
+    return NcclBackend.NCCL4PY
 
 
 def open_comm(store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
-              timeout_s: float = 300.0) -> NcclComm | TorchNcclComm:
-    """A communicator of ``nranks`` over ``store`` (keys under ``key``); collective over its ranks."""
-    return _comm_class()(store, key, nranks, rank, device, timeout_s)
+              timeout_s: float = 300.0, backend: NcclBackend = NcclBackend.AUTO) -> Communicator:
+    """A communicator of ``nranks`` over ``store`` (keys under ``key``); collective over its ranks.
+
+    ``timeout_s`` bounds torch's ProcessGroupNCCL; nccl4py has no timeout of its own (refit's fences
+    enforce deadlines on the host).
+    """
+    if resolve_backend(backend) == NcclBackend.TORCH:
+        return TorchNcclComm(store, key, nranks, rank, device, timeout_s)
+    return NcclComm(store, key, nranks, rank, device)
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One communicator to a peer: the peer's rank in it and the stream operations go on."""
+
+    comm: Communicator
+    peer_rank: int
+    stream: torch.cuda.Stream
+
+
+@dataclass
+class _Group:
+    """The operations of one exchange on one communicator (one NCCL group)."""
+
+    link: _Link
+    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 class _NcclFence(Fence):
     """Completion of one exchange: an event per stream it was posted on."""
 
-    def __init__(self, events: list[torch.cuda.Event], transport: NcclTransport) -> None:
+    def __init__(self, events: list[torch.cuda.Event], transport: NcclTransport, peers: list[int]) -> None:
         self.events = events
         self.transport = transport
+        self.peers = peers
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         for event in self.events:
@@ -182,21 +213,8 @@ class _NcclFence(Fence):
                 stream.wait_event(event)
 
     def synchronize(self, timeout_s: float) -> None:
-        deadline = None
-        spins = 0
-        for event in self.events:
-            while not event.query():
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + timeout_s
-                spins += 1
-                if spins % 2000 == 0:
-                    self.transport.check()
-                if now > deadline:
-                    self.transport.check()
-                    raise TransferError(f"NCCL exchange did not complete within {timeout_s:.0f} s "
-                                        "(a peer died or hung)")
-                time.sleep(0 if spins < 200 else 5e-5)
+        what = f"NCCL exchange of rank {self.transport.rank} with rank(s) {sorted(set(self.peers))}"
+        spin_until(lambda: all(e.query() for e in self.events), timeout_s, what, poll=self.transport.check)
 
 
 class _AllFence(Fence):
@@ -215,10 +233,10 @@ class _AllFence(Fence):
 class NcclTransport(Transport):
     """Grouped NCCL send/recv between the ranks of one refit (one rank per process)."""
 
-    name = "nccl"
+    kind = TransportKind.NCCL
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, options: NcclOptions) -> None:
         if not torch.cuda.is_available():
             raise RefitError("the nccl transport needs CUDA; use transport='gloo' on CPU")
         device = torch.device(device)
@@ -235,26 +253,23 @@ class NcclTransport(Transport):
         store.set(f"gpu/{rank}", uuid)
         gpus = [store.get(f"gpu/{r}").decode() for r in range(world_size)]
         self.gpus = gpus
-        self._comms: list = []
-        # peer -> [(communicator, the peer's rank in it, stream)], one entry per communicator
-        self._links: dict[int, list[tuple[object, int, torch.cuda.Stream]]] = {}
+        self._comms: list[Communicator] | None = []
+        self._links: dict[int, list[_Link]] = {}  # peer -> one link per communicator
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
-        cls = _comm_class()
-        count = max(1, int(os.environ.get(COMMS_ENV) or DEFAULT_COMMS))
-        if cls is not NcclComm:
-            count = 1
+        self.backend = resolve_backend(options.backend)
+        count = options.comms_per_link if self.backend == NcclBackend.NCCL4PY else 1
         if len(set(gpus)) == world_size:
             for k in range(count):
-                comm = cls(store, f"world/{k}", world_size, rank, device, timeout_s)
+                comm = open_comm(store, f"world/{k}", world_size, rank, device, timeout_s, self.backend)
                 stream = _stream_for(device)
                 self._comms.append(comm)
                 for peer in range(world_size):
                     if peer != rank:
-                        self._links.setdefault(peer, []).append((comm, peer, stream))
+                        self._links.setdefault(peer, []).append(_Link(comm, peer, stream))
             self.mode = "world"
         else:
-            if cls is not NcclComm:
+            if self.backend != NcclBackend.NCCL4PY:
                 raise RefitError("several refit ranks share a GPU: that needs one NCCL communicator per "
                                  "pair of ranks, which only the nccl4py backend provides")
             for i in range(world_size):
@@ -263,24 +278,20 @@ class NcclTransport(Transport):
                         continue
                     peer = j if rank == i else i
                     for k in range(count):
-                        comm = cls(store, f"pair/{i}/{j}/{k}", 2, 0 if rank == i else 1, device, timeout_s)
+                        comm = open_comm(store, f"pair/{i}/{j}/{k}", 2, 0 if rank == i else 1, device, timeout_s,
+                                         self.backend)
                         self._comms.append(comm)
-                        self._links.setdefault(peer, []).append((comm, 1 if rank == i else 0, _stream_for(device)))
+                        self._links.setdefault(peer, []).append(_Link(comm, 1 if rank == i else 0,
+                                                                      _stream_for(device)))
             self.mode = "pairwise"
-        self.comms_per_link = count
-        self.backend = cls.backend
         log.info("refit nccl transport: rank %d/%d on %s, %s communicators x %d, backend %s", rank,
-                 world_size, device, self.mode, count, self.backend)
+                 world_size, device, self.mode, count, self.backend.value)
 
-    def _link(self, peer: int, counts: dict[int, int]) -> tuple[object, int, torch.cuda.Stream]:
+    def _link(self, peer: int, counts: dict[int, int]) -> _Link:
         """The communicator of this rank's next operation with ``peer`` in one direction."""
         try:
             links = self._links[peer]
         except KeyError:
-            if 0 <= peer < self.world_size and self.gpus[peer] == self.gpus[self.rank]:
-                raise TransferError(f"refit ranks {self.rank} and {peer} share a GPU ({self.gpus[peer]}); "
-                                    "NCCL cannot connect two ranks on one GPU: place them on different "
-                                    "GPUs") from None
             raise TransferError(f"no NCCL link from rank {self.rank} to rank {peer}") from None
         index = counts.get(peer, 0)
         counts[peer] = index + 1
@@ -289,27 +300,33 @@ class NcclTransport(Transport):
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                  after: Sequence[Fence] = ()) -> Fence:
         if self._comms is None:
-            raise TransferError("the nccl transport is closed")
-        _check_contiguous(sends)
-        _check_contiguous(recvs)
-        groups: dict[int, tuple[object, torch.cuda.Stream, list, list]] = {}
+            raise TransferError(f"the nccl transport of rank {self.rank} is closed")
+        check_contiguous(sends)
+        check_contiguous(recvs)
+        groups: dict[int, _Group] = {}
         for peer, tensor in sends:
-            comm, local, stream = self._link(peer, self._sent)
-            groups.setdefault(id(comm), (comm, stream, [], []))[2].append((local, tensor))
+            link = self._link(peer, self._sent)
+            groups.setdefault(id(link.comm), _Group(link)).sends.append((link.peer_rank, tensor))
         for peer, tensor in recvs:
-            comm, local, stream = self._link(peer, self._received)
-            groups.setdefault(id(comm), (comm, stream, [], []))[3].append((local, tensor))
+            link = self._link(peer, self._received)
+            groups.setdefault(id(link.comm), _Group(link)).recvs.append((link.peer_rank, tensor))
         if not groups:
             return _AllFence(after)
         events = []
-        for comm, stream, group_sends, group_recvs in groups.values():
+        peers = [p for p, _ in (*sends, *recvs)]
+        for group in groups.values():
+            stream = group.link.stream
             for fence in after:
                 fence.wait(stream)
-            comm.post(group_sends, group_recvs, stream)
+            try:
+                group.link.comm.post(group.sends, group.recvs, stream)
+            except Exception as exc:  # every transport failure is a TransferError
+                raise TransferError(f"NCCL exchange of rank {self.rank} with rank(s) {sorted(set(peers))} "
+                                    f"failed to post: {exc}") from exc
             event = torch.cuda.Event()
             event.record(stream)
             events.append(event)
-        return _NcclFence(events, self)
+        return _NcclFence(events, self, peers)
 
     def check(self) -> None:
         """Raise :class:`TransferError` if NCCL reported an asynchronous error."""
@@ -323,8 +340,8 @@ class NcclTransport(Transport):
         if not comms:
             return
         for links in self._links.values():
-            for _, _, stream in links:
-                stream.synchronize()
+            for link in links:
+                link.stream.synchronize()
         for comm in comms:
             try:
                 comm.close()
@@ -333,4 +350,4 @@ class NcclTransport(Transport):
         self._links = {}
 
 
-__all__ = ["DoneFence", "NcclComm", "NcclTransport", "TorchNcclComm", "open_comm"]
+__all__ = ["Communicator", "NcclComm", "NcclTransport", "TorchNcclComm", "open_comm", "resolve_backend"]

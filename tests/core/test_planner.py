@@ -87,14 +87,14 @@ def test_replicas_are_balanced_so_the_busiest_sender_sends_half():
     dst = [[full(n, (256, 1024)) for n in names]]
     schedule = build_schedule(plan_transfers(src, dst), 4, 1, 64 << 20)
     total = 8 * 256 * 1024 * 4
-    assert schedule.stats["bytes"] == total
-    assert schedule.stats["busiest_sender_bytes"] == total // 4
+    assert schedule.summary.bytes == total
+    assert schedule.summary.busiest_sender_bytes == total // 4
 
 
 def test_big_replicated_tensor_is_split_across_replicas():
     src = [[full("embed", (1024, 1024))] for _ in range(2)]
     schedule = build_schedule(plan_transfers(src, [[full("embed", (1024, 1024))]]), 2, 1, 64 << 20)
-    assert schedule.stats["busiest_sender_bytes"] == 1024 * 1024 * 4 // 2
+    assert schedule.summary.busiest_sender_bytes == 1024 * 1024 * 4 // 2
 
 
 def test_plan_is_deterministic():

@@ -15,8 +15,8 @@ def test_every_round_keeps_each_rank_within_one_bucket():
     dst = [[PieceMeta(TensorSpec(f"t{i}", (100, 7), torch.float32), Box((0, 0), (100, 7))) for i in range(5)]
            for _ in range(3)]
     schedule = build_schedule(plan_transfers(src, dst), 2, 3, bucket)
-    assert schedule.stats["peak_round_send_bytes"] <= bucket
-    assert schedule.stats["peak_round_recv_bytes"] <= bucket
+    assert schedule.summary.peak_round_send_bytes <= bucket
+    assert schedule.summary.peak_round_recv_bytes <= bucket
     assert all(m.nbytes <= bucket for msgs in schedule.rounds for m in msgs)
     # every destination element arrives exactly once
     for d in range(3):

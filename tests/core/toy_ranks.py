@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
@@ -38,8 +39,8 @@ def refit_ranks(rank: int, world: int, address: str, steps: int, options: dict, 
                 pieces = endpoint.plugins.destination_map(model).pieces
                 results.append({"mismatches": mismatches(pieces, reference(0, step)), "engine_version": model.version})
             results.append({"version": stats.version, "bytes": stats.bytes, "staging": stats.staging_bytes,
-                            "rounds": len(endpoint._executor.rounds)})
+                            "rounds": len(endpoint.executor.rounds)})
         endpoint.close()
-        return {"side": "train" if train else "gen", "steps": results, "stats": schedule.stats}
+        return {"side": "train" if train else "gen", "steps": results, "stats": dataclasses.asdict(schedule.summary)}
     except Exception as exc:  # noqa: BLE001 - the test inspects the error
         return ("error", type(exc).__name__, str(exc))

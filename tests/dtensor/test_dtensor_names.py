@@ -151,5 +151,5 @@ def test_metadata_plan_covers_every_destination_byte_once(model, train, gen):
         for piece in layout_pieces(DestinationPiece, config, gen_layout, rank):
             replicas[piece.spec.name] = replicas.get(piece.spec.name, 0) + piece.box.numel * \
                 torch.empty((), dtype=piece.spec.dtype).element_size()
-    assert summary.schedule.stats["bytes"] == sum(replicas.values())
+    assert summary.schedule.summary.bytes == sum(replicas.values())
     assert sum(replicas.values()) >= per_copy

@@ -71,7 +71,7 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
         return None
     for copy, original in _untied.get(hf, ()):
         if isinstance(copy, DTensor):
-            copy._local_tensor.detach().copy_(original._local_tensor.detach())
+            copy.to_local().detach().copy_(original.to_local().detach())
         else:
             copy.detach().copy_(original.detach())
     return True

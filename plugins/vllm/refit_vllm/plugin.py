@@ -7,13 +7,13 @@ runner) and for the backend name ``"vllm"``. Importing this module does not impo
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, hookimpl
+from refit_core.env import read as read_env
 
 from .state import MODE_ENV, ModelState, engine_context, model_device, state_of
 
@@ -49,7 +49,7 @@ def _plan(model: torch.nn.Module, state: ModelState) -> ModelPlan:
             specs = engine_checkpoint_specs(state.model_config)
             plan = plan_model(model, specs, namer=get_plugin_manager().expert_name,
                               loader_patterns=state.loader_patterns)
-        mode = os.environ.get(MODE_ENV, "auto")
+        mode = read_env(MODE_ENV) or "auto"
         if mode not in ("auto", "reload", "direct"):
             raise RefitError(f"{MODE_ENV}={mode!r}: use auto, reload or direct")
         capable = direct_capable(model, plan)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from refit_core import RefitError
+from refit_core.env import read as read_env
 
 from .destinations import ModelPlan
 
@@ -60,7 +60,7 @@ def is_vllm_model(model: Any) -> bool:
 
 def attach(model: torch.nn.Module, vllm_config: Any, *, loader: Sequence[str] = ()) -> ModelState:
     """Register ``model`` (the worker's model) with its engine config; returns its fresh state."""
-    patterns = tuple(loader) + tuple(p for p in os.environ.get(LOADER_ENV, "").split(",") if p)
+    patterns = tuple(loader) + tuple(p for p in (read_env(LOADER_ENV) or "").split(",") if p)
     state = ModelState(vllm_config, patterns)
     _STATES[model] = state
     return state

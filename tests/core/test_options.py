@@ -1,0 +1,136 @@
+"""RefitOptions: typed settings, their wire form, environment overrides, and agreement across ranks."""
+
+import pytest
+
+from refit_core.env import OVERRIDES, with_overrides
+from refit_core.errors import OptionError, PlanError
+from refit_core.launch import free_port, spawn
+from refit_core.options import (CastPolicy, MessageMode, MessageOptions, NcclBackend, NcclOptions, RefitOptions,
+                                TransportKind)
+
+from settings_ranks import adopted_settings, mismatched_setups
+
+
+def test_strings_and_dicts_become_enums_and_nested_options():
+    options = RefitOptions(cast="strict", transport="gloo", messages={"mode": "runs", "zero_copy": False},
+                           nccl={"backend": "torch", "comms_per_link": 4})
+    assert options.cast is CastPolicy.STRICT and options.transport is TransportKind.GLOO
+    assert options.messages == MessageOptions(mode=MessageMode.RUNS, zero_copy=False)
+    assert options.nccl == NcclOptions(backend=NcclBackend.TORCH, comms_per_link=4)
+    assert options.explicit == {"cast", "transport", "messages.mode", "messages.zero_copy", "nccl.backend",
+                                "nccl.comms_per_link"}
+    assert RefitOptions().explicit == frozenset()
+
+
+def test_wire_form_is_plain_json_and_round_trips():
+    import json
+
+    options = RefitOptions(bucket_bytes=1 << 20, num_buffers=2, cast="strict", allow_unused_sources=True,
+                           messages=MessageOptions(direct_min_bytes=4096), nccl=NcclOptions(comms_per_link=3))
+    wire = json.loads(json.dumps(options.to_wire()))
+    assert wire["cast"] == "strict" and wire["messages"]["direct_min_bytes"] == 4096
+    assert RefitOptions.from_wire(wire) == options
+
+
+@pytest.mark.parametrize(("wire", "named"), [
+    ({"cast": "lenient"}, "RefitOptions.cast='lenient': use one of 'cast', 'strict'"),
+    ({"num_buffers": "3"}, "RefitOptions.num_buffers='3': expected an integer"),
+    ({"bucket_bytes": 1000}, "RefitOptions.bucket_bytes=1000: must be a positive multiple of 16"),
+    ({"messages": {"mode": "chunks"}}, "MessageOptions.mode='chunks'"),
+    ({"messages": {"zero_copy": 1}}, "MessageOptions.zero_copy=1: expected True or False"),
+    ({"nccl": {"comms_per_link": 0}}, "NcclOptions.comms_per_link=0: must be >= 1"),
+    ({"nccl": {"kind": "x"}}, "NcclOptions: unknown setting(s) ['kind']"),
+    ({"buckets": 1}, "RefitOptions: unknown setting(s) ['buckets']"),
+    ([1, 2], "RefitOptions: expected a dict of settings, got list"),
+])
+def test_bad_input_names_the_class_and_field(wire, named):
+    with pytest.raises(OptionError) as info:
+        RefitOptions.from_wire(wire)
+    assert named in str(info.value)
+
+
+def test_environment_overrides_are_explicit_settings():
+    env = {"REFIT_NCCL_COMMS": "4", "REFIT_ZERO_COPY": "0", "REFIT_MESSAGES": "runs",
+           "REFIT_DIRECT_MIN_BYTES": "1024", "REFIT_NCCL_BACKEND": "torch"}
+    options = with_overrides(RefitOptions(num_buffers=2), env)
+    assert options.nccl == NcclOptions(backend="torch", comms_per_link=4)
+    assert options.messages == MessageOptions(mode="runs", direct_min_bytes=1024, zero_copy=False)
+    assert options.explicit == {"num_buffers", *(o.setting for o in OVERRIDES)}
+    assert with_overrides(options, {}) is options
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"REFIT_NCCL_COMMS": "two"}, "REFIT_NCCL_COMMS='two' (setting nccl.comms_per_link)"),
+    ({"REFIT_ZERO_COPY": "maybe"}, "REFIT_ZERO_COPY='maybe' (setting messages.zero_copy)"),
+    ({"REFIT_MESSAGES": "chunks"}, "MessageOptions.mode='chunks'"),
+])
+def test_bad_environment_values_name_the_variable(env, named):
+    with pytest.raises(OptionError) as info:
+        with_overrides(RefitOptions(), env)
+    assert named in str(info.value)
+    assert list(env)[0] in str(info.value)
+
+
+def test_a_rank_adopts_what_it_did_not_set_and_keeps_its_own_timeout():
+    published = RefitOptions(num_buffers=2, cast="strict", nccl={"comms_per_link": 4}).resolved("cpu")
+    mine = RefitOptions(cast="strict", timeout_s=12)
+    agreed = mine.agree_with(published, "gen rank 3")
+    assert agreed.num_buffers == 2 and agreed.nccl.comms_per_link == 4 and agreed.bucket_bytes == 64 << 20
+    assert agreed.timeout_s == 12
+    with pytest.raises(PlanError, match=r"setting 'nccl.comms_per_link' disagrees: gen rank 3 set 2 but the "
+                                        r"train side's rank 0 uses 4"):
+        RefitOptions(nccl={"comms_per_link": 2}).agree_with(published, "gen rank 3")
+
+
+def test_settings_are_part_of_the_plan_fingerprint():
+    from refit_core.planner import plan_transfers
+    from refit_core.schedule import build_schedule
+    from refit_core.pieces import PieceMeta
+    from refit_core.spec import TensorSpec
+    import torch
+
+    spec = TensorSpec("w", (4, 4), torch.float32)
+    transfers = plan_transfers([[PieceMeta(spec, spec.full_box())]], [[PieceMeta(spec, spec.full_box())]])
+    a = build_schedule(transfers, 1, 1, 1024, agreed_settings=RefitOptions().resolved("cpu").digest())
+    b = build_schedule(transfers, 1, 1, 1024, agreed_settings=RefitOptions(num_buffers=2).resolved("cpu").digest())
+    assert a.rounds == b.rounds and a.fingerprint != b.fingerprint
+
+
+# Every agreed setting, set on the gen side to a value other than the train side's.
+MISMATCHES = [
+    ("bucket_bytes", {"bucket_bytes": 4096}, {"bucket_bytes": 8192}, {}, "4096", "8192"),
+    ("num_buffers", {}, {"num_buffers": 2}, {}, "3", "2"),
+    ("cast", {}, {"cast": "strict"}, {}, "'cast'", "'strict'"),
+    ("allow_unused_sources", {}, {"allow_unused_sources": True}, {}, "False", "True"),
+    ("transport", {"transport": "gloo"}, {"transport": "auto"}, {}, "'gloo'", "'auto'"),
+    ("messages.mode", {}, {"messages": {"mode": "runs"}}, {}, "'units'", "'runs'"),
+    ("messages.direct_min_bytes", {}, {"messages": {"direct_min_bytes": 1024}}, {}, "16777216", "1024"),
+    ("messages.zero_copy", {}, {"messages": {"zero_copy": False}}, {}, "True", "False"),
+    ("nccl.backend", {}, {"nccl": {"backend": "torch"}}, {}, "'auto'", "'torch'"),
+    ("nccl.comms_per_link", {"nccl": {"comms_per_link": 3}}, {"nccl": {"comms_per_link": 1}}, {}, "3", "1"),
+    ("nccl.comms_per_link", {}, {}, {"REFIT_NCCL_COMMS": "4"}, "2", "4"),  # through the environment
+]
+
+
+def test_every_setting_set_differently_fails_setup_on_every_rank_naming_it():
+    """One train rank and one gen rank go through every mismatch in turn; each setup fails on both
+    ranks with a PlanError naming the setting and both values (no hang: each case has its deadline)."""
+    cases = [(f"127.0.0.1:{free_port()}", {**train, "timeout_s": 30}, {**gen, "timeout_s": 30}, env)
+             for _, train, gen, env, _, _ in MISMATCHES]
+    train_results, gen_results = spawn(mismatched_setups, 2, cases, timeout_s=240)
+    for (setting, *_, train_value, gen_value), train, gen in zip(MISMATCHES, train_results, gen_results):
+        expected = (f"setting {setting!r} disagrees: gen rank 0 set {gen_value} but the train side's rank 0 "
+                    f"uses {train_value}")
+        for address, kind, message in (train, gen):
+            assert kind == "PlanError", (setting, kind, message)
+            assert expected in message, (setting, message)
+
+
+def test_gen_side_adopts_the_train_sides_settings_and_refits_bitwise():
+    train_options = {"bucket_bytes": 1024, "num_buffers": 2, "messages": {"zero_copy": False}, "timeout_s": 25}
+    train, gen = spawn(adopted_settings, 2, f"127.0.0.1:{free_port()}", train_options, timeout_s=180)
+    assert gen["settings"] == {**train["settings"], "timeout_s": 25.0}
+    assert gen["settings"]["bucket_bytes"] == 1024 and gen["settings"]["messages"]["zero_copy"] is False
+    assert gen["fingerprint"] == train["fingerprint"]
+    assert gen["version"] == 7 and gen["mismatches"] == []
+    assert gen["direct"] == 0 and 0 < gen["staging"] <= 2 * 1024  # zero-copy off, bucket and buffers adopted
