@@ -18,7 +18,7 @@ from .backend import GEN, TRAIN
 from .env import with_overrides
 from .errors import PlanError, RefitError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
-from .experts import group_piece, group_side, ungroup_name
+from .experts import ExpertNaming, group_piece, group_side
 from .options import RefitOptions
 from .pieces import DestinationPiece, Piece, PieceMeta
 from .planner import plan_transfers
@@ -73,6 +73,7 @@ class _Endpoint:
         self._rdv: Rendezvous | None = None
         self._pieces: list[Piece] = []
         self._counts: dict[str, int] = {}
+        self._experts: ExpertNaming = self.plugins.expert_naming()
         self._executor: SendExecutor | ReceiveExecutor | None = None
 
     # -- setup --------------------------------------------------------------------------------
@@ -132,13 +133,15 @@ class _Endpoint:
     def _plan(self, settings: RefitOptions, metas: dict[str, list[list[PieceMeta]]]) -> Schedule:
         """Plan (identically on every rank) and check that every rank got the same fingerprint."""
         grouped = {side: group_side(metas[side], self.plugins.expert_name) for side in (TRAIN, GEN)}
-        self._counts = grouped[self.side][1]
-        transfers = plan_transfers(grouped[TRAIN][0], grouped[GEN][0], cast=settings.cast,
+        self._counts = grouped[self.side].counts
+        for side in (TRAIN, GEN):
+            self._experts.learn(metas[side])
+        transfers = plan_transfers(grouped[TRAIN].metas, grouped[GEN].metas, cast=settings.cast,
                                    allow_unused_sources=settings.allow_unused_sources)
         assert settings.bucket_bytes is not None  # resolved by the train side's rank 0
+        groups = set(grouped[GEN].counts) | set(grouped[TRAIN].counts)
         schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings.bucket_bytes,
-                                  settings.messages, expert_groups=set(grouped[GEN][1]) | set(grouped[TRAIN][1]),
-                                  agreed_settings=settings.digest())
+                                  settings.messages, expert_groups=groups, agreed_settings=settings.digest())
         self._check_placement(schedule, settings)
         self._rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
         everyone = self._rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
@@ -286,7 +289,7 @@ class RefitReceiver(_Endpoint):
             loader_weights = self._bind_step()
             stats = executor.run()
             if loader_weights:
-                self.plugins.load_weights(self.model, _ungrouped(loader_weights, self.plugins))
+                self.plugins.load_weights(self.model, self._experts.ungrouped(loader_weights))
         except Exception:
             self.plugins.abort_update(self.model)
             raise
@@ -294,22 +297,6 @@ class RefitReceiver(_Endpoint):
         log.info("refit received version %d: %s in %.3f s (%.2f GB/s)", stats.version,
                  format_bytes(stats.bytes), stats.seconds, stats.gbps)
         return stats
-
-
-def _ungrouped(weights: list[tuple[str, torch.Tensor]], pm: PluginManager) -> list[tuple[str, torch.Tensor]]:
-    """Grouped expert tensors back into the checkpoint's per-expert names, for an engine's loader."""
-    out = []
-    for name, tensor in weights:
-        if pm.expert_name(name) is not None:  # already a per-expert checkpoint name
-            out.append((name, tensor))
-            continue
-        probe = ungroup_name(name, 0) if ".experts." in name else None
-        expert = pm.expert_name(probe) if probe else None
-        if expert is not None and expert.group == name:
-            out.extend((ungroup_name(name, e), tensor[e]) for e in range(tensor.shape[0]))
-        else:
-            out.append((name, tensor))
-    return out
 
 
 __all__ = ["RefitReceiver", "RefitSender", "StepStats"]

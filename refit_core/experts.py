@@ -3,16 +3,21 @@
 The checkpoint's ``model.layers.3.mlp.experts.{e}.gate_proj.weight`` (``[I, H]`` each) are one
 logical tensor ``model.layers.3.mlp.experts.gate_proj.weight`` of shape ``[E, I, H]``, so expert
 parallelism is plain sharding on dim 0. Plugins may emit either form; the planner groups
-per-expert names through the ``refit_expert_name`` hook (whose default lives here).
+per-expert names through the ``refit_expert_name`` hook, and the loader path and verification name
+experts back through :class:`ExpertNaming`: the per-expert names either side published, else the
+``refit_expert_member_name`` hook. The defaults of both hooks (the ``...experts.{e}.{rest}`` naming)
+live here, and are the only place that knows that naming.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
-from .errors import PlanError
+import torch
+
+from .errors import PlanError, PluginError
 from .pieces import Piece, PieceMeta
 from .spec import Box, TensorSpec
 
@@ -36,12 +41,20 @@ def default_expert_name(hf_name: str) -> ExpertName | None:
 
 
 def ungroup_name(group: str, index: int) -> str:
-    """The per-expert HF name of expert ``index`` of a grouped name (inverse of the default)."""
+    """``("a.experts.w1.weight", 5)`` -> ``"a.experts.5.w1.weight"``: the default naming's expert
+    ``index`` of a group that follows it."""
     prefix, _, suffix = group.partition(".experts.")
     return f"{prefix}.experts.{index}.{suffix}"
 
 
+def default_member_name(group: str, index: int) -> str | None:
+    """The inverse of :func:`default_expert_name`; None for a name that is not a group of that naming."""
+    name = ungroup_name(group, index)
+    return name if default_expert_name(name) == ExpertName(group, index) else None
+
+
 ExpertNamer = Callable[[str], "ExpertName | None"]
+MemberNamer = Callable[[str, int], "str | None"]
 
 
 def expert_counts(ranks: Sequence[Sequence[PieceMeta]], namer: ExpertNamer) -> dict[str, int]:
@@ -76,8 +89,60 @@ def group_piece(piece: Piece, namer: ExpertNamer, counts: dict[str, int]) -> Pie
     return type(piece)(meta.spec, meta.box, view)
 
 
-def group_side(ranks: Sequence[Sequence[PieceMeta]], namer: ExpertNamer
-               ) -> tuple[list[list[PieceMeta]], dict[str, int]]:
+@dataclass(frozen=True)
+class GroupedSide:
+    """One side's metadata with per-expert pieces grouped, and the number of experts per group."""
+
+    metas: list[list[PieceMeta]]
+    counts: dict[str, int]
+
+
+def group_side(ranks: Sequence[Sequence[PieceMeta]], namer: ExpertNamer) -> GroupedSide:
     """Every rank's metadata of one side with per-expert pieces grouped, and the experts per group."""
     counts = expert_counts(ranks, namer)
-    return [[group_meta(m, namer, counts) for m in metas] for metas in ranks], counts
+    return GroupedSide([[group_meta(m, namer, counts) for m in metas] for metas in ranks], counts)
+
+
+@dataclass
+class ExpertNaming:
+    """Both directions between per-expert checkpoint names and grouped tensors.
+
+    ``namer`` splits a per-expert name (the ``refit_expert_name`` hook); ``member`` names expert
+    ``index`` of a group (the ``refit_expert_member_name`` hook). Names learned from metadata
+    (:meth:`learn`) come first, so a plugin whose pieces carry per-expert names needs no inverse hook.
+    """
+
+    namer: ExpertNamer
+    member: MemberNamer
+    seen: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def learn(self, ranks: Iterable[Sequence[PieceMeta]]) -> None:
+        """Remember every per-expert name in ``ranks``' metadata."""
+        for metas in ranks:
+            for meta in metas:
+                expert = self.namer(meta.spec.name)
+                if expert is not None:
+                    self.seen[(expert.group, expert.index)] = meta.spec.name
+
+    def member_name(self, group: str, index: int) -> str | None:
+        """The checkpoint's name of expert ``index`` of ``group``; None if ``group`` is no expert group."""
+        return self.seen.get((group, index)) or self.member(group, index)
+
+    def members(self, group: str, count: int) -> list[str]:
+        """The checkpoint's names of experts ``0..count-1`` of ``group``; PluginError if one is unknown."""
+        names = [self.member_name(group, e) for e in range(count)]
+        missing = [e for e, name in enumerate(names) if name is None]
+        if missing:
+            raise PluginError(f"no per-expert name for expert(s) {missing[:5]} of {group}: a plugin that groups "
+                              "experts under its own naming must implement refit_expert_member_name")
+        return [name for name in names if name is not None]
+
+    def ungrouped(self, weights: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Grouped expert tensors split into the checkpoint's per-expert names; others unchanged."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            if self.namer(name) is not None or tensor.dim() == 0 or self.member_name(name, 0) is None:
+                out.append((name, tensor))
+                continue
+            out.extend(zip(self.members(name, tensor.shape[0]), tensor.unbind(0)))
+        return out

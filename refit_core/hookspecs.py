@@ -61,7 +61,20 @@ def refit_expert_name(hf_name: str) -> ExpertName | None:
     """Split a per-expert HF name into its grouped logical name and expert index.
 
     The core's default handles ``...experts.{e}.{rest}``; implement this only for other naming
-    schemes, and return None for names that are not per-expert tensors of yours.
+    schemes, and return None for names that are not per-expert tensors of yours (the default
+    then tries). Implement :func:`refit_expert_member_name` with it.
+    """
+
+
+@hookspec(firstresult=True)
+def refit_expert_member_name(group: str, index: int) -> str | None:
+    """The checkpoint's per-expert name of expert ``index`` of the grouped tensor ``group``.
+
+    The inverse of :func:`refit_expert_name` (which must map the answer back to ``(group, index)``,
+    or refit raises :class:`~refit_core.errors.PluginError`). Used where grouped tensors go back to
+    the engine or a reference under checkpoint names: the loader path and verification. Per-expert
+    names that either side's pieces carry are used first, so this hook matters only for groups no
+    piece names per expert. Return None for groups that are not yours.
     """
 
 

@@ -24,7 +24,7 @@ def _entry(fn: Callable[..., Any], rank: int, nprocs: int, args: tuple, env: dic
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs)})
     try:
         result = fn(rank, nprocs, *args)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - report every failure (SystemExit too) to the parent, then exit
         outcomes.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
     outcomes.put((rank, True, result))

@@ -75,6 +75,8 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
         tick(r + 1)
     if progress is not None and len(src) + len(dst) >= 64:
         progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
-    transfers = plan_transfers(group_side(src, pm.expert_name)[0], group_side(dst, pm.expert_name)[0], cast=cast)
-    schedule = build_schedule(transfers, len(src), len(dst), bucket_bytes)
+    grouped_src, grouped_dst = group_side(src, pm.expert_name), group_side(dst, pm.expert_name)
+    transfers = plan_transfers(grouped_src.metas, grouped_dst.metas, cast=cast)
+    schedule = build_schedule(transfers, len(src), len(dst), bucket_bytes,
+                              expert_groups=set(grouped_src.counts) | set(grouped_dst.counts))
     return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start)

@@ -14,7 +14,7 @@ from .backend import Backend
 from .env import PLUGINS as PLUGINS_ENV
 from .env import plugin_selection, read
 from .errors import PluginError
-from .experts import ExpertName
+from .experts import ExpertName, ExpertNaming
 from .layout import ParallelLayout
 from .pieces import DestinationMap, SourcePiece
 
@@ -147,7 +147,24 @@ class PluginManager:
         return mapping
 
     def expert_name(self, hf_name: str) -> ExpertName | None:
+        """``hf_name`` split into its expert group and index, or None if it is no per-expert name."""
         return self.hook.refit_expert_name(hf_name=hf_name)
+
+    def expert_member_name(self, group: str, index: int) -> str | None:
+        """The per-expert checkpoint name of expert ``index`` of ``group``, or None if no plugin knows it.
+
+        Raises :class:`PluginError` when the plugins' two naming hooks disagree.
+        """
+        name = self.hook.refit_expert_member_name(group=group, index=index)
+        if name is not None and self.expert_name(name) != ExpertName(group, index):
+            raise PluginError(f"refit_expert_member_name({group!r}, {index}) returned {name!r}, but "
+                              f"refit_expert_name maps that to {self.expert_name(name)}: the two hooks must "
+                              "be inverses of each other")
+        return name
+
+    def expert_naming(self) -> ExpertNaming:
+        """Both directions of expert naming, through this manager's hooks."""
+        return ExpertNaming(self.expert_name, self.expert_member_name)
 
     def begin_update(self, model: Any) -> bool:
         return bool(self.hook.refit_begin_update(model=model))

@@ -6,32 +6,47 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .experts import ungroup_name
+from .errors import RefitError
+from .experts import ExpertNaming
 from .pieces import Piece
 from .spec import Box
 
 
-def reference_region(piece: Piece, reference: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def reference_region(piece: Piece, reference: Mapping[str, torch.Tensor],
+                     naming: ExpertNaming | None = None) -> torch.Tensor:
     """The reference values of ``piece``'s box, in the piece's dtype.
 
     ``reference`` holds checkpoint tensors; a grouped expert name missing from it is stacked from
-    its per-expert entries (only the experts the box covers).
+    its per-expert entries (only the experts the box covers), named through ``naming`` (default:
+    the installed plugins' expert naming hooks).
     """
     name, box = piece.spec.name, piece.box
     if name in reference:
         return box.slice_of(reference[name]).to(piece.spec.dtype)
+    if naming is None:
+        from .plugins import get_plugin_manager
+
+        naming = get_plugin_manager().expert_naming()
     first, count = box.offsets[0], box.sizes[0]
-    stacked = torch.stack([reference[ungroup_name(name, e)] for e in range(first, first + count)])
+    experts = []
+    for e in range(first, first + count):
+        member = naming.member_name(name, e)
+        if member is None or member not in reference:
+            raise RefitError(f"the reference has no tensor {name} nor its expert {e} "
+                             f"({member or 'no per-expert name'})")
+        experts.append(reference[member])
+    stacked = torch.stack(experts)
     return Box((0, *box.offsets[1:]), box.sizes).slice_of(stacked).to(piece.spec.dtype)
 
 
-def mismatches(pieces: Sequence[Piece], reference: Mapping[str, torch.Tensor]) -> list[str]:
+def mismatches(pieces: Sequence[Piece], reference: Mapping[str, torch.Tensor],
+               naming: ExpertNaming | None = None) -> list[str]:
     """Names and boxes of every piece whose view differs from the reference, bit for bit."""
     bad = []
     for piece in pieces:
         if piece.view is None:
             continue
-        expected = reference_region(piece, reference)
+        expected = reference_region(piece, reference, naming)
         if not torch.equal(piece.view.cpu(), expected.cpu()):
             bad.append(f"{piece.spec.name}{piece.box}")
     return bad

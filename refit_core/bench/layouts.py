@@ -218,7 +218,7 @@ class VllmStyleModel(_FlatModel):
 
     def _pieces(self) -> None:
         d, t, r, P = self.dims, self.tp, self.rank, self.params
-        H, hd = d["H"], d["hd"]
+        hd = d["hd"]
         vs = d["V"] // t
         self._piece("model.embed_tokens.weight", (r * vs, 0), P["model.embed_tokens.weight"])
         q_rows, kv_rows = d["nq"] * hd // t, d["nkv"] * hd // t

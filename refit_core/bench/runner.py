@@ -292,7 +292,6 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
     gen = results[n_train:]
     received = sum(r["model_bytes"] for r in gen)
     rows = []
-    wire_time = None
     for name in job["methods"]:
         entries = [r["methods"][name] for r in results]
         e0 = entries[0]
@@ -309,8 +308,6 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
             row[f"{side}_after_extra_bytes"] = max(afters) if None not in afters else None
         if "links" in e0:
             row["links"] = e0["links"]
-        if name == "wire":
-            wire_time = t
         rows.append(row)
     wire = next((r for r in rows if r["method"] == "wire"), None)
     for row in rows:
@@ -404,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"refit bench: unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     if not one_to_one and any(m in ("per-tensor", "packed") for m in methods):
         raise SystemExit("refit bench: the baselines need one train and one gen rank")
-    command = args.command or "refit bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    given = argv if argv is not None else sys.argv[1:]
+    command = args.command or "refit bench " + " ".join(shlex.quote(a) for a in given)
     report: dict[str, Any] = {
         "machine": args.machine, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command, "environment": _environment(args),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import torch
+
 from refit_core import RefitOptions, RefitReceiver, RefitSender
 from refit_core.verify import mismatches
 from refit_toy.demo import reference
@@ -44,3 +46,35 @@ def refit_ranks(rank: int, world: int, address: str, steps: int, options: dict, 
         return {"side": "train" if train else "gen", "steps": results, "stats": dataclasses.asdict(schedule.summary)}
     except Exception as exc:  # noqa: BLE001 - the test inspects the error
         return ("error", type(exc).__name__, str(exc))
+
+
+def odd_expert_ranks(rank: int, world: int, address: str, steps: int) -> dict:
+    """A refit whose experts use the toy plugin's own naming (no ``.experts.``) and, on the gen side,
+    the loader path. Gen ranks return the names their engine's loader received and the mismatches."""
+    train = rank < TRAIN_RANKS
+    local, size = (rank, TRAIN_RANKS) if train else (rank - TRAIN_RANKS, world - TRAIN_RANKS)
+    options = RefitOptions(timeout_s=30)
+    if train:
+        trainer = ToyTrainer(local, size, odd_experts=True)
+        sender = RefitSender(trainer, rendezvous=address, rank=local, world_size=size, options=options)
+        sender.setup()
+        for step in range(steps):
+            trainer.load(reference(0, step, odd_experts=True))
+            sender.send(version=step)
+        sender.close()
+        return {"side": "train"}
+    engine = ToyEngine(local, size, odd_experts=True)
+    receiver = RefitReceiver(engine, rendezvous=address, rank=local, world_size=size, options=options)
+    receiver.setup()
+    out: dict = {"side": "gen", "steps": []}
+    for step in range(steps):
+        receiver.receive()
+        expected = reference(0, step, odd_experts=True)
+        engine_experts = {f"expert {e}": bool(torch.equal(engine.experts_up[e - engine.expert_start], expected[name]))
+                          for e, name in enumerate(n for n in expected if ".moe." in n)
+                          if 0 <= e - engine.expert_start < engine.experts_up.shape[0]}
+        out["steps"].append({"loaded": engine.loaded_names, "experts_equal": engine_experts,
+                             "fast_path_mismatches": mismatches(receiver.plugins.destination_map(engine).pieces,
+                                                                expected)})
+    receiver.close()
+    return out

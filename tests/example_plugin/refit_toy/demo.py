@@ -10,11 +10,21 @@ from refit_core.launch import spawn
 from refit_core.models import reference_tensor
 from refit_core.verify import mismatches
 
-from .models import CHECKPOINT, ToyEngine, ToyTrainer
+from .models import CHECKPOINT, EXPERTS, ODD_GROUPED_EXPERTS, ToyEngine, ToyTrainer, odd_member_name
 
 
-def reference(seed: int, step: int) -> dict[str, torch.Tensor]:
-    return {spec.name: reference_tensor(spec, seed, step) for spec in CHECKPOINT}
+def reference(seed: int, step: int, odd_experts: bool = False) -> dict[str, torch.Tensor]:
+    """The full checkpoint of version ``step`` (experts under the plugin's own naming if ``odd_experts``).
+
+    Both namings hold the same values: expert ``e`` is drawn under its HF name either way.
+    """
+    if not odd_experts:
+        return {spec.name: reference_tensor(spec, seed, step) for spec in CHECKPOINT}
+    hf = reference(seed, step)
+    odd = {name: tensor for name, tensor in hf.items() if ".experts." not in name}
+    for e in range(EXPERTS):
+        odd[odd_member_name(ODD_GROUPED_EXPERTS, e)] = hf[f"model.layers.0.mlp.experts.{e}.up_proj.weight"]
+    return odd
 
 
 def _train_rank(rank: int, world: int, ctx: DemoContext) -> list[float]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
+from refit_core import ExpertName
 from refit_core.spec import TensorSpec
 
 HIDDEN, VOCAB, HEADS_DIM, KV_DIM, EXPERTS, EXPERT_ROWS = 32, 64, 32, 16, 4, 8
@@ -18,6 +21,46 @@ CHECKPOINT = [
       for e in range(EXPERTS)],
     TensorSpec("model.norm.weight", (HIDDEN,), torch.float32),
 ]
+GROUPED_EXPERTS = "model.layers.0.mlp.experts.up_proj.weight"
+
+# A second naming of the same checkpoint's experts, without ``.experts.``:
+# ``model.layers.0.moe.expert{e}_up.weight`` is expert ``e`` of the group ``model.layers.0.moe.up.weight``.
+# The toy plugin's two expert-naming hooks translate it; the core's default naming knows nothing of it.
+ODD_GROUPED_EXPERTS = "model.layers.0.moe.up.weight"
+_ODD_EXPERT = re.compile(r"^(?P<prefix>.+\.moe)\.expert(?P<index>\d+)_(?P<rest>[^.]+\.weight)$")
+_ODD_GROUP = re.compile(r"^(?P<prefix>.+\.moe)\.(?P<rest>[^.]+\.weight)$")
+
+
+def odd_expert_name(name: str) -> ExpertName | None:
+    """``model.layers.0.moe.expert3_up.weight`` -> ``ExpertName("model.layers.0.moe.up.weight", 3)``."""
+    match = _ODD_EXPERT.match(name)
+    return None if match is None else ExpertName(f"{match['prefix']}.{match['rest']}", int(match["index"]))
+
+
+def odd_member_name(group: str, index: int) -> str | None:
+    """The inverse of :func:`odd_expert_name`."""
+    match = _ODD_GROUP.match(group)
+    return None if match is None else f"{match['prefix']}.expert{index}_{match['rest']}"
+
+
+ODD_CHECKPOINT = [
+    *(s for s in CHECKPOINT if ".experts." not in s.name),
+    *[TensorSpec(odd_member_name(ODD_GROUPED_EXPERTS, e), (EXPERT_ROWS, HIDDEN), torch.float32)
+      for e in range(EXPERTS)],
+]
+
+
+def checkpoint(odd_experts: bool) -> list[TensorSpec]:
+    return ODD_CHECKPOINT if odd_experts else CHECKPOINT
+
+
+def _expert_index(name: str) -> int | None:
+    odd = odd_expert_name(name)
+    if odd is not None:
+        return odd.index
+    if ".experts." in name:
+        return int(name.split(".experts.")[1].split(".")[0])
+    return None
 
 
 def split(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -28,16 +71,18 @@ def split(n: int, parts: int, index: int) -> tuple[int, int]:
 
 class ToyTrainer:
     """Train side: every dense tensor row-sharded over ``world`` ranks, experts split by index
-    (whole experts per rank, per-expert names), the final norm replicated on every rank."""
+    (whole experts per rank, per-expert names), the final norm replicated on every rank.
+    ``odd_experts`` names experts with the plugin's own scheme instead of HF's."""
 
     def __init__(self, rank: int, world: int, shape_overrides: dict[str, tuple[int, ...]] | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", odd_experts: bool = False) -> None:
         self.rank, self.world = rank, world
-        self.specs = [TensorSpec(s.name, (shape_overrides or {}).get(s.name, s.shape), s.dtype) for s in CHECKPOINT]
+        self.specs = [TensorSpec(s.name, (shape_overrides or {}).get(s.name, s.shape), s.dtype)
+                      for s in checkpoint(odd_experts)]
         self.shards: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         for spec in self.specs:
-            if ".experts." in spec.name:
-                expert = int(spec.name.split(".experts.")[1].split(".")[0])
+            expert = _expert_index(spec.name)
+            if expert is not None:
                 if expert * world // EXPERTS == rank:
                     self.shards[spec.name] = ((0,) * len(spec.shape), torch.zeros(spec.shape, device=device))
             elif spec.name == "model.norm.weight":
@@ -57,10 +102,16 @@ class ToyTrainer:
 
 class ToyEngine:
     """Gen side: embeddings column-sharded (bf16), a fused ``qkv`` replicated on every rank,
-    stacked experts ``[E, rows, H]`` sharded on the expert dim, the norm replicated."""
+    stacked experts ``[E, rows, H]`` sharded on the expert dim, the norm replicated.
 
-    def __init__(self, rank: int, world: int, device: str = "cpu") -> None:
+    ``odd_experts`` names experts with the plugin's own scheme and takes them through the loader
+    path: refit hands them to ``refit_load_weights`` under their per-expert checkpoint names, which
+    the engine records in ``loaded_names`` and copies into its local experts.
+    """
+
+    def __init__(self, rank: int, world: int, device: str = "cpu", odd_experts: bool = False) -> None:
         self.rank, self.world = rank, world
+        self.odd_experts = odd_experts
         self.col_start, cols = split(HIDDEN, world, rank)
         self.expert_start, experts = split(EXPERTS, world, rank)
         self.embed = torch.zeros(VOCAB, cols, dtype=torch.bfloat16, device=device)
@@ -68,3 +119,15 @@ class ToyEngine:
         self.experts_up = torch.zeros(experts, EXPERT_ROWS, HIDDEN, device=device)
         self.norm = torch.zeros(HIDDEN, device=device)
         self.version = -1
+        self.loaded_names: list[str] = []
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """The engine's own loader: per-expert checkpoint tensors into its local experts."""
+        self.loaded_names = [name for name, _ in weights]
+        for name, tensor in weights:
+            expert = odd_expert_name(name)
+            if expert is None or expert.group != ODD_GROUPED_EXPERTS:
+                raise KeyError(f"toy engine: unexpected loader tensor {name}")
+            local = expert.index - self.expert_start
+            if 0 <= local < self.experts_up.shape[0]:
+                self.experts_up[local].copy_(tensor)

@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
-from refit_core import (GEN, TRAIN, Backend, Box, DestinationMap, DestinationPiece, ParallelLayout,
+from refit_core import (GEN, TRAIN, Backend, Box, DestinationMap, DestinationPiece, ExpertName, ParallelLayout,
                         SourcePiece, TensorSpec, hookimpl)
 
-from .models import EXPERTS, HEADS_DIM, HIDDEN, KV_DIM, CHECKPOINT, ToyEngine, ToyTrainer
+from .models import (EXPERTS, GROUPED_EXPERTS, HEADS_DIM, HIDDEN, KV_DIM, ODD_GROUPED_EXPERTS, ToyEngine,
+                     ToyTrainer, checkpoint, odd_expert_name, odd_member_name)
 
 
 @hookimpl
@@ -34,7 +35,7 @@ def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
 def refit_destination_map(model: Any) -> DestinationMap | None:
     if not isinstance(model, ToyEngine):
         return None
-    spec = {s.name: s for s in CHECKPOINT}
+    spec = {s.name: s for s in checkpoint(model.odd_experts)}
     embed = spec["model.embed_tokens.weight"]
     embed = TensorSpec(embed.name, embed.shape, torch.bfloat16)
     pieces = [DestinationPiece(embed, Box((0, model.col_start), tuple(model.embed.shape)), model.embed)]
@@ -43,12 +44,33 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
         pieces.append(DestinationPiece(spec[f"model.layers.0.self_attn.{proj}.weight"], Box((0, 0), (rows, HIDDEN)),
                                        model.qkv[row:row + rows]))
         row += rows
-    up = spec["model.layers.0.mlp.experts.0.up_proj.weight"]
-    grouped = TensorSpec("model.layers.0.mlp.experts.up_proj.weight", (EXPERTS, *up.shape), up.dtype)
-    pieces.append(DestinationPiece(grouped, Box((model.expert_start, 0, 0), tuple(model.experts_up.shape)),
-                                   model.experts_up))
     pieces.append(DestinationPiece(spec["model.norm.weight"], Box((0,), (HIDDEN,)), model.norm))
+    if model.odd_experts:  # the whole grouped tensor through the engine's own loader
+        up = spec[odd_member_name(ODD_GROUPED_EXPERTS, 0)]
+        return DestinationMap(pieces, loader=[TensorSpec(ODD_GROUPED_EXPERTS, (EXPERTS, *up.shape), up.dtype)])
+    up = spec["model.layers.0.mlp.experts.0.up_proj.weight"]
+    grouped = TensorSpec(GROUPED_EXPERTS, (EXPERTS, *up.shape), up.dtype)
+    pieces.insert(-1, DestinationPiece(grouped, Box((model.expert_start, 0, 0), tuple(model.experts_up.shape)),
+                                       model.experts_up))
     return DestinationMap(pieces)
+
+
+@hookimpl
+def refit_expert_name(hf_name: str) -> ExpertName | None:
+    return odd_expert_name(hf_name)
+
+
+@hookimpl
+def refit_expert_member_name(group: str, index: int) -> str | None:
+    return odd_member_name(group, index)
+
+
+@hookimpl
+def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> bool | None:
+    if not isinstance(model, ToyEngine):
+        return None
+    model.load_weights(weights)
+    return True
 
 
 @hookimpl
