@@ -23,6 +23,8 @@ class Backend:
     side: each receives a :class:`~refit_core.demo.context.DemoContext` and returns a report.
     ``demo_train_layout`` / ``demo_gen_layout`` are the layouts ``refit demo`` uses by default
     (``"fsdp=2"``); ``priority`` orders backends when ``refit demo`` picks the best installed pair.
+    ``rl_train_actor`` / ``rl_gen_actor`` are ``"module:Class"`` import paths of the Ray actor classes
+    ``refit demo --loop`` uses (:mod:`refit_core.demo.rl_loop` states their methods); empty: none.
     """
 
     name: str
@@ -33,6 +35,8 @@ class Backend:
     demo_train_layout: str = ""
     demo_gen_layout: str = ""
     priority: int = 0
+    rl_train_actor: str = ""
+    rl_gen_actor: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sides", frozenset(self.sides))

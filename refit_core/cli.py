@@ -45,6 +45,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo.runner import DemoPlan, default_device, fit_to_gpus, pick_pair, run_demo
 
+    if args.loop:
+        from .demo.rl_loop import LoopSettings, run_cli
+
+        return run_cli(LoopSettings(model=args.model if args.model != "tiny-llama" else LoopSettings.model,
+                                    steps=args.steps if args.steps != 2 else LoopSettings.steps,
+                                    device=args.device or "cpu", plot=args.plot), args.train, args.gen)
     pm = get_plugin_manager()
     train, gen = pick_pair(pm, args.train, args.gen)
     plan = DemoPlan(train, gen, args.model,
@@ -93,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--gen-layout", help="e.g. tp=2 (default: the backend's demo layout)")
     demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
     demo.add_argument("--timeout", type=float, default=900.0, help="seconds before both programs are stopped")
+    demo.add_argument("--loop", action="store_true",
+                      help="a real RL loop instead: GRPO on a tiny policy (Ray actors, FSDP2 -> vLLM), refit "
+                           "after every step, reward and generation-KL table and plot (needs refit-core[ray])")
+    demo.add_argument("--plot", default="refit-rl-loop.png", help="with --loop: where to write the PNG")
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="GPU benchmark: wire vs baselines vs refit (see benchmarks/)")

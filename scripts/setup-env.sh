@@ -20,7 +20,7 @@ if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
         .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
 fi
-editables=(-e ".[test]" -e tests/example_plugin)
+editables=(-e ".[test,ray]" -e tests/example_plugin)
 for plugin in plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && editables+=(-e "$plugin")
 done

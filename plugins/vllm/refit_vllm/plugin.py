@@ -34,7 +34,8 @@ def _demo_gen(ctx: DemoContext) -> DemoReport:
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
     register(Backend("vllm", {GEN}, "a running vLLM engine: fused qkv/gate_up/w13 written in place, "
-                     "vLLM's layerwise reload, loader path for the rest", demo_gen=_demo_gen, priority=20))
+                     "vLLM's layerwise reload, loader path for the rest", demo_gen=_demo_gen, priority=20,
+                     rl_gen_actor="refit_vllm.ray:VLLMEngineActor"))
 
 
 def _plan(model: torch.nn.Module, state: ModelState) -> ModelPlan:

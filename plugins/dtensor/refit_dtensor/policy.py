@@ -1,0 +1,87 @@
+"""An FSDP2 policy as a Ray train actor: the trainer side of ``refit demo --loop``.
+
+One actor per rank; the ranks form their own gloo (CPU) or NCCL (CUDA) process group, shard a
+``transformers`` causal LM with FSDP2 (fp32 master weights), and take GRPO steps with AdamW on the
+rollouts the controller hands them. The actor is a :class:`refit_core.ray.RefitTrainActor`, so
+:class:`refit_core.ray.RayRefit` sends its shards to the engine after every step, in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refit_core import ParallelLayout
+from refit_core.models import reference_state_dict
+from refit_core.ray import RefitTrainActor
+from refit_core.rl import Rollout, completion_logprobs
+
+from .parallel import build_model, init_mesh, shard_model
+from .shards import load_hf_weights
+
+
+class FSDPPolicyActor(RefitTrainActor):
+    """Train rank ``rank`` of ``world_size``: a policy sharded with FSDP2 and its AdamW optimizer.
+
+    The initial weights are ``reference_state_dict(config, seed, 0)``, identical on every rank.
+    """
+
+    def __init__(self, rank: int, world_size: int, config: dict[str, Any], *, seed: int, lr: float,
+                 device: str = "cpu") -> None:
+        self.rank, self.world_size = rank, world_size
+        self.config, self.seed, self.lr, self.device = config, seed, lr, device
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def init_training(self, dist_address: str) -> int:
+        """Join the trainers' process group at ``dist_address`` (``host:port``, e.g. train rank 0's
+        :meth:`refit_address`), build and shard the policy (collective over the trainers); returns
+        the number of parameters."""
+        torch.set_num_threads(1)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://{dist_address}", rank=self.rank,
+                                world_size=self.world_size)
+        layout = ParallelLayout(fsdp=self.world_size)
+        model = build_model(self.config, dtype=torch.float32, device=device)
+        shard_model(model, layout, init_mesh(layout, device.type))
+        load_hf_weights(model, reference_state_dict(self.config, self.seed, 0))
+        self.model = model.train()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        return sum(p.numel() for p in model.parameters())
+
+    def refit_model(self) -> torch.nn.Module:
+        return self.model
+
+    def train_step(self, rollouts: list[Rollout], advantages: list[float]) -> dict[str, Any]:
+        """One GRPO step on this rank's share of the batch (every ``world_size``-th rollout).
+
+        Returns this rank's rollout indices, the policy's log-probabilities of their sampled tokens
+        *before* the update (the weights the engine sampled with) and the loss.
+        """
+        mine = list(range(self.rank, len(rollouts), self.world_size))
+        device = next(self.model.parameters()).device
+        sequences = torch.tensor([rollouts[i].prompt + rollouts[i].tokens for i in mine], device=device)
+        prompt_len = len(rollouts[mine[0]].prompt)
+        adv = torch.tensor([advantages[i] for i in mine], dtype=torch.float32, device=device)
+        logits = self.model(input_ids=sequences).logits
+        logprobs = torch.stack([completion_logprobs(logits[b], sequences[b], prompt_len)
+                                for b in range(len(mine))])
+        loss = -(adv.unsqueeze(1) * logprobs).mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return {"indices": mine, "logprobs": logprobs.detach().cpu().tolist(), "loss": loss.item()}
+
+    def shutdown(self) -> None:
+        self.refit_close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["FSDPPolicyActor"]

@@ -1,0 +1,129 @@
+"""A vLLM engine as a Ray actor that refit updates through vLLM's own weight-transfer API.
+
+    Engine = ray.remote(VLLMEngineActor)
+    engine = Engine.remote(model_dir, tp=1)
+    refit = refit_core.ray.RayRefit(trainers, [engine])
+
+The actor holds an ``AsyncLLM`` with ``WeightTransferConfig(backend="refit")`` and speaks the gen-actor
+protocol of :mod:`refit_core.ray`. Every update pauses generation with ``mode="keep"``: requests in
+flight stay in the engine and continue on the new weights after ``resume_generation()`` (their
+outputs' ``weight_versions`` show where the version changed); the prefix cache is reset, since
+cached KV came from the old weights. :meth:`sample` serves the RL loop's rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import tempfile
+from typing import Any
+
+from refit_core import RefitOptions
+from refit_core.rl import Rollout
+
+from .demo import engine_env, engine_kwargs
+from .extension import EXTENSION
+from .reference import reference_dir
+
+
+class VLLMEngineActor:
+    """One vLLM engine (``tp`` workers) in a Ray actor; use it with ``ray.remote(VLLMEngineActor)``."""
+
+    def __init__(self, model: str | None, *, config: dict[str, Any], seed: int = 0, tp: int = 1,
+                 device: str = "cpu", **engine_args: Any) -> None:
+        """An engine for the HF model directory ``model``, or (None) for ``config`` with random weights
+        (``reference_state_dict(config, seed, -1)``: a step no trainer sends)."""
+        engine_env(tp, device)
+        if model is None:
+            self._checkpoint = tempfile.TemporaryDirectory(prefix="refit-vllm-actor-")
+            model = str(reference_dir(config, seed, -1, self._checkpoint.name))
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_kwargs(config, tp, worker_extension_cls=EXTENSION,
+                             weight_transfer_config=WeightTransferConfig(backend="refit"), **engine_args)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **args))
+        self.tp = tp
+        self._request_ids = itertools.count()
+        self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
+
+    # -- the gen-actor protocol of refit_core.ray ---------------------------------------------
+
+    def refit_gen_ranks(self) -> int:
+        return self.tp
+
+    async def refit_setup(self, rendezvous: str, rank_offset: int, world_size: int,
+                          options: RefitOptions) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = {"rendezvous": rendezvous, "rank_offset": rank_offset, "world_size": world_size,
+                "options": dataclasses.asdict(options)}
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def refit_receive(self, version: int) -> int:
+        """Pause (keeping requests in flight), receive ``version``, publish it, resume; returns bytes."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.pause_generation(mode="keep")
+        try:
+            await self.engine.start_weight_update()
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
+            await self.engine.finish_weight_update(weight_version=str(version))
+            await self.engine.reset_prefix_cache()
+        finally:
+            await self.engine.resume_generation()
+        stats = await self.engine.collective_rpc("refit_step_stats")
+        return sum(int(s.get("bytes", 0)) for s in stats)
+
+    async def refit_close(self) -> None:
+        await self.engine.collective_rpc("shutdown_weight_transfer_engine")
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def weight_version(self) -> str:
+        return await self.engine.get_weight_version()
+
+    async def sample(self, prompts: list[list[int]], *, group_size: int = 1, max_tokens: int = 16,
+                     temperature: float = 1.0, seed: int = 0) -> list[Rollout]:
+        """``group_size`` completions of every prompt (consecutive), with the sampled tokens' log-probs."""
+        from vllm import SamplingParams
+
+        async def one(index: int, prompt: list[int], sample_seed: int) -> Rollout:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                    logprobs=0, seed=sample_seed)
+            request_id = f"sample-{next(self._request_ids)}"
+            self._in_flight[request_id] = 0
+            final = None
+            try:
+                async for final in self.engine.generate({"prompt_token_ids": prompt}, params,
+                                                        request_id=request_id):
+                    self._in_flight[request_id] = len(final.outputs[0].token_ids)
+            finally:
+                self._in_flight.pop(request_id, None)
+            completion = final.outputs[0]
+            tokens = tuple(completion.token_ids)
+            logprobs = tuple(step[token].logprob for step, token in zip(completion.logprobs, tokens))
+            versions = tuple(span.version for span in completion.weight_versions or ())
+            return Rollout(index, tuple(prompt), tokens, logprobs, versions)
+
+        jobs = [one(i, p, seed * 100_003 + i * group_size + g)
+                for i, p in enumerate(prompts) for g in range(group_size)]
+        return list(await asyncio.gather(*jobs))
+
+    async def wait_in_flight(self, min_tokens: int, timeout_s: float = 60.0) -> int:
+        """Wait until some request has generated ``min_tokens`` tokens; returns how many are in flight."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not any(n >= min_tokens for n in self._in_flight.values()):
+            if loop.time() > deadline:
+                raise TimeoutError(f"no request reached {min_tokens} tokens within {timeout_s:.0f} s")
+            await asyncio.sleep(0.005)
+        return len(self._in_flight)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+__all__ = ["VLLMEngineActor"]

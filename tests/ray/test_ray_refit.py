@@ -1,0 +1,164 @@
+"""refit_core.ray on a real local Ray cluster (CPU): FSDP2 train actors into DTensor receiver actors
+and into a vLLM engine actor, errors named by actor, and the RL loop of ``refit demo --loop``."""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("refit_dtensor")
+
+from refit_core import RefitError, RefitOptions  # noqa: E402
+from refit_core.models import load_config  # noqa: E402
+from refit_core.ray import RayRefit, RefitReceiveActor, gather  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.ray]
+SEED = 0
+TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from refit_core.demo.rl_loop import start_local_ray
+
+    here = os.path.dirname(os.path.abspath(__file__))  # actor classes defined here must import there
+    start_local_ray(6, env={"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))})
+    yield
+    ray.shutdown()
+
+
+class PolicyCopy(RefitReceiveActor):
+    """A DTensor tensor-parallel copy of the policy, one gen rank per actor."""
+
+    def __init__(self, rank: int, world_size: int, config: dict[str, Any]) -> None:
+        self.rank, self.world_size, self.config = rank, world_size, config
+        self.model = None
+
+    def build(self, dist_address: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from refit_core import ParallelLayout
+        from refit_dtensor.parallel import build_model, init_mesh, shard_model
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://{dist_address}", rank=self.rank,
+                                world_size=self.world_size)
+        layout = ParallelLayout(tp=self.world_size)
+        self.model = shard_model(build_model(self.config, seed=123), layout, init_mesh(layout))
+
+    def refit_model(self) -> Any:
+        return self.model
+
+    def mismatches(self, step: int) -> list[str]:
+        from refit_core import get_plugin_manager
+        from refit_core.models import reference_state_dict
+        from refit_core.verify import mismatches
+
+        pieces = get_plugin_manager().destination_map(self.model).pieces
+        return mismatches(pieces, reference_state_dict(self.config, SEED, step))
+
+
+def _trainers(config: dict[str, Any], ranks: int = 2) -> list[Any]:
+    from refit_dtensor.policy import FSDPPolicyActor
+
+    Trainer = ray.remote(num_cpus=1)(FSDPPolicyActor)
+    trainers = [Trainer.remote(r, ranks, config, seed=SEED, lr=1e-3) for r in range(ranks)]
+    (address,) = gather({trainers[0].refit_address.remote(): "train actor 0"}, "address", TIMEOUT_S)
+    gather({t.init_training.remote(address): f"train actor {r}" for r, t in enumerate(trainers)}, "build", TIMEOUT_S)
+    return trainers
+
+
+def _copies(config: dict[str, Any], ranks: int = 2) -> list[Any]:
+    Copy = ray.remote(num_cpus=1)(PolicyCopy)
+    copies = [Copy.remote(r, ranks, config) for r in range(ranks)]
+    (address,) = gather({copies[0].refit_address.remote(): "copy 0"}, "address", TIMEOUT_S)  # any free port
+    gather({c.build.remote(address): f"copy {r}" for r, c in enumerate(copies)}, "build", TIMEOUT_S)
+    return copies
+
+
+def _kill(*actors: Any) -> None:
+    for actor in actors:
+        ray.kill(actor)
+
+
+def test_ray_refit_fsdp_trainers_into_tp_copies_bitwise(local_ray) -> None:
+    config = load_config("tiny-qwen3")
+    trainers, copies = _trainers(config), _copies(config)
+    try:
+        refit = RayRefit(trainers, copies, timeout_s=TIMEOUT_S, options=RefitOptions(timeout_s=TIMEOUT_S))
+        fingerprint = refit.setup()
+        assert len(fingerprint) == 16 and refit.setup_seconds > 0
+        report = refit.sync(version=0)
+        assert report.version == 0 and report.bytes > 0
+        # the trainers start from reference step 0: every destination view equals it, bit for bit
+        assert gather({c.mismatches.remote(0): f"copy {r}" for r, c in enumerate(copies)}, "verify",
+                      TIMEOUT_S) == [[], []]
+        with pytest.raises(RefitError, match="expected 7"):  # the receivers check the version
+            bad = {c.refit_receive.remote(7): f"copy {r}" for r, c in enumerate(copies)}
+            bad.update({t.refit_send.remote(1): f"train actor {r}" for r, t in enumerate(trainers)})
+            gather(bad, "a refit with the wrong version", TIMEOUT_S)
+    finally:
+        _kill(*trainers, *copies)
+
+
+def test_ray_refit_names_the_failing_actor(local_ray) -> None:
+    trainers = _trainers(load_config("tiny-qwen3"))
+    copies = _copies(load_config("tiny-llama"))  # another model: planning fails on every rank
+    try:
+        refit = RayRefit(trainers, copies, timeout_s=TIMEOUT_S, options=RefitOptions(timeout_s=TIMEOUT_S),
+                         engine_names=["policy copy A", "policy copy B"])
+        with pytest.raises(RefitError, match="sync"):
+            refit.sync(version=0)
+        with pytest.raises(RefitError, match=r"refit setup failed on (train actor \d|policy copy [AB]): PlanError"):
+            refit.setup()
+    finally:
+        _kill(*trainers, *copies)
+
+
+def test_ray_refit_reports_actors_that_do_not_answer(local_ray) -> None:
+    @ray.remote(num_cpus=0)
+    class Silent:
+        def refit_gen_ranks(self) -> int:
+            import time
+
+            time.sleep(30)
+            return 1
+
+    trainers, silent = _trainers(load_config("tiny-qwen3"), ranks=1), Silent.remote()
+    try:
+        refit = RayRefit(trainers, [silent], timeout_s=2.0, engine_names=["the silent engine"])
+        with pytest.raises(RefitError, match="no answer within 2 s from the silent engine"):
+            refit.setup()
+    finally:
+        _kill(*trainers, silent)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_rl_loop_learns_with_the_engine_refit_every_step(local_ray, tmp_path) -> None:
+    pytest.importorskip("vllm")
+    from refit_core import get_plugin_manager
+    from refit_core.backend import GEN, TRAIN
+    from refit_core.demo.rl_loop import LoopSettings, run_loop, summarize
+
+    pm = get_plugin_manager()
+    settings = LoopSettings(steps=6, lr=1e-2, plot=str(tmp_path / "loop.png"), timeout_s=300.0)
+    lines: list[str] = []
+    result = run_loop(settings, pm.backend("dtensor", TRAIN), pm.backend("vllm", GEN), report=lines.append)
+    rows = result.rows
+    assert [r.version for r in rows] == [str(s) for s in range(1, 7)]  # the engine serves every new version
+    assert all(r.mismatch.tokens == settings.prompts * settings.group_size * settings.completion_tokens
+               for r in rows)
+    assert max(r.mismatch.kl for r in rows) < settings.kl_bound  # engine log-probs == trainer's
+    assert all(r.carried_requests >= 1 for r in rows)  # requests in flight continued on the new version
+    assert sum(r.reward for r in rows[-2:]) / 2 > sum(r.reward for r in rows[:2]) / 2 + 0.1
+    assert summarize(result, settings, report=lines.append)
+    png = (tmp_path / "loop.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width >= 400 and height >= 300
