@@ -87,6 +87,7 @@ class LoopResult:
     rows: list[StepRow] = field(default_factory=list)
     setup_s: float = 0.0
     chance_reward: float = 0.0
+    kl_bound: float = 0.0
     plot: str | None = None
 
     @property
@@ -118,7 +119,7 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
 
     config = load_config(settings.model)
     reward = TargetSetReward()
-    result = LoopResult(chance_reward=reward.chance)
+    result = LoopResult(chance_reward=reward.chance, kl_bound=settings.kl_bound)
     owns_ray = not ray.is_initialized()
     if owns_ray:
         start_local_ray(settings.train_ranks + 2)
@@ -223,8 +224,13 @@ def write_plot(result: LoopResult, path: str) -> str:
     top.set_ylabel("reward")
     top.legend(loc="lower right")
     top.set_title("refit RL loop: GRPO with the engine refit after every step")
-    bottom.plot(steps, [max(r.mismatch.kl, 1e-12) for r in result.rows], marker="o", color="tab:red")
+    floor = 1e-18  # an exact 0 (identical log-probabilities) still shows on the log scale
+    bottom.plot(steps, [max(r.mismatch.kl, floor) for r in result.rows], marker="o", color="tab:red",
+                label="engine vs trainer")
+    if result.kl_bound:
+        bottom.axhline(result.kl_bound, color="grey", linestyle="--", label="bound: weights wrong above")
     bottom.set_yscale("log")
+    bottom.legend(loc="center right")
     bottom.set_ylabel("generation KL (engine vs trainer)")
     bottom.set_xlabel("step")
     fig.tight_layout()
