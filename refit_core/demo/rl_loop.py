@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..backend import GEN, TRAIN, Backend
 from ..errors import RefitError
@@ -126,8 +127,8 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
         report("refit loop: local Ray cluster up (actor logs under /tmp/ray/session_latest/logs)")
     try:
         start = time.perf_counter()
-        Trainer = ray.remote(num_cpus=1)(_actor_class(train, TRAIN))
-        Engine = ray.remote(num_cpus=1)(_actor_class(gen, GEN))
+        Trainer: Any = ray.remote(num_cpus=1)(_actor_class(train, TRAIN))
+        Engine: Any = ray.remote(num_cpus=1)(_actor_class(gen, GEN))
         trainers = [Trainer.remote(r, settings.train_ranks, config, seed=settings.seed, lr=settings.lr,
                                    device=settings.device) for r in range(settings.train_ranks)]
         engine = Engine.remote(None, config=config, seed=settings.seed, device=settings.device)
@@ -156,12 +157,11 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
             advantages = group_advantages(rewards, settings.group_size)
             outcomes = gather({t.train_step.remote(rollouts, advantages): f"train actor {r}"
                                for r, t in enumerate(trainers)}, f"training step {step}", settings.timeout_s)
-            trainer_lp: list[float | None] = [None] * len(rollouts)
+            trainer_lp: dict[int, list[float]] = {}
             for out in outcomes:
-                for index, lps in zip(out["indices"], out["logprobs"]):
-                    trainer_lp[index] = lps
+                trainer_lp.update(zip(out["indices"], out["logprobs"]))
             mismatch = logprob_mismatch([lp for r in rollouts for lp in r.logprobs],
-                                        [lp for lps in trainer_lp for lp in lps])
+                                        [lp for i in range(len(rollouts)) for lp in trainer_lp[i]])
             # evaluation requests stay in flight across the update: paused with keep, resumed on step
             in_flight = engine.sample.remote(prompts[:2], max_tokens=EVAL_TOKENS, temperature=0.0, seed=step)
             ray.get(engine.wait_in_flight.remote(min_tokens=2), timeout=settings.timeout_s)

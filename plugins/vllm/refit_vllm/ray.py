@@ -14,7 +14,6 @@ cached KV came from the old weights. :meth:`sample` serves the RL loop's rollout
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import tempfile
 from typing import Any
@@ -59,7 +58,7 @@ class VLLMEngineActor:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         info = {"rendezvous": rendezvous, "rank_offset": rank_offset, "world_size": world_size,
-                "options": dataclasses.asdict(options)}
+                "options": options.to_wire()}
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def refit_receive(self, version: int) -> int:
