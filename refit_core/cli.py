@@ -39,6 +39,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
         print("  " + line)
+    if args.simulate or args.explain:
+        from .simulate import Topology, anchor_lines, simulate
+
+        simulation = simulate(summary.schedule, Topology.parse(args.topology))
+        print("refit plan: simulated (disaggregated placement: gen ranks on the nodes after the train ranks')")
+        for line in [*simulation.lines(), *anchor_lines()]:
+            print("  " + line)
+        if args.explain:
+            from .explain import write_plan_picture
+
+            title = f"{args.model}: {train}:{train_layout} -> {gen}:{gen_layout}"
+            path = write_plan_picture(summary.schedule, simulation, args.explain, title)
+            print(f"refit plan: picture written to {path}")
     return 0
 
 
@@ -88,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--train", required=True, help="BACKEND:LAYOUT, e.g. dtensor:fsdp=2,tp=2")
     plan.add_argument("--gen", required=True, help="BACKEND:LAYOUT, e.g. vllm:tp=2,dp=2")
     plan.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (default 512)")
+    plan.add_argument("--simulate", action="store_true",
+                      help="predict the refit's time on a cluster (--topology): per-link bytes, busiest link, "
+                           "receiver-side bound, published numbers beside it")
+    plan.add_argument("--topology", default="h200",
+                      help="h200, h100, or gpus_per_node=8,nvlink_gbps=370,nic_gbps=50,latency_us=15")
+    plan.add_argument("--explain", metavar="PNG", help="draw the plan's traffic and busiest links into PNG")
     plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="run a real, verified refit between two programs on this machine")
