@@ -8,7 +8,7 @@ import sys
 
 from .errors import RefitError
 from .layout import parse_backend_layout
-from .models import PRESETS, load_config
+from .models import PRESETS, load_config, model_inventory
 from .plugins import get_plugin_manager
 
 
@@ -72,12 +72,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     args.steps, args.device or default_device())
     if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None:
         plan = fit_to_gpus(plan)
-    print(f"refit demo: {train.name} -> {gen.name} on {plan.device} (model {plan.model}, {plan.steps} steps)",
-          flush=True)
-    ok, lines = run_demo(plan, timeout_s=args.timeout)
-    for line in lines:
-        print(line)
-    return 0 if ok else 1
+    inventory = model_inventory(plan.model)  # a bad model is an error here, before anything starts
+    print(f"refit demo: {train.name} -> {gen.name} on {plan.device}, model {plan.model} "
+          f"({inventory.describe()}), {plan.steps} steps", flush=True)
+    outcome = run_demo(plan, timeout_s=args.timeout, echo=lambda line: print(line, flush=True))
+    print(outcome.summary, flush=True)
+    return 0 if outcome.ok else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

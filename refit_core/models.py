@@ -1,22 +1,41 @@
-"""Model presets and the HF checkpoint inventory of the decoder families refit knows from config alone.
+"""Model presets, the checkpoint inventory of a model, and the demo's deterministic reference weights.
 
-``checkpoint_specs(config)`` lists the tensors of a HF checkpoint (names, shapes, dtypes) from its
-``config.json`` for Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral; metadata-only layouts (``refit plan``)
-and the demo's reference weights are built on it, so no model has to be instantiated.
+A model is a preset name, a HF model directory or a ``config.json``. Its inventory (HF tensor
+names, shapes, dtypes) comes from the directory's safetensors headers when it has weights, else
+from its config through ``transformers`` (meta device), else from refit's hand-written table
+(:mod:`refit_core.inventory`). Metadata-only layouts (``refit plan``) and the demo's reference
+weights are built on it, so no model has to be instantiated.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import RefitError
-from .experts import ungroup_name
-from .spec import TensorSpec, dtype_from_name
+from .experts import default_expert_name
+from .inventory import (
+    InventorySource,
+    config_dtype,
+    config_specs,
+    group_specs,
+    head_dim,
+    num_experts,
+    safetensors_specs,
+)
+from .spec import TensorSpec
+
+__all__ = [
+    "PRESETS", "InventorySource", "ModelInventory", "checkpoint_specs", "config_dtype", "head_dim", "load_config",
+    "model_inventory", "num_experts", "reference_state_dict", "reference_tensor",
+]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": {
@@ -124,84 +143,44 @@ def load_config(model: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def config_dtype(config: dict[str, Any]) -> torch.dtype:
-    return dtype_from_name(config.get("dtype") or config.get("torch_dtype") or "float32")
+@dataclass(frozen=True)
+class ModelInventory:
+    """A model's config and its HF checkpoint tensors (per-expert names), and where they came from."""
+
+    model: str
+    config: dict[str, Any]
+    specs: tuple[TensorSpec, ...]
+    source: InventorySource
+
+    def grouped(self) -> list[TensorSpec]:
+        """The specs with per-expert tensors stacked into grouped ``[E, ...]`` tensors."""
+        return group_specs(self.specs)
+
+    def describe(self) -> str:
+        total = sum(s.nbytes for s in self.specs)
+        return f"{len(self.specs)} tensors, {total / 2**20:.1f} MiB, from {self.source.value}"
 
 
-def head_dim(config: dict[str, Any]) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def num_experts(config: dict[str, Any]) -> int:
-    """Routed experts per MoE layer (0 for dense models)."""
-    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
-
-
-def _is_moe_layer(config: dict[str, Any], layer: int) -> bool:
-    if not num_experts(config):
-        return False
-    step = config.get("decoder_sparse_step", 1) or 1
-    return layer not in (config.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+def model_inventory(model: str) -> ModelInventory:
+    """The inventory of a preset, a HF model directory (its safetensors headers when it has any)
+    or a ``config.json``."""
+    config = load_config(model)
+    if model not in PRESETS and Path(model).is_dir():
+        specs = safetensors_specs(model)
+        if specs is not None:
+            return ModelInventory(model, config, tuple(specs), InventorySource.SAFETENSORS)
+    specs, source = config_specs(config)
+    return ModelInventory(model, config, tuple(specs), source)
 
 
 def checkpoint_specs(config: dict[str, Any], *, grouped: bool = True) -> list[TensorSpec]:
-    """The HF checkpoint tensors of a decoder-only model, in checkpoint order.
+    """The HF checkpoint tensors of a decoder model's config, in a stable natural order.
 
     With ``grouped`` (the default) per-expert tensors are returned as stacked logical tensors
     (``...experts.gate_proj.weight`` of shape ``[E, I, H]``); otherwise one spec per expert.
     """
-    arch = (config.get("architectures") or ["?"])[0]
-    known = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-             "MixtralForCausalLM", "MistralForCausalLM"}
-    if arch not in known:
-        raise RefitError(f"architecture {arch!r} is not known from config alone (known: {sorted(known)})")
-    dtype = config_dtype(config)
-    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    hd = head_dim(config)
-    specs = [TensorSpec("model.embed_tokens.weight", (config["vocab_size"], hidden), dtype)]
-    experts = num_experts(config)
-    for layer in range(config["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        specs.append(TensorSpec(f"{p}.input_layernorm.weight", (hidden,), dtype))
-        for proj, rows in (("q_proj", heads * hd), ("k_proj", kv_heads * hd), ("v_proj", kv_heads * hd)):
-            specs.append(TensorSpec(f"{p}.self_attn.{proj}.weight", (rows, hidden), dtype))
-            if arch == "Qwen2ForCausalLM":
-                specs.append(TensorSpec(f"{p}.self_attn.{proj}.bias", (rows,), dtype))
-        specs.append(TensorSpec(f"{p}.self_attn.o_proj.weight", (hidden, heads * hd), dtype))
-        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-            specs.append(TensorSpec(f"{p}.self_attn.q_norm.weight", (hd,), dtype))
-            specs.append(TensorSpec(f"{p}.self_attn.k_norm.weight", (hd,), dtype))
-        specs.append(TensorSpec(f"{p}.post_attention_layernorm.weight", (hidden,), dtype))
-        if _is_moe_layer(config, layer):
-            specs.extend(_moe_specs(config, arch, p, experts, hidden, dtype, grouped))
-        else:
-            inter = config["intermediate_size"]
-            specs.append(TensorSpec(f"{p}.mlp.gate_proj.weight", (inter, hidden), dtype))
-            specs.append(TensorSpec(f"{p}.mlp.up_proj.weight", (inter, hidden), dtype))
-            specs.append(TensorSpec(f"{p}.mlp.down_proj.weight", (hidden, inter), dtype))
-    specs.append(TensorSpec("model.norm.weight", (hidden,), dtype))
-    if not config.get("tie_word_embeddings", False):
-        specs.append(TensorSpec("lm_head.weight", (config["vocab_size"], hidden), dtype))
-    return specs
-
-
-def _moe_specs(config: dict, arch: str, prefix: str, experts: int, hidden: int, dtype: torch.dtype,
-               grouped: bool) -> list[TensorSpec]:
-    if arch == "MixtralForCausalLM":
-        inter = config["intermediate_size"]
-        block = f"{prefix}.block_sparse_moe"
-        projs = (("w1", (inter, hidden)), ("w2", (hidden, inter)), ("w3", (inter, hidden)))
-    else:
-        inter = config["moe_intermediate_size"]
-        block = f"{prefix}.mlp"
-        projs = (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)))
-    specs = [TensorSpec(f"{block}.gate.weight", (experts, hidden), dtype)]
-    if grouped:
-        specs += [TensorSpec(f"{block}.experts.{proj}.weight", (experts, *shape), dtype) for proj, shape in projs]
-    else:
-        specs += [TensorSpec(f"{block}.experts.{e}.{proj}.weight", shape, dtype)
-                  for e in range(experts) for proj, shape in projs]
-    return specs
+    specs, _ = config_specs(config)
+    return group_specs(specs) if grouped else specs
 
 
 def reference_tensor(spec: TensorSpec, seed: int, step: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -220,17 +199,28 @@ def reference_tensor(spec: TensorSpec, seed: int, step: int, device: str | torch
     return values.to(device=device, dtype=spec.dtype)
 
 
-def reference_state_dict(config: dict[str, Any], seed: int, step: int, *, grouped: bool = False,
-                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The full HF state dict of a preset's weights at ``step`` (per-expert names unless ``grouped``)."""
+def reference_state_dict(model: dict[str, Any] | Sequence[TensorSpec], seed: int, step: int, *,
+                         grouped: bool = False, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The full HF state dict of the reference weights at ``step`` (per-expert names unless ``grouped``).
+
+    ``model`` is a config (its inventory: :func:`checkpoint_specs`) or an inventory's specs
+    (:attr:`ModelInventory.specs`, per-expert or grouped). Experts are drawn as one grouped
+    tensor each, so both forms give the same values.
+    """
+    per_expert = config_specs(model)[0] if isinstance(model, dict) else list(model)
+    members: dict[str, dict[int, str]] = defaultdict(dict)
+    for spec in per_expert:
+        expert = default_expert_name(spec.name)
+        if expert is not None:
+            members[expert.group][expert.index] = spec.name
     out: dict[str, torch.Tensor] = {}
-    for spec in checkpoint_specs(config, grouped=True):
+    for spec in group_specs(per_expert):
         tensor = reference_tensor(spec, seed, step)
         if dtype is not None:
             tensor = tensor.to(dtype)
-        if grouped or ".experts." not in spec.name:
+        if grouped or spec.name not in members:
             out[spec.name] = tensor
         else:
-            for e in range(tensor.shape[0]):
-                out[ungroup_name(spec.name, e)] = tensor[e]
+            for index, name in sorted(members[spec.name].items()):
+                out[name] = tensor[index]
     return out

@@ -9,10 +9,11 @@ import sys
 import traceback
 from dataclasses import asdict
 
+from ..errors import RefitError
 from ..layout import ParallelLayout
-from ..models import load_config
+from ..models import model_inventory
 from ..plugins import get_plugin_manager
-from .context import DemoContext, DemoReport
+from .context import DemoContext, DemoReport, ProgressLog
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,19 +29,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--options", default="{}", help="RefitOptions as JSON")
     parser.add_argument("--report", required=True, help="where to write the JSON report")
+    parser.add_argument("--events", help="where to append progress events (default: print them)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"[{args.side}] %(message)s")
-    ctx = DemoContext(args.model, load_config(args.model), ParallelLayout.parse(args.layout), args.steps,
-                      args.seed, args.rendezvous, args.device, args.peer_backend, json.loads(args.options))
+    logging.getLogger("refit").setLevel(logging.INFO)  # this program's output goes to the demo's log file
     try:
+        inventory = model_inventory(args.model)
+        ctx = DemoContext(args.model, inventory.config, ParallelLayout.parse(args.layout), args.steps,
+                          args.seed, args.rendezvous, args.device, args.peer_backend, json.loads(args.options),
+                          inventory.specs, ProgressLog(args.side, args.events))
         backend = get_plugin_manager().backend(args.backend, args.side)
         program = backend.demo_train if args.side == "train" else backend.demo_gen
         if program is None:
-            raise SystemExit(f"backend {args.backend!r} has no {args.side} demo program")
+            raise RefitError(f"backend {args.backend!r} has no {args.side} demo program")
         report = program(ctx)
     except Exception as exc:  # noqa: BLE001 - the report carries the failure to `refit demo`
         traceback.print_exc()
-        report = DemoReport(False, [f"{args.side} ({args.backend}) failed: {type(exc).__name__}: {exc}"])
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        report = DemoReport(False, [f"{args.side} ({args.backend}) failed: {type(exc).__name__}: {first_line}"])
     with open(args.report, "w") as f:
         json.dump(asdict(report), f)
     return 0 if report.ok else 1

@@ -3,10 +3,11 @@
 Each side spawns its ranks (``ctx.layout``; the backend's registered defaults are ``fsdp=2`` for
 train and ``tp=2`` for gen; an empty layout is one rank holding a plain, unsharded model), builds the tiny model from ``ctx.config`` with random weights and shards it with
 :func:`refit_dtensor.parallel.shard_model` on its own process group (gloo on CPU, NCCL on CUDA).
-The trainer keeps fp32 master weights and, before every step, loads
-``reference_state_dict(config, seed, step)`` into its shards in place, then sends it as weight
-version ``step``. The generation side holds the config's dtype (the sender casts), receives, and
-checks every destination view bit for bit against the same reference.
+The trainer keeps fp32 master weights and, before every step, loads the reference weights of the
+step (``ctx.reference(step)``, following the model's checkpoint inventory) into its shards in place,
+then sends them as weight version ``step``. The generation side holds the config's dtype (the sender
+casts), receives, and checks every destination view bit for bit against the same reference. Rank 0
+of each side reports the build, setup and step phases to ``ctx.progress``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import torch.distributed as dist
 from refit_core import ParallelLayout, RefitOptions, RefitReceiver, RefitSender
 from refit_core.demo.context import DemoContext, DemoReport
 from refit_core.launch import free_port, spawn
-from refit_core.models import config_dtype, reference_state_dict
-from refit_core.units import format_bytes
+from refit_core.models import config_dtype
 from refit_core.verify import mismatches
 
 from .parallel import build_model, init_mesh, shard_model
@@ -29,6 +29,7 @@ from .shards import load_hf_weights
 
 DEFAULT_TRAIN_LAYOUT = "fsdp=2"
 DEFAULT_GEN_LAYOUT = "tp=2"
+
 
 def _start(rank: int, world: int, port: int, device: str, gpu_offset: int) -> torch.device:
     """Join this side's own process group; pick this rank's device."""
@@ -50,15 +51,26 @@ def _model(ctx: DemoContext, layout: ParallelLayout, dtype: torch.dtype, device:
     return model
 
 
+def _layout_name(layout: ParallelLayout) -> str:
+    return f"{layout} ({layout.world_size} ranks)" if layout.world_size > 1 else "one rank"
+
+
 def _train_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, port: int) -> dict[str, Any]:
+    began = time.perf_counter()
     device = _start(rank, world, port, ctx.device, 0)
     model = _model(ctx, layout, torch.float32, device)
+    if rank == 0:
+        ctx.progress.built(f"dtensor trainer, {_layout_name(layout)}, fp32 master weights",
+                           time.perf_counter() - began)
     sender = RefitSender(model, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
                          options=RefitOptions(**ctx.options))
-    sender.setup()
+    began = time.perf_counter()
+    schedule = sender.setup()
+    if rank == 0:
+        ctx.progress.planned(schedule, time.perf_counter() - began)
     seconds = []
     for step in range(ctx.steps):
-        load_hf_weights(model, reference_state_dict(ctx.config, ctx.seed, step))
+        load_hf_weights(model, ctx.reference(step))
         seconds.append(sender.send(version=step).seconds)
     sender.close()
     dist.destroy_process_group()
@@ -67,8 +79,13 @@ def _train_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout,
 
 def _gen_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, port: int,
               gpu_offset: int) -> dict[str, Any]:
+    began = time.perf_counter()
     device = _start(rank, world, port, ctx.device, gpu_offset)
-    model = _model(ctx, layout, config_dtype(ctx.config), device)
+    dtype = config_dtype(ctx.config)
+    model = _model(ctx, layout, dtype, device)
+    if rank == 0:
+        ctx.progress.built(f"dtensor policy, {_layout_name(layout)}, {str(dtype).removeprefix('torch.')}",
+                           time.perf_counter() - began)
     receiver = RefitReceiver(model, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
                              options=RefitOptions(**ctx.options))
     receiver.setup()
@@ -80,23 +97,34 @@ def _gen_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, p
         received = stats.bytes
         if stats.version != step:
             problems.append(f"step {step}: received version {stats.version}")
-        bad = mismatches(pieces, reference_state_dict(ctx.config, ctx.seed, step))
+        bad = mismatches(pieces, ctx.reference(step))
         problems += [f"step {step}: {name} differs" for name in bad]
+        totals = torch.tensor([float(stats.bytes), float(len(bad)), stats.seconds], dtype=torch.float64)
+        summed = _all_reduce(totals[:2], dist.ReduceOp.SUM, device)
+        slowest = _all_reduce(totals[2:], dist.ReduceOp.MAX, device)
+        if rank == 0:
+            verdict = ("bitwise equal on every rank" if summed[1] == 0
+                       else f"{int(summed[1])} tensors DIFFER")
+            ctx.progress.step(step, int(summed[0]), float(slowest[0]), verdict)
     receiver.close()
     dist.destroy_process_group()
     return {"seconds": seconds, "bytes": received, "problems": problems,
             "tensors": len({p.spec.name for p in pieces})}
 
 
+def _all_reduce(values: torch.Tensor, op: Any, device: torch.device) -> torch.Tensor:
+    """Reduce a few numbers over this side's ranks (a fresh contiguous tensor on the group's device)."""
+    buffer = values.clone().to(device)
+    dist.all_reduce(buffer, op=op)
+    return buffer.cpu()
+
+
 def demo_train(ctx: DemoContext) -> DemoReport:
     """The training program: ``ctx.layout`` ranks of FSDP2 / TP / 2-D, sending ``ctx.steps`` versions."""
     layout = ctx.layout
-    start = time.perf_counter()
     results = spawn(_train_rank, layout.world_size, ctx, layout, free_port())
     steps = [max(r["seconds"][i] for r in results) for i in range(ctx.steps)]
-    return DemoReport(True, [f"dtensor trainer ({layout}, {layout.world_size} ranks, fp32 master weights): "
-                             f"sent {ctx.steps} versions in {time.perf_counter() - start:.1f} s"],
-                      seconds_per_step=steps)
+    return DemoReport(True, seconds_per_step=steps)
 
 
 def demo_gen(ctx: DemoContext) -> DemoReport:
@@ -108,10 +136,9 @@ def demo_gen(ctx: DemoContext) -> DemoReport:
     results = spawn(_gen_rank, layout.world_size, ctx, layout, free_port(), gpu_offset)
     problems = [f"gen rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
     received = sum(r["bytes"] for r in results)
-    dtype = str(config_dtype(ctx.config)).removeprefix("torch.")
-    lines = [f"dtensor policy ({layout}, {layout.world_size} ranks, {dtype}): received {ctx.steps} versions, "
-             f"{format_bytes(received)}/step, {results[0]['tensors']} checkpoint tensors on rank 0, "
-             + ("verified bitwise" if not problems else f"{len(problems)} MISMATCHES")]
+    lines = [f"dtensor policy received {ctx.steps} versions, {results[0]['tensors']} checkpoint tensors on "
+             "rank 0: " + ("every destination view equals the reference bit for bit after every step"
+                           if not problems else f"{len(problems)} MISMATCHES")]
     lines += problems[:10]
     steps = [max(r["seconds"][i] for r in results) for i in range(ctx.steps)]
     return DemoReport(not problems, lines, bytes_per_step=received, seconds_per_step=steps)

@@ -6,7 +6,9 @@ the trainer never sends), with ``WeightTransferConfig(backend="refit")`` and ten
 ``start_weight_update`` / ``update_weights`` / ``finish_weight_update(weight_version=...)`` and a
 prefix-cache reset, and checks the result the way a user would: greedy generation equals HF
 transformers' generation with ``reference_state_dict(config, seed, step)``, token for token, and
-request outputs carry the new weight version.
+request outputs carry the new weight version. The reference weights follow the model's checkpoint
+inventory (``ctx.specs``), so any architecture vLLM and transformers both build works; the build and
+every step are reported to ``ctx.progress``.
 """
 
 from __future__ import annotations
@@ -70,13 +72,16 @@ def demo_gen(ctx: DemoContext) -> DemoReport:
 
     prompts = prompts_for(ctx.config)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    lines, problems, seconds, received = [], [], [], 0
+    specs = list(ctx.specs) or None
+    problems, seconds, received = [], [], 0
+    workers = f"tp={tp}, {tp} workers" if tp > 1 else "one worker"
     with tempfile.TemporaryDirectory(prefix="refit-vllm-demo-") as tmp:
         start = time.perf_counter()
-        model_dir = reference_dir(ctx.config, ctx.seed, INITIAL_STEP, os.path.join(tmp, "initial"))
+        model_dir = reference_dir(ctx.config, ctx.seed, INITIAL_STEP, os.path.join(tmp, "initial"), specs)
         llm = LLM(model=str(model_dir), **engine_kwargs(ctx.config, tp, worker_extension_cls=EXTENSION,
                                                          weight_transfer_config=WeightTransferConfig(backend="refit")))
-        built = time.perf_counter() - start
+        ctx.progress.built(f"vllm engine, {workers}, {ctx.device}, WeightTransferConfig(backend='refit')",
+                           time.perf_counter() - start)
         llm.init_weight_transfer_engine({"init_info": {"rendezvous": ctx.rendezvous, "options": dict(ctx.options)}})
         for step in range(ctx.steps):
             began = time.perf_counter()
@@ -88,20 +93,22 @@ def demo_gen(ctx: DemoContext) -> DemoReport:
             received = sum(s.get("bytes", 0) for s in llm.collective_rpc("refit_step_stats"))
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             got = [list(o.outputs[0].token_ids) for o in outputs]
-            want = hf_greedy(reference_dir(ctx.config, ctx.seed, step, os.path.join(tmp, f"step{step}")),
+            want = hf_greedy(reference_dir(ctx.config, ctx.seed, step, os.path.join(tmp, f"step{step}"), specs),
                              prompts, NEW_TOKENS)
+            step_problems = []
             if got != want:
-                problems.append(f"step {step}: vLLM generated {got[0]}..., HF transformers {want[0]}...")
+                step_problems.append(f"step {step}: vLLM generated {got[0]}..., HF transformers {want[0]}...")
             versions = {span.version for o in outputs for span in (o.outputs[0].weight_versions or [])}
             if versions != {str(step)}:
-                problems.append(f"step {step}: outputs carry weight versions {sorted(versions)}")
+                step_problems.append(f"step {step}: outputs carry weight versions {sorted(versions)}")
+            ctx.progress.step(step, received, seconds[-1], "generation == HF transformers, weight version "
+                              f"{step}" if not step_problems else "MISMATCH")
+            problems += step_problems
         llm.collective_rpc("shutdown_weight_transfer_engine")
         llm.llm_engine.engine_core.shutdown()
-    lines.append(f"vllm engine ({'tp=' + str(tp) if tp > 1 else 'single'} worker{'s' if tp > 1 else ''}, "
-                 f"{ctx.device}, built in {built:.1f} s): received {ctx.steps} versions through "
-                 "WeightTransferConfig(backend='refit'), "
-                 + ("greedy generation equals HF transformers token for token after every step"
-                    if not problems else f"{len(problems)} MISMATCHES"))
+    lines = [(f"vLLM's greedy generation equals HF transformers' token for token after each of {ctx.steps} "
+              "steps, and outputs carry the new weight version" if not problems
+              else f"{len(problems)} MISMATCHES")]
     lines += problems
     return DemoReport(not problems, lines, bytes_per_step=received, seconds_per_step=seconds)
 

@@ -1,14 +1,18 @@
 """Metadata-only destination maps of a vLLM layout (``refit plan``): no engine, no vLLM import.
 
 The live path learns boxes from vLLM's loaders (:mod:`refit_vllm.probe`); this module states the
-same rules for the decoder families refit knows from ``config.json`` (Llama, Mistral, Qwen2,
-Qwen3, Qwen3-MoE, Mixtral), as vLLM 0.32 applies them, and the tests check both agree:
+same rules for a config's checkpoint inventory (``refit_core.models.checkpoint_specs``), by the
+tensors' leaf names, as vLLM 0.32 applies them to Llama-like decoders (Llama, Mistral, Qwen2/3,
+Qwen2/3-MoE with shared experts, Mixtral, Phi-3's fused checkpoint tensors, OLMo2, Granite, ...),
+and the tests check both agree:
 
 - worker rank ``r`` = ``dp_i * (tp * pp) + pp_i * tp + tp_i`` (vLLM's global worker order);
 - pipeline stages own ``get_pp_indices`` layer ranges; the first stage owns ``embed_tokens`` (the
   last one too when embeddings are tied), the last owns ``norm`` and ``lm_head``;
 - q/k/v and gate/up are column-parallel (q by heads; k/v by KV heads, each rank holding the KV head
-  ``tp_i // (tp / kv_heads)`` when tp exceeds the KV-head count), o/down row-parallel;
+  ``tp_i // (tp / kv_heads)`` when tp exceeds the KV-head count), o/down row-parallel (their
+  biases replicated); a fused ``qkv_proj`` / ``gate_up_proj`` checkpoint tensor gives each rank
+  its q, k, v (gate, up) rows as separate boxes;
 - ``embed_tokens`` / ``lm_head`` are vocab-parallel over the vocabulary padded to a multiple of 64
   (each rank holds rows ``[tp_i * V_pad / tp, min((tp_i + 1) * V_pad / tp, V))``);
 - MoE experts are tensor-parallel over ``tp * dp`` ranks (``tp_i + dp_i * tp``) or, with ``ep > 1``
@@ -115,18 +119,27 @@ def destination_layout(config: dict[str, Any], layout: ParallelLayout, rank: int
         layer = int(name.split(".")[2])
         if not lo <= layer < hi:
             continue
-        leaf = name.split(".")[-2]
+        leaf, kind = name.split(".")[-2:]
         if ".experts." in name:
             add(spec, _expert_box(spec, leaf, experts, layout, moe_parts, moe_index))
         elif leaf == "q_proj":
             add(spec, _rows(q_rows, shape))
         elif leaf in ("k_proj", "v_proj"):
             add(spec, _rows(kv_rows, shape))
+        elif leaf == "qkv_proj":  # a checkpoint that stores [q; k; v] fused (Phi-3)
+            q_size, kv_size = heads * hd, kv_heads * hd
+            for base, rows in ((0, q_rows), (q_size, kv_rows), (q_size + kv_size, kv_rows)):
+                add(spec, _rows((base + rows[0], base + rows[1]), shape))
         elif leaf in ("gate_proj", "up_proj"):
             add(spec, _rows(_split(shape[0], tp, tp_i, name), shape))
-        elif leaf in ("o_proj", "down_proj"):
+        elif leaf == "gate_up_proj":  # a checkpoint that stores [gate; up] fused (Phi-3)
+            half = shape[0] // 2
+            start, end = _split(half, tp, tp_i, name)
+            for base in (0, half):
+                add(spec, _rows((base + start, base + end), shape))
+        elif leaf in ("o_proj", "down_proj") and kind == "weight":
             add(spec, _cols(_split(shape[1], tp, tp_i, name), shape))
-        else:  # norms, router gates: replicated
+        else:  # norms, router gates, row-parallel biases: replicated
             add(spec, spec.full_box())
     return DestinationMap(pieces=pieces)
 

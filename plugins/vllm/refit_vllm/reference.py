@@ -7,7 +7,6 @@ load.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,20 +14,16 @@ from typing import Any
 
 import torch
 
+from refit_core import TensorSpec
+
 DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = ((1, 2, 3, 4, 5), (17, 99, 3), (400, 5, 271, 8, 31, 2))
 
 
 def hf_config(config: Mapping[str, Any]) -> Any:
     """A transformers config object from a ``config.json``-style dict."""
-    import transformers
+    from refit_core.inventory import transformers_config
 
-    values = dict(config)
-    model_type = values.pop("model_type")
-    architectures = values.pop("architectures", None)
-    cfg = transformers.AutoConfig.for_model(model_type, **values)
-    if architectures:
-        cfg.architectures = list(architectures)
-    return cfg
+    return transformers_config(dict(config))
 
 
 def write_model_dir(config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
@@ -61,12 +56,10 @@ def hf_greedy(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], ma
     return outs
 
 
-def reference_dir(config: Mapping[str, Any], seed: int, step: int, path: str | os.PathLike) -> Path:
-    """A model directory holding ``refit_core.models.reference_state_dict(config, seed, step)``."""
+def reference_dir(config: Mapping[str, Any], seed: int, step: int, path: str | os.PathLike,
+                  specs: Sequence[TensorSpec] | None = None) -> Path:
+    """A model directory holding ``refit_core.models.reference_state_dict`` at ``step``: of ``specs``
+    (a model's inventory) when given, else of the config's inventory."""
     from refit_core.models import reference_state_dict
 
-    return write_model_dir(config, reference_state_dict(dict(config), seed, step), path)
-
-
-def config_of(model_dir: str | os.PathLike) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    return write_model_dir(config, reference_state_dict(dict(config) if specs is None else specs, seed, step), path)

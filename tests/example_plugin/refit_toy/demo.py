@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
@@ -29,9 +31,14 @@ def reference(seed: int, step: int, odd_experts: bool = False) -> dict[str, torc
 
 def _train_rank(rank: int, world: int, ctx: DemoContext) -> list[float]:
     trainer = ToyTrainer(rank, world)
+    if rank == 0:
+        ctx.progress.built(f"toy trainer, {world} ranks", 0.0)
     sender = RefitSender(trainer, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
                          options=RefitOptions(**ctx.options))
-    sender.setup()
+    began = time.perf_counter()
+    schedule = sender.setup()
+    if rank == 0:
+        ctx.progress.planned(schedule, time.perf_counter() - began)
     seconds = []
     for step in range(ctx.steps):
         trainer.load(reference(ctx.seed, step))
@@ -53,14 +60,15 @@ def _gen_rank(rank: int, world: int, ctx: DemoContext) -> tuple[int, list[float]
         if bad or engine.version != step:
             raise AssertionError(f"gen rank {rank} step {step}: version {engine.version}, differs: {bad}")
         seconds.append(stats.seconds)
+        if rank == 0:
+            ctx.progress.step(step, stats.bytes, stats.seconds, "rank 0 bitwise equal")
     receiver.close()
     return stats.bytes, seconds
 
 
 def run_train(ctx: DemoContext) -> DemoReport:
     seconds = spawn(_train_rank, ctx.layout.world_size, ctx)
-    return DemoReport(True, [f"toy trainer: {ctx.layout.world_size} ranks sent {ctx.steps} versions"],
-                      seconds_per_step=[max(s) for s in zip(*seconds)])
+    return DemoReport(True, seconds_per_step=[max(s) for s in zip(*seconds)])
 
 
 def run_gen(ctx: DemoContext) -> DemoReport:
