@@ -43,6 +43,7 @@ from vllm.distributed.weight_transfer.base import (
 from refit_core import RefitError, RefitOptions, RefitReceiver, RefitSender
 
 from . import vllm_plugin
+from .compat import metadata_member
 from .state import attach
 
 if TYPE_CHECKING:
@@ -169,17 +170,28 @@ class RefitTrainerInitInfo(TrainerInitInfo):
 
 
 class RefitSource(WeightSource):
-    """A training model as a vLLM ``WeightSource``; refit reads its shards in place (never gathered)."""
+    """A training model as a vLLM ``WeightSource``, on vLLM 0.32 and 0.33 alike.
+
+    refit's own engine reads the model's shards in place and never iterates a source. For other
+    consumers the source declares every parameter (global shape, every rank an owner) and yields
+    full tensors, gathering a sharded parameter with ``full_tensor()`` (a collective among its
+    ranks) -- ``__iter__`` on 0.32, ``iter_full()`` on 0.33.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
-    def metadata(self) -> list[ParamMeta]:
+    def _param_metas(self) -> list[ParamMeta]:
         return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    metadata = metadata_member(_param_metas)
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
             yield name, materialize_full_tensor(param)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.iter_full()
 
 
 def _train_model(source: WeightSource | torch.nn.Module | None) -> torch.nn.Module:
@@ -199,8 +211,9 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
     init_info_cls = RefitTrainerInitInfo
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None,
-                 is_sender: bool = True, sender: RefitSender | None = None) -> None:
+                 is_sender: bool = True, sender: RefitSender | None = None, rank: int = 0) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
+        self.rank = rank  # vLLM 0.33's base class keeps it too; 0.32's does not take it
         self.sender = sender
         self.version = 0
 
@@ -213,7 +226,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         sender = RefitSender(model, rendezvous=init_info.rendezvous, rank=init_info.rank,
                              world_size=init_info.world_size, options=RefitOptions(**init_info.options))
         engine = cls(client=client, source=source if isinstance(source, WeightSource) else RefitSource(model),
-                     is_sender=init_info.is_sender, sender=sender)
+                     is_sender=init_info.is_sender, sender=sender, rank=init_info.rank)
         if not engine.is_sender:
             sender.setup()
             return engine

