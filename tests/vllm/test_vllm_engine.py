@@ -145,5 +145,9 @@ def test_refit_demo_dtensor_to_vllm() -> None:
     proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "vllm"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "verified OK" in proc.stdout
-    assert "greedy generation equals HF transformers token for token" in proc.stdout
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].endswith("verified OK"), lines[-1]
+    assert "greedy generation equals HF transformers' token for token" in proc.stdout
+    assert [line.split()[:3] for line in lines if line.lstrip().startswith("step")] == [
+        ["step", "0", "gen:"], ["step", "1", "gen:"]]
+    assert "INFO" not in proc.stdout and "Traceback" not in proc.stdout, "engine logs reached the console"

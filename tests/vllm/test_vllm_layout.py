@@ -121,3 +121,40 @@ def test_view_as_box_geometry() -> None:
     box, dims = view_as_box((4, 6, 8), base.stride(), t.storage_offset(), tuple(t.shape), t.stride())
     assert box == Box((0, 0, 0), (4, 1, 8)) and dims == (2, 0)
     assert view_as_box((4, 6, 8), base.stride(), 0, (3, 3), (9, 1)) is None  # skewed: not a box
+
+
+@pytest.mark.parametrize("name", ["qwen2-moe", "phi3", "olmo2"])
+@pytest.mark.parametrize("layout", ["tp=2", "tp=2,dp=2", "tp=2,ep=2"])
+def test_architectures_outside_the_table_every_element_lands(name: str, layout: str) -> None:
+    """Every tensor of the config's inventory (transformers on meta) is placed, every element received."""
+    from architectures import ARCHITECTURES
+
+    config = ARCHITECTURES[name]
+    lay = ParallelLayout.parse(layout)
+    if lay.ep > 1 and not config.get("num_experts"):
+        pytest.skip("expert parallelism needs experts")
+    specs = {s.name: s for s in checkpoint_specs(config)}
+    boxes = _boxes(config, lay)
+    assert {n for per in boxes.values() for n in per} == set(specs)
+    counts = {name: torch.zeros(spec.shape, dtype=torch.int32) for name, spec in specs.items()}
+    for per in boxes.values():
+        for tensor, rank_boxes in per.items():
+            for box in rank_boxes:
+                box.slice_of(counts[tensor]).add_(1)
+    for tensor, count in counts.items():
+        assert count.min() >= 1, f"{tensor}: elements nobody receives"
+
+
+def test_fused_checkpoint_qkv_and_gate_up_split_per_rank() -> None:
+    """Phi-3 stores [q; k; v] and [gate; up] fused: each TP rank gets its q, k, v (gate, up) rows."""
+    from architectures import ARCHITECTURES
+
+    config = ARCHITECTURES["phi3"]  # 4 heads, 2 KV heads, head_dim 32, intermediate 256
+    for rank, (q, kv, gu) in enumerate([((0, 64), (128, 160), (0, 128)), ((64, 128), (160, 192), (128, 256))]):
+        pieces = destination_layout(config, ParallelLayout(tp=2), rank).pieces
+        qkv = sorted((p.box.offsets[0], p.box.ends[0]) for p in pieces
+                     if p.spec.name == "model.layers.0.self_attn.qkv_proj.weight")
+        assert qkv == [q, kv, (kv[0] + 64, kv[1] + 64)]
+        gate_up = sorted((p.box.offsets[0], p.box.ends[0]) for p in pieces
+                         if p.spec.name == "model.layers.0.mlp.gate_up_proj.weight")
+        assert gate_up == [gu, (gu[0] + 256, gu[1] + 256)]

@@ -28,7 +28,7 @@ def wheel(version: str = VLLM_033) -> Path | None:
     if not found:
         CACHE.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}",
-                        "-d", str(CACHE)], capture_output=True, timeout=600)
+                        "-d", str(CACHE)], check=False, capture_output=True, timeout=600)
         found = sorted(CACHE.glob(f"vllm-{version}-*.whl"))
     return found[-1] if found else None
 

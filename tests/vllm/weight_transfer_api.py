@@ -56,15 +56,18 @@ class LocalClient:
 
 def check() -> dict[str, Any]:
     import torch
-    import vllm.distributed.weight_transfer.base as base
     from refit_dtensor import build_model
+    from refit_vllm import compat, transfer
     from vllm.config.parallel import ParallelConfig
     from vllm.config.weight_transfer import WeightTransferConfig
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import base
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     from refit_core.launch import free_port
     from refit_core.models import PRESETS
-    from refit_vllm import compat, transfer
 
     result: dict[str, Any] = {"api": compat.SOURCE_API.name, "has_placements": hasattr(base, "Shard"),
                               "weight_transfer_file": base.__file__}

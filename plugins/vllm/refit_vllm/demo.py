@@ -63,19 +63,26 @@ def demo_gen(ctx: DemoContext) -> DemoReport:
     if layout.world_size != layout.tp or layout.ep != 1:
         raise PluginError(f"the vllm demo runs one engine with tensor parallelism only; got {layout}")
     tp = layout.tp
-    engine_env(tp, ctx.device)
-    from vllm import LLM, SamplingParams
-    from vllm.config import WeightTransferConfig
-
-    from .extension import EXTENSION
     from .reference import hf_greedy, reference_dir
 
     prompts = prompts_for(ctx.config)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     specs = list(ctx.specs) or None
     problems, seconds, received = [], [], 0
     workers = f"tp={tp}, {tp} workers" if tp > 1 else "one worker"
     with tempfile.TemporaryDirectory(prefix="refit-vllm-demo-") as tmp:
+        start = time.perf_counter()
+        # HF's generations first, before vLLM is imported: vLLM patches some transformers model
+        # classes (OLMo2's, for one) in the process that builds an engine.
+        wanted = [hf_greedy(reference_dir(ctx.config, ctx.seed, step, os.path.join(tmp, f"step{step}"), specs),
+                            prompts, NEW_TOKENS) for step in range(ctx.steps)]
+        ctx.progress.built(f"HF transformers reference generations for {ctx.steps} steps", time.perf_counter() - start)
+        engine_env(tp, ctx.device)
+        from vllm import LLM, SamplingParams
+        from vllm.config import WeightTransferConfig
+
+        from .extension import EXTENSION
+
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         model_dir = reference_dir(ctx.config, ctx.seed, INITIAL_STEP, os.path.join(tmp, "initial"), specs)
         llm = LLM(model=str(model_dir), **engine_kwargs(ctx.config, tp, worker_extension_cls=EXTENSION,
@@ -93,8 +100,7 @@ def demo_gen(ctx: DemoContext) -> DemoReport:
             received = sum(s.get("bytes", 0) for s in llm.collective_rpc("refit_step_stats"))
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             got = [list(o.outputs[0].token_ids) for o in outputs]
-            want = hf_greedy(reference_dir(ctx.config, ctx.seed, step, os.path.join(tmp, f"step{step}"), specs),
-                             prompts, NEW_TOKENS)
+            want = wanted[step]
             step_problems = []
             if got != want:
                 step_problems.append(f"step {step}: vLLM generated {got[0]}..., HF transformers {want[0]}...")

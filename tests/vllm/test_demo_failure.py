@@ -1,0 +1,71 @@
+"""A failed ``refit demo``: the failing side's last error lines and the log path, a non-zero exit,
+and no process left behind.
+
+The engine side fails after the first step (vLLM's CPU attention kernel refuses head_dim 16 at its
+first generation), while the trainer's 2 rank processes are blocked sending the second step: the
+runner must kill them too (they used to outlive ``refit demo``, holding its stdout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("refit_dtensor")
+pytest.importorskip("refit_vllm")
+
+from refit_core.models import PRESETS
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TAG = "REFIT_TEST_PROCESS_TAG"
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Processes of this user whose environment carries ``TAG=tag`` (inherited by every descendant)."""
+    needle = f"{TAG}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_failed_demo_reports_the_error_and_leaves_no_process(tmp_path: Path) -> None:
+    config = dict(PRESETS["tiny-llama"], hidden_size=64, head_dim=16, intermediate_size=128)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tag = uuid.uuid4().hex
+    env = {**os.environ, TAG: tag}
+
+    control = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    try:
+        assert tagged_processes(tag) == [control.pid], "the leftover-process check cannot see processes"
+    finally:
+        control.kill()
+        control.wait()
+
+    proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "vllm",
+                           "--model", str(tmp_path), "--steps", "2"], check=False, capture_output=True, text=True, timeout=900,
+                          env=env)
+    out = proc.stdout
+    lines = out.strip().splitlines()
+    assert proc.returncode == 1, out + proc.stderr[-3000:]
+    assert "FAILED (logs: " in lines[-1], lines[-1]
+    log_dir = lines[-1].split("FAILED (logs: ", 1)[1].rstrip(")")
+    assert (Path(log_dir) / "gen.log").is_file() and (Path(log_dir) / "train.log").is_file()
+    assert "failed  gen: gen (vllm) failed: RuntimeError: Unsupported CPU attention configuration: head_dim=16" in out
+    assert f"last lines of {log_dir}/gen.log:" in out
+    assert "train program exited with -9 before reporting" in out, "the trainer was not still running: no test"
+    assert "INFO" not in out and len(lines) < 30, out
+    assert tagged_processes(tag) == [], "refit demo left processes behind"
