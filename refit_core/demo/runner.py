@@ -112,6 +112,7 @@ class _SideProcess:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.failed_at: float | None = None
+        self.stopped = False
 
     def poll(self) -> int | None:
         code = self.proc.poll()
@@ -121,6 +122,7 @@ class _SideProcess:
 
     def kill_all(self) -> None:
         """Kill the side's whole process group (its rank processes and engine workers too)."""
+        self.stopped = self.proc.poll() is None
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
@@ -129,8 +131,10 @@ class _SideProcess:
         if os.path.exists(self.files.report):
             with open(self.files.report) as f:
                 return DemoReport(**json.load(f))
-        why = f"{self.side} program exited with {self.proc.returncode} before reporting (killed or timed out)"
-        return DemoReport(False, [why])
+        if self.stopped:
+            why = f"{self.side} program stopped by refit demo (the other side failed, or the time ran out)"
+            return DemoReport(False, [why + ", its processes killed"])
+        return DemoReport(False, [f"{self.side} program exited with {self.proc.returncode} before reporting"])
 
 
 class _EventPrinter:
@@ -155,7 +159,8 @@ class _EventPrinter:
 
 
 def error_lines(log_path: str, limit: int = 12) -> list[str]:
-    """The last error of a side's log: its last traceback's final lines, else the log's last lines."""
+    """The last error of a side's log: its last traceback's innermost frame and exception, else
+    the log's last lines."""
     try:
         with open(log_path, errors="replace") as f:
             lines = [line.rstrip() for line in f if line.strip()]
@@ -163,7 +168,8 @@ def error_lines(log_path: str, limit: int = 12) -> list[str]:
         return []
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
     block = lines[starts[-1]:] if starts else lines
-    return block[-limit:]
+    frames = [i for i, line in enumerate(block) if line.lstrip().startswith('File "')]
+    return (block[frames[-1]:] if frames else block)[:limit] if starts else block[-limit:]
 
 
 def run_demo(plan: DemoPlan, *, timeout_s: float = 900.0, options: dict | None = None,
@@ -193,10 +199,10 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 900.0, options: dict | None =
     events.drain()
     reports = {side: process.report() for side, process in sides.items()}
     ok = len(reports) == 2 and all(r.ok for r in reports.values())
-    for side in (TRAIN, GEN):
-        if side in reports:
-            for line in reports[side].lines:
-                echo(f"  {'verify' if ok else 'failed':<7} {side}: {line}")
+    first_failed = sorted(sides.values(), key=lambda p: (p.failed_at is None, p.failed_at or 0.0))
+    for process in first_failed:
+        for line in reports[process.side].lines:
+            echo(f"  {'verify' if ok else 'failed':<7} {process.side}: {line}")
     if not ok:
         _explain_failure(list(sides.values()), reports, echo)
     gen = reports.get(GEN, DemoReport(False))

@@ -1,14 +1,13 @@
 """A failed ``refit demo``: the failing side's last error lines and the log path, a non-zero exit,
 and no process left behind.
 
-The engine side fails after the first step (vLLM's CPU attention kernel refuses head_dim 16 at its
-first generation), while the trainer's 2 rank processes are blocked sending the second step: the
-runner must kill them too (they used to outlive ``refit demo``, holding its stdout).
+The engine side fails while it starts (vLLM refuses 4 attention heads over tensor parallelism 3),
+after the trainer started its 2 rank processes, which then wait for the engine at the rendezvous:
+the runner must kill them too (they used to outlive ``refit demo``, holding its stdout).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,8 +19,6 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("refit_dtensor")
 pytest.importorskip("refit_vllm")
-
-from refit_core.models import PRESETS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -43,8 +40,6 @@ def tagged_processes(tag: str) -> list[int]:
 
 
 def test_failed_demo_reports_the_error_and_leaves_no_process(tmp_path: Path) -> None:
-    config = dict(PRESETS["tiny-llama"], hidden_size=64, head_dim=16, intermediate_size=128)
-    (tmp_path / "config.json").write_text(json.dumps(config))
     tag = uuid.uuid4().hex
     env = {**os.environ, TAG: tag}
 
@@ -56,7 +51,7 @@ def test_failed_demo_reports_the_error_and_leaves_no_process(tmp_path: Path) -> 
         control.wait()
 
     proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "vllm",
-                           "--model", str(tmp_path), "--steps", "2"], check=False, capture_output=True, text=True, timeout=900,
+                           "--gen-layout", "tp=3", "--steps", "1"], check=False, capture_output=True, text=True, timeout=900,
                           env=env)
     out = proc.stdout
     lines = out.strip().splitlines()
@@ -64,8 +59,9 @@ def test_failed_demo_reports_the_error_and_leaves_no_process(tmp_path: Path) -> 
     assert "FAILED (logs: " in lines[-1], lines[-1]
     log_dir = lines[-1].split("FAILED (logs: ", 1)[1].rstrip(")")
     assert (Path(log_dir) / "gen.log").is_file() and (Path(log_dir) / "train.log").is_file()
-    assert "failed  gen: gen (vllm) failed: RuntimeError: Unsupported CPU attention configuration: head_dim=16" in out
+    assert "failed  gen: gen (vllm) failed: ValidationError" in out
     assert f"last lines of {log_dir}/gen.log:" in out
-    assert "train program exited with -9 before reporting" in out, "the trainer was not still running: no test"
+    assert "must be divisible by tensor parallel size (3)" in out.split("last lines of", 1)[1]
+    assert "failed  train: train program stopped by refit demo" in out, "the trainer was not running: no test"
     assert "INFO" not in out and len(lines) < 30, out
     assert tagged_processes(tag) == [], "refit demo left processes behind"
