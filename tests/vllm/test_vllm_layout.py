@@ -158,3 +158,23 @@ def test_fused_checkpoint_qkv_and_gate_up_split_per_rank() -> None:
         gate_up = sorted((p.box.offsets[0], p.box.ends[0]) for p in pieces
                          if p.spec.name == "model.layers.0.mlp.gate_up_proj.weight")
         assert gate_up == [gu, (gu[0] + 256, gu[1] + 256)]
+
+
+@pytest.mark.parametrize("name", ["qwen2-moe", "phi3"])
+def test_refit_plan_from_a_config_json_outside_the_table(name: str, tmp_path) -> None:
+    """``refit plan --model config.json`` (transformers on meta) plans dtensor TP x FSDP into vLLM TP."""
+    import json
+    import subprocess
+    import sys
+
+    from architectures import ARCHITECTURES
+
+    (tmp_path / "config.json").write_text(json.dumps(ARCHITECTURES[name]))
+    proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "plan", "--model", str(tmp_path / "config.json"),
+                           "--train", "dtensor:fsdp=2,tp=2", "--gen", "vllm:tp=2"], check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    total = sum(s.nbytes for s in checkpoint_specs(ARCHITECTURES[name]))
+    assert "ranks:        4 train -> 2 gen" in proc.stdout
+    planned = next(line for line in proc.stdout.splitlines() if line.strip().startswith("bytes:")).split()
+    assert planned[2] == "MiB" and abs(float(planned[1]) - total / 2**20) < 0.1, (total, planned)  # + replicated norms
