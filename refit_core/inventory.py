@@ -160,8 +160,6 @@ def transformers_specs(config: dict[str, Any]) -> list[TensorSpec] | None:
 @functools.lru_cache(maxsize=16)
 def _transformers_specs(config_json: str) -> tuple[TensorSpec, ...]:
     from transformers import AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     config = json.loads(config_json)
     try:
@@ -170,9 +168,23 @@ def _transformers_specs(config_json: str) -> tuple[TensorSpec, ...]:
     except Exception as exc:  # any failure to build means: not known from config
         raise RefitError(f"transformers cannot build {architecture(config)!r} from its config: "
                          f"{type(exc).__name__}: {exc}") from exc
-    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
-    state = revert_weight_conversion(model, state)
+    state = _checkpoint_state(model)
     return tuple(sort_specs([TensorSpec(name, tuple(t.shape), t.dtype) for name, t in state.items()]))
+
+
+def _checkpoint_state(model: Any) -> dict[str, torch.Tensor]:
+    """A (meta) model's state dict as ``save_pretrained`` writes it: tied copies dropped, and on
+    transformers 5 its load-time conversions (fused experts, renames) reverted."""
+    state = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # transformers 4: parameters are checkpoint tensors
+        if getattr(model.config, "tie_word_embeddings", False):
+            for name in getattr(model, "_tied_weights_keys", None) or ():
+                state.pop(name, None)
+        return state
+    return revert_weight_conversion(model, remove_tied_weights_from_state_dict(state, model))
 
 
 # -- 3. the hand-written table ----------------------------------------------------------------
