@@ -68,10 +68,11 @@ def test_an_architecture_nobody_knows_is_a_clear_error() -> None:
 
 
 def test_safetensors_headers_are_the_inventory_of_a_directory(tmp_path: Path) -> None:
+    half = torch.float16
     tensors = {"b.layers.10.w": torch.zeros(2, 3, dtype=torch.bfloat16), "b.layers.2.w": torch.zeros(4),
-               "a.experts.1.w": torch.zeros(5, dtype=torch.float16), "a.experts.0.w": torch.zeros(5, dtype=torch.float16)}
-    safetensors_torch.save_file({k: v for k, v in tensors.items() if k.startswith("b")}, str(tmp_path / "one.safetensors"))
-    safetensors_torch.save_file({k: v for k, v in tensors.items() if k.startswith("a")}, str(tmp_path / "two.safetensors"))
+               "a.experts.1.w": torch.zeros(5, dtype=half), "a.experts.0.w": torch.zeros(5, dtype=half)}
+    for prefix, file in (("b", "one.safetensors"), ("a", "two.safetensors")):
+        safetensors_torch.save_file({k: v for k, v in tensors.items() if k.startswith(prefix)}, str(tmp_path / file))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: "one.safetensors" if k.startswith("b") else "two.safetensors" for k in tensors}}))
     specs = safetensors_specs(tmp_path)

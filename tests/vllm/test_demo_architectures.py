@@ -35,7 +35,8 @@ def test_refit_demo_any_architecture(name: str, tmp_path: Path) -> None:
     assert set(CHARACTERISTIC_TENSORS[name]) <= names
 
     proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "vllm",
-                           "--model", str(model_dir), "--steps", "1"], check=False, capture_output=True, text=True, timeout=900)
+                           "--model", str(model_dir), "--steps", "1"], check=False, capture_output=True, text=True,
+                          timeout=900)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "from safetensors headers" in lines[0], lines[0]

@@ -51,8 +51,8 @@ def test_failed_demo_reports_the_error_and_leaves_no_process(tmp_path: Path) -> 
         control.wait()
 
     proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "vllm",
-                           "--gen-layout", "tp=3", "--steps", "1"], check=False, capture_output=True, text=True, timeout=900,
-                          env=env)
+                           "--gen-layout", "tp=3", "--steps", "1"], check=False, capture_output=True, text=True,
+                          timeout=900, env=env)
     out = proc.stdout
     lines = out.strip().splitlines()
     assert proc.returncode == 1, out + proc.stderr[-3000:]

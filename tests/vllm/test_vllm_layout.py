@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("refit_vllm")
 
-from refit_core import Box, ParallelLayout, PluginError, get_plugin_manager  # noqa: E402
-from refit_core.models import PRESETS, checkpoint_specs  # noqa: E402
-from refit_vllm.layout import destination_layout, pp_layers  # noqa: E402
-from refit_vllm.probe import view_as_box  # noqa: E402
+from refit_core import Box, ParallelLayout, PluginError, get_plugin_manager
+from refit_core.models import PRESETS, checkpoint_specs
+from refit_vllm.layout import destination_layout, pp_layers
+from refit_vllm.probe import view_as_box
 
 
 def _boxes(config: dict, layout: ParallelLayout) -> dict[int, dict[str, list[Box]]]:

@@ -1,7 +1,8 @@
 """``refit demo`` programs of the dtensor backend: an FSDP2 trainer and a DTensor-sharded policy copy.
 
 Each side spawns its ranks (``ctx.layout``; the backend's registered defaults are ``fsdp=2`` for
-train and ``tp=2`` for gen; an empty layout is one rank holding a plain, unsharded model), builds the tiny model from ``ctx.config`` with random weights and shards it with
+train and ``tp=2`` for gen; an empty layout is one rank holding a plain, unsharded model), builds
+the tiny model from ``ctx.config`` with random weights and shards it with
 :func:`refit_dtensor.parallel.shard_model` on its own process group (gloo on CPU, NCCL on CUDA).
 The trainer keeps fp32 master weights and, before every step, loads the reference weights of the
 step (``ctx.reference(step)``, following the model's checkpoint inventory) into its shards in place,
