@@ -1,0 +1,81 @@
+"""SGLang's real model classes on CPU, as the tests build them (spawned rank programs import this).
+
+No SGLang engine can run here (its kernels are CUDA-only); its model classes build on CPU once its
+parallel state is initialized over gloo. One stand-in is needed: ``vllm._custom_ops``, which SGLang's
+rotary embedding imports (as its non-CUDA fallback kernel) while it is built; the stand-in is never
+called by anything these tests run (they build, load and refit weights; see test docstrings).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+import warnings
+from typing import Any
+
+import torch
+
+from refit_core.models import PRESETS
+
+
+def _stand_in_vllm_custom_ops() -> None:
+    if "vllm._custom_ops" in sys.modules:
+        return
+    package, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
+
+    def rotary_embedding(*args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("stand-in for vllm._custom_ops.rotary_embedding (SGLang on CPU)")
+
+    ops.rotary_embedding = rotary_embedding
+    package._custom_ops = ops
+    package.__path__ = []
+    sys.modules["vllm"], sys.modules["vllm._custom_ops"] = package, ops
+
+
+def init_sglang(rank: int, world: int, port: int) -> None:
+    """SGLang's distributed environment and model-parallel groups: TP ``world`` over gloo.
+
+    SGLang's groups open NCCL and custom all-reduce communicators beside gloo when their world
+    exceeds 1; on CPU those are switched off (the groups keep gloo, which is all the tests use).
+    """
+    import functools
+
+    warnings.filterwarnings("ignore")
+    _stand_in_vllm_custom_ops()
+    from sglang.srt.distributed import parallel_state
+
+    if not isinstance(parallel_state.init_model_parallel_group, functools.partial):
+        parallel_state.init_model_parallel_group = functools.partial(
+            parallel_state.init_model_parallel_group, use_pynccl=False, use_custom_allreduce=False)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.test.test_utils import publish_build_topology
+
+    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    publish_build_topology(world_rank=rank, tp_size=world, ep_size=1, pp_size=1)
+    initialize_model_parallel(backend="gloo")
+
+
+def hf_config(preset: str, **overrides: Any) -> Any:
+    from transformers import AutoConfig
+
+    values = dict(PRESETS[preset], **overrides)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def build_model(preset: str, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
+    """The SGLang model class for ``preset`` (random init, on CPU) in ``dtype``."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    config = hf_config(preset, **overrides)
+    cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.no_grad():
+            return cls(config=config, quant_config=None).eval()
+    finally:
+        torch.set_default_dtype(previous)
