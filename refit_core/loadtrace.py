@@ -204,7 +204,9 @@ class TensorSwap:
         """Replace ``module``'s tensors by meta copies (through :meth:`register`); True if it swapped any."""
         if not any(v is not None for v in (*live_params.values(), *live_buffers.values())):
             return False
-        for live, store in ((live_params, module._parameters), (live_buffers, module._buffers)):
+        stores: tuple[tuple[dict, dict[str, Any]], ...] = ((live_params, module._parameters),
+                                                          (live_buffers, module._buffers))
+        for live, store in stores:
             for name, tensor in live.items():
                 if tensor is not None:
                     store[name] = self.register(mod_name, name, tensor, meta_copy(tensor), restored=False,
@@ -281,7 +283,8 @@ class TraceRecorder(TorchDispatchMode):
         if key is None or dst.numel() == 0:
             return
         target = self.swap.targets[key]
-        placed = view_as_box(target.shape, target.stride, dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+        placed = view_as_box(target.shape, target.stride, int(dst.storage_offset()), tuple(dst.shape),
+                             tuple(dst.stride()))
         if placed is None:
             self._opaque(key, "a fill that is not a box")
             return
@@ -311,9 +314,11 @@ class TraceRecorder(TorchDispatchMode):
             return
         target = self.swap.targets[key]
         hf_shape = tuple(root.shape)
-        src_placed = view_as_box(hf_shape, contiguous_strides(hf_shape), src.storage_offset() - root.storage_offset(),
-                                 tuple(src.shape), tuple(src.stride()))
-        dst_placed = view_as_box(target.shape, target.stride, dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+        src_offset = int(src.storage_offset() - root.storage_offset())
+        src_placed = view_as_box(hf_shape, contiguous_strides(hf_shape), src_offset, tuple(src.shape),
+                                 tuple(src.stride()))
+        dst_placed = view_as_box(target.shape, target.stride, int(dst.storage_offset()), tuple(dst.shape),
+                                 tuple(dst.stride()))
         if src_placed is None or dst_placed is None:
             self._opaque(key, f"a copy from {hf_name} that is not a box on both sides")
             return
@@ -323,7 +328,8 @@ class TraceRecorder(TorchDispatchMode):
             if d >= 0:
                 strides[d] = dst.stride(i)
         if hf_box.numel:
-            self.trace.writes.append(Write(hf_name, hf_box, key, dst_placed[0], dst.storage_offset(), tuple(strides)))
+            self.trace.writes.append(Write(hf_name, hf_box, key, dst_placed[0], int(dst.storage_offset()),
+                                           tuple(strides)))
 
 
 def _named(specs: Iterable[TensorSpec], recorder: TraceRecorder) -> Iterator[tuple[str, torch.Tensor]]:
@@ -339,12 +345,13 @@ def trace_loads(model: torch.nn.Module, specs: list[TensorSpec], *,
     ``swap`` builds the meta stand-ins of the model's tensors; ``quiet`` wraps every traced call
     (an engine's completeness checks or logging that have no business in a trace).
     """
+    load_weights: Callable[[Iterator[tuple[str, torch.Tensor]]], Any] = getattr(model, "load_weights")
     with swap(model) as swapped:
         trace = Trace(dict(swapped.targets), aliases=dict(swapped.aliases))
         recorder = TraceRecorder(swapped, trace)
         try:
             with quiet(), recorder, torch.no_grad():
-                model.load_weights(_named(specs, recorder))
+                load_weights(_named(specs, recorder))
         except Exception as exc:  # noqa: BLE001 - find which names the model rejects, one by one
             log.debug("traced load_weights failed (%s); tracing tensor by tensor", exc)
             trace = Trace(dict(swapped.targets), aliases=dict(swapped.aliases))
@@ -352,7 +359,7 @@ def trace_loads(model: torch.nn.Module, specs: list[TensorSpec], *,
             for spec in specs:
                 try:
                     with quiet(), recorder, torch.no_grad():
-                        model.load_weights(_named([spec], recorder))
+                        load_weights(_named([spec], recorder))
                 except Exception as one:  # noqa: BLE001
                     trace.rejected[spec.name] = f"{type(one).__name__}: {one}"
     return trace

@@ -16,11 +16,13 @@ import pytest
 pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scripts/setup-sglang-env.sh && "
                     ".venv-sglang/bin/python -m pytest tests/sglang")
 
-from sglang_ranks import STEPS, refit_ranks
+from sglang_ranks import LOADER_SUFFIX, STEPS, refit_ranks
 
 from refit_core.launch import free_port, spawn
 
 PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
+LOADER_CASE = "tiny-qwen3-moe" + LOADER_SUFFIX  # experts and qkv forced through SGLang's load_weights
+CASES = PRESETS + [LOADER_CASE]
 # name: (train ranks (FSDP2), SGLang TP size, with the mismatched-trainer case)
 LAYOUTS = {"fsdp2-to-sglang-tp1": (2, 1, True), "fsdp2-to-sglang-tp2": (2, 2, False)}
 
@@ -34,7 +36,7 @@ def runs():
             train, tp, mismatch = LAYOUTS[layout]
             try:
                 results = spawn(refit_ranks, train + tp, train, [free_port(), free_port()],
-                                [free_port() for _ in PRESETS], PRESETS, free_port() if mismatch else None,
+                                [free_port() for _ in CASES], CASES, free_port() if mismatch else None,
                                 timeout_s=500)
                 done[layout] = (results[:train], results[train:])
             except Exception as exc:  # noqa: BLE001 - every test of the layout reports it
@@ -47,7 +49,7 @@ def runs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", CASES)
 def test_two_refits_equal_sglang_load_weights_bitwise(runs, layout: str, preset: str) -> None:
     train, gen = runs(layout)
     for rank, result in enumerate(gen):
@@ -73,6 +75,20 @@ def test_fast_path_everywhere_and_live_pieces_equal_metadata_layout(runs, layout
     for result in gen:
         assert result[preset]["loader_path"] == []
         assert result[preset]["live_equals_metadata_layout"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forced_loader_path_goes_whole_through_sglang_load_weights(runs, layout: str) -> None:
+    """Experts and q_proj forced onto the loader path: their fused partners (k, v) follow, whole
+    grouped experts arrive, and the rest stays on the fast path."""
+    _, gen = runs(layout)
+    for result in gen:
+        loader = result[LOADER_CASE]["loader_path"]
+        assert any(".experts." in name for name in loader), loader
+        assert {n.rsplit(".", 2)[-2] for n in loader if "self_attn" in n} == {"q_proj", "k_proj", "v_proj"}
+        assert "model.embed_tokens.weight" not in loader
+        assert result[LOADER_CASE]["live_equals_metadata_layout"]
 
 
 @pytest.mark.slow
