@@ -143,8 +143,9 @@ class _Endpoint:
         schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings.bucket_bytes,
                                   settings.messages, expert_groups=groups, agreed_settings=settings.digest())
         self._check_placement(schedule, settings)
-        self._rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
-        everyone = self._rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
+        rdv = self._require_rendezvous()
+        rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
+        everyone = rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
         if any(fp != schedule.fingerprint for fp in everyone):
             raise PlanError(f"ranks computed different plans (fingerprints {sorted(set(everyone))}); "
                             "every rank must run the same refit version and options")
@@ -214,7 +215,7 @@ class RefitSender(_Endpoint):
     side = TRAIN
 
     def _local_pieces(self) -> list[Piece]:
-        pieces = self.plugins.source_pieces(self.model)
+        pieces: list[Piece] = list(self.plugins.source_pieces(self.model))
         missing = [p.spec.name for p in pieces if p.view is None]
         if missing:
             raise RefitError(f"source pieces without views: {missing[:5]}")
@@ -251,8 +252,8 @@ class RefitReceiver(_Endpoint):
     def _local_pieces(self) -> list[Piece]:
         mapping = self.plugins.destination_map(self.model)
         self._loader = list(mapping.loader)
-        loader = [DestinationPiece(spec, spec.full_box()) for spec in self._loader]
-        return list(mapping.pieces) + loader
+        loader: list[Piece] = [DestinationPiece(spec, spec.full_box()) for spec in self._loader]
+        return [*mapping.pieces, *loader]
 
     def _make_executor(self, schedule: Schedule, settings: RefitOptions) -> ReceiveExecutor:
         assert self.transport is not None and settings.bucket_bytes is not None
@@ -277,7 +278,7 @@ class RefitReceiver(_Endpoint):
             return []
         fast = len(self._pieces) - len(self._loader)
         buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in self._loader]
-        loaded = [DestinationPiece(s, s.full_box(), b) for s, b in zip(self._loader, buffers)]
+        loaded: list[Piece] = [DestinationPiece(s, s.full_box(), b) for s, b in zip(self._loader, buffers)]
         self._bind(self._pieces[:fast] + loaded)
         return [(s.name, b) for s, b in zip(self._loader, buffers)]
 
@@ -290,8 +291,11 @@ class RefitReceiver(_Endpoint):
             stats = executor.run()
             if loader_weights:
                 self.plugins.load_weights(self.model, self._experts.ungrouped(loader_weights))
-        except Exception:
-            self.plugins.abort_update(self.model)
+        except Exception as exc:
+            if self.plugins.abort_update(self.model) is False:
+                exc.add_note(f"refit: gen rank {self.rank}: the engine could not restore its previous weights "
+                             "(refit_abort_update returned False); it may hold a mix of versions until the "
+                             "next successful receive()")
             raise
         self.plugins.finish_update(self.model, stats.version)
         log.info("refit received version %d: %s in %.3f s (%.2f GB/s)", stats.version,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from dataclasses import dataclass, field
 
 import torch
@@ -267,7 +268,7 @@ class SendExecutor(_RoundRunner):
                 buffer = buffers[slot]
                 targets = _buffer_views(buffer, plan.segments)
                 sources = plan.views
-                after.append(self.lane.run(lambda t=targets, s=sources: torch._foreach_copy_(t, s),
+                after.append(self.lane.run(partial(torch._foreach_copy_, targets, sources),
                                            after=[ready, free[slot]]))
             fence = self.transport.exchange(plan.pairs(buffer), [], after=after or [ready])
             pending.append(fence)
@@ -303,12 +304,13 @@ class ReceiveExecutor(_RoundRunner):
             slot = staged % len(buffers)
             staged += 1
             buffer = buffers[slot]
+            previous = free[slot]
             received = self.transport.exchange([], plan.pairs(buffer),
-                                               after=[ready] + [f for f in (free[slot],) if f is not None])
+                                               after=[ready] if previous is None else [ready, previous])
             sources = _buffer_views(buffer, plan.segments)
-            targets = plan.views
-            free[slot] = self.lane.run(lambda t=targets, s=sources: torch._foreach_copy_(t, s), after=[received])
-            pending += [received, free[slot]]
+            unpacked = self.lane.run(partial(torch._foreach_copy_, plan.views, sources), after=[received])
+            free[slot] = unpacked
+            pending += [received, unpacked]
         self._finish(pending)
         stats = self._stats(version, start, buffers)
         del buffers, free, pending

@@ -5,6 +5,28 @@ A plugin is a module (or object) with functions named like the hooks below, deco
 model *select themselves by that model*: a plugin returns None for a model it does not know, and the
 first non-None answer wins (``firstresult``). Hooks that take a ``backend`` name (metadata only,
 no model built) answer only for their own backend names.
+
+Precedence. Plugins registered later are asked first: entry-point plugins are registered in the
+order of their names (so ``zeta`` is asked before ``alpha``), plugins registered in code after them,
+and the core's own defaults (``refit_expert_name``, ``refit_expert_member_name``) are asked last. A
+plugin that must answer before the others marks its hook ``hookimpl(tryfirst=True)``.
+
+Refusing. A hook that recognizes its model (or backend) but cannot express its layout as pieces
+(an unsupported parallelism, a parameter it cannot view) raises
+:class:`~refit_core.errors.PluginError` naming the parameter and the reason; refit stops setup on
+every rank with that message, before any collective. Returning None instead means "not mine".
+
+Call order.
+
+1. Once per process: ``refit_register_backends`` when the plugin is registered.
+2. ``setup()``: ``refit_source_pieces`` on every train rank, ``refit_destination_map`` on every gen
+   rank, then ``refit_expert_name`` for every piece name (on every rank, for both sides' names).
+3. Every gen step: ``refit_begin_update``; ``refit_destination_map`` again if it returned True; the
+   bytes land; ``refit_load_weights`` when the map has loader tensors (``refit_expert_member_name``
+   names grouped experts back); ``refit_finish_update``. If anything fails after
+   ``refit_begin_update``, ``refit_abort_update`` runs instead of ``refit_finish_update`` and the
+   error is re-raised.
+4. ``refit plan``: ``refit_source_layout`` / ``refit_destination_layout`` per rank (no model built).
 """
 
 from __future__ import annotations
@@ -104,7 +126,8 @@ def refit_begin_update(model: Any) -> bool | None:
     """Prepare ``model`` to receive new weights, before any byte lands.
 
     Return True if destination views changed (the engine re-materialized its parameters), so
-    ``refit_destination_map`` is asked again; False if the views stay valid; None if not yours.
+    ``refit_destination_map`` is asked again; False if the views stay valid; None if not yours
+    (refit then treats the views as valid).
     """
 
 
@@ -113,17 +136,26 @@ def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> b
     """Hand whole HF tensors (the loader path) to the engine's own loader; True when done.
 
     Called once per step, after the fast-path bytes landed, with every loader tensor of the step
-    under its checkpoint name (grouped experts arrive split back into per-expert names).
+    under its checkpoint name (grouped experts arrive split back into the checkpoint's per-expert
+    names, through ``refit_expert_member_name`` or the names the pieces carried). None means not
+    yours: with loader tensors and no plugin answering, refit raises ``PluginError``.
     """
 
 
 @hookspec(firstresult=True)
 def refit_finish_update(model: Any, version: int) -> bool | None:
-    """Finish a refit: post-load processing, cache resets, publishing the weight ``version``."""
+    """Finish a refit: post-load processing, cache resets, publishing the weight ``version``.
+
+    Return True when done, None if not yours (a model no plugin finishes needs no finishing).
+    """
 
 
 @hookspec(firstresult=True)
 def refit_abort_update(model: Any) -> bool | None:
     """A step failed after ``refit_begin_update`` (a peer died, a header disagreed): put ``model``
-    back in a state that serves its previous weights if you can; True when handled, None if not yours.
+    back in a state that serves its previous weights if you can.
+
+    Return True when the previous weights serve again; False when the model is yours but you could
+    not restore them (refit adds a note to the re-raised error saying the engine may hold a mix of
+    versions until the next successful ``receive()``); None if not yours.
     """

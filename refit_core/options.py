@@ -84,7 +84,7 @@ def _tracks_explicit(cls: type[_T]) -> type[_T]:
         given = {**dict(zip(names, args)), **kwargs}
         object.__setattr__(self, "_explicit", frozenset(n for n, v in given.items() if v is not None))
 
-    cls.__init__ = __init__  # type: ignore[misc]
+    cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
 
 
@@ -100,7 +100,7 @@ class _Settings:
             if value is None:
                 if f.default is None:
                     continue
-                default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+                default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
                 object.__setattr__(self, f.name, default)
                 continue
             object.__setattr__(self, f.name, _coerced(type(self).__name__, f.name, kind, value))

@@ -176,8 +176,10 @@ class PluginManager:
     def finish_update(self, model: Any, version: int) -> None:
         self.hook.refit_finish_update(model=model, version=version)
 
-    def abort_update(self, model: Any) -> None:
-        self.hook.refit_abort_update(model=model)
+    def abort_update(self, model: Any) -> bool | None:
+        """The plugin's answer: True restored, False could not restore, None not handled."""
+        result = self.hook.refit_abort_update(model=model)
+        return None if result is None else bool(result)
 
 
 _manager: PluginManager | None = None

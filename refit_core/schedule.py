@@ -99,7 +99,7 @@ class Schedule:
         return [msgs for msgs in picked if msgs]
 
 
-def _chunks(box: Box, max_numel: int) -> Iterator[tuple[Box, ...]]:
+def _chunks(box: Box, max_numel: int) -> Iterator[Box]:
     """Sub-boxes of ``box`` (relative offsets) of at most ``max_numel`` elements, in memory order."""
     if box.numel <= max_numel:
         yield box

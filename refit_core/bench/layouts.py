@@ -87,7 +87,7 @@ class _FlatModel:
         if heads % self.tp or kv % self.tp or c["vocab_size"] % self.tp:
             raise ValueError(f"tp={self.tp} must divide heads {heads}, kv heads {kv} and vocab {c['vocab_size']}")
         experts = num_experts(c)
-        inter = c.get("moe_intermediate_size") if experts else c["intermediate_size"]
+        inter: int = c["moe_intermediate_size"] if experts else c["intermediate_size"]
         if inter % self.tp:
             raise ValueError(f"tp={self.tp} must divide the intermediate size {inter}")
         return {"H": c["hidden_size"], "V": c["vocab_size"], "L": c["num_hidden_layers"], "nq": heads,
@@ -270,9 +270,9 @@ class VllmStyleModel(_FlatModel):
 
 @hookimpl
 def refit_register_backends(register) -> None:
-    register(Backend("bench-megatron-style", {TRAIN}, "refit bench: synthetic Megatron-style trainer layout",
+    register(Backend("bench-megatron-style", frozenset({TRAIN}), "refit bench: synthetic Megatron-style trainer layout",
                      priority=-200))
-    register(Backend("bench-vllm-style", {GEN}, "refit bench: synthetic vLLM-style engine layout",
+    register(Backend("bench-vllm-style", frozenset({GEN}), "refit bench: synthetic vLLM-style engine layout",
                      priority=-200))
 
 

@@ -40,8 +40,8 @@ class GlooComm:
 
     def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
                  timeout_s: float = 300.0) -> None:
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{key}/", store), rank, nranks,
-                                        timedelta(seconds=timeout_s))
+        self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"{key}/", store), rank, nranks,
+                                             timedelta(seconds=timeout_s))
 
     def post(self, sends, recvs, stream=None) -> None:
         works = [self.pg.recv([t], p, 0) for p, t in recvs] + [self.pg.send([t], p, 0) for p, t in sends]
@@ -141,6 +141,8 @@ class Wire(Method):
     name = "wire"
     ops = 1
 
+    buffer: torch.Tensor | None = None
+
     def setup(self) -> None:
         c = self.ctx
         self.buffer = torch.empty(c.wire_bytes, dtype=torch.uint8, device=c.device)
@@ -158,6 +160,7 @@ class Wire(Method):
     def step(self, index: int) -> None:
         c = self.ctx
         data = self.buffer
+        assert data is not None, "wire: setup() allocates the buffer"
         parts = list(data.tensor_split(self.ops)) if self.ops > 1 else [data]
         if c.is_train:
             c.comm.post([(1, p) for p in parts], [], _stream(c.device))
@@ -281,7 +284,7 @@ class Refit(Method):
         self.info[f"{side}_staging_bytes"] = min(ex.num_buffers, staged_rounds) * ex.buffer_bytes
 
     def step(self, index: int) -> None:
-        if self.ctx.is_train:
+        if isinstance(self.endpoint, RefitSender):
             self.endpoint.send(version=index)
         else:
             stats = self.endpoint.receive()

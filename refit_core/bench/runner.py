@@ -56,7 +56,7 @@ class _Barrier:
         self.count += 1
         key = f"barrier/{self.count}"
         if self.store.add(key, 1) == self.nprocs:
-            self.store.set(f"{key}/done", b"1")
+            self.store.set(f"{key}/done", "1")
         self.store.wait([f"{key}/done"])
 
     def leave(self, rank: int) -> None:
@@ -69,7 +69,7 @@ class _Barrier:
 
     def max(self, key: str, rank: int, value: float) -> float:
         """The largest ``value`` over all ranks (every rank gets the same answer)."""
-        self.store.set(f"{key}/{rank}", repr(value).encode())
+        self.store.set(f"{key}/{rank}", repr(value))
         self()
         return max(float(self.store.get(f"{key}/{r}").decode()) for r in range(self.nprocs))
 
@@ -127,7 +127,7 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     is_train = me["side"] == "train"
     start = time.perf_counter()
     cls = MegatronStyleModel if is_train else VllmStyleModel
-    model = cls(config, tp=me["tp"], rank=me["tp_rank"], device=device)
+    model: Any = cls(config, tp=me["tp"], rank=me["tp_rank"], device=device)
     if is_train:
         model.fill(seed)
     else:
@@ -140,7 +140,7 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
                device, model, model.nbytes, job["bucket_bytes"], job["num_buffers"], job["timeout_s"],
                job["ports"], register(PluginManager(load_entry_points=False)))
     needs_comm = any(_is_baseline(m) for m in job["methods"])
-    store.set(f"bytes/{rank}", str(model.nbytes).encode())
+    store.set(f"bytes/{rank}", str(model.nbytes))
     barrier()
     ctx.wire_bytes = min(int(store.get(f"bytes/{r}").decode()) for r in (0, first_gen))
     if needs_comm and pair:
@@ -152,7 +152,7 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
         "model_bytes": model.nbytes, "build_s": build_s, "methods": {},
     }
     for name in job["methods"]:
-        method = method_class(name)(ctx)
+        method: Any = method_class(name)(ctx)
         takes_part = not _is_baseline(name) or pair
         barrier()
         if takes_part:
@@ -192,7 +192,7 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
             if name.startswith("wire"):
                 data = method.buffer
                 if is_train:
-                    store.set("wire/checksum", str(_checksum(data)).encode())
+                    store.set("wire/checksum", str(_checksum(data)))
                 barrier()
                 if not is_train:
                     expected = int(store.get("wire/checksum").decode())

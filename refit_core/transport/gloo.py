@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,26 +14,26 @@ from ..options import TransportKind
 from .base import Fence, Transport, check_contiguous
 
 
-def _failure(peers: Sequence[int], rank: int, exc: BaseException) -> TransferError:
-    return TransferError(f"gloo exchange between rank {rank} and rank(s) {sorted(set(peers))} failed "
-                         f"(a peer died or timed out): {exc}")
+def _failure(rank: int, peer: int, what: str, exc: BaseException) -> TransferError:
+    return TransferError(f"gloo {what} between rank {rank} and rank {peer} failed (a peer died or timed out): {exc}")
 
 
 class _WorkFence(Fence):
-    def __init__(self, works: list[dist.Work], peers: list[int], rank: int) -> None:
+    """Completion of the posted operations, each with the peer it talks to."""
+
+    def __init__(self, works: list[tuple[int, dist.Work]], rank: int) -> None:
         self._works = works
-        self._peers = peers
         self._rank = rank
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         self.synchronize(timeout_s=0)
 
     def synchronize(self, timeout_s: float) -> None:
-        try:
-            for work in self._works:
+        for peer, work in self._works:
+            try:
                 work.wait()
-        except Exception as exc:  # gloo raises RuntimeError subclasses on peer loss
-            raise _failure(self._peers, self._rank, exc) from exc
+            except Exception as exc:  # gloo raises RuntimeError subclasses on peer loss
+                raise _failure(self._rank, peer, "exchange", exc) from exc
         self._works = []
 
 
@@ -44,7 +45,7 @@ class GlooTransport(Transport):
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
         self.device = torch.device("cpu")
         self.rank = rank
-        self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+        self._pg: Any = dist.ProcessGroupGloo(
             dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
@@ -53,15 +54,22 @@ class GlooTransport(Transport):
         check_contiguous(recvs)
         for fence in after:
             fence.wait()
-        peers = [p for p, _ in (*sends, *recvs)]
-        if self._pg is None:
+        pg = self._pg
+        if pg is None:
             raise TransferError(f"the gloo transport of rank {self.rank} is closed")
-        try:  # posting can fail too: gloo reports a peer that already closed its connection here
-            works = [self._pg.recv([t], peer, 0) for peer, t in recvs]
-            works += [self._pg.send([t], peer, 0) for peer, t in sends]
+        works: list[tuple[int, dist.Work]] = []
+        for peer, tensor in recvs:
+            works.append((peer, self._post(pg.recv, tensor, peer)))
+        for peer, tensor in sends:
+            works.append((peer, self._post(pg.send, tensor, peer)))
+        return _WorkFence(works, self.rank)
+
+    def _post(self, operation: Callable[[list[torch.Tensor], int, int], dist.Work], tensor: torch.Tensor,
+              peer: int) -> dist.Work:
+        try:  # posting fails too: gloo reports a peer that already closed its connection here
+            return operation([tensor], peer, 0)
         except Exception as exc:  # every transport failure is a TransferError
-            raise _failure(peers, self.rank, exc) from exc
-        return _WorkFence(works, peers, self.rank)
+            raise _failure(self.rank, peer, "post", exc) from exc
 
     def close(self) -> None:
         self._pg = None

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,7 @@ class NcclComm:
         self.nranks, self.rank, self.device = nranks, rank, device
         if rank == 0:
             uid = nccl.get_unique_id()
-            store.set(f"{key}/uid", bytes(uid.as_bytes))
+            store.set(f"{key}/uid", bytes(uid.as_bytes))  # type: ignore[arg-type]  # torch's stub says str
         raw = store.get(f"{key}/uid")
         with torch.cuda.device(device):
             self.comm = nccl.Communicator.init(nranks, rank, nccl.UniqueId.from_bytes(raw))
@@ -122,7 +122,7 @@ class TorchNcclComm:
         opts.is_high_priority_stream = True
         opts._timeout = timedelta(seconds=timeout_s)
         self.nranks, self.rank, self.device = nranks, rank, device
-        self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"{key}/", store), rank, nranks, opts)
+        self.pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore(f"{key}/", store), rank, nranks, opts)
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
              stream: torch.cuda.Stream) -> None:

@@ -33,9 +33,11 @@ def test_per_expert_names_group_into_one_stacked_tensor():
     assert default_expert_name("model.layers.1.mlp.experts.12.down_proj.weight") == \
         ExpertName("model.layers.1.mlp.experts.down_proj.weight", 12)
     assert default_expert_name("model.layers.1.mlp.gate.weight") is None
-    assert ungroup_name("model.layers.1.mlp.experts.down_proj.weight", 3) == "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert (ungroup_name("model.layers.1.mlp.experts.down_proj.weight", 3)
+            == "model.layers.1.mlp.experts.3.down_proj.weight")
     metas = [[PieceMeta(TensorSpec(f"l.experts.{e}.w1.weight", (4, 8), torch.float32), Box((0, 2), (4, 6)))
-              for e in (0, 1)], [PieceMeta(TensorSpec("l.experts.2.w1.weight", (4, 8), torch.float32), Box((0, 0), (4, 8)))]]
+              for e in (0, 1)],
+             [PieceMeta(TensorSpec("l.experts.2.w1.weight", (4, 8), torch.float32), Box((0, 0), (4, 8)))]]
     counts = expert_counts(metas, default_expert_name)
     assert counts == {"l.experts.w1.weight": 3}
     grouped = group_meta(metas[0][1], default_expert_name, counts)

@@ -52,13 +52,15 @@ def test_global_shape_disagreement_is_named():
 def test_dtype_disagreement_casts_by_default_and_fails_when_strict():
     transfers = plan_transfers([[full("w", (4,), F32)]], [[full("w", (4,), BF16)]])
     assert transfers[0].dtype == BF16  # the wire carries the destination dtype: the sender casts
-    with pytest.raises(PlanError, match=r"dtype mismatch .* 'strict': w: source torch.float32 vs destination torch.bfloat16"):
+    with pytest.raises(PlanError,
+                       match=r"dtype mismatch .* 'strict': w: source torch.float32 vs destination torch.bfloat16"):
         plan_transfers([[full("w", (4,), F32)]], [[full("w", (4,), BF16)]], cast="strict")
 
 
 def test_uncovered_region_is_named():
     src = [[meta("w", (4, 2), (0, 0), (3, 2))]]
-    with pytest.raises(PlanError, match=r"w: 2 of 8 elements of box \[0:4, 0:2\] on gen rank 0 are held by no train rank"):
+    with pytest.raises(PlanError,
+                       match=r"w: 2 of 8 elements of box \[0:4, 0:2\] on gen rank 0 are held by no train rank"):
         plan_transfers(src, [[full("w", (4, 2))]])
 
 

@@ -75,12 +75,11 @@ def test_plugins_registered_in_code_select_themselves_by_model():
 def test_loader_tensors_reach_the_engine_under_checkpoint_names():
     import torch
 
-    from refit_core.api import _ungrouped
-
     pm = PluginManager(load_entry_points=False)
     grouped = torch.arange(24.).view(2, 3, 4)
-    out = dict(_ungrouped([("l.experts.up_proj.weight", grouped), ("l.experts.3.w1.weight", torch.ones(3, 4)),
-                           ("l.q_proj.weight", torch.zeros(2))], pm))
+    out = dict(pm.expert_naming().ungrouped([("l.experts.up_proj.weight", grouped),
+                                             ("l.experts.3.w1.weight", torch.ones(3, 4)),
+                                             ("l.q_proj.weight", torch.zeros(2))]))
     assert sorted(out) == ["l.experts.0.up_proj.weight", "l.experts.1.up_proj.weight", "l.experts.3.w1.weight",
                            "l.q_proj.weight"]
     assert torch.equal(out["l.experts.1.up_proj.weight"], grouped[1])
