@@ -25,6 +25,7 @@ from .planner import plan_transfers
 from .plugins import PluginManager, get_plugin_manager
 from .rendezvous import Rendezvous
 from .schedule import Schedule, build_schedule
+from .spec import TensorSpec
 from .transport import Transport, open_transport, refuse_shared_gpus
 from .units import format_bytes
 
@@ -247,9 +248,17 @@ class RefitReceiver(_Endpoint):
     """The gen side of a refit, one per gen rank. ``receive()`` every step lands one weight version."""
 
     side = GEN
-    _bound = False
+
+    def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
+                 options: RefitOptions | None = None, plugins: PluginManager | None = None) -> None:
+        super().__init__(model, rendezvous=rendezvous, rank=rank, world_size=world_size, options=options,
+                         plugins=plugins)
+        self._loader: list[TensorSpec] = []
+        """The logical tensors of the loader path (received whole, handed to ``refit_load_weights``)."""
+        self._bound = False
 
     def _local_pieces(self) -> list[Piece]:
+        """The destination map's pieces, then one whole piece per loader tensor (recorded in ``_loader``)."""
         mapping = self.plugins.destination_map(self.model)
         self._loader = list(mapping.loader)
         loader: list[Piece] = [DestinationPiece(spec, spec.full_box()) for spec in self._loader]

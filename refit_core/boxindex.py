@@ -43,3 +43,13 @@ class BoxIndex:
                 found.append((i, common))
         found.sort(key=lambda item: item[0])
         return found
+
+
+def first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
+    """Two boxes of ``boxes`` that overlap (the first found, in index order), or None."""
+    index = BoxIndex(boxes)
+    for i, box in enumerate(boxes):
+        for j, _ in index.overlapping(box):
+            if j != i:
+                return (boxes[min(i, j)], boxes[max(i, j)])
+    return None

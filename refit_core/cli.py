@@ -23,6 +23,12 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    described = [b for info in pm.plugins for b in info.backends if b.description]
+    if described:
+        print()
+        width = max(len(b.name) for b in described)
+        for backend in described:
+            print(f"  {backend.name.ljust(width)}  {backend.description}")
     if len(rows) == 1:
         print("(no refit plugins installed: pip install refit-plugin-dtensor refit-plugin-vllm ...)")
     return 0

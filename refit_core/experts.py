@@ -57,15 +57,19 @@ ExpertNamer = Callable[[str], "ExpertName | None"]
 MemberNamer = Callable[[str, int], "str | None"]
 
 
+def count_experts(names: Iterable[str], namer: ExpertNamer) -> dict[str, int]:
+    """Number of experts of every group among per-expert ``names`` (max index + 1)."""
+    counts: dict[str, int] = {}
+    for name in names:
+        expert = namer(name)
+        if expert is not None:
+            counts[expert.group] = max(counts.get(expert.group, 0), expert.index + 1)
+    return counts
+
+
 def expert_counts(ranks: Sequence[Sequence[PieceMeta]], namer: ExpertNamer) -> dict[str, int]:
     """Number of experts of every group seen across all ranks of one side (max index + 1)."""
-    counts: dict[str, int] = {}
-    for metas in ranks:
-        for meta in metas:
-            expert = namer(meta.spec.name)
-            if expert is not None:
-                counts[expert.group] = max(counts.get(expert.group, 0), expert.index + 1)
-    return counts
+    return count_experts((meta.spec.name for metas in ranks for meta in metas), namer)
 
 
 def group_meta(meta: PieceMeta, namer: ExpertNamer, counts: dict[str, int]) -> PieceMeta:

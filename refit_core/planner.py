@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .boxindex import BoxIndex
+from .boxindex import BoxIndex, first_overlap
 from .errors import PlanError
 from .options import CastPolicy
 from .pieces import PieceMeta
@@ -133,10 +133,11 @@ def _source_regions(name: str, holders: list[_Holder]) -> tuple[list[_SourceRegi
 def _check_destinations(name: str, pieces: list[_Holder]) -> None:
     by_rank: dict[int, list[Box]] = defaultdict(list)
     for piece in pieces:
-        for other in by_rank[piece.rank]:
-            if other.intersect(piece.box) is not None:
-                raise PlanError(f"{name}: destination boxes {other} and {piece.box} overlap on gen rank {piece.rank}")
         by_rank[piece.rank].append(piece.box)
+    for rank, boxes in by_rank.items():
+        pair = first_overlap(boxes)
+        if pair is not None:
+            raise PlanError(f"{name}: destination boxes {pair[0]} and {pair[1]} overlap on gen rank {rank}")
 
 
 def _split_rows(box: Box, parts: int) -> list[Box]:

@@ -52,7 +52,7 @@ class PluginManager:
     def _load_entry_points(self) -> None:
         allowed = plugin_selection()
         for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            if (allowed is not None and ep.name not in allowed) or self._pm.has_plugin(name=ep.name):
+            if (allowed is not None and ep.name not in allowed) or self.has_plugin(ep.name):
                 continue
             try:
                 plugin = ep.load()
@@ -78,11 +78,11 @@ class PluginManager:
         if impl is not None:
             impl(register=add)
 
-    def unregister(self, name: str) -> None:
-        self._pm.unregister(name=name)
-        self._info.pop(name, None)
-
     # -- introspection ------------------------------------------------------------------------
+
+    def has_plugin(self, name: str) -> bool:
+        """Whether a plugin is registered under ``name``."""
+        return self._pm.has_plugin(name=name)
 
     @property
     def plugins(self) -> list[PluginInfo]:
@@ -192,8 +192,3 @@ def get_plugin_manager() -> PluginManager:
         _manager = PluginManager()
     return _manager
 
-
-def reset_plugin_manager() -> None:
-    """Forget the process-wide manager (the next call rediscovers plugins)."""
-    global _manager
-    _manager = None

@@ -35,7 +35,7 @@ class Rendezvous:
         try:
             tcp = dist.TCPStore(hostname, port, is_master=host, timeout=timedelta(seconds=timeout_s),
                                 wait_for_workers=False, use_libuv=True)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the address
+        except Exception as exc:  # re-raised with the address
             role = "host" if host else "reach"
             raise RefitError(f"could not {role} the refit rendezvous at {address}: {exc}") from exc
         self.store = dist.PrefixStore(namespace + "/", tcp)

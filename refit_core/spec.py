@@ -105,7 +105,7 @@ def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     """The element strides of a contiguous (row-major) tensor of ``sizes``."""
     strides = [1] * len(sizes)
     for d in range(len(sizes) - 2, -1, -1):
-        strides[d] = strides[d + 1] * sizes[d + 1]
+        strides[d] = strides[d + 1] * max(sizes[d + 1], 1)
     return tuple(strides)
 
 

@@ -307,6 +307,6 @@ def register(pm: PluginManager | None = None) -> PluginManager:
     import sys
 
     pm = pm or get_plugin_manager()
-    if not pm._pm.has_plugin(PLUGIN_NAME):
+    if not pm.has_plugin(PLUGIN_NAME):
         pm.register(sys.modules[__name__], name=PLUGIN_NAME)
     return pm

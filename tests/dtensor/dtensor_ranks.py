@@ -128,8 +128,9 @@ def placement_ranks(rank: int, world: int, port: int) -> dict[str, list[str]]:
     cases["strided sf=2 on 4 ranks (two row runs each)"] = DTensor.from_local(
         _StridedShard(0, split_factor=2)._split_tensor(strided, 4, with_padding=False)[0][rank].clone(),
         flat, [_StridedShard(0, split_factor=2)], shape=strided.shape, stride=strided.stride())
-    cases["strided x shard (fsdp over tp) 10 rows"] = distribute_tensor(torch.randn(10, 3), square, [Replicate(), Shard(0)]) \
-        .redistribute(square, [_StridedShard(0, split_factor=2), Shard(0)])
+    cases["strided x shard (fsdp over tp) 10 rows"] = distribute_tensor(
+        torch.randn(10, 3), square, [Replicate(), Shard(0)]).redistribute(square, [_StridedShard(0, split_factor=2),
+                                                                                  Shard(0)])
     linear = torch.nn.Linear(4, 3)
     fully_shard(linear, mesh=flat)  # FSDP2: 3 rows over 4 ranks, rank 3 holds nothing
     cases["fsdp2 weight 3 rows over 4 ranks"] = linear.weight

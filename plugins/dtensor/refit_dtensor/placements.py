@@ -128,7 +128,7 @@ def local_blocks(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Se
     blocks = []
     for combo in itertools.product(*per_dim):
         box = Box(tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo))
-        local = Box(tuple(l for _, l, _ in combo), tuple(n for _, _, n in combo))
+        local = Box(tuple(start for _, start, _ in combo), tuple(n for _, _, n in combo))
         blocks.append(LocalBlock(box, local))
     return blocks
 

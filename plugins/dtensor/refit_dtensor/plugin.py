@@ -109,7 +109,8 @@ def _broken_ties(hf: Any) -> list[tuple[Any, Any]]:
                      or (copy.device_mesh == original.device_mesh and copy.placements == original.placements)))
         if not same:
             raise PluginError(f"{target} is tied to {source} in the config but sharded differently "
-                              f"({getattr(copy, 'placements', 'plain')} vs {getattr(original, 'placements', 'plain')}): "
+                              f"({getattr(copy, 'placements', 'plain')} vs "
+                              f"{getattr(original, 'placements', 'plain')}): "
                               "refit cannot keep the copy in sync; shard them alike or untie them")
         broken.append((copy, original))
     return broken

@@ -145,7 +145,6 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
             reload.finish(model, state.plan, state.model_config)
         state.updating = False
     state.version = version
-    state.history.append(version)
     return True
 
 

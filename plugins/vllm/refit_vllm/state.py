@@ -7,7 +7,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +37,6 @@ class ModelState:
     mode: str | None = None
     updating: bool = False
     version: int | None = None
-    history: list[int] = field(default_factory=list)
 
     @property
     def model_config(self) -> Any:
