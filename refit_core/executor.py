@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 

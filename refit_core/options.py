@@ -282,6 +282,9 @@ class RefitOptions(_Settings):
                 nested.setdefault(head, {})[rest] = value
             else:
                 top[head] = value
+        unknown = sorted(set(values) - set(self.leaves()))
+        if unknown:
+            raise OptionError(f"RefitOptions: unknown setting(s) {unknown} (known: {sorted(self.leaves())})")
         result: RefitOptions = _rebuild(self, top, nested, explicit)
         return result
 

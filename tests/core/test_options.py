@@ -57,6 +57,8 @@ def test_environment_overrides_are_explicit_settings():
     assert options.messages == MessageOptions(mode="runs", direct_min_bytes=1024, zero_copy=False)
     assert options.explicit == {"num_buffers", *(o.setting for o in OVERRIDES)}
     assert with_overrides(options, {}) is options
+    with pytest.raises(OptionError, match=r"unknown setting\(s\) \['messages.zerocopy'\]"):
+        options.overridden({"messages.zerocopy": False})
 
 
 @pytest.mark.parametrize(("env", "named"), [
