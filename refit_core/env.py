@@ -22,7 +22,7 @@ plugins read their own documented ``REFIT_*`` variables through :func:`read`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,12 @@ def read(variable: str, environ: Mapping[str, str] | None = None) -> str | None:
     return (os.environ if environ is None else environ).get(variable)
 
 
+def values_of(variables: Iterable[str], environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """Other programs' variables (NCCL's...) as they are set now, for reports; never a refit setting."""
+    source = os.environ if environ is None else environ
+    return {name: source.get(name) for name in variables}
+
+
 def plugin_selection(environ: Mapping[str, str] | None = None) -> set[str] | None:
     """The plugin names ``REFIT_PLUGINS`` allows, or None when it is unset (load every plugin)."""
     wanted = read(PLUGINS, environ)
@@ -96,4 +102,4 @@ def with_overrides(options: RefitOptions, environ: Mapping[str, str] | None = No
         raise OptionError(f"{exc} (from the environment: {variables})") from None
 
 
-__all__ = ["OVERRIDES", "PLUGINS", "Override", "plugin_selection", "read", "with_overrides"]
+__all__ = ["OVERRIDES", "PLUGINS", "Override", "plugin_selection", "read", "values_of", "with_overrides"]

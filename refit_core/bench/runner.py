@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..env import values_of
 from ..launch import free_port, spawn
 from ..models import PRESETS, checkpoint_specs, load_config
 from ..plugins import PluginManager
@@ -379,7 +380,7 @@ def _environment(args: argparse.Namespace) -> dict[str, Any]:
         env["nccl"] = str(nccl.get_version())
     except Exception as exc:  # noqa: BLE001
         env["nccl4py"] = f"unavailable ({type(exc).__name__}: {exc})"
-    env.update({k: os.environ.get(k) for k in SAFE_ENV})
+    env.update(values_of(SAFE_ENV))
     return env
 
 
