@@ -35,12 +35,15 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .demo.runner import default_device
     from .metaplan import plan_from_metadata
+    from .options import RefitOptions
 
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
+    options = RefitOptions(bucket_bytes=None if args.bucket_mb is None else args.bucket_mb << 20)
     summary = plan_from_metadata(get_plugin_manager(), load_config(args.model), train, train_layout, gen,
-                                 gen_layout, bucket_bytes=args.bucket_mb << 20,
+                                 gen_layout, options=options, device=args.device or default_device(),
                                  progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
@@ -106,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", required=True, help=models)
     plan.add_argument("--train", required=True, help="BACKEND:LAYOUT, e.g. dtensor:fsdp=2,tp=2")
     plan.add_argument("--gen", required=True, help="BACKEND:LAYOUT, e.g. vllm:tp=2,dp=2")
-    plan.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (default 512)")
+    plan.add_argument("--bucket-mb", type=int,
+                      help="bucket size in MiB (default: a live refit's on --device: 512 on cuda, 64 on cpu)")
+    plan.add_argument("--device", choices=("cpu", "cuda"),
+                      help="device the live refit runs on, for its default bucket (default: cuda when present)")
     plan.add_argument("--simulate", action="store_true",
                       help="predict the refit's time on a cluster (--topology): per-link bytes, busiest link, "
                            "receiver-side bound, published numbers beside it")

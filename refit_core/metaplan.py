@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backend import GEN, TRAIN
+from .env import with_overrides
 from .experts import group_side
 from .layout import ParallelLayout
+from .options import RefitOptions
 from .pieces import DestinationPiece, PieceMeta
 from .planner import plan_transfers
 from .plugins import PluginManager
@@ -52,12 +54,16 @@ def _every_tenth(total: int, progress: Progress | None, what: str) -> Callable[[
 
 
 def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, train_layout: ParallelLayout,
-                       gen: str, gen_layout: ParallelLayout, *, bucket_bytes: int = 512 << 20,
-                       cast: str = "cast", progress: Progress | None = None) -> PlanSummary:
+                       gen: str, gen_layout: ParallelLayout, *, options: RefitOptions | None = None,
+                       device: str = "cpu", progress: Progress | None = None) -> PlanSummary:
     """Every rank's pieces from the plugins' layout hooks, then the same planner as a live refit.
 
-    ``progress`` receives a line now and then on large layouts.
+    ``options`` (default ``RefitOptions()``, with the environment's overrides, as a live refit takes
+    them) are resolved for a train rank 0 on ``device``, so the plan and its fingerprint are those of
+    a live refit with the same options there. ``progress`` receives a line now and then on large layouts.
     """
+    settings = with_overrides(options or RefitOptions()).resolved(device)
+    assert settings.bucket_bytes is not None  # resolved above
     start = time.perf_counter()
     pm.backend(train, TRAIN)
     pm.backend(gen, GEN)
@@ -76,7 +82,9 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
     if progress is not None and len(src) + len(dst) >= 64:
         progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
     grouped_src, grouped_dst = group_side(src, pm.expert_name), group_side(dst, pm.expert_name)
-    transfers = plan_transfers(grouped_src.metas, grouped_dst.metas, cast=cast)
-    schedule = build_schedule(transfers, len(src), len(dst), bucket_bytes,
-                              expert_groups=set(grouped_src.counts) | set(grouped_dst.counts))
+    transfers = plan_transfers(grouped_src.metas, grouped_dst.metas, cast=settings.cast,
+                               allow_unused_sources=settings.allow_unused_sources)
+    schedule = build_schedule(transfers, len(src), len(dst), settings.bucket_bytes, settings.messages,
+                              expert_groups=set(grouped_src.counts) | set(grouped_dst.counts),
+                              agreed_settings=settings.digest())
     return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start)

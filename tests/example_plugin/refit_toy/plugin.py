@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from refit_core import (GEN, TRAIN, Backend, Box, DestinationMap, DestinationPiece, ExpertName, ParallelLayout,
-                        SourcePiece, TensorSpec, hookimpl)
+                        PluginError, SourcePiece, TensorSpec, hookimpl)
 
 from .models import (EXPERTS, GROUPED_EXPERTS, HEADS_DIM, HIDDEN, KV_DIM, ODD_GROUPED_EXPERTS, ToyEngine,
                      ToyTrainer, checkpoint, odd_expert_name, odd_member_name)
@@ -89,11 +89,19 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
 # Metadata alone (``refit plan``): the same models built on the meta device allocate nothing; the
 # pieces keep their specs and boxes and drop their views.
 
+def _world(layout: ParallelLayout) -> int:
+    """The toy shards plainly over all its ranks: a layout with other kinds of parallelism is refused."""
+    other = {k: v for k, v in vars(layout).items() if k not in ("dp", "fsdp") and v != 1}
+    if other:
+        raise PluginError(f"the toy backend shards over dp / fsdp ranks only; got {other}")
+    return layout.world_size
+
+
 @hookimpl
 def refit_source_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> list[SourcePiece] | None:
     if backend != "toy":
         return None
-    pieces = refit_source_pieces(ToyTrainer(rank, layout.world_size, device="meta"))
+    pieces = refit_source_pieces(ToyTrainer(rank, _world(layout), device="meta"))
     return [SourcePiece(p.spec, p.box) for p in pieces]
 
 
@@ -101,5 +109,5 @@ def refit_source_layout(backend: str, config: dict, layout: ParallelLayout, rank
 def refit_destination_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> DestinationMap | None:
     if backend != "toy":
         return None
-    mapping = refit_destination_map(ToyEngine(rank, layout.world_size, device="meta"))
+    mapping = refit_destination_map(ToyEngine(rank, _world(layout), device="meta"))
     return DestinationMap([DestinationPiece(p.spec, p.box) for p in mapping.pieces], mapping.loader)

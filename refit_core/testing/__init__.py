@@ -1,0 +1,33 @@
+"""The plugin conformance kit: every check a refit backend must pass, run with its own factories.
+
+A plugin author describes the backend once, as a :class:`Conformance` (model cases, layouts to check
+from metadata, refusals, and factories that build a model on a rank), then::
+
+    from refit_core.testing import check_plugin
+    check_plugin(SUITE)            # raises ConformanceError listing every failed check
+
+or, in pytest, subclasses :class:`~refit_core.testing.pytest_plugin.PluginConformance`.
+``refit check-plugin NAME`` runs the model-free part from the command line (a plugin publishes its
+suite under the entry-point group ``refit.conformance``).
+
+The checks: the plugin registers its backend; every hook answers None for foreign models and
+backend names (so the owner's answer wins); metadata-only layouts plan against a reference
+checkpoint (names, shapes, full coverage, no overlap); refusals raise ``PluginError``; live pieces
+equal the metadata-only ones (names, boxes, dtypes, order); destination views never share memory;
+begin / abort / finish behave as documented; and multi-process round trips against a reference side
+land the reference state dict bit for bit, over two steps, with the plan ``refit plan`` predicts.
+"""
+
+from .live import round_trip, round_trips
+from .reference import REFERENCE_BACKEND, ReferenceEngine, ReferencePlugin, ReferenceTrainer, reference_weights
+from .results import CheckResult, ConformanceError, Outcome, require
+from .runner import check_plugin, installed_suite, model_free_suite
+from .static import model_free_checks
+from .suite import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
+
+__all__ = [
+    "REFERENCE_BACKEND", "CheckResult", "Conformance", "ConformanceError", "GenFactory", "ModelCase", "Outcome",
+    "RankContext", "ReferenceEngine", "ReferencePlugin", "ReferenceTrainer", "Refusal", "RoundTrip", "Side",
+    "TrainFactory", "check_plugin", "installed_suite", "model_free_checks", "model_free_suite", "reference_weights",
+    "require", "round_trip", "round_trips",
+]
