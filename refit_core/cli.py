@@ -1,4 +1,4 @@
-"""The ``refit`` command line: ``plugins``, ``plan``, ``demo`` and ``bench``."""
+"""The ``refit`` command line: ``plugins``, ``plan``, ``demo``, ``check-plugin`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if outcome.ok else 1
 
 
+def cmd_check_plugin(args: argparse.Namespace) -> int:
+    from .testing import Outcome, model_free_checks, model_free_suite
+
+    suite = model_free_suite(args.name, args.model, args.train_layout, args.gen_layout)
+    print(f"refit check-plugin: {suite.plugin} (backend {suite.backend}; models "
+          f"{', '.join(m.name for m in suite.models)}), model-free checks", flush=True)
+    results = model_free_checks(suite)
+    for result in results:
+        print(result.line())
+    counts = {o: sum(r.outcome is o for r in results) for o in Outcome}
+    print(", ".join(f"{n} {o.value}" for o, n in counts.items()))
+    return 1 if counts[Outcome.FAILED] else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
         from .bench import main as bench_main
@@ -135,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "after every step, reward and generation-KL table and plot (needs refit-core[ray])")
     demo.add_argument("--plot", default="refit-rl-loop.png", help="with --loop: where to write the PNG")
     demo.set_defaults(func=cmd_demo)
+
+    check = sub.add_parser("check-plugin", help="run the conformance kit's model-free checks on an installed plugin")
+    check.add_argument("name", help="the plugin's name (as `refit plugins` lists it)")
+    check.add_argument("--model", action="append", default=[],
+                       help=f"{models}; repeatable (default: the plugin's published suite, else tiny-llama, "
+                            "tiny-qwen3-moe)")
+    check.add_argument("--train-layout", action="append", help="e.g. fsdp=2,tp=2; repeatable (default: the suite's)")
+    check.add_argument("--gen-layout", action="append", help="e.g. tp=2; repeatable (default: the suite's)")
+    check.set_defaults(func=cmd_check_plugin)
 
     bench = sub.add_parser("bench", help="GPU benchmark: wire vs baselines vs refit (see benchmarks/)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -6,6 +6,7 @@ import importlib.metadata
 from dataclasses import replace
 
 from ..errors import PluginError
+from ..models import load_config
 from ..plugins import PluginManager
 from .live import round_trips
 from .results import CheckResult, require
@@ -53,7 +54,7 @@ def model_free_suite(plugin: str, models: list[str], train_layouts: list[str] | 
                             gen_layouts=("", backend.demo_gen_layout) if "gen" in backend.sides else ())
     changes: dict = {"train": None, "gen": None, "round_trips": ()}
     if models:
-        changes["models"] = tuple(ModelCase.preset(m) for m in models)
+        changes["models"] = tuple(ModelCase(m, load_config(m)) for m in models)
     elif not suite.models:
         changes["models"] = (ModelCase.preset("tiny-llama"), ModelCase.preset("tiny-qwen3-moe"))
     if train_layouts is not None:
