@@ -99,7 +99,8 @@ def cmd_check_plugin(args: argparse.Namespace) -> int:
     for result in results:
         print(result.line())
     counts = {o: sum(r.outcome is o for r in results) for o in Outcome}
-    print(", ".join(f"{n} {o.value}" for o, n in counts.items()))
+    print(f"refit check-plugin {suite.plugin}: {counts[Outcome.PASSED]} checks passed, "
+          f"{counts[Outcome.FAILED]} failed, {counts[Outcome.SKIPPED]} skipped")
     return 1 if counts[Outcome.FAILED] else 0
 
 

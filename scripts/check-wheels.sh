@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Packaging as users get it: build wheels of refit-core, every plugin under plugins/ and the example
+# plugin, install them (not editable) into a clean virtualenv, then run what a user runs first there:
+# `refit plugins`, `refit check-plugin` for every plugin, and a real two-program refit (`refit demo`).
+# Runs from a temporary folder, so nothing can be imported from the work tree. CI calls it (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+BUILD_PY=${BUILD_PYTHON:-.venv/bin/python}  # builds offline with its setuptools (--no-build-isolation)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/refit-wheels.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
+start=$SECONDS
+
+# a copy of the sources as git sees them (tracked and new files, nothing ignored: no build/, egg-info, .venv)
+mkdir -p "$WORK/src" "$WORK/wheels"
+git ls-files -z --cached --others --exclude-standard | xargs -0 tar -c | tar -x -C "$WORK/src"
+packages=("$WORK/src" "$WORK/src/tests/example_plugin")
+for plugin in "$WORK"/src/plugins/*/; do
+    [ -f "$plugin/pyproject.toml" ] && packages+=("$plugin")
+done
+quiet "$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation --disable-pip-version-check -w "$WORK/wheels" \
+    "${packages[@]}"
+echo "check-wheels: built $(ls "$WORK/wheels" | tr '\n' ' ')($((SECONDS - start)) s)"
+
+"$PY" -m venv "$WORK/venv"
+VPY="$WORK/venv/bin/python"
+quiet "$VPY" -m pip install -q --disable-pip-version-check torch==2.13.0   # the CPU build (see DEVELOPERS.md)
+quiet "$VPY" -m pip install -q --disable-pip-version-check "$WORK"/wheels/*.whl
+echo "check-wheels: installed into a clean virtualenv ($((SECONDS - start)) s)"
+cd "$WORK"
+
+# every module comes from the virtualenv's site-packages, none from a source tree
+"$VPY" - <<'PY'
+import importlib, importlib.metadata as md, sys
+for module, dist in [("refit_core", "refit-core"), ("refit_dtensor", "refit-plugin-dtensor"),
+                     ("refit_vllm", "refit-plugin-vllm"), ("refit_toy", "refit-plugin-toy")]:
+    path = importlib.import_module(module).__file__
+    if "site-packages" not in path:
+        sys.exit(f"check-wheels: {module} imported from {path}, not from the installed wheel")
+    if md.distribution(dist).read_text("direct_url.json") and "editable" in md.distribution(dist).read_text("direct_url.json"):
+        sys.exit(f"check-wheels: {dist} is an editable install")
+    print(f"check-wheels: {dist} {md.version(dist)} (requires-python {md.metadata(dist)['Requires-Python']}) from {path}")
+PY
+
+"$WORK/venv/bin/refit" plugins | tee "$WORK/plugins.txt"
+for plugin in dtensor toy vllm; do
+    grep -q "^$plugin  *refit-plugin-$plugin " "$WORK/plugins.txt" || { echo "check-wheels: refit plugins does not list $plugin" >&2; exit 1; }
+done
+if grep -q BROKEN "$WORK/plugins.txt"; then echo "check-wheels: a plugin failed to import" >&2; exit 1; fi
+for plugin in toy dtensor vllm; do
+    "$WORK/venv/bin/refit" check-plugin "$plugin" | tail -1
+done
+echo "check-wheels: plugins conform ($((SECONDS - start)) s)"
+# one real refit between two programs, verified bitwise (only the toy plugin loaded: faster ranks)
+REFIT_PLUGINS=toy "$WORK/venv/bin/refit" demo --train toy --gen toy --steps 2 --timeout 300
+echo "check-wheels: OK in $((SECONDS - start)) s"
