@@ -11,7 +11,7 @@ begin / abort and begin / write / finish by hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +19,15 @@ import torch
 
 from ..api import RefitOptions, RefitReceiver, RefitSender
 from ..launch import RankFailure, free_port, spawn
+from ..experts import ExpertNaming
+from ..errors import PluginError
 from ..layout import ParallelLayout
 from ..metaplan import plan_from_metadata
 from ..pieces import DestinationPiece, Piece
 from ..plugins import PluginManager
 from ..verify import mismatches, reference_region
 from .memory import overlapping_views, uncovered
-from .reference import REFERENCE_BACKEND, ReferenceEngine, ReferenceTrainer, reference_weights
+from .reference import REFERENCE_BACKEND, ReferenceEngine, ReferenceTrainer, per_expert_specs, reference_weights
 from .results import CheckResult, Outcome
 from .static import kit_manager
 from .suite import Conformance, GenFactory, ModelCase, RankContext, RoundTrip, Side
@@ -58,7 +60,7 @@ class _Job:
         return self.suite.backend if self.tested is Side.GEN else REFERENCE_BACKEND
 
 
-def _metas(pieces: list[Piece]) -> list[tuple[str, tuple[int, ...], str, Any]]:
+def _metas(pieces: Sequence[Piece]) -> list[tuple[str, tuple[int, ...], str, Any]]:
     return [(p.spec.name, p.spec.shape, str(p.spec.dtype), p.box) for p in pieces]
 
 
@@ -71,20 +73,21 @@ def _first_difference(live: list, meta: list) -> str:
 
 def _live_pieces(pm: PluginManager, side: Side, model: Any) -> list[Piece]:
     if side is Side.TRAIN:
-        return pm.source_pieces(model)
+        return list(pm.source_pieces(model))
     mapping = pm.destination_map(model)
-    return list(mapping.pieces) + [DestinationPiece(s, s.full_box()) for s in mapping.loader]
+    return [*mapping.pieces, *(DestinationPiece(s, s.full_box()) for s in mapping.loader)]
 
 
 def check_live_equals_metadata(pm: PluginManager, job: _Job, rank: int, model: Any) -> list[str]:
     """Live pieces == ``refit_*_layout`` pieces for the same config, layout and rank: names, shapes,
     dtypes, boxes and order."""
     config = dict(job.model.config)
+    meta: list[Piece]
     if job.tested is Side.TRAIN:
-        meta = pm.source_layout(job.suite.backend, config, job.train_layout, rank)
+        meta = list(pm.source_layout(job.suite.backend, config, job.train_layout, rank))
     else:
         mapping = pm.destination_layout(job.suite.backend, config, job.gen_layout, rank)
-        meta = list(mapping.pieces) + [DestinationPiece(s, s.full_box()) for s in mapping.loader]
+        meta = [*mapping.pieces, *(DestinationPiece(s, s.full_box()) for s in mapping.loader)]
     live, expected = _metas(_live_pieces(pm, job.tested, model)), _metas(meta)
     return [] if live == expected else [_first_difference(live, expected)]
 
@@ -102,12 +105,19 @@ def check_only_owner_claims(pm: PluginManager, job: _Job, model: Any) -> list[st
     return problems
 
 
-def _write_reference(pieces: list[DestinationPiece], state: dict[str, torch.Tensor]) -> None:
+def _view(piece: Piece) -> torch.Tensor:
+    if piece.view is None:
+        raise PluginError(f"{piece.spec.name}{piece.box}: a live destination piece without a view")
+    return piece.view
+
+
+def _write_reference(pieces: list[DestinationPiece], state: dict[str, torch.Tensor], naming: ExpertNaming) -> None:
     for piece in pieces:
-        piece.view.copy_(reference_region(piece, state))
+        _view(piece).copy_(reference_region(piece, state, naming))
 
 
 def _loader_weights(pm: PluginManager, loader: list, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The loader tensors of ``state`` under their checkpoint names, as refit hands them over."""
     names = {s.name for s in loader}
     return [(name, tensor) for name, tensor in state.items()
             if name in names or ((e := pm.expert_name(name)) is not None and e.group in names)]
@@ -122,18 +132,18 @@ def gen_semantics(pm: PluginManager, factory: GenFactory, model: Any, setup_meta
         f"refit_begin_update returned {began!r} for its own model, not True or False"]
     mapping = pm.destination_map(model)
     pieces = list(mapping.pieces)
-    metas = _metas(pieces + [DestinationPiece(s, s.full_box()) for s in mapping.loader])
+    metas = _metas([*pieces, *(DestinationPiece(s, s.full_box()) for s in mapping.loader)])
     if metas != setup_metas:
         problems.append("after refit_begin_update the destination map differs from setup's: "
                         + _first_difference(metas, setup_metas))
     checks.append(("begin_update answers and keeps the same pieces", problems))
     names = [f"{p.spec.name}{p.box}" for p in pieces]
-    checks.append(("destination views never share memory", overlapping_views(names, [p.view for p in pieces])))
+    views = [_view(p) for p in pieces]
+    checks.append(("destination views never share memory", overlapping_views(names, views)))
     if factory.parameters is not None:
-        checks.append(("destination views cover every parameter",
-                       uncovered(factory.parameters(model), [p.view for p in pieces])))
-    for piece in pieces:
-        piece.view.fill_(SCRIBBLE)
+        checks.append(("destination views cover every parameter", uncovered(factory.parameters(model), views)))
+    for view in views:
+        view.fill_(SCRIBBLE)
     aborted = pm.hook.refit_abort_update(model=model)
     if factory.restores_on_abort:
         problems = [] if aborted is True else [f"refit_abort_update returned {aborted!r}, not True"]
@@ -144,7 +154,7 @@ def gen_semantics(pm: PluginManager, factory: GenFactory, model: Any, setup_meta
                        [] if aborted in (True, None) else [f"refit_abort_update returned {aborted!r}"]))
     pm.hook.refit_begin_update(model=model)
     mapping = pm.destination_map(model)
-    _write_reference(list(mapping.pieces), state)
+    _write_reference(list(mapping.pieces), state, pm.expert_naming())
     problems = []
     loaded = pm.hook.refit_load_weights(model=model, weights=_loader_weights(pm, mapping.loader, state)) \
         if mapping.loader else True
@@ -158,8 +168,73 @@ def gen_semantics(pm: PluginManager, factory: GenFactory, model: Any, setup_meta
     return checks
 
 
+def _setup(pm: PluginManager, job: _Job, endpoint: RefitSender | RefitReceiver) -> RankChecks:
+    """Set up; the live plan's fingerprint must be ``refit plan``'s for the same layouts and options."""
+    schedule = endpoint.setup()
+    planned = plan_from_metadata(pm, dict(job.model.config), job.train_backend, job.train_layout,
+                                 job.gen_backend, job.gen_layout).schedule
+    problems = [] if planned.fingerprint == schedule.fingerprint else [
+        (f"live fingerprint {schedule.fingerprint} (bucket {schedule.bucket_bytes}), "
+         f"refit plan's {planned.fingerprint} (bucket {planned.bucket_bytes})")]
+    return [("live plan equals `refit plan` with default options", problems)]
+
+
+def _owner_checks(pm: PluginManager, job: _Job, rank: int, model: Any) -> RankChecks:
+    return [("live pieces equal metadata-only pieces", check_live_equals_metadata(pm, job, rank, model)),
+            ("only the owner claims its model", check_only_owner_claims(pm, job, model))]
+
+
+def _train_rank(pm: PluginManager, job: _Job, ctx: RankContext, specs: list, naming: ExpertNaming) -> RankChecks:
+    factory = job.suite.train if job.tested is Side.TRAIN else None
+    model = factory.build(ctx) if factory is not None else ReferenceTrainer(specs, ctx.rank, ctx.world_size)
+    checks = _owner_checks(pm, job, ctx.rank, model) if factory is not None else []
+    sender = RefitSender(model, rendezvous=job.rendezvous, rank=ctx.rank, world_size=ctx.world_size,
+                         options=RefitOptions(timeout_s=job.timeout_s), plugins=pm)
+    checks += _setup(pm, job, sender)
+    for step in range(STEPS):
+        state = reference_weights(specs, SEED, step, naming)
+        if factory is not None:
+            factory.load(model, state)
+        else:
+            model.load(state)
+        sender.send(version=step)
+    sender.close()
+    if factory is not None and factory.close is not None:
+        factory.close(model)
+    return checks
+
+
+def _gen_rank(pm: PluginManager, job: _Job, ctx: RankContext, specs: list, naming: ExpertNaming) -> RankChecks:
+    factory = job.suite.gen if job.tested is Side.GEN else None
+    model = factory.build(ctx) if factory is not None else ReferenceEngine(specs, ctx.rank, ctx.world_size)
+    checks = _owner_checks(pm, job, ctx.rank, model) if factory is not None else []
+    setup_metas = _metas(_live_pieces(pm, Side.GEN, model))
+    receiver = RefitReceiver(model, rendezvous=job.rendezvous, rank=ctx.rank, world_size=ctx.world_size,
+                             options=RefitOptions(timeout_s=job.timeout_s), plugins=pm)
+    checks += _setup(pm, job, receiver)
+
+    def verify(state: dict[str, torch.Tensor]) -> list[str]:
+        if factory is None:
+            return model.differences(state)
+        if factory.verify is not None:
+            return factory.verify(model, state)
+        return mismatches(pm.destination_map(model).pieces, state, naming)
+
+    for step in range(STEPS):
+        state = reference_weights(specs, SEED, step, naming)
+        stats = receiver.receive()
+        problems = [] if stats.version == step else [f"received version {stats.version}, sent {step}"]
+        checks.append((f"step {step}: every destination byte equals the reference", problems + verify(state)))
+        if step == 0 and factory is not None:
+            checks += gen_semantics(pm, factory, model, setup_metas, verify, state)
+    receiver.close()
+    if factory is not None and factory.close is not None:
+        factory.close(model)
+    return checks
+
+
 def round_trip_rank(rank: int, world: int, job: _Job) -> RankChecks:
-    """One rank of a round trip (spawned): build, check, set up, refit twice, verify."""
+    """One rank of a round trip (spawned; train ranks first): build, check, set up, refit twice, verify."""
     torch.set_num_threads(1)
     train_world = job.train_layout.world_size
     train = rank < train_world
@@ -167,52 +242,11 @@ def round_trip_rank(rank: int, world: int, job: _Job) -> RankChecks:
     side_rank, side_world = (rank, train_world) if train else (rank - train_world, world - train_world)
     layout = job.train_layout if train else job.gen_layout
     pm = kit_manager(job.suite, job.model)
-    specs = job.model.specs()
+    naming = pm.expert_naming()
+    specs = per_expert_specs(job.model.specs(), naming)
     ctx = RankContext(side_rank, side_world, layout, job.model.config, job.init_methods[0 if train else 1])
-    factory = job.suite.factory(side) if side is job.tested else None
-    if factory is not None:
-        model = factory.build(ctx)
-    else:
-        model = (ReferenceTrainer if train else ReferenceEngine)(specs, side_rank, side_world)
-    where = f"{side.value} rank {side_rank}"
-    checks: RankChecks = []
-    if factory is not None:
-        checks.append(("live pieces equal metadata-only pieces", check_live_equals_metadata(pm, job, side_rank, model)))
-        checks.append(("only the owner claims its model", check_only_owner_claims(pm, job, model)))
-    setup_metas = None if train else _metas(_live_pieces(pm, side, model))
-    options = RefitOptions(timeout_s=job.timeout_s)
-    kind = RefitSender if train else RefitReceiver
-    endpoint = kind(model, rendezvous=job.rendezvous, rank=side_rank, world_size=side_world, options=options, plugins=pm)
-    schedule = endpoint.setup()
-    planned = plan_from_metadata(pm, dict(job.model.config), job.train_backend, job.train_layout,
-                                 job.gen_backend, job.gen_layout).schedule
-    checks.append(("live plan equals `refit plan` with default options",
-                   [] if planned.fingerprint == schedule.fingerprint else
-                   [(f"live fingerprint {schedule.fingerprint} (bucket {schedule.bucket_bytes}), "
-                     f"refit plan's {planned.fingerprint} (bucket {planned.bucket_bytes})")]))
-
-    def verify(state: dict[str, torch.Tensor]) -> list[str]:
-        if factory is None:
-            return model.differences(state)
-        if factory.verify is not None:
-            return factory.verify(model, state)
-        return mismatches(pm.destination_map(model).pieces, state)
-
-    for step in range(STEPS):
-        state = reference_weights(specs, SEED, step)
-        if train:
-            (factory.load if factory is not None else ReferenceTrainer.load)(model, state)
-            endpoint.send(version=step)
-            continue
-        stats = endpoint.receive()
-        problems = [] if stats.version == step else [f"received version {stats.version}, sent {step}"]
-        checks.append((f"step {step}: every destination byte equals the reference", problems + verify(state)))
-        if step == 0 and factory is not None:
-            checks += gen_semantics(pm, factory, model, setup_metas, verify, state)
-    endpoint.close()
-    if factory is not None and factory.close is not None:
-        factory.close(model)
-    return [(name, [f"{where}: {p}" for p in problems]) for name, problems in checks]
+    checks = (_train_rank if train else _gen_rank)(pm, job, ctx, specs, naming)
+    return [(name, [f"{side.value} rank {side_rank}: {p}" for p in problems]) for name, problems in checks]
 
 
 def round_trip(suite: Conformance, trip: RoundTrip, tested: Side, timeout_s: float = 300.0) -> list[CheckResult]:

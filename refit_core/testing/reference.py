@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..backend import GEN, TRAIN, Backend
-from ..experts import default_expert_name, ungroup_name
+from ..experts import ExpertNaming, default_expert_name, default_member_name
 from ..layout import ParallelLayout
 from ..models import reference_tensor
 from ..pieces import DestinationMap, DestinationPiece, SourcePiece
@@ -25,32 +25,31 @@ REFERENCE_BACKEND = "refit-reference"
 REFERENCE_PLUGIN = "refit-reference"
 
 
-def per_expert_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
-    """Grouped expert specs (``...experts.w1.weight`` of shape ``[E, ...]``) split into one spec per expert."""
+DEFAULT_NAMING = ExpertNaming(default_expert_name, default_member_name)
+"""The core's default expert naming (``...experts.{e}.rest``), for callers without a plugin manager."""
+
+
+def per_expert_specs(specs: Sequence[TensorSpec], naming: ExpertNaming = DEFAULT_NAMING) -> list[TensorSpec]:
+    """Grouped expert specs (``...experts.w1.weight`` of shape ``[E, ...]``) split into one spec per
+    expert, named through ``naming`` (a plugin manager's ``expert_naming()``); other specs unchanged."""
     out = []
     for spec in specs:
-        probe = default_expert_name(ungroup_name(spec.name, 0)) if ".experts." in spec.name else None
-        if probe is not None and probe.group == spec.name and default_expert_name(spec.name) is None:
-            out += [TensorSpec(ungroup_name(spec.name, e), spec.shape[1:], spec.dtype) for e in range(spec.shape[0])]
+        grouped = spec.shape and naming.namer(spec.name) is None and naming.member_name(spec.name, 0) is not None
+        if grouped:
+            names = naming.members(spec.name, spec.shape[0])
+            out += [TensorSpec(name, spec.shape[1:], spec.dtype) for name in names]
         else:
             out.append(spec)
     return out
 
 
-def reference_weights(specs: Sequence[TensorSpec], seed: int, step: int) -> dict[str, torch.Tensor]:
+def reference_weights(specs: Sequence[TensorSpec], seed: int, step: int,
+                      naming: ExpertNaming = DEFAULT_NAMING) -> dict[str, torch.Tensor]:
     """The full HF state dict (per-expert names) of training ``step``: identical in every process.
 
     For ``checkpoint_specs(config)`` this equals ``refit_core.models.reference_state_dict``.
     """
-    out: dict[str, torch.Tensor] = {}
-    for spec in specs:
-        tensor = reference_tensor(spec, seed, step)
-        expert_specs = per_expert_specs([spec])
-        if len(expert_specs) == 1 and expert_specs[0] == spec:
-            out[spec.name] = tensor
-        else:
-            out.update((s.name, tensor[e]) for e, s in enumerate(expert_specs))
-    return out
+    return dict(naming.ungrouped([(spec.name, reference_tensor(spec, seed, step)) for spec in specs]))
 
 
 def _split(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -70,13 +69,16 @@ def _box(spec: TensorSpec, dim: int, rank: int, world: int) -> Box | None:
 
 
 class _ReferenceModel:
-    """Plain tensors, one per non-empty box of this rank; ``dim`` is the dimension ranks split."""
+    """Plain tensors, one per non-empty box of this rank; ``dim_of_split`` is the dimension ranks cut.
+
+    ``specs`` are per-expert (see :func:`per_expert_specs`), as a checkpoint has them.
+    """
 
     dim_of_split: int
 
     def __init__(self, specs: Sequence[TensorSpec], rank: int, world: int) -> None:
         self.rank, self.world = rank, world
-        self.specs = per_expert_specs(specs)
+        self.specs = list(specs)
         self.boxes = {s.name: box for s in self.specs if (box := self.box_of(s, rank, world)) is not None}
         self.tensors = {s.name: torch.zeros(self.boxes[s.name].sizes, dtype=s.dtype)
                         for s in self.specs if s.name in self.boxes}
@@ -89,7 +91,7 @@ class _ReferenceModel:
 
     @classmethod
     def layout_pieces(cls, piece: type, specs: Sequence[TensorSpec], rank: int, world: int) -> list[Any]:
-        return [piece(s, box) for s in per_expert_specs(specs) if (box := cls.box_of(s, rank, world)) is not None]
+        return [piece(s, box) for s in specs if (box := cls.box_of(s, rank, world)) is not None]
 
 
 class ReferenceTrainer(_ReferenceModel):
@@ -113,14 +115,15 @@ class ReferenceEngine(_ReferenceModel):
 
 
 class ReferencePlugin:
-    """The hooks of the reference side, for one checkpoint (register it in code, in every process)."""
+    """The hooks of the reference side, for one checkpoint's per-expert ``specs`` (register it in code,
+    in every process)."""
 
     def __init__(self, specs: Sequence[TensorSpec]) -> None:
         self.specs = list(specs)
 
     @hookimpl
     def refit_register_backends(self, register: Any) -> None:
-        register(Backend(REFERENCE_BACKEND, {TRAIN, GEN}, "the conformance kit's plain reference side"))
+        register(Backend(REFERENCE_BACKEND, frozenset({TRAIN, GEN}), "the conformance kit's plain reference side"))
 
     @hookimpl
     def refit_source_pieces(self, model: Any) -> list[SourcePiece] | None:

@@ -5,6 +5,7 @@ Nothing here builds a model: ``refit check-plugin NAME`` runs exactly these.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Sequence
 from typing import Any
@@ -16,9 +17,10 @@ from ..errors import PluginError
 from ..experts import group_side
 from ..layout import ParallelLayout
 from ..metaplan import plan_from_metadata
-from ..pieces import DestinationPiece, PieceMeta
+from ..pieces import DestinationPiece, Piece, PieceMeta
 from ..plugins import PluginManager
-from .reference import REFERENCE_BACKEND, REFERENCE_PLUGIN, ReferenceEngine, ReferencePlugin, ReferenceTrainer
+from .reference import (REFERENCE_BACKEND, REFERENCE_PLUGIN, ReferenceEngine, ReferencePlugin, ReferenceTrainer,
+                        per_expert_specs)
 from .results import CheckResult, Outcome, run_check
 from .suite import Conformance, ModelCase, Side
 
@@ -34,7 +36,7 @@ def kit_manager(suite: Conformance, model: ModelCase) -> PluginManager:
         module, _, attribute = suite.module.partition(":")
         plugin = importlib.import_module(module)
         pm.register(getattr(plugin, attribute) if attribute else plugin, name=suite.plugin)
-    pm.register(ReferencePlugin(model.specs()), name=REFERENCE_PLUGIN)
+    pm.register(ReferencePlugin(per_expert_specs(model.specs(), pm.expert_naming())), name=REFERENCE_PLUGIN)
     return pm
 
 
@@ -65,7 +67,8 @@ def check_registration(pm: PluginManager, suite: Conformance) -> list[str]:
     for side, name in ((Side.TRAIN, TRAIN), (Side.GEN, GEN)):
         tested = bool(suite.layouts(side)) or suite.factory(side) is not None
         if tested and name not in backend.sides:
-            problems.append(f"the suite tests the {name} side, but backend {suite.backend!r} serves {sorted(backend.sides)}")
+            problems.append(f"the suite tests the {name} side, but backend {suite.backend!r} serves "
+                            f"{sorted(backend.sides)}")
         if name in backend.sides and not suite.layouts(side):
             problems.append(f"backend {suite.backend!r} serves the {name} side, but the suite lists no {name} layouts")
     return problems
@@ -98,12 +101,13 @@ def check_foreign(pm: PluginManager, suite: Conformance) -> list[str]:
 
 def _layout_metas(pm: PluginManager, suite: Conformance, side: Side, config: dict, layout: ParallelLayout,
                   rank: int) -> list[PieceMeta]:
+    pieces: list[Piece]
     if side is Side.TRAIN:
-        pieces = pm.source_layout(suite.backend, config, layout, rank)
+        pieces = list(pm.source_layout(suite.backend, config, layout, rank))
         views = [p.view for p in pieces]
     else:
         mapping = pm.destination_layout(suite.backend, config, layout, rank)
-        pieces = list(mapping.pieces) + [DestinationPiece(s, s.full_box()) for s in mapping.loader]
+        pieces = [*mapping.pieces, *(DestinationPiece(s, s.full_box()) for s in mapping.loader)]
         views = [p.view for p in mapping.pieces]
     if any(v is not None for v in views):
         raise PluginError(f"rank {rank}: metadata-only pieces must have view None")
@@ -116,7 +120,8 @@ def layout_metas(pm: PluginManager, suite: Conformance, side: Side, model: Model
     return [_layout_metas(pm, suite, side, dict(model.config), layout, r) for r in range(layout.world_size)]
 
 
-def check_layout(pm: PluginManager, suite: Conformance, side: Side, model: ModelCase, layout: ParallelLayout) -> list[str]:
+def check_layout(pm: PluginManager, suite: Conformance, side: Side, model: ModelCase,
+                 layout: ParallelLayout) -> list[str]:
     """Metadata-only pieces of every rank: deterministic, views None, and planned against the kit's
     reference side exactly as ``refit plan`` would (names and shapes equal to the checkpoint, every
     element of every checkpoint tensor held by some train rank, no destination box written twice on a
@@ -141,8 +146,8 @@ def check_layout(pm: PluginManager, suite: Conformance, side: Side, model: Model
 
 def uncovered_elements(ranks: Sequence[Sequence[PieceMeta]], pm: PluginManager, model: ModelCase) -> list[str]:
     """Checkpoint tensors (grouped) with elements that no rank's box covers."""
-    grouped, _ = group_side(ranks, pm.expert_name)
-    reference, _ = group_side([[PieceMeta(s, s.full_box()) for s in model.specs()]], pm.expert_name)
+    grouped = group_side(ranks, pm.expert_name).metas
+    reference = group_side([[PieceMeta(s, s.full_box()) for s in model.specs()]], pm.expert_name).metas
     masks = {m.spec.name: torch.zeros(m.spec.shape, dtype=torch.bool) for m in reference[0]}
     for metas in grouped:
         for meta in metas:
@@ -182,12 +187,11 @@ def model_free_checks(suite: Conformance) -> list[CheckResult]:
             for text in suite.layouts(side):
                 layout = ParallelLayout.parse(text)
                 results.append(run_check(f"{side.value} layout {model.name} {layout}",
-                                         lambda pm=pm, side=side, model=model, layout=layout:
-                                         check_layout(pm, suite, side, model, layout)))
+                                         functools.partial(check_layout, pm, suite, side, model, layout)))
     for refusal in suite.refusals:
         pm = kit_manager(suite, refusal.model or models[0])
         results.append(run_check(f"refuses {refusal.side.value} layout {refusal.layout!r}",
-                                 lambda pm=pm, refusal=refusal: check_refusal(pm, suite, refusal)))
+                                 functools.partial(check_refusal, pm, suite, refusal)))
     if not suite.refusals:
         results.append(CheckResult("refusals", Outcome.SKIPPED, note="the suite lists no refusal"))
     return results

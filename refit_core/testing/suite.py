@@ -133,8 +133,9 @@ class Conformance:
     ``plugin`` is the plugin's registered name (its entry point), ``backend`` the backend it
     registers. ``train_layouts`` / ``gen_layouts`` are checked from metadata alone for every model;
     a backend without a side leaves that side's layouts empty. ``train`` / ``gen`` factories enable
-    the live checks and ``round_trips``. ``module`` (``"pkg.mod"`` or ``"pkg.mod:object"``) names a plugin to register in code as ``plugin``
-    when no installed entry point provides it (a plugin not packaged yet; tests); None: installed only.
+    the live checks and ``round_trips``. ``module`` (``"pkg.mod"`` or ``"pkg.mod:object"``) names a
+    plugin to register in code as ``plugin`` when no installed entry point provides it (a plugin not
+    packaged yet; tests); None: installed plugins only.
     """
 
     plugin: str

@@ -5,14 +5,15 @@ import sys
 
 
 def refit(*args):
-    return subprocess.run([sys.executable, "-m", "refit_core.cli", *args], capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run([sys.executable, "-m", "refit_core.cli", *args], capture_output=True, text=True,
+                          timeout=300, check=False)
 
 
 def test_check_plugin_runs_the_published_suite_and_passes():
     out = refit("check-plugin", "toy")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASSED  refuses train layout 'tp=2'" in out.stdout
-    assert out.stdout.strip().endswith("refit check-plugin toy: 9 checks passed, 0 failed, 0 skipped")
+    assert out.stdout.strip().endswith("refit check-plugin toy: 14 checks passed, 0 failed, 0 skipped")
 
 
 def test_check_plugin_fails_naming_the_tensors_when_the_backend_ignores_the_model():

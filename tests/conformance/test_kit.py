@@ -76,6 +76,6 @@ def test_refit_plan_defaults_to_a_live_refits_bucket():
     pm = get_plugin_manager()
     config, layout = dict(PRESETS["tiny-llama"]), ParallelLayout(dp=2)
     cpu = plan_from_metadata(pm, config, "toy", layout, "toy", layout, device="cpu").schedule
-    assert cpu.bucket_bytes == RefitOptions().resolved_bucket(torch.device("cpu")) == 64 << 20
+    assert cpu.bucket_bytes == RefitOptions().resolved("cpu").bucket_bytes == 64 << 20
     cuda = plan_from_metadata(pm, config, "toy", layout, "toy", layout, device="cuda").schedule
     assert cuda.bucket_bytes == 512 << 20 and cuda.fingerprint != cpu.fingerprint

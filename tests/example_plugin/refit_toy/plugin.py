@@ -97,11 +97,16 @@ def _world(layout: ParallelLayout) -> int:
     return layout.world_size
 
 
+def _odd(config: dict) -> bool:
+    """A toy config ``{"odd_experts": true}`` names experts with the plugin's own scheme."""
+    return bool(config.get("odd_experts", False))
+
+
 @hookimpl
 def refit_source_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> list[SourcePiece] | None:
     if backend != "toy":
         return None
-    pieces = refit_source_pieces(ToyTrainer(rank, _world(layout), device="meta"))
+    pieces = refit_source_pieces(ToyTrainer(rank, _world(layout), device="meta", odd_experts=_odd(config)))
     return [SourcePiece(p.spec, p.box) for p in pieces]
 
 
@@ -109,5 +114,5 @@ def refit_source_layout(backend: str, config: dict, layout: ParallelLayout, rank
 def refit_destination_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> DestinationMap | None:
     if backend != "toy":
         return None
-    mapping = refit_destination_map(ToyEngine(rank, _world(layout), device="meta"))
+    mapping = refit_destination_map(ToyEngine(rank, _world(layout), device="meta", odd_experts=_odd(config)))
     return DestinationMap([DestinationPiece(p.spec, p.box) for p in mapping.pieces], mapping.loader)
