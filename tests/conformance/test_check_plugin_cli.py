@@ -21,7 +21,8 @@ def test_check_plugin_fails_naming_the_tensors_when_the_backend_ignores_the_mode
     out = refit("check-plugin", "toy", "--model", "tiny-llama", "--train-layout", "dp=2", "--gen-layout", "")
     assert out.returncode == 1
     assert "FAILED  train layout tiny-llama dp=2" in out.stdout
-    assert "16 destination tensor(s) have no source: lm_head.weight, model.layers.0.input_layernorm.weight" in out.stdout
+    assert ("16 destination tensor(s) have no source: lm_head.weight, model.layers.0.input_layernorm.weight"
+            in out.stdout)
     assert "model.embed_tokens.weight: 63488 of 65536 elements are received by no gen rank" in out.stdout
 
 
