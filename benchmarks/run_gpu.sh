@@ -6,6 +6,8 @@
 #   4. multi-rank reshards of the Llama shape with several ranks per GPU (pairwise communicators):
 #      TP2 (2 ranks on GPU 0) -> TP2 (2 ranks on GPU 1), and TP2 -> TP1 x DP2,
 #   5. `refit demo --train dtensor --gen dtensor --device cuda` (FSDP2/DTensor over NCCL, verified).
+#   6. colocated: the trainer and the engine as two processes on GPU 0 (CUDA IPC), Llama-3-8B and
+#      Qwen3-30B-A3B shapes: copy bound, ping-pong baseline, refit (benchmarks/run_colocated.sh).
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
@@ -14,7 +16,7 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
-STEPS=${STEPS:-"env bench tests reshard reshard-dp demo"}
+STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated"}
 MACHINE=${MACHINE:-nvidia-h200-x2}
 DATE=$(date -u +%F)
 PY=${PY:-python3}
@@ -98,5 +100,9 @@ if step demo; then
   limit ${DEMO_TIMEOUT:-240} $PY -m refit_core.cli demo --train dtensor --gen dtensor --device cuda --steps 2 \
     2>&1 | tail -8 | tee -a "$LOG"
   echo "demo exit: $?" | tee -a "$LOG"
+fi
+if step colocated; then
+  limit ${COLOCATED_TIMEOUT:-240} env OUT="$OUT" PY="$PY" MACHINE="$MACHINE" bash benchmarks/run_colocated.sh 2>&1 | tee -a "$LOG"
+  echo "colocated exit: $?" | tee -a "$LOG"
 fi
 echo "== done at $(date -u +%T)" | tee -a "$LOG"

@@ -16,7 +16,8 @@ import torch
 
 from .backend import GEN, TRAIN
 from .env import with_overrides
-from .errors import PlanError, RefitError
+from .colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
+from .errors import PlanError, RefitError, TransferError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
 from .experts import ExpertNaming, group_piece, group_side
 from .options import RefitOptions
@@ -24,9 +25,10 @@ from .pieces import DestinationPiece, Piece, PieceMeta
 from .planner import plan_transfers
 from .plugins import PluginManager, get_plugin_manager
 from .rendezvous import Rendezvous
-from .schedule import Schedule, build_schedule
+from .schedule import Message, Schedule, build_schedule
 from .spec import TensorSpec
-from .transport import Transport, open_transport, refuse_shared_gpus
+from .transport import Transport, open_transport
+from .transport.placement import Link, Placement, pair_links, placement_of
 from .units import format_bytes
 
 log = logging.getLogger("refit")
@@ -37,13 +39,6 @@ def _device_of(pieces: list[Piece]) -> torch.device:
     if len(devices) > 1:
         raise RefitError(f"pieces live on several devices {sorted(map(str, devices))}; one device per rank")
     return devices.pop() if devices else torch.device("cpu")
-
-
-def _device_identity(device: torch.device) -> str:
-    """``cuda:<uuid>`` for a GPU (equal on every process that uses it), ``cpu`` otherwise."""
-    if device.type != "cuda":
-        return device.type
-    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
 
 
 class _Endpoint:
@@ -57,7 +52,10 @@ class _Endpoint:
     side: str
 
     def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
-                 options: RefitOptions | None = None, plugins: PluginManager | None = None) -> None:
+                 options: RefitOptions | None = None, plugins: PluginManager | None = None,
+                 host_id: str | None = None) -> None:
+        """``host_id`` names the memory this rank can share with others (default: this machine);
+        ranks with different ids never read each other's memory (tests split one machine with it)."""
         if not 0 <= rank < world_size:
             raise RefitError(f"{self.side} rank {rank} is outside world_size {world_size}")
         self.model = model
@@ -76,6 +74,11 @@ class _Endpoint:
         self._counts: dict[str, int] = {}
         self._experts: ExpertNaming = self.plugins.expert_naming()
         self._executor: SendExecutor | ReceiveExecutor | None = None
+        self.host_id = host_id
+        self.links: dict[tuple[int, int], Link] = {}
+        """Every pair's link after setup (identical on every rank), see :mod:`refit_core.transport.placement`."""
+        self._colocated: ColocatedSender | ColocatedReceiver | None = None
+        self._colocated_bound = False
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -97,9 +100,11 @@ class _Endpoint:
             raise
         self.settings = settings
         self.schedule = schedule
-        self.transport = open_transport(settings.transport, self._rdv.store, self._global_rank(),
-                                        sum(self.sizes.values()), self.device, settings.timeout_s, settings.nccl)
-        self._executor = self._make_executor(schedule, settings)
+        if any(link is Link.NETWORK for link in self.links.values()):  # the same answer on every rank
+            self.transport = open_transport(settings.transport, self._rdv.store, self._global_rank(),
+                                            sum(self.sizes.values()), self.device, settings.timeout_s,
+                                            settings.nccl)
+        self._make_executors(schedule, settings)
         self._pieces = pieces
         summary = schedule.summary
         log.info("refit %s rank %d ready in %.2f s: %s in %d messages over %d rounds, plan %s",
@@ -125,7 +130,7 @@ class _Endpoint:
         (published,) = rdv.wait(["options"], "the train side's options")
         settings = self.options.agree_with(RefitOptions.from_wire(published), f"{self.side} rank {self.rank}")
         rdv.publish(f"meta/{self.side}/{self.rank}", [p.meta for p in pieces])
-        rdv.publish(f"device/{self.side}/{self.rank}", _device_identity(self.device))
+        rdv.publish(f"placement/{self.side}/{self.rank}", placement_of(self.device, self.host_id).encode())
         self.sizes = dict(zip((TRAIN, GEN), rdv.wait(["size/train", "size/gen"], "both sides' sizes")))
         metas = {side: rdv.wait([f"meta/{side}/{r}" for r in range(self.sizes[side])], f"{side} metadata")
                  for side in (TRAIN, GEN)}
@@ -143,7 +148,7 @@ class _Endpoint:
         groups = set(grouped[GEN].counts) | set(grouped[TRAIN].counts)
         schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings.bucket_bytes,
                                   settings.messages, expert_groups=groups, agreed_settings=settings.digest())
-        self._check_placement(schedule, settings)
+        self._assign_links(schedule, settings)
         rdv = self._require_rendezvous()
         rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
         everyone = rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
@@ -152,28 +157,43 @@ class _Endpoint:
                             "every rank must run the same refit version and options")
         return schedule
 
-    def _check_placement(self, schedule: Schedule, settings: RefitOptions) -> None:
-        """Refuse, before any collective, a plan the transport cannot connect."""
+    def _assign_links(self, schedule: Schedule, settings: RefitOptions) -> None:
+        """Every pair's link (:mod:`~refit_core.transport.placement`), identical on every rank; a pair no
+        transport can connect (same GPU, colocation off) is refused before any collective."""
         rdv = self._require_rendezvous()
-        devices = {side: rdv.wait([f"device/{side}/{r}" for r in range(n)], f"{side} devices")
-                   for side, n in self.sizes.items()}
+        places = {side: [Placement.decode(text) for text in
+                         rdv.wait([f"placement/{side}/{r}" for r in range(n)], f"{side} placements")]
+                  for side, n in self.sizes.items()}
         pairs = {(m.src, m.dst) for msgs in schedule.rounds for m in msgs}
-        refuse_shared_gpus(settings.transport, devices[TRAIN], devices[GEN], pairs)
+        self.links = pair_links(pairs, places[TRAIN], places[GEN], settings.colocate)
+
+    def _is_network(self, m: Message) -> bool:
+        return self.links[(m.src, m.dst)] is Link.NETWORK
 
     def _require_rendezvous(self) -> Rendezvous:
         if self._rdv is None:
             raise RefitError(f"the {self.side} side's rendezvous is closed")
         return self._rdv
 
-    def _require_executor(self) -> SendExecutor | ReceiveExecutor:
-        if self._executor is None or self.transport is None:
+    def _require_setup(self) -> None:
+        if self.settings is None or (self._executor is None and self._colocated is None):
             raise RefitError(f"call setup() on the {self.side} side before the first step")
+
+    def _require_executor(self) -> SendExecutor | ReceiveExecutor:
+        self._require_setup()
+        if self._executor is None:
+            raise RefitError(f"{self.side} rank {self.rank} has no network pairs (all its pairs are colocated)")
         return self._executor
 
     @property
     def executor(self) -> SendExecutor | ReceiveExecutor:
-        """This rank's executor (after setup): its rounds, staging and zero-copy bytes."""
+        """This rank's network executor (after setup): its rounds, staging and zero-copy bytes."""
         return self._require_executor()
+
+    @property
+    def colocated_copies(self) -> int:
+        """How many batched copies a gen rank runs per step for its colocated pairs (0 if none)."""
+        return getattr(self._colocated, "copies", 0)
 
     def _rank_keys(self, prefix: str) -> list[str]:
         return [f"{prefix}/{side}/{r}" for side, n in self.sizes.items() for r in range(n)]
@@ -192,21 +212,39 @@ class _Endpoint:
         """Train ranks come first in refit's own process group, then gen ranks."""
         return self.rank if self.side == TRAIN else self.sizes[TRAIN] + self.rank
 
-    def _make_executor(self, schedule: Schedule, settings: RefitOptions) -> SendExecutor | ReceiveExecutor:
+    def _make_executors(self, schedule: Schedule, settings: RefitOptions) -> None:
+        """This rank's network executor (pairs over NCCL / gloo) and colocated part, each if it has any."""
         raise NotImplementedError
+
+    def _network_executor_args(self, schedule: Schedule, settings: RefitOptions) -> dict:
+        assert settings.bucket_bytes is not None
+        return dict(bucket_bytes=settings.bucket_bytes, num_buffers=settings.num_buffers,
+                    zero_copy=settings.messages.zero_copy, fingerprint=schedule.fingerprint,
+                    timeout_s=settings.timeout_s)
 
     def _bind(self, pieces: list[Piece]) -> None:
         grouped = [group_piece(p, self.plugins.expert_name, self._counts) for p in pieces]
         views = [p.view for p in grouped]
         if any(v is None for v in views):
             raise RefitError(f"{self.side} rank {self.rank}: a piece without a view cannot be bound")
-        self._require_executor().bind(views)  # type: ignore[arg-type]
+        if isinstance(self._colocated, ColocatedSender) and not self._colocated_bound:
+            # first: on CPU, exporting moves the storages into shared memory (in place)
+            self._colocated.export(views, [p.spec.name for p in grouped])  # type: ignore[arg-type]
+            self._colocated_bound = True
+        elif isinstance(self._colocated, ColocatedReceiver):
+            self._colocated.bind(views)  # type: ignore[arg-type]
+        if self._executor is not None:
+            self._executor.bind(views)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Release the transport and the rendezvous connection."""
+        """Release the transport, the colocated peers' memory and the rendezvous connection."""
         if self.transport is not None:
             self.transport.close()
+        if self._colocated is not None:
+            self._colocated.close()
         self.transport = None
+        self._colocated = None
+        self._executor = None
         self._rdv = None
 
 
@@ -222,23 +260,58 @@ class RefitSender(_Endpoint):
             raise RefitError(f"source pieces without views: {missing[:5]}")
         return pieces
 
-    def _make_executor(self, schedule: Schedule, settings: RefitOptions) -> SendExecutor:
-        assert self.transport is not None and settings.bucket_bytes is not None
-        return SendExecutor(schedule.rounds_of_source(self.rank), self.transport, self.sizes[TRAIN],
-                            bucket_bytes=settings.bucket_bytes, num_buffers=settings.num_buffers,
-                            zero_copy=settings.messages.zero_copy, fingerprint=schedule.fingerprint,
-                            timeout_s=settings.timeout_s)
+    def _make_executors(self, schedule: Schedule, settings: RefitOptions) -> None:
+        network, colocated = split_rounds(schedule.rounds_of_source(self.rank), self._is_network)
+        if network:
+            assert self.transport is not None
+            self._executor = SendExecutor(network, self.transport, self.sizes[TRAIN],
+                                          **self._network_executor_args(schedule, settings))
+        if colocated:
+            self._colocated = ColocatedSender(by_peer(colocated, lambda m: m.dst), self._require_rendezvous().store,
+                                              self.rank, self.device, schedule.fingerprint, settings.timeout_s)
 
     def setup(self) -> Schedule:
         schedule = super().setup()
         self._bind(self._pieces)
         return schedule
 
+    def _moved_sources(self, colocated: ColocatedSender) -> str | None:
+        """What the trainer freed, replaced or moved since setup (colocated engines read it in place)."""
+        problem = colocated.check()
+        if problem is not None:
+            return problem
+        current = self._local_pieces()
+        if [p.meta for p in current] != [p.meta for p in self._pieces]:
+            return "the trainer's source pieces changed since setup(); call setup() again after changing the model"
+        for now, bound in zip(current, self._pieces):
+            assert now.view is not None and bound.view is not None
+            if (now.view.data_ptr() != bound.view.data_ptr()
+                    or now.view.untyped_storage().data_ptr() != bound.view.untyped_storage().data_ptr()):
+                return (f"source tensor {now.spec.name}{now.box} now lives at a different address than at "
+                        "setup (the trainer replaced or moved the parameter; a colocated engine reads it in "
+                        "place: update parameters in place between setup() and close())")
+        return None
+
     def send(self, version: int) -> StepStats:
-        """Send the model's current weights as weight ``version``; returns this rank's step stats."""
-        executor = self._require_executor()
-        assert isinstance(executor, SendExecutor)
-        stats = executor.run(version)
+        """Send the model's current weights as weight ``version``; returns this rank's step stats.
+
+        With colocated peers this first checks that every source tensor is still the memory shared at
+        setup; if not, the step fails on this rank and on its colocated peers, naming the tensor.
+        """
+        self._require_setup()
+        start = time.perf_counter()
+        colocated = self._colocated
+        if isinstance(colocated, ColocatedSender):
+            problem = self._moved_sources(colocated)
+            colocated.post(version, problem)
+            if problem is not None:
+                raise TransferError(f"train rank {self.rank}: {problem}")
+        executor = self._executor
+        assert executor is None or isinstance(executor, SendExecutor)
+        stats = executor.run(version) if executor is not None else None
+        if isinstance(colocated, ColocatedSender):
+            colocated.wait()
+        stats = _combined(stats, version, colocated, start)
         log.info("refit sent version %d: %s in %.3f s (%.2f GB/s)", version, format_bytes(stats.bytes),
                  stats.seconds, stats.gbps)
         return stats
@@ -264,12 +337,17 @@ class RefitReceiver(_Endpoint):
         loader: list[Piece] = [DestinationPiece(spec, spec.full_box()) for spec in self._loader]
         return [*mapping.pieces, *loader]
 
-    def _make_executor(self, schedule: Schedule, settings: RefitOptions) -> ReceiveExecutor:
-        assert self.transport is not None and settings.bucket_bytes is not None
-        return ReceiveExecutor(schedule.rounds_of_destination(self.rank), self.transport, 0,
-                               bucket_bytes=settings.bucket_bytes, num_buffers=settings.num_buffers,
-                               zero_copy=settings.messages.zero_copy, fingerprint=schedule.fingerprint,
-                               timeout_s=settings.timeout_s)
+    def _make_executors(self, schedule: Schedule, settings: RefitOptions) -> None:
+        network, colocated = split_rounds(schedule.rounds_of_destination(self.rank), self._is_network)
+        if network:
+            assert self.transport is not None
+            self._executor = ReceiveExecutor(network, self.transport, 0,
+                                             **self._network_executor_args(schedule, settings))
+        if colocated:
+            receiver = ColocatedReceiver(by_peer(colocated, lambda m: m.src), self._require_rendezvous().store,
+                                         self.rank, self.device, schedule.fingerprint, settings.timeout_s)
+            receiver.open()
+            self._colocated = receiver
 
     def _bind_step(self) -> list[tuple[str, torch.Tensor]]:
         """(Re)bind destination views for this step; returns the fresh loader-path tensors."""
@@ -293,11 +371,10 @@ class RefitReceiver(_Endpoint):
 
     def receive(self) -> StepStats:
         """Receive one step's weights into the engine; ``stats.version`` is the sender's version."""
-        executor = self._require_executor()
-        assert isinstance(executor, ReceiveExecutor)
+        self._require_setup()
         try:
             loader_weights = self._bind_step()
-            stats = executor.run()
+            stats = self._receive_parts()
             if loader_weights:
                 self.plugins.load_weights(self.model, self._experts.ungrouped(loader_weights))
         except Exception as exc:
@@ -310,6 +387,36 @@ class RefitReceiver(_Endpoint):
         log.info("refit received version %d: %s in %.3f s (%.2f GB/s)", stats.version,
                  format_bytes(stats.bytes), stats.seconds, stats.gbps)
         return stats
+
+    def _receive_parts(self) -> StepStats:
+        """This step's network part and colocated part; colocated peers hear of any failure."""
+        executor, colocated = self._executor, self._colocated
+        assert executor is None or isinstance(executor, ReceiveExecutor)
+        if not isinstance(colocated, ColocatedReceiver):
+            assert executor is not None
+            return executor.run()
+        start = time.perf_counter()
+        version = colocated.start()  # on a bad header it has told its peers already
+        try:
+            stats = executor.run(version) if executor is not None else None
+            if stats is not None and stats.version != version:
+                raise TransferError(f"train ranks sent different weight versions {sorted({version, stats.version})} "
+                                    "in one step: every train rank must call send() with the same version")
+        except Exception as exc:
+            colocated.finish(error=f"gen rank {self.rank}: {exc}")
+            raise
+        colocated.finish()
+        return _combined(stats, version, colocated, start)
+
+
+def _combined(network: StepStats | None, version: int, colocated: ColocatedSender | ColocatedReceiver | None,
+              start: float) -> StepStats:
+    """One rank's stats of a step over its network part and its colocated part."""
+    extra = colocated.nbytes if colocated is not None else 0
+    if network is None:
+        return StepStats(version, extra, time.perf_counter() - start, 0, extra)
+    return StepStats(network.version, network.bytes + extra, time.perf_counter() - start,
+                     network.staging_bytes, network.direct_bytes + extra)
 
 
 __all__ = ["RefitReceiver", "RefitSender", "StepStats"]

@@ -78,8 +78,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     plan = DemoPlan(train, gen, args.model,
                     args.train_layout if args.train_layout is not None else train.demo_train_layout,
                     args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout,
-                    args.steps, args.device or default_device())
-    if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None:
+                    args.steps, args.device or default_device(), colocate=args.colocate)
+    if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None and not plan.colocate:
         plan = fit_to_gpus(plan)
     inventory = model_inventory(plan.model)  # a bad model is an error here, before anything starts
     print(f"refit demo: {train.name} -> {gen.name} on {plan.device}, model {plan.model} "
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--train-layout", help="e.g. fsdp=2 (default: the backend's demo layout)")
     demo.add_argument("--gen-layout", help="e.g. tp=2 (default: the backend's demo layout)")
     demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
+    demo.add_argument("--colocate", action="store_true",
+                      help="train and gen ranks share devices (CUDA: the same GPUs, pairs on one GPU through "
+                           "CUDA IPC; CPU: the host, pairs through shared memory)")
     demo.add_argument("--timeout", type=float, default=900.0, help="seconds before both programs are stopped")
     demo.add_argument("--loop", action="store_true",
                       help="a real RL loop instead: GRPO on a tiny policy (Ray actors, FSDP2 -> vLLM), refit "

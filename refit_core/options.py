@@ -52,6 +52,18 @@ class TransportKind(StrEnum):
     NCCL = "nccl"
 
 
+class Colocation(StrEnum):
+    """Which (train rank, gen rank) pairs the gen rank copies straight out of the train rank's memory
+    instead of receiving over the network transport (:mod:`refit_core.transport.placement`)."""
+
+    AUTO = "auto"
+    """Pairs on the same GPU use CUDA IPC (NCCL cannot connect them); all others the network."""
+    SHARED = "shared"
+    """Also pairs of CPU ranks on one host use shared memory (``refit demo --colocate``)."""
+    OFF = "off"
+    """Every pair uses the network transport; a plan with a same-GPU pair is refused."""
+
+
 class MessageMode(StrEnum):
     """How the schedule cuts transfers into messages (see :mod:`refit_core.schedule`)."""
 
@@ -239,7 +251,8 @@ class RefitOptions(_Settings):
     - ``num_buffers``: staging buffers in flight (pack / transfer / unpack overlap on CUDA).
     - ``cast``: :class:`CastPolicy`.
     - ``allow_unused_sources``: skip source tensors no destination wants instead of failing.
-    - ``transport``: :class:`TransportKind`.
+    - ``transport``: :class:`TransportKind`: the network transport, for pairs that share no memory.
+    - ``colocate``: :class:`Colocation`: which pairs read the trainer's memory directly instead.
     - ``messages``: :class:`MessageOptions`; ``nccl``: :class:`NcclOptions`.
     - ``timeout_s``: setup waits and every step's transfers fail after this long. This rank's own
       deadline: the only setting the sides need not agree on.
@@ -253,6 +266,7 @@ class RefitOptions(_Settings):
     cast: CastPolicy = _setting(CastPolicy.CAST, CastPolicy)
     allow_unused_sources: bool = _setting(False, bool)
     transport: TransportKind = _setting(TransportKind.AUTO, TransportKind)
+    colocate: Colocation = _setting(Colocation.AUTO, Colocation)
     messages: MessageOptions = _nested(MessageOptions)
     nccl: NcclOptions = _nested(NcclOptions)
     timeout_s: float = _setting(300.0, float, local=True)

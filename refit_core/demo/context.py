@@ -9,6 +9,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..layout import ParallelLayout
+from ..options import Colocation
 from ..spec import TensorSpec
 from ..units import format_bytes
 
@@ -117,6 +118,12 @@ class DemoContext:
         from ..models import reference_state_dict
 
         return reference_state_dict(list(self.specs) if self.specs else self.config, self.seed, step)
+
+    @property
+    def colocated(self) -> bool:
+        """``refit demo --colocate``: the gen side runs on the trainer's devices (its GPUs, or its host's
+        shared memory), not beside them."""
+        return self.options.get("colocate") == Colocation.SHARED.value
 
 
 @dataclass

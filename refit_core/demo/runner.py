@@ -25,6 +25,7 @@ from ..backend import GEN, TRAIN, Backend
 from ..errors import RefitError
 from ..launch import free_port
 from ..plugins import PluginManager
+from ..options import Colocation
 from ..units import format_bytes
 from .context import DemoReport, ProgressEvent
 
@@ -40,6 +41,9 @@ class DemoPlan:
     gen_layout: str
     steps: int
     device: str
+    colocate: bool = False
+    """Train and gen ranks share devices: the gen side's ranks use the trainer's GPUs (CUDA IPC for
+    same-GPU pairs) or, on CPU, same-host pairs go through shared memory."""
 
 
 def pick_pair(pm: PluginManager, train: str | None, gen: str | None) -> tuple[Backend, Backend]:
@@ -182,6 +186,8 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 900.0, options: dict | None =
     """
     rendezvous = f"127.0.0.1:{free_port()}"
     options = {"timeout_s": min(timeout_s, 300.0), **(options or {})}
+    if plan.colocate:
+        options.setdefault("colocate", Colocation.SHARED.value)
     start = time.perf_counter()
     log_dir = tempfile.mkdtemp(prefix="refit-demo-")
     events = _EventPrinter(os.path.join(log_dir, "events.jsonl"), echo)
@@ -208,9 +214,10 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 900.0, options: dict | None =
     gen = reports.get(GEN, DemoReport(False))
     step = f", step {1000 * min(gen.seconds_per_step):.1f} ms" if gen.seconds_per_step else ""
     size = f", {format_bytes(gen.bytes_per_step)}/step" if gen.bytes_per_step else ""
+    where = f"{plan.device}, colocated" if plan.colocate else plan.device
     summary = (f"refit demo: {plan.train.name}({plan.train_layout or 'single'}) -> "
                f"{plan.gen.name}({plan.gen_layout or 'single'}), {plan.model}, {plan.steps} steps on "
-               f"{plan.device}{size}{step}, {time.perf_counter() - start:.1f} s: "
+               f"{where}{size}{step}, {time.perf_counter() - start:.1f} s: "
                + ("verified OK" if ok else f"FAILED (logs: {log_dir})"))
     return DemoOutcome(ok, log_dir, summary)
 

@@ -11,7 +11,7 @@ When every rank has a GPU of its own there is one communicator for the whole ref
 share a GPU (several ranks per GPU on a small machine), every pair of ranks on *different* GPUs gets a
 2-rank communicator of its own, created in one global order (deadlock-free), each with its own
 stream. Two ranks on the same GPU cannot exchange through NCCL at all: setup refuses such a plan
-before any collective (:func:`~refit_core.transport.placement.refuse_shared_gpus`).
+before any collective (:func:`~refit_core.transport.placement.pair_links`; such pairs use CUDA IPC instead).
 
 Several communicators per link. NCCL runs the operations to one peer one after another, and each
 costs some 20 us beyond its bytes (filling and draining its pipeline). With

@@ -76,7 +76,7 @@ def test_several_ranks_per_gpu_use_pairwise_communicators(tmp_path, monkeypatch)
         assert row["info"]["transport_mode"] == "pairwise"
 
 
-def _toy_rank(rank: int, world: int, address: str, gpus: tuple[int, int]):
+def _toy_rank(rank: int, world: int, address: str, gpus: tuple[int, int], options: dict | None = None):
     from refit_core import RefitOptions, RefitReceiver, RefitSender
     from refit_core.verify import mismatches
     from refit_toy.demo import reference
@@ -84,17 +84,18 @@ def _toy_rank(rank: int, world: int, address: str, gpus: tuple[int, int]):
 
     device = f"cuda:{gpus[rank]}"
     torch.cuda.set_device(device)
+    opts = RefitOptions(**{"timeout_s": 60, **(options or {})})
     try:
         if rank == 0:
             model = ToyTrainer(0, 1, device=device)
-            sender = RefitSender(model, rendezvous=address, rank=0, world_size=1, options=RefitOptions(timeout_s=60))
+            sender = RefitSender(model, rendezvous=address, rank=0, world_size=1, options=opts)
             sender.setup()
             for step in range(2):
                 model.load({k: v.to(device) for k, v in reference(0, step).items()})
                 sender.send(version=step)
             return "sent"
         engine = ToyEngine(0, 1, device=device)
-        receiver = RefitReceiver(engine, rendezvous=address, rank=0, world_size=1, options=RefitOptions(timeout_s=60))
+        receiver = RefitReceiver(engine, rendezvous=address, rank=0, world_size=1, options=opts)
         receiver.setup()
         pieces = receiver.plugins.destination_map(engine).pieces
         checks = []
@@ -116,9 +117,9 @@ def test_nccl_refit_casts_fp32_to_bf16_and_lands_bitwise():
     assert received == [(0, []), (1, [])]
 
 
-def test_two_ranks_on_one_gpu_are_refused_at_setup():
+def test_two_ranks_on_one_gpu_are_refused_at_setup_when_colocation_is_off():
     from refit_core.launch import free_port, spawn
 
-    results = spawn(_toy_rank, 2, f"127.0.0.1:{free_port()}", (0, 0), timeout_s=300)
+    results = spawn(_toy_rank, 2, f"127.0.0.1:{free_port()}", (0, 0), {"colocate": "off"}, timeout_s=300)
     for kind, message in results:
         assert kind == "PlanError" and "would connect two ranks on the same GPU (train 0 -> gen 0)" in message

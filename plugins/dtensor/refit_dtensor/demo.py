@@ -132,7 +132,7 @@ def demo_gen(ctx: DemoContext) -> DemoReport:
     """The generation program: receives every version and verifies it bitwise."""
     layout = ctx.layout
     gpu_offset = 0
-    if ctx.device == "cuda" and torch.cuda.device_count() > layout.world_size:
+    if ctx.device == "cuda" and torch.cuda.device_count() > layout.world_size and not ctx.colocated:
         gpu_offset = torch.cuda.device_count() - layout.world_size  # keep off the trainer's first GPUs
     results = spawn(_gen_rank, layout.world_size, ctx, layout, free_port(), gpu_offset)
     problems = [f"gen rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
