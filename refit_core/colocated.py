@@ -70,7 +70,7 @@ class _Channel:
     def put(self, key: str, value: dict | bytes) -> None:
         try:
             self.store.set(key, value if isinstance(value, bytes) else json.dumps(value).encode())
-        except Exception as exc:  # noqa: BLE001 - the store's host (train rank 0) is gone
+        except Exception as exc:
             raise TransferError(f"lost the refit rendezvous (train rank 0 hosts it): {exc}") from exc
 
     def take(self, key: str, what: str, *, delete: bool = True) -> bytes:
@@ -79,7 +79,7 @@ class _Channel:
             raw = self.store.get(key)  # waits up to the store's timeout, the refit's timeout_s
             if delete:
                 self.store.delete_key(key)
-        except Exception as exc:  # noqa: BLE001 - a timeout, or the store's host is gone
+        except Exception as exc:
             raise TransferError(f"{what} did not arrive within {self.timeout_s:.0f} s (a peer died or "
                                 f"hung): {exc}") from exc
         return raw
@@ -131,7 +131,7 @@ class ColocatedSender:
             if index is None:
                 try:
                     exported.append(export_storage(storage))
-                except Exception as exc:  # noqa: BLE001 - re-raised naming the tensor
+                except Exception as exc:
                     raise RefitError(f"cannot share the memory of source tensor {names[piece]} with a "
                                      f"colocated engine: {exc}") from exc
                 index = index_of[storage.data_ptr()] = len(exported) - 1
@@ -205,8 +205,9 @@ def _step(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def _stack(run: list[tuple[torch.Tensor, torch.Tensor]], steps: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Equal-layout copies at constant distances as one copy of two views with a new leading dim."""
-    return tuple(t.as_strided((len(run), *t.shape), (step, *t.stride()), t.storage_offset())
-                 for t, step in zip(run[0], steps))
+    (dst, src), (dst_step, src_step) = run[0], steps
+    return (dst.as_strided((len(run), *dst.shape), (dst_step, *dst.stride()), dst.storage_offset()),
+            src.as_strided((len(run), *src.shape), (src_step, *src.stride()), src.storage_offset()))
 
 
 def coalesce(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -373,7 +374,8 @@ class ColocatedReceiver:
         self._copies, self._sources, self._opened, self._events, self._mailboxes = [], {}, [], {}, {}
 
 
-def split_rounds(rounds: list[list[Message]], network: Callable[[Message], bool]) -> tuple[list[list[Message]], list[Message]]:
+def split_rounds(rounds: list[list[Message]], network: Callable[[Message], bool]
+                 ) -> tuple[list[list[Message]], list[Message]]:
     """A rank's rounds split into the network part (rounds kept in order) and the colocated messages."""
     kept, colocated = [], []
     for msgs in rounds:

@@ -38,7 +38,7 @@ from ..launch import free_port, spawn
 from ..models import load_config
 from ..transport.memory import SharedStorage, export_storage, open_storage
 from . import layouts
-from .methods import hf_tensors, materialize, scatter
+from .methods import hf_tensors, scatter
 
 GiB = 1 << 30
 METHODS = ("copy-bound", "ping-pong", "refit")
@@ -303,7 +303,8 @@ def table(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['method']} | {r['bytes'] / 1e9:.2f} | {r['ms']:.2f} | "
-                     f"{r['of_bound']:.3f} | {r['gbps']:.0f} | {(r['trainer_extra_bytes'] + r['shared_bytes']) / GiB:.2f} GiB | "
+                     f"{r['of_bound']:.3f} | {r['gbps']:.0f} | "
+                     f"{(r['trainer_extra_bytes'] + r['shared_bytes']) / GiB:.2f} GiB | "
                      f"{r['engine_extra_bytes'] / GiB:.2f} GiB | {', '.join(r['checks'])} |")
     return "\n".join(lines)
 

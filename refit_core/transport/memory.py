@@ -94,7 +94,7 @@ class SharedView:
 
     @classmethod
     def of(cls, tensor: torch.Tensor, storage: int) -> SharedView:
-        return cls(storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+        return cls(storage, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()),
                    str(tensor.dtype).removeprefix("torch."))
 
     def open(self, storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:

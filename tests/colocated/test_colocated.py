@@ -159,7 +159,8 @@ def test_equal_blocks_at_constant_distances_become_one_strided_copy():
     per = src.view(groups, q + 2 * kv, hidden)
     pairs = [(dst[g * q:(g + 1) * q], per[g, :q]) for g in range(groups)]
     pairs += [(dst[groups * q + g * kv: groups * q + (g + 1) * kv], per[g, q:q + kv]) for g in range(groups)]
-    pairs += [(dst[groups * (q + kv) + g * kv: groups * (q + kv) + (g + 1) * kv], per[g, q + kv:]) for g in range(groups)]
+    v_rows = groups * (q + kv)
+    pairs += [(dst[v_rows + g * kv: v_rows + (g + 1) * kv], per[g, q + kv:]) for g in range(groups)]
     merged = coalesce(pairs)
     assert len(merged) == 3
     torch._foreach_copy_([d for d, _ in merged], [s for _, s in merged])

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("refit_vllm")
 
-from refit_core import RefitError, RefitOptions  # noqa: E402
-from refit_vllm import sleep  # noqa: E402
+from refit_core import RefitError, RefitOptions
+from refit_vllm import sleep
 
 MiB = 1 << 20
 
