@@ -78,7 +78,7 @@ def open_storage(shared: SharedStorage, device: torch.device) -> torch.UntypedSt
             return torch.UntypedStorage._new_shared_cuda(
                 device.index if device.index is not None else torch.cuda.current_device(),
                 _raw(shared.handle), shared.nbytes, shared.offset, _raw(shared.ref_counter),
-                shared.ref_counter_offset, _raw(shared.event) or None, shared.event_sync)
+                shared.ref_counter_offset, _raw(shared.event), shared.event_sync)
     raise RefitError(f"unknown shared storage kind {shared.kind!r}")
 
 
