@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import RefitReceiver, RefitSender
+from ..errors import RefitError
 from ..experts import default_expert_name
 from ..models import checkpoint_specs
 from ..options import RefitOptions
@@ -277,8 +278,13 @@ class Refit(Method):
                          transport_mode=getattr(transport, "mode", ""))
 
     def _executor_info(self) -> None:
-        ex = self.endpoint.executor
         side = "send" if self.ctx.is_train else "recv"
+        self.info["links"] = sorted({link.value for link in self.endpoint.links.values()})
+        try:
+            ex = self.endpoint.executor
+        except RefitError:  # every pair of this rank is colocated (CUDA IPC): nothing staged
+            self.info[f"{side}_staging_bytes"] = 0
+            return
         staged_rounds = sum(1 for p in ex.plans if p.staged_bytes)
         self.info[f"{side}_direct_bytes"] = ex.direct_bytes
         self.info[f"{side}_staging_bytes"] = min(ex.num_buffers, staged_rounds) * ex.buffer_bytes

@@ -80,3 +80,26 @@ def test_colocated_benchmark_is_bitwise_on_one_gpu(tmp_path):
         if row["method"] == "refit":
             assert row["info"]["links"] == ["cuda-ipc"]
             assert row["engine_extra_bytes"] == 0 and row["shared_bytes"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_colocated_tp2_trainer_and_engine_mix_cuda_ipc_and_nccl_in_one_step(tmp_path):
+    """TP2 Megatron-style on GPUs 0,1 -> vLLM-style TP1 x DP2 on the same GPUs 0,1: the same-GPU pairs
+    go through CUDA IPC, the cross pairs through NCCL, in every step; bitwise."""
+    from refit_core.bench import main
+
+    config = tmp_path / "dense.json"
+    from refit_core.models import PRESETS
+
+    config.write_text(json.dumps(dict(PRESETS["tiny-llama"], hidden_size=512, intermediate_size=1024,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                      vocab_size=4096, dtype="bfloat16")))
+    prefix = str(tmp_path / "result")
+    rc = main(["--device", "cuda", "--models", str(config), "--methods", "refit", "--warmup", "1", "--iters", "2",
+               "--min-iters", "1", "--train-tp", "2", "--gen-tp", "1", "--gen-dp", "2",
+               "--train-gpus", "0,1", "--gen-gpus", "0,1", "--bucket-mib", "1", "--out", prefix])
+    report = json.loads(open(prefix + ".json").read())
+    assert rc == 0, report
+    (row,) = report["models"][0]["rows"]
+    assert row["checks"] == ["bitwise ok"]
+    assert row["info"]["links"] == ["cuda-ipc", "network"]
