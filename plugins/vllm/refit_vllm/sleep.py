@@ -36,7 +36,6 @@ import enum
 import logging
 from typing import Any
 
-import torch
 from refit_core import RefitError, RefitOptions
 
 from .clients import LLMClient
@@ -64,7 +63,8 @@ def staging_budget(options: RefitOptions, *, network_pairs: bool, loader_bytes: 
     """The most memory refit allocates on a gen rank during one step while the engine's weights are
     awake and its KV cache is not: staging buffers for network pairs (none for CUDA IPC pairs), plus
     the loader path's whole tensors."""
-    staging = options.resolved_bucket(torch.device("cuda")) * max(1, options.num_buffers) if network_pairs else 0
+    bucket = options.resolved("cuda").bucket_bytes or 0
+    staging = bucket * options.num_buffers if network_pairs else 0
     return staging + loader_bytes
 
 
