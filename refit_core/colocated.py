@@ -69,7 +69,7 @@ class _Channel:
 
     def put(self, key: str, value: dict | bytes) -> None:
         try:
-            self.store.set(key, value if isinstance(value, bytes) else json.dumps(value).encode())
+            self.store.set(key, value if isinstance(value, bytes) else json.dumps(value).encode())  # type: ignore[arg-type]
         except Exception as exc:
             raise TransferError(f"lost the refit rendezvous (train rank 0 hosts it): {exc}") from exc
 

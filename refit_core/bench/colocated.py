@@ -29,6 +29,7 @@ import json
 import os
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from ..launch import free_port, spawn
 from ..models import load_config
+from ..options import Colocation
 from ..transport.memory import SharedStorage, export_storage, open_storage
 from . import layouts
 from .methods import hf_tensors, scatter
@@ -62,7 +64,7 @@ class _Sync:
             time.sleep(0.0002)
 
     def signal(self, key: str, value: bytes = b"1") -> None:
-        self.store.set(key, value)
+        self.store.set(key, value)  # type: ignore[arg-type]  # torch's stub says str; bytes are stored as is
 
     def take(self, key: str) -> bytes:
         self.store.wait([key])
@@ -202,17 +204,18 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
     start = time.perf_counter()
     if name == "ping-pong":
         runner = PingPong(model, sync, device, train)
-        step = runner.step
+        step: Callable[[], Any] = runner.step
         out["shared_bytes"] = runner.shared_bytes if train else 0
         out["fills"] = len(runner.buckets)
     else:
-        options = RefitOptions(timeout_s=job["timeout_s"], colocate="auto" if device.type == "cuda" else "shared")
+        options = RefitOptions(timeout_s=job["timeout_s"],
+                               colocate=Colocation.AUTO if device.type == "cuda" else Colocation.SHARED)
         cls = RefitSender if train else RefitReceiver
         endpoint = cls(model, rendezvous=job["refit_address"], rank=0, world_size=1, options=options)
         endpoint.setup()
         links = sorted({link.value for link in endpoint.links.values()})
         out["links"] = links
-        if train:
+        if isinstance(endpoint, RefitSender):
             step = lambda: endpoint.send(version=sync.rounds)  # noqa: E731
         else:
             step = endpoint.receive
@@ -221,6 +224,7 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
     for i in range(warmup + iters):
         seed = seed_base + i
         last = i == warmup + iters - 1
+        before: Callable[[], Any] | None
         if train:
             before = lambda s=seed: model.fill(seed=s)  # noqa: E731
         else:
