@@ -1,0 +1,105 @@
+"""HF checkpoint inventories (names and shapes) of the families the core does not list itself.
+
+``hf_specs(config)`` lists per-expert checkpoint tensors; the core's ``checkpoint_specs`` covers
+Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral, this module adds Qwen2-MoE and DeepSeek-V3 (MLA with
+or without q-LoRA, shared experts, the router's score-correction bias, MTP layers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refit_core import TensorSpec
+from refit_core.models import checkpoint_specs, config_dtype
+
+from .families import family_of
+
+
+def hf_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:
+    """Every tensor of the HF checkpoint of ``config`` (per-expert names), by name."""
+    family = family_of(config)
+    if family.name == "deepseek_v3":
+        specs = _deepseek_v3(config)
+    elif family.name == "qwen2_moe":
+        specs = _qwen2_moe(config)
+    else:
+        specs = checkpoint_specs(config, grouped=False)
+    return {s.name: s for s in specs}
+
+
+def _attention_mla(config: dict[str, Any], p: str, dtype: torch.dtype) -> list[TensorSpec]:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    kv_rank, q_rank = config["kv_lora_rank"], config.get("q_lora_rank")
+    out = [TensorSpec(f"{p}.input_layernorm.weight", (hidden,), dtype)]
+    if q_rank:
+        out += [TensorSpec(f"{p}.self_attn.q_a_proj.weight", (q_rank, hidden), dtype),
+                TensorSpec(f"{p}.self_attn.q_a_layernorm.weight", (q_rank,), dtype),
+                TensorSpec(f"{p}.self_attn.q_b_proj.weight", (heads * (nope + rope), q_rank), dtype)]
+    else:
+        out.append(TensorSpec(f"{p}.self_attn.q_proj.weight", (heads * (nope + rope), hidden), dtype))
+    out += [TensorSpec(f"{p}.self_attn.kv_a_proj_with_mqa.weight", (kv_rank + rope, hidden), dtype),
+            TensorSpec(f"{p}.self_attn.kv_a_layernorm.weight", (kv_rank,), dtype),
+            TensorSpec(f"{p}.self_attn.kv_b_proj.weight", (heads * (nope + v), kv_rank), dtype),
+            TensorSpec(f"{p}.self_attn.o_proj.weight", (hidden, heads * v), dtype),
+            TensorSpec(f"{p}.post_attention_layernorm.weight", (hidden,), dtype)]
+    return out
+
+
+def _mlp(prefix: str, inter: int, hidden: int, dtype: torch.dtype) -> list[TensorSpec]:
+    return [TensorSpec(f"{prefix}.gate_proj.weight", (inter, hidden), dtype),
+            TensorSpec(f"{prefix}.up_proj.weight", (inter, hidden), dtype),
+            TensorSpec(f"{prefix}.down_proj.weight", (hidden, inter), dtype)]
+
+
+def _deepseek_v3(config: dict[str, Any]) -> list[TensorSpec]:
+    dtype = config_dtype(config)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    family = family_of(config)
+    experts, moe_inter = config["n_routed_experts"], config["moe_intermediate_size"]
+    layers = config["num_hidden_layers"]
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype)]
+    for layer in range(layers + int(config.get("num_nextn_predict_layers") or 0)):
+        p = f"model.layers.{layer}"
+        if layer >= layers:
+            specs += [TensorSpec(f"{p}.enorm.weight", (hidden,), dtype), TensorSpec(f"{p}.hnorm.weight", (hidden,), dtype),
+                      TensorSpec(f"{p}.eh_proj.weight", (hidden, 2 * hidden), dtype),
+                      TensorSpec(f"{p}.shared_head.norm.weight", (hidden,), dtype)]
+        specs += _attention_mla(config, p, dtype)
+        if family.is_moe_layer(config, layer):
+            specs += [TensorSpec(f"{p}.mlp.gate.weight", (experts, hidden), dtype),
+                      TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (experts,), torch.float32)]
+            for e in range(experts):
+                specs += _mlp(f"{p}.mlp.experts.{e}", moe_inter, hidden, dtype)
+            specs += _mlp(f"{p}.mlp.shared_experts", family.shared_expert_size(config), hidden, dtype)
+        else:
+            specs += _mlp(f"{p}.mlp", config["intermediate_size"], hidden, dtype)
+    specs.append(TensorSpec("model.norm.weight", (hidden,), dtype))
+    if not config.get("tie_word_embeddings"):
+        specs.append(TensorSpec("lm_head.weight", (vocab, hidden), dtype))
+    return specs
+
+
+def _qwen2_moe(config: dict[str, Any]) -> list[TensorSpec]:
+    dense = dict(config, architectures=["Qwen2ForCausalLM"])
+    dtype = config_dtype(config)
+    hidden = config["hidden_size"]
+    family = family_of(config)
+    specs = []
+    for spec in checkpoint_specs(dense, grouped=False):
+        name = spec.name
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        if layer is not None and ".mlp." in name and family.is_moe_layer(config, layer):
+            if name.endswith("mlp.gate_proj.weight"):
+                p = name.removesuffix(".mlp.gate_proj.weight")
+                experts = family.num_experts(config)
+                specs.append(TensorSpec(f"{p}.mlp.gate.weight", (experts, hidden), dtype))
+                for e in range(experts):
+                    specs += _mlp(f"{p}.mlp.experts.{e}", config["moe_intermediate_size"], hidden, dtype)
+                specs += _mlp(f"{p}.mlp.shared_expert", config["shared_expert_intermediate_size"], hidden, dtype)
+                specs.append(TensorSpec(f"{p}.mlp.shared_expert_gate.weight", (1, hidden), dtype))
+            continue
+        specs.append(spec)
+    return specs

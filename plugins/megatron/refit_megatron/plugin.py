@@ -1,0 +1,40 @@
+"""The refit hooks of the ``megatron`` backend (entry point ``refit: megatron``).
+
+Models are selected by type: a :class:`~refit_megatron.source.MegatronSource` (a megatron-core
+``GPTModel`` or its VPP chunks, with the HF config they correspond to). Every other model gets
+None, so other plugins answer. Metadata layouts (``refit plan --train megatron:tp=..``) come from
+:mod:`refit_megatron.layout`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refit_core import TRAIN, Backend, ParallelLayout, SourcePiece, hookimpl
+
+from .layout import layout_pieces
+from .source import MegatronSource, live_pieces
+
+BACKEND = "megatron"
+
+
+@hookimpl
+def refit_register_backends(register: Any) -> None:
+    from .demo import DEFAULT_TRAIN_LAYOUT, demo_train
+
+    register(Backend(BACKEND, {TRAIN}, description="megatron-core GPTModel trainers (TP, PP, VPP, EP, expert-TP, DP)",
+                     demo_train=demo_train, demo_train_layout=DEFAULT_TRAIN_LAYOUT, priority=5))
+
+
+@hookimpl
+def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
+    if not isinstance(model, MegatronSource):
+        return None
+    return live_pieces(model)
+
+
+@hookimpl
+def refit_source_layout(backend: str, config: dict, layout: ParallelLayout, rank: int) -> list[SourcePiece] | None:
+    if backend != BACKEND:
+        return None
+    return layout_pieces(config, layout, rank)
