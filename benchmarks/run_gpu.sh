@@ -8,6 +8,8 @@
 #   5. `refit demo --train dtensor --gen dtensor --device cuda` (FSDP2/DTensor over NCCL, verified).
 #   6. colocated: the trainer and the engine as two processes on GPU 0 (CUDA IPC), Llama-3-8B and
 #      Qwen3-30B-A3B shapes: copy bound, ping-pong baseline, refit (benchmarks/run_colocated.sh).
+#   7. megatron: a Llama-3-8B-shaped megatron-core model through refit-plugin-megatron vs the wire
+#      (benchmarks/megatron_gpu.sh; needs .whl/megatron_core-*.whl from benchmarks/fetch_gpu_wheels.sh).
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
@@ -16,7 +18,7 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
-STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated"}
+STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated megatron"}
 MACHINE=${MACHINE:-nvidia-h200-x2}
 DATE=$(date -u +%F)
 PY=${PY:-python3}
@@ -104,5 +106,9 @@ fi
 if step colocated; then
   limit ${COLOCATED_TIMEOUT:-240} env OUT="$OUT" PY="$PY" MACHINE="$MACHINE" bash benchmarks/run_colocated.sh 2>&1 | tee -a "$LOG"
   echo "colocated exit: $?" | tee -a "$LOG"
+fi
+if step megatron; then
+  OUT="$OUT" PY="$PY" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"
+  echo "megatron exit: $?" | tee -a "$LOG"
 fi
 echo "== done at $(date -u +%T)" | tee -a "$LOG"

@@ -20,6 +20,9 @@ if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
         .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
 fi
+# megatron-core (refit-plugin-megatron's framework): no dependencies of its own beyond torch, numpy,
+# packaging and einops (the plugin's), so it installs beside whatever torch is here (2 s)
+.venv/bin/python -c "import megatron.core" 2>/dev/null || pip_install --no-deps megatron-core==0.16.1
 editables=(-e ".[test,ray]" -e tests/example_plugin)
 for plugin in plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && editables+=(-e "$plugin")

@@ -224,13 +224,30 @@ def refit_ranks(rank: int, world: int, ports: tuple[int, int], tmp: str, selecte
     return results
 
 
+def listen_port() -> int:
+    """A free port below the ephemeral range: megatron's many gloo connections take ephemeral
+    ports as their local ends, so a port picked there may be gone by the time a store listens."""
+    import random
+    import socket
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0]) if os.path.exists(
+        "/proc/sys/net/ipv4/ip_local_port_range") else 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def _rendezvous(train: bool, rank: int, path: str) -> str:
     """A fresh refit rendezvous address per case, picked by train rank 0 when the case starts
     (ports picked ahead of time may be taken by megatron's own gloo groups meanwhile)."""
-    from refit_core.launch import free_port
-
     if train:
-        box = [f"127.0.0.1:{free_port()}" if rank == 0 else None]
+        box = [f"127.0.0.1:{listen_port()}" if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         if rank == 0:
             with open(path + ".tmp", "w") as out:
@@ -335,7 +352,8 @@ def _gen_case(rank: int, layout_name: str, model: str, address: str, tmp: str) -
         if os.path.exists(logits_file):
             with torch.no_grad():
                 own = hf(input_ids=PROMPT).logits
-            checks[f"logits_max_diff_{step}"] = float((own - torch.load(logits_file)).abs().max())
+            theirs = torch.load(logits_file)
+            checks[f"logits_rel_diff_{step}"] = float((own - theirs).abs().max() / theirs.abs().max())
     receiver.close()
     return checks
 

@@ -28,10 +28,10 @@ SCENARIO = Path(__file__).with_name("vllm_scenario.py")
 CASES = [("tp=2", "dense"), ("tp=2,ep=2", "moe"), ("pp=2", "moe-legacy-grouped")]
 
 
-@pytest.fixture(scope="module")
-def result():
+def run_case(layout: str, model: str) -> dict:
+    """One engine per process: vLLM's process-global state does not survive a second engine."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, str(SCENARIO), json.dumps({"cases": CASES})], stdout=out, stderr=err,
+        proc = subprocess.Popen([sys.executable, str(SCENARIO), json.dumps({"cases": [[layout, model]]})], stdout=out, stderr=err,
                                 text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         try:
             proc.wait(timeout=1200)
@@ -52,8 +52,8 @@ def result():
 
 
 @pytest.mark.parametrize("layout,model", CASES, ids=[f"{m}-{lay}" for lay, m in CASES])
-def test_vllm_generates_like_hf_after_each_megatron_refit(result, layout, model):
-    case = result[f"{model}:{layout}"]
+def test_vllm_generates_like_hf_after_each_megatron_refit(layout, model):
+    case = run_case(layout, model)[f"{model}:{layout}"]
     assert case["trainer_error"] is None, case["trainer_error"]
     assert [s["step"] for s in case["steps"]] == [1, 2]
     for step in case["steps"]:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from megatron_ranks import MODELS, STEPS, assemble, local_shards, next_step, to_hf  # noqa: E402
+from megatron_ranks import MODELS, STEPS, assemble, listen_port, local_shards, next_step, to_hf  # noqa: E402
 
 NEW_TOKENS = 12
 
@@ -84,7 +84,7 @@ def run(cases: list[tuple[str, str]]) -> dict[str, Any]:
                 config, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
         llm = engines[model]
         prompts = prompts_for(config)
-        rendezvous = f"127.0.0.1:{free_port()}"
+        rendezvous = f"127.0.0.1:{listen_port()}"
         errors: list[str] = []
 
         def train(layout_text: str = layout_text, model: str = model, tmp: str = tmp) -> None:

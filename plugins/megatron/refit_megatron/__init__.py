@@ -3,7 +3,13 @@
 ``RefitSender(MegatronSource(model_chunks, hf_config), ...)`` on every train rank; see README.md.
 """
 
-from .build import BuildOptions, build_gpt, destroy_parallel, init_parallel, padded_vocab
+from .build import (
+           BuildOptions,
+           build_gpt,
+           destroy_parallel,
+           init_parallel,
+           padded_vocab,
+)
 from .families import FAMILIES, Family, Kind, Rule, family_of
 from .source import MegatronSource, live_pieces, model_chunks
 

@@ -64,11 +64,14 @@ def destroy_parallel() -> None:
 def transformer_config(config: dict[str, Any], layout: ParallelLayout, options: BuildOptions) -> Any:
     """megatron-core's ``TransformerConfig`` (or ``MLATransformerConfig``) for a HF config."""
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     family = family_of(config)
     dtype = options.dtype
-    kwargs: dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(  # noqa: C408 - TransformerConfig's keyword names, as keywords
         num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
         num_attention_heads=config["num_attention_heads"],
         ffn_hidden_size=config["intermediate_size"],
@@ -128,7 +131,9 @@ def build_gpt(config: dict[str, Any], layout: ParallelLayout, options: BuildOpti
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_mtp_block_spec,
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
     )
 
     from .cpu_patches import patch_for_cpu
@@ -185,7 +190,7 @@ class _nullcontext:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 

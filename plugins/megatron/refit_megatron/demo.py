@@ -1,6 +1,6 @@
 """``refit demo --train megatron``: a megatron-core trainer over gloo (CPU) or NCCL (GPUs).
 
-Spawns ``ctx.layout`` ranks (default ``tp=2,pp=2``), builds the config's ``GPTModel`` with random
+Spawns ``ctx.layout`` ranks (default ``tp=2``), builds the config's ``GPTModel`` with random
 weights (local spec, fp32 master weights), and before every step loads
 ``reference_state_dict(config, seed, step)`` into its parameters in place (through the plugin's
 own pieces), then sends it as weight version ``step``. The gen side checks what lands.
@@ -23,7 +23,7 @@ from .build import BuildOptions, build_gpt, destroy_parallel, init_parallel
 from .source import MegatronSource
 from .weights import load_hf_weights
 
-DEFAULT_TRAIN_LAYOUT = "tp=2,pp=2"
+DEFAULT_TRAIN_LAYOUT = "tp=2"
 
 
 def _train_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, port: int) -> dict[str, Any]:
@@ -55,6 +55,7 @@ def demo_train(ctx: DemoContext) -> DemoReport:
     start = time.perf_counter()
     results = spawn(_train_rank, layout.world_size, ctx, layout, free_port())
     steps = [max(r["seconds"][i] for r in results) for i in range(ctx.steps)]
-    return DemoReport(True, [f"megatron-core trainer ({layout}, {layout.world_size} ranks, fp32, local spec): "
-                             f"sent {ctx.steps} versions in {time.perf_counter() - start:.1f} s"],
+    line = (f"megatron-core trainer ({layout}, {layout.world_size} ranks, fp32, local spec): "
+            f"sent {ctx.steps} versions in {time.perf_counter() - start:.1f} s")
+    return DemoReport(True, [line],
                       seconds_per_step=steps)

@@ -1,0 +1,227 @@
+"""Megatron-core -> vLLM-layout refit, side by side with the wire, in one run (2 processes).
+
+Rank 0 (train, GPU 0) builds a megatron-core ``GPTModel`` of the model's shape (local spec, TP 1,
+random weights drawn on the device) and refits it through ``refit-plugin-megatron``; rank 1 (gen,
+GPU 1) holds the benchmark's vLLM-style layout (``qkv_proj``, ``gate_up_proj``: ``refit_core.bench``)
+and checks every byte after the last step. In the same run both measure the wire: one contiguous
+buffer of the same bytes over the same kind of communicator (nccl4py on GPUs). Prints and writes
+``{out}.json`` / ``{out}.md``: wire and refit medians, the ratio, and setup time (pieces, plan +
+bind).
+
+    python benchmarks/megatron_bench.py --device cuda --model llama-3-8b-shape --out $OUT/megatron-h200x2
+    python benchmarks/megatron_bench.py --device cpu --model tiny-llama          # a smoke run here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refit_core import (
+    ParallelLayout,
+    RefitOptions,
+    RefitReceiver,
+    RefitSender,
+    TensorSpec,
+)
+from refit_core.bench.layouts import VllmStyleModel, reference, register
+from refit_core.bench.methods import open_bench_comm
+from refit_core.launch import free_port, spawn
+from refit_core.models import PRESETS, checkpoint_specs
+
+SEED = 11
+
+
+def _device(rank: int, kind: str) -> torch.device:
+    if kind != "cuda":
+        torch.set_num_threads(1)
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Pair:
+    """The two processes' own communicator: a barrier and the wire measurement."""
+
+    def __init__(self, store: dist.Store, rank: int, device: torch.device, nbytes: int) -> None:
+        self.rank, self.device = rank, device
+        self.comm = open_bench_comm(store, "megatron-bench-wire", 2, rank, device)
+        self.token = torch.zeros(1, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def _move(self, tensor: torch.Tensor) -> None:
+        if self.rank == 0:
+            self.comm.post([(1, tensor)], [], self.stream)
+        else:
+            self.comm.post([], [(0, tensor)], self.stream)
+        _sync(self.device)
+
+    def barrier(self) -> None:
+        self._move(self.token)
+
+    def wire(self) -> float:
+        self.barrier()
+        start = time.perf_counter()
+        self._move(self.buffer)
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        self.buffer = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def _fill(pieces: list[Any], specs: dict[str, TensorSpec], device: torch.device) -> None:
+    """Every source piece gets the benchmark's values of its HF tensor (drawn on the device)."""
+    by_name: dict[str, list[Any]] = {}
+    for piece in pieces:
+        by_name.setdefault(piece.spec.name, []).append(piece)
+    for name, group in by_name.items():
+        full = reference(specs[name], SEED, device)
+        for piece in group:
+            piece.view.copy_(piece.box.slice_of(full))
+
+
+def _rank(rank: int, world: int, args: dict[str, Any], ports: list[int]) -> dict[str, Any]:
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core's notes about Apex / Transformer Engine
+    device = _device(rank, args["device"])
+    config = dict(PRESETS[args["model"]])
+    specs = {s.name: s for s in checkpoint_specs(config, grouped=True)}
+    nbytes = sum(s.nbytes for s in specs.values())
+    store = dist.TCPStore("127.0.0.1", ports[0], 2, is_master=rank == 0, timeout=timedelta(seconds=300))
+    pair = _Pair(store, rank, device, nbytes)
+    out: dict[str, Any] = {"rank": rank}
+    rendezvous = f"127.0.0.1:{ports[1]}"
+    options = RefitOptions(timeout_s=300)
+    if rank == 0:
+        from refit_megatron import (
+            BuildOptions,
+            MegatronSource,
+            build_gpt,
+            init_parallel,
+            live_pieces,
+        )
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{ports[2]}", rank=0, world_size=1)
+        init_parallel(ParallelLayout())
+        start = time.perf_counter()
+        chunks = build_gpt(config, ParallelLayout(), BuildOptions(dtype=specs["model.norm.weight"].dtype,
+                                                                  device=args["device"], seed=SEED))
+        _sync(device)
+        out["build_s"] = time.perf_counter() - start
+        source = MegatronSource(chunks, config)
+        start = time.perf_counter()
+        pieces = live_pieces(source)
+        out["pieces_s"] = time.perf_counter() - start
+        out["pieces"] = len(pieces)
+        _fill(pieces, specs, device)
+        _sync(device)
+        endpoint: Any = RefitSender(source, rendezvous=rendezvous, rank=0, world_size=1, options=options)
+    else:
+        model = VllmStyleModel(config, tp=1, rank=0, device=device)
+        register()
+        endpoint = RefitReceiver(model, rendezvous=rendezvous, rank=0, world_size=1, options=options)
+    start = time.perf_counter()
+    endpoint.setup()
+    out["setup_s"] = time.perf_counter() - start  # metadata exchange + plan + bind
+    wire, refit = [], []
+    for step in range(args["steps"]):
+        wire.append(pair.wire())
+        pair.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            endpoint.send(version=step)
+        else:
+            endpoint.receive()
+        _sync(device)
+        refit.append(time.perf_counter() - start)
+    pair.release()
+    if rank == 1:
+        out["mismatches"] = model.mismatches(SEED)
+    endpoint.close()
+    out.update(wire=wire, refit=refit, bytes=nbytes, tensors=len(specs))
+    return out
+
+
+def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
+    train, gen = results
+    skip = 1 if args.steps > 2 else 0  # the first exchange warms up communicators and allocators
+    wire = statistics.median(max(a, b) for a, b in zip(train["wire"][skip:], gen["wire"][skip:]))
+    refit = statistics.median(max(a, b) for a, b in zip(train["refit"][skip:], gen["refit"][skip:]))
+    nbytes = train["bytes"]
+    return {
+        "model": args.model, "device": args.device, "bytes": nbytes, "hf_tensors": train["tensors"],
+        "source_pieces": train["pieces"], "steps": args.steps,
+        "wire_s": wire, "wire_gbps": nbytes / wire / 1e9, "refit_s": refit, "refit_gbps": nbytes / refit / 1e9,
+        "refit_vs_wire": wire / refit, "bitwise_ok": not gen["mismatches"], "mismatches": gen["mismatches"][:5],
+        "build_s": train["build_s"], "setup_pieces_s": train["pieces_s"],
+        "setup_plan_bind_s": train["setup_s"],  # the gen side's also waits for the model build
+        "setup_total_s": train["pieces_s"] + train["setup_s"],
+        "environment": {"torch": torch.__version__, "gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
+                        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"},
+        "raw": {"wire": [train["wire"], gen["wire"]], "refit": [train["refit"], gen["refit"]]},
+    }
+
+
+def _markdown(r: dict[str, Any]) -> str:
+    return "\n".join([
+        f"# megatron-core -> vLLM layout refit ({r['model']}, {r['device']}, {r['environment']['gpu']})",
+        "",
+        "| bytes | HF tensors | source pieces | wire | refit | refit / wire | bitwise | setup: pieces | setup: plan + bind |",
+        "|---:|---:|---:|---:|---:|---:|:-:|---:|---:|",
+        (f"| {r['bytes'] / 1e9:.2f} GB | {r['hf_tensors']} | {r['source_pieces']} | {r['wire_s'] * 1e3:.1f} ms, "
+         f"{r['wire_gbps']:.0f} GB/s | {r['refit_s'] * 1e3:.1f} ms, {r['refit_gbps']:.0f} GB/s | "
+         f"**{r['refit_vs_wire']:.3f}** | {'yes' if r['bitwise_ok'] else 'NO'} | {r['setup_pieces_s']:.3f} s | "
+         f"{r['setup_plan_bind_s']:.3f} s |"),
+        "",
+        (f"Medians of {r['steps']} steps (first dropped when more than 2), same run, same bytes; model build "
+         f"{r['build_s']:.1f} s (not counted)."),
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--model", default="llama-3-8b-shape", help="a refit_core.models preset (dense)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default="", help="write OUT.json and OUT.md")
+    parser.add_argument("--timeout-s", type=float, default=400)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        print("megatron bench: needs 2 GPUs", file=sys.stderr)
+        return 2
+    results = spawn(_rank, 2, vars(args), [free_port() for _ in range(3)], timeout_s=args.timeout_s)
+    report = _report(args, results)
+    text = _markdown(report)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".json", "w") as out:
+            json.dump(report, out, indent=2)
+        with open(args.out + ".md", "w") as out:
+            out.write(text)
+    return 0 if report["bitwise_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
