@@ -64,6 +64,9 @@ LAYOUTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 FORWARD_CASES = {("tp2", "dense"), ("tp4-2-query-groups", "dense")}
 """Cases whose destination's logits are compared with megatron's own (tensor-parallel) forward."""
+DDP = {"tp2": True, "pp2": False, "tp2-pp2": True}
+"""Layouts whose chunks are wrapped in megatron's DistributedDataParallel (value: with the
+distributed optimizer's buffer layout); refit reads the parameters inside the wrapper."""
 TRAIN_WORLD = 4
 GEN_WORLD = 2
 
@@ -81,7 +84,10 @@ def case_id(layout: str, model: str) -> str:
 def local_shards(chunks: list[Any]) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
     """``(key, global shape, global offset, values)`` of every tensor megatron's
     ``sharded_state_dict()`` lists on this rank (factories built), values cloned."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     out = []
     for chunk in chunks:
@@ -230,8 +236,10 @@ def listen_port() -> int:
     import random
     import socket
 
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0]) if os.path.exists(
-        "/proc/sys/net/ipv4/ip_local_port_range") else 32768
+    low = 32768
+    if os.path.exists("/proc/sys/net/ipv4/ip_local_port_range"):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low = int(ports.read().split()[0])
     for _ in range(200):
         port = random.randrange(max(1024, low - 12000), low)
         with socket.socket() as sock:
@@ -241,6 +249,17 @@ def listen_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ddp(chunk: Any, distributed_optimizer: bool) -> Any:
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                               grad_reduce_in_fp32=True)
+    return DistributedDataParallel(chunk.config, ddp_config, chunk)
 
 
 def _rendezvous(train: bool, rank: int, path: str) -> str:
@@ -264,21 +283,30 @@ def _rendezvous(train: bool, rank: int, path: str) -> str:
 
 
 def _train_case(rank: int, layout_name: str, model: str, address: str, tmp: str) -> dict[str, Any]:
-    from refit_core import RefitOptions, RefitSender
-    from refit_megatron import BuildOptions, MegatronSource, build_gpt, destroy_parallel, init_parallel, live_pieces
+    from refit_megatron import (
+        BuildOptions,
+        MegatronSource,
+        build_gpt,
+        destroy_parallel,
+        init_parallel,
+        live_pieces,
+    )
     from refit_megatron.layout import layout_pieces
+
+    from refit_core import RefitOptions, RefitSender
 
     config = MODELS[model]
     layout = ParallelLayout.parse(LAYOUTS[layout_name][0])
     init_parallel(layout)
     chunks = build_gpt(config, layout, BuildOptions(grouped_gemm=model in GROUPED_GEMM))
-    source = MegatronSource(chunks, config)
+    wrapped = [_ddp(c, DDP[layout_name]) for c in chunks] if layout_name in DDP else chunks
+    source = MegatronSource(wrapped, config)
     checks: dict[str, Any] = {}
     live = live_pieces(source)
     checks["views_share_parameter_memory"] = _views_are_parameter_memory(live, chunks)
     if model not in GROUPED_GEMM:
         predicted = layout_pieces(config, layout, rank)
-        key = lambda p: (p.spec.name, p.spec.shape, p.spec.dtype, p.box)  # noqa: E731
+        key = lambda p: (p.spec.name, p.spec.shape, p.spec.dtype, p.box)
         checks["metadata_layout_equal"] = sorted(map(key, live), key=str) == sorted(map(key, predicted), key=str)
     sender = RefitSender(source, rendezvous=address, rank=rank, world_size=TRAIN_WORLD,
                          options=RefitOptions(timeout_s=90, bucket_bytes=1 << 20,
@@ -326,9 +354,10 @@ def _views_are_parameter_memory(pieces: list[Any], chunks: list[Any]) -> bool:
 
 
 def _gen_case(rank: int, layout_name: str, model: str, address: str, tmp: str) -> dict[str, Any]:
+    from refit_dtensor import build_model, init_mesh, shard_model
+
     from refit_core import RefitOptions, RefitReceiver
     from refit_core.verify import mismatches
-    from refit_dtensor import build_model, init_mesh, shard_model
 
     config = MODELS[model]
     layout = ParallelLayout(fsdp=GEN_WORLD)

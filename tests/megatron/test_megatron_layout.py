@@ -14,7 +14,7 @@ from refit_core.models import PRESETS
 
 pytest.importorskip("refit_megatron")
 
-from refit_megatron.layout import coordinates, layout_pieces  # noqa: E402
+from refit_megatron.layout import coordinates, layout_pieces
 
 PLANS = [
     ("tiny-llama", "megatron:tp=2,pp=2", "vllm:tp=2"),

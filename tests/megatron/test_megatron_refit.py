@@ -11,10 +11,16 @@ the 4 ranks. Two steps with different weights, each checked bit for bit against 
 from __future__ import annotations
 
 import pytest
+from megatron_ranks import (
+    FORWARD_CASES,
+    GEN_WORLD,
+    TRAIN_WORLD,
+    case_id,
+    cases,
+    refit_ranks,
+)
 
 from refit_core.launch import free_port, spawn
-
-from megatron_ranks import FORWARD_CASES, GEN_WORLD, TRAIN_WORLD, case_id, cases, refit_ranks
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("refit_dtensor")

@@ -24,9 +24,17 @@ for _k, _v in ENV.items():
     os.environ.setdefault(_k, _v)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
-from megatron_ranks import MODELS, STEPS, assemble, listen_port, local_shards, next_step, to_hf  # noqa: E402
+import torch
+from megatron_ranks import (
+    GROUPED_GEMM,
+    MODELS,
+    STEPS,
+    assemble,
+    listen_port,
+    local_shards,
+    next_step,
+    to_hf,
+)
 
 NEW_TOKENS = 12
 
@@ -35,17 +43,23 @@ def trainer(rank: int, world: int, model: str, layout_text: str, rendezvous: str
             steps: tuple[int, ...]) -> None:
     """One megatron train rank: build, then per step write the HF reference and send."""
     import torch.distributed as dist
+    from refit_megatron import (
+        BuildOptions,
+        MegatronSource,
+        build_gpt,
+        destroy_parallel,
+        init_parallel,
+    )
+    from refit_vllm.reference import write_model_dir
 
     from refit_core import ParallelLayout, RefitOptions, RefitSender
-    from refit_megatron import BuildOptions, MegatronSource, build_gpt, destroy_parallel, init_parallel
-    from refit_vllm.reference import write_model_dir
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     config = MODELS[model]
     layout = ParallelLayout.parse(layout_text)
     init_parallel(layout)
-    chunks = build_gpt(config, layout, BuildOptions())
+    chunks = build_gpt(config, layout, BuildOptions(grouped_gemm=model in GROUPED_GEMM))
     sender = RefitSender(MegatronSource(chunks, config), rendezvous=rendezvous, rank=rank, world_size=world,
                          options=RefitOptions(timeout_s=120))
     sender.setup()
@@ -64,13 +78,13 @@ def trainer(rank: int, world: int, model: str, layout_text: str, rendezvous: str
 
 
 def run(cases: list[tuple[str, str]]) -> dict[str, Any]:
+    from refit_vllm.demo import engine_kwargs, prompts_for
+    from refit_vllm.reference import hf_greedy, write_model_dir
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
     from refit_core.launch import free_port, spawn
     from refit_core.models import reference_state_dict
-    from refit_vllm.demo import engine_kwargs, prompts_for
-    from refit_vllm.reference import hf_greedy, write_model_dir
 
     result: dict[str, Any] = {}
     engines: dict[str, Any] = {}
@@ -87,7 +101,8 @@ def run(cases: list[tuple[str, str]]) -> dict[str, Any]:
         rendezvous = f"127.0.0.1:{listen_port()}"
         errors: list[str] = []
 
-        def train(layout_text: str = layout_text, model: str = model, tmp: str = tmp) -> None:
+        def train(layout_text: str = layout_text, model: str = model, tmp: str = tmp, rendezvous: str = rendezvous,
+                  errors: list[str] = errors) -> None:
             try:
                 spawn(trainer, 2, model, layout_text, rendezvous, free_port(), tmp, STEPS, timeout_s=600)
             except BaseException as exc:  # noqa: BLE001 - reported in the result
