@@ -186,7 +186,8 @@ def _markdown(r: dict[str, Any]) -> str:
     return "\n".join([
         f"# megatron-core -> vLLM layout refit ({r['model']}, {r['device']}, {r['environment']['gpu']})",
         "",
-        "| bytes | HF tensors | source pieces | wire | refit | refit / wire | bitwise | setup: pieces | setup: plan + bind |",
+        ("| bytes | HF tensors | source pieces | wire | refit | refit / wire | bitwise | setup: pieces "
+         "| setup: plan + bind |"),
         "|---:|---:|---:|---:|---:|---:|:-:|---:|---:|",
         (f"| {r['bytes'] / 1e9:.2f} GB | {r['hf_tensors']} | {r['source_pieces']} | {r['wire_s'] * 1e3:.1f} ms, "
          f"{r['wire_gbps']:.0f} GB/s | {r['refit_s'] * 1e3:.1f} ms, {r['refit_gbps']:.0f} GB/s | "

@@ -188,7 +188,8 @@ def to_hf(mg: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torc
         elif rest == "mlp.linear_fc1.weight":
             hf[f"{p}.mlp.gate_proj.weight"], hf[f"{p}.mlp.up_proj.weight"] = tensor.chunk(2)
         elif rest == "mlp.shared_experts.linear_fc1.weight":
-            hf[f"{p}.mlp.shared_experts.gate_proj.weight"], hf[f"{p}.mlp.shared_experts.up_proj.weight"] = tensor.chunk(2)
+            shared = f"{p}.mlp.shared_experts"
+            hf[f"{shared}.gate_proj.weight"], hf[f"{shared}.up_proj.weight"] = tensor.chunk(2)
         elif rest == "mlp.experts.experts.linear_fc1.weight":
             for e in range(tensor.shape[0]):
                 g, u = tensor[e].chunk(2)
@@ -251,6 +252,10 @@ def listen_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+def _layout_keys(pieces: list[Any]) -> list[tuple]:
+    return sorted(((p.spec.name, p.spec.shape, p.spec.dtype, p.box) for p in pieces), key=str)
+
+
 def _ddp(chunk: Any, distributed_optimizer: bool) -> Any:
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -306,8 +311,7 @@ def _train_case(rank: int, layout_name: str, model: str, address: str, tmp: str)
     checks["views_share_parameter_memory"] = _views_are_parameter_memory(live, chunks)
     if model not in GROUPED_GEMM:
         predicted = layout_pieces(config, layout, rank)
-        key = lambda p: (p.spec.name, p.spec.shape, p.spec.dtype, p.box)
-        checks["metadata_layout_equal"] = sorted(map(key, live), key=str) == sorted(map(key, predicted), key=str)
+        checks["metadata_layout_equal"] = _layout_keys(live) == _layout_keys(predicted)
     sender = RefitSender(source, rendezvous=address, rank=rank, world_size=TRAIN_WORLD,
                          options=RefitOptions(timeout_s=90, bucket_bytes=1 << 20,
                                               allow_unused_sources=model in HF_BUFFER_MODELS))

@@ -32,8 +32,9 @@ CASES = [("tp=2,ep=2", "moe"), ("pp=2", "moe-legacy-grouped")]
 def run_case(layout: str, model: str) -> dict:
     """One engine per process: vLLM's process-global state does not survive a second engine."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, str(SCENARIO), json.dumps({"cases": [[layout, model]]})], stdout=out, stderr=err,
-                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        command = [sys.executable, str(SCENARIO), json.dumps({"cases": [[layout, model]]})]
+        proc = subprocess.Popen(command, stdout=out, stderr=err, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         try:
             proc.wait(timeout=1200)
         except subprocess.TimeoutExpired:

@@ -24,8 +24,8 @@ for _k, _v in ENV.items():
     os.environ.setdefault(_k, _v)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch
-from megatron_ranks import (
+import torch  # noqa: E402 - after the environment vLLM reads at import
+from megatron_ranks import (  # noqa: E402
     GROUPED_GEMM,
     MODELS,
     STEPS,

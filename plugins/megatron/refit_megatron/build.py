@@ -71,7 +71,7 @@ def transformer_config(config: dict[str, Any], layout: ParallelLayout, options: 
 
     family = family_of(config)
     dtype = options.dtype
-    kwargs: dict[str, Any] = dict(  # noqa: C408 - TransformerConfig's keyword names, as keywords
+    kwargs: dict[str, Any] = dict(
         num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
         num_attention_heads=config["num_attention_heads"],
         ffn_hidden_size=config["intermediate_size"],

@@ -7,6 +7,8 @@ or without q-LoRA, shared experts, the router's score-correction bias, MTP layer
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 import torch
@@ -19,6 +21,13 @@ from .families import family_of
 
 def hf_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:
     """Every tensor of the HF checkpoint of ``config`` (per-expert names), by name."""
+    return _specs(json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _specs(config_json: str) -> dict[str, TensorSpec]:
+    """:func:`hf_specs`, computed once per config (``refit plan`` asks for every rank)."""
+    config = json.loads(config_json)
     family = family_of(config)
     if family.name == "deepseek_v3":
         specs = _deepseek_v3(config)
@@ -64,7 +73,8 @@ def _deepseek_v3(config: dict[str, Any]) -> list[TensorSpec]:
     for layer in range(layers + int(config.get("num_nextn_predict_layers") or 0)):
         p = f"model.layers.{layer}"
         if layer >= layers:
-            specs += [TensorSpec(f"{p}.enorm.weight", (hidden,), dtype), TensorSpec(f"{p}.hnorm.weight", (hidden,), dtype),
+            specs += [TensorSpec(f"{p}.enorm.weight", (hidden,), dtype),
+                      TensorSpec(f"{p}.hnorm.weight", (hidden,), dtype),
                       TensorSpec(f"{p}.eh_proj.weight", (hidden, 2 * hidden), dtype),
                       TensorSpec(f"{p}.shared_head.norm.weight", (hidden,), dtype)]
         specs += _attention_mla(config, p, dtype)
