@@ -207,7 +207,7 @@ def next_step(chunks: list[Any]) -> None:
     """Change every parameter and buffer refit sends, in place and alike on every replica."""
     for chunk in chunks:
         for _, param in chunk.named_parameters():
-            param.mul_(-0.5).add_(0.0078125)
+            param.mul_(0.75).add_(0.0078125)
         for name, buffer in chunk.named_buffers():
             if name.endswith("expert_bias"):
                 buffer.add_(torch.arange(buffer.numel(), dtype=buffer.dtype).reshape(buffer.shape) * 0.25 + 1)
