@@ -323,9 +323,10 @@ class RefitReceiver(_Endpoint):
     side = GEN
 
     def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
-                 options: RefitOptions | None = None, plugins: PluginManager | None = None) -> None:
+                 options: RefitOptions | None = None, plugins: PluginManager | None = None,
+                 host_id: str | None = None) -> None:
         super().__init__(model, rendezvous=rendezvous, rank=rank, world_size=world_size, options=options,
-                         plugins=plugins)
+                         plugins=plugins, host_id=host_id)
         self._loader: list[TensorSpec] = []
         """The logical tensors of the loader path (received whole, handed to ``refit_load_weights``)."""
         self._bound = False
