@@ -170,6 +170,8 @@ def build_gpt(config: dict[str, Any], layout: ParallelLayout, options: BuildOpti
                 position_embedding_type="rope", rotary_base=int(config.get("rope_theta", 10000)),
                 mtp_block_spec=mtp, vp_stage=vp,
             )
+        if options.device == "cuda":  # the local spec's plain torch norms are created on the CPU
+            model = model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
 
