@@ -9,6 +9,7 @@ weights are built on it, so no model has to be instantiated.
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from collections import defaultdict
@@ -179,8 +180,14 @@ def checkpoint_specs(config: dict[str, Any], *, grouped: bool = True) -> list[Te
     With ``grouped`` (the default) per-expert tensors are returned as stacked logical tensors
     (``...experts.gate_proj.weight`` of shape ``[E, I, H]``); otherwise one spec per expert.
     """
-    specs, _ = config_specs(config)
-    return group_specs(specs) if grouped else specs
+    return list(_checkpoint_specs(json.dumps(config, sort_keys=True), grouped))
+
+
+@functools.lru_cache(maxsize=16)
+def _checkpoint_specs(config_json: str, grouped: bool) -> tuple[TensorSpec, ...]:
+    """Cached per config: ``refit plan`` asks once per rank, and grouping 18k experts is not free."""
+    specs, _ = config_specs(json.loads(config_json))
+    return tuple(group_specs(specs) if grouped else specs)
 
 
 def reference_tensor(spec: TensorSpec, seed: int, step: int, device: str | torch.device = "cpu") -> torch.Tensor:

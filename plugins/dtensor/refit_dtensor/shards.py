@@ -7,12 +7,13 @@ parameter's local storage. The same code runs on metadata (``layout.py``), with 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from refit_core import PluginError, TensorSpec
+from refit_core import Box, PluginError, TensorSpec
 from refit_core.pieces import Piece
 
 from .names import Naming, Target, named_parameters, unwrap
@@ -21,23 +22,39 @@ from .placements import LocalBlock, tensor_blocks
 P = TypeVar("P", bound=Piece)
 
 
+@dataclass(frozen=True)
+class TargetPlacement:
+    """Checkpoint tensor ``targets[target]`` meets ``block``: ``inside`` (relative to the block's box)
+    is ``hf_box`` of the checkpoint tensor."""
+
+    target: int
+    block: LocalBlock
+    inside: Box
+    hf_box: Box
+
+
+def placements_of(targets: Sequence[Target], blocks: Sequence[LocalBlock]) -> Iterator[TargetPlacement]:
+    """Every non-empty meeting of a parameter's checkpoint targets with its blocks on this rank."""
+    for index, target in enumerate(targets):
+        for block in blocks:
+            placed = target.place(block.box)
+            if placed is not None:
+                yield TargetPlacement(index, block, *placed)
+
+
 def param_pieces(kind: type[P], targets: Sequence[Target], dtype: torch.dtype, blocks: Sequence[LocalBlock],
                  local: torch.Tensor | None) -> list[P]:
     """The pieces of one parameter, given its blocks on this rank and its checkpoint targets."""
     pieces: list[P] = []
-    for target in targets:
-        spec = TensorSpec(target.name, target.shape, dtype)
-        for block in blocks:
-            placed = target.place(block.box)
-            if placed is None:
-                continue
-            inside, hf_box = placed
-            view = None
-            if local is not None:
-                view = inside.slice_of(block.local.slice_of(local))
-                if target.perm != tuple(range(len(target.perm))):
-                    view = view.permute(target.perm)
-            pieces.append(kind(spec, hf_box, view))
+    specs = [TensorSpec(target.name, target.shape, dtype) for target in targets]
+    for placed in placements_of(targets, blocks):
+        view = None
+        if local is not None:
+            target = targets[placed.target]
+            view = placed.inside.slice_of(placed.block.local.slice_of(local))
+            if target.perm != tuple(range(len(target.perm))):
+                view = view.permute(target.perm)
+        pieces.append(kind(specs[placed.target], placed.hf_box, view))
     return pieces
 
 

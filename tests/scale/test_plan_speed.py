@@ -1,0 +1,53 @@
+"""Planning from metadata is fast and plans exactly what it planned before it was made fast.
+
+The fingerprints below were recorded with the planner, schedule and layout hooks as they were
+before the speed work (main at 61c9e1a): the same input must give the same schedule, segment for
+segment. Timings are not asserted here (this machine is shared); README's numbers come from
+``refit plan`` runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from refit_core.layout import parse_backend_layout
+from refit_core.metaplan import plan_from_metadata
+from refit_core.models import load_config
+from refit_core.plugins import get_plugin_manager
+
+RECORDED = [  # (model, train, gen, fingerprint, messages, segments)
+    ("tiny-qwen3-moe", "dtensor:fsdp=2", "vllm:tp=2", "a7f5ffc2e1922943", 4, 92),
+    ("tiny-llama", "dtensor:fsdp=2,tp=2", "vllm:tp=2,dp=2", "60c98acc4bc4368a", 8, 168),
+    ("tiny-mixtral", "dtensor:fsdp=2,tp=2", "vllm:tp=2,ep=2", "1e3747f0ca86a2c6", 4, 92),
+    ("tiny-qwen3-tied", "dtensor:fsdp=3", "vllm:tp=2,pp=2", "b65b50792fcfd022", 12, 126),
+    ("tiny-qwen3-moe", "dtensor:dp=2,fsdp=2,tp=2", "dtensor:fsdp=4", "e380c2025c5b738d", 16, 116),
+    ("tiny-qwen3", "dtensor:fsdp=5,tp=2", "vllm:tp=4,dp=2", "7d56ec9500179b70", 60, 872),
+]
+LARGE = [
+    ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2", "e5328e57a6cd522c", 192, 13440),
+    ("qwen3-30b-a3b-shape", "dtensor:fsdp=16,tp=8", "vllm:tp=8", "6c4f645124245b95", 1024, 215424),
+]
+
+
+def _plan(model: str, train: str, gen: str):
+    train_backend, train_layout = parse_backend_layout(train)
+    gen_backend, gen_layout = parse_backend_layout(gen)
+    return plan_from_metadata(get_plugin_manager(), load_config(model), train_backend, train_layout,
+                              gen_backend, gen_layout).schedule
+
+
+@pytest.mark.parametrize(("model", "train", "gen", "fingerprint", "messages", "segments"), RECORDED,
+                         ids=[f"{m}-{t}-{g}" for m, t, g, *_ in RECORDED])
+def test_plan_keeps_the_recorded_fingerprint(model, train, gen, fingerprint, messages, segments) -> None:
+    schedule = _plan(model, train, gen)
+    assert (schedule.fingerprint, schedule.summary.messages, schedule.summary.segments) == (
+        fingerprint, messages, segments)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "train", "gen", "fingerprint", "messages", "segments"), LARGE,
+                         ids=[f"{m}-{t}-{g}" for m, t, g, *_ in LARGE])
+def test_large_plan_keeps_the_recorded_fingerprint(model, train, gen, fingerprint, messages, segments) -> None:
+    schedule = _plan(model, train, gen)
+    assert (schedule.fingerprint, schedule.summary.messages, schedule.summary.segments) == (
+        fingerprint, messages, segments)
