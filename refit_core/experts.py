@@ -93,6 +93,16 @@ def group_piece(piece: Piece, namer: ExpertNamer, counts: dict[str, int]) -> Pie
     return type(piece)(meta.spec, meta.box, view)
 
 
+def _memoized(namer: ExpertNamer) -> ExpertNamer:
+    answers: dict[str, ExpertName | None] = {}
+
+    def named(name: str) -> ExpertName | None:
+        if name not in answers:
+            answers[name] = namer(name)
+        return answers[name]
+    return named
+
+
 @dataclass(frozen=True)
 class GroupedSide:
     """One side's metadata with per-expert pieces grouped, and the number of experts per group."""
@@ -103,6 +113,7 @@ class GroupedSide:
 
 def group_side(ranks: Sequence[Sequence[PieceMeta]], namer: ExpertNamer) -> GroupedSide:
     """Every rank's metadata of one side with per-expert pieces grouped, and the experts per group."""
+    namer = _memoized(namer)  # ranks repeat the same few names many times over
     counts = expert_counts(ranks, namer)
     return GroupedSide([[group_meta(m, namer, counts) for m in metas] for metas in ranks], counts)
 

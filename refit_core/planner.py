@@ -55,7 +55,7 @@ def _specs_by_name(side: str, ranks: Sequence[Sequence[PieceMeta]]) -> dict[str,
     for rank, metas in enumerate(ranks):
         for meta in metas:
             known = specs.setdefault(meta.spec.name, meta.spec)
-            if known != meta.spec:
+            if known is not meta.spec and known != meta.spec:
                 raise PlanError(f"{side} ranks disagree on {meta.spec.name}: {known.shape} {known.dtype} "
                                 f"vs {meta.spec.shape} {meta.spec.dtype} on {side} rank {rank}")
     return specs

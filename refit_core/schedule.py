@@ -296,11 +296,20 @@ def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[
                 agreed_settings: str = "") -> str:
     """A digest of everything both sides must agree on: ranks, settings, every segment."""
     h = hashlib.sha256(f"{num_src}/{num_dst}/{bucket_bytes}/{agreed_settings}".encode())
+    text: dict[object, str] = {}  # the same tuples and dtypes recur: format each once
+
+    def shown(value: object) -> str:
+        if value not in text:
+            text[value] = str(value)
+        return text[value]
+
     for r, msgs in enumerate(rounds):
         for m in msgs:
-            h.update(f"|{r}:{m.src}>{m.dst}:{m.nbytes}".encode())
+            parts = [f"|{r}:{m.src}>{m.dst}:{m.nbytes}"]
             for s, d in zip(m.src_segments, m.dst_segments):
-                h.update(f";{s.piece}{s.box.offsets}{s.box.sizes}>{d.piece}{d.box.offsets}@{s.offset}{s.dtype}".encode())
+                parts.append(f";{s.piece}{shown(s.box.offsets)}{shown(s.box.sizes)}>{d.piece}"
+                             f"{shown(d.box.offsets)}@{s.offset}{shown(s.dtype)}")
+            h.update("".join(parts).encode())  # sha256 of a concatenation: as if fed piece by piece
     return h.hexdigest()[:16]
 
 
