@@ -32,6 +32,11 @@ class BoxIndex:
     def _end(self, box: Box) -> int:
         return box.ends[self.dim] if box.ndim else 1
 
+    def separated(self) -> bool:
+        """True when no two boxes share a point on the sweep dimension (so none overlap at all);
+        False says nothing either way."""
+        return all(start >= end for start, end in zip(self.starts[1:], self.max_ends))
+
     def overlapping(self, query: Box) -> list[tuple[int, Box]]:
         """``(index, intersection)`` of every indexed box that overlaps ``query``, in index order."""
         lo = bisect.bisect_right(self.max_ends, self._start(query))

@@ -120,7 +120,7 @@ def _source_regions(name: str, holders: list[_Holder]) -> tuple[list[_SourceRegi
             by_box.setdefault(holder.box, _SourceRegion(holder.box, [])).holders.append(holder)
     regions = sorted(by_box.values(), key=lambda r: (r.box.offsets, r.box.sizes))
     index = BoxIndex([r.box for r in regions])
-    for i, a in enumerate(regions):
+    for i, a in enumerate(regions if not index.separated() else ()):
         for j, _ in index.overlapping(a.box):
             if j > i:
                 b = regions[j]
@@ -183,11 +183,14 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
                 raise PlanError(f"{name}: {dst.box.numel - covered} of {dst.box.numel} elements of box "
                                 f"{dst.box} on gen rank {dst.rank} are held by no train rank")
 
-    load: dict[int, int] = defaultdict(int)
-    chosen: dict[int, _Holder] = {}
-    for i in sorted(range(len(pending)), key=lambda i: (-pending[i].nbytes, i)):
-        holder = min(pending[i].source.holders, key=lambda h: (load[h.rank], h.rank))
-        load[holder.rank] += pending[i].nbytes
+    load = [0] * len(src_ranks)
+    chosen: list[_Holder] = [None] * len(pending)  # type: ignore[list-item]
+    sizes = [p.nbytes for p in pending]
+    # largest first, ties in pending order (a stable sort keeps it under reverse=True)
+    for i in sorted(range(len(pending)), key=sizes.__getitem__, reverse=True):
+        holders = pending[i].source.holders
+        holder = holders[0] if len(holders) == 1 else min(holders, key=lambda h: (load[h.rank], h.rank))
+        load[holder.rank] += sizes[i]
         chosen[i] = holder
 
     transfers = []

@@ -230,7 +230,8 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
             builder = _MessageBuilder(bucket_bytes, messages) if nbytes >= formation.direct_min_bytes else shared
         for p in unit.parts:
             t = p.transfer
-            part = Transfer(t.name, t.src, t.src_piece, p.src, t.dst, t.dst_piece, p.dst, t.dtype)
+            whole = p.src is t.src_box and p.dst is t.dst_box
+            part = t if whole else Transfer(t.name, t.src, t.src_piece, p.src, t.dst, t.dst_piece, p.dst, t.dtype)
             for src_box, dst_box in _split_transfer(part, bucket_bytes):
                 builder.add(t, src_box, dst_box)
         if builder is not shared:

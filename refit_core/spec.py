@@ -74,7 +74,7 @@ class Box:
     def ndim(self) -> int:
         return len(self.sizes)
 
-    @functools.cached_property
+    @property
     def numel(self) -> int:
         return math.prod(self.sizes)
 
