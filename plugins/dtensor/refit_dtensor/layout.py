@@ -65,6 +65,8 @@ class _Inventory:
 
     params: tuple[_Param, ...]
     specs: tuple[tuple[TensorSpec, ...], ...]
+    kinds: tuple[int, ...]
+    """``kinds[i]``: the index of the first parameter with parameter i's signature."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,7 +91,9 @@ def _meta_inventory(config_json: str) -> _Inventory:
     dtype = config_dtype(config)
     specs = tuple(tuple(TensorSpec(t.name, t.shape, dtype) for t in p.targets) for p in params)
     _check_against_core(config, [spec for group in specs for spec in group])
-    return _Inventory(tuple(params), specs)
+    first: dict[tuple, int] = {}
+    kinds = tuple(first.setdefault(p.signature, i) for i, p in enumerate(params))
+    return _Inventory(tuple(params), specs, kinds)
 
 
 def layout_pieces(kind: type[Piece], config: dict[str, Any], layout: ParallelLayout, rank: int) -> list[Piece]:
@@ -101,10 +105,9 @@ def layout_pieces(kind: type[Piece], config: dict[str, Any], layout: ParallelLay
     coordinate = dict(zip(("dp", "fsdp", "tp"), rank_coordinate(layout, rank)))
     sizes = {"dp": layout.dp, "fsdp": layout.fsdp, "tp": layout.tp}
     inventory = _meta_inventory(json.dumps(config, sort_keys=True))
-    placed: dict[tuple, list[tuple[int, Box]]] = {}
+    placed: dict[int, list[tuple[int, Box]]] = {}
     pieces: list[Piece] = []
-    for param, specs in zip(inventory.params, inventory.specs):
-        signature = param.signature
+    for param, specs, signature in zip(inventory.params, inventory.specs, inventory.kinds):
         boxes = placed.get(signature)
         if boxes is None:
             dims, placements = predicted_placements(layout, param.tp_dim)

@@ -79,8 +79,25 @@ def _key(placement: Placement) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _dim_runs(size: int, shardings: tuple[tuple[tuple[int, int], int, int], ...]) -> tuple[tuple[int, int, int], ...]:
-    placements = [(_StridedShard(0, split_factor=k[1]) if k[0] else Shard(0), n, c) for k, n, c in shardings]
-    return tuple(runs(dim_indices(size, placements)))
+    every = _every_coordinate_runs(size, tuple((k, n) for k, n, _ in shardings))
+    return every[tuple(c for _, _, c in shardings)]
+
+
+@functools.lru_cache(maxsize=256)
+def _every_coordinate_runs(size: int, shardings: tuple[tuple[tuple[int, int], int], ...]
+                           ) -> dict[tuple[int, ...], tuple[tuple[int, int, int], ...]]:
+    """The runs of one tensor dimension at every mesh coordinate at once: one split yields every
+    coordinate's chunk, so describing all ranks of a layout costs about as much as describing one."""
+    level: dict[tuple[int, ...], torch.Tensor] = {(): torch.arange(size)}
+    for key, chunks in shardings:
+        placement = _StridedShard(0, split_factor=key[1]) if key[0] else Shard(0)
+        split: dict[tuple[int, ...], torch.Tensor] = {}
+        for coordinate, index in level.items():
+            pieces, _ = placement._split_tensor(index, chunks, with_padding=False, contiguous=False)
+            for c in range(chunks):
+                split[(*coordinate, c)] = pieces[c]
+        level = split
+    return {coordinate: tuple(runs(index)) for coordinate, index in level.items()}
 
 
 def shard_order(placements: Sequence[Placement], ndim: int,
