@@ -9,7 +9,7 @@ a :class:`~refit_core.errors.PlanError` naming the tensors, raised before any co
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,12 +151,16 @@ def _split_rows(box: Box, parts: int) -> list[Box]:
 
 def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence[Sequence[PieceMeta]], *,
                    cast: CastPolicy | str = CastPolicy.CAST, allow_unused_sources: bool = False,
-                   balance_split_bytes: int = 1 << 20) -> list[Transfer]:
+                   balance_split_bytes: int = 1 << 20,
+                   distance: Callable[[int, int], int] | None = None) -> list[Transfer]:
     """Match destinations to sources and balance replicas; deterministic for the same input.
 
     Each destination region is served by one replica; regions of at least ``balance_split_bytes``
     held by several replicas are cut into one slab per replica first, then every region goes to the
     least-loaded replica, largest regions first, so the busiest sender sends as little as possible.
+    ``distance(train_rank, gen_rank)`` (e.g. :meth:`refit_core.simulate.Placement.distance`), when
+    given, ranks replicas first: the nearest replicas to the receiver (same GPU, then same node) are
+    the only candidates, and load balances among them, spreading a node's traffic over its GPUs' links.
     """
     src_specs = _specs_by_name("train", src_ranks)
     dst_specs = _specs_by_name("gen", dst_ranks)
@@ -189,6 +193,10 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     # largest first, ties in pending order (a stable sort keeps it under reverse=True)
     for i in sorted(range(len(pending)), key=sizes.__getitem__, reverse=True):
         holders = pending[i].source.holders
+        if len(holders) > 1 and distance is not None:
+            receiver = pending[i].dst.rank
+            nearest = min(distance(h.rank, receiver) for h in holders)
+            holders = [h for h in holders if distance(h.rank, receiver) == nearest]
         holder = holders[0] if len(holders) == 1 else min(holders, key=lambda h: (load[h.rank], h.rank))
         load[holder.rank] += sizes[i]
         chosen[i] = holder

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 from .errors import RefitError
@@ -101,6 +101,12 @@ class Placement:
         per_node = topology.gpus_per_node
         first_gen = -(-train_ranks // per_node) * per_node if train_ranks >= per_node else train_ranks
         return cls(tuple(range(train_ranks)), tuple(range(first_gen, first_gen + gen_ranks)))
+
+    def distance(self, topology: Topology) -> Callable[[int, int], int]:
+        """``distance(train_rank, gen_rank)`` for the planner's replica choice: 0 on the same GPU,
+        1 within a node (NVLink), 2 across nodes (the NICs)."""
+        order = {LinkKind.LOCAL: 0, LinkKind.NVLINK: 1, LinkKind.NIC: 2}
+        return lambda src, dst: order[topology.link(self.train[src], self.gen[dst])]
 
     @classmethod
     def colocated(cls, train_ranks: int, gen_ranks: int) -> Placement:
