@@ -62,6 +62,9 @@ class _Sync:
         self.store.add(key, 1)
         while self.store.add(key, 0) < 2:
             time.sleep(0.0002)
+        self.store.add(key, 1)  # seen: the store's host (rank 0) must not exit before its peer got here
+        while self.rank == 0 and self.store.add(key, 0) < 4:
+            time.sleep(0.0002)
 
     def signal(self, key: str, value: bytes = b"1") -> None:
         self.store.set(key, value)  # type: ignore[arg-type]  # torch's stub says str; bytes are stored as is
