@@ -13,10 +13,23 @@ from typing import Any
 
 import torch
 
-from refit_core import TensorSpec
+from refit_core import SourcePiece, TensorSpec
 from refit_core.models import checkpoint_specs, config_dtype
 
 from .families import family_of
+
+
+def in_checkpoint_order(config: dict[str, Any], pieces: list[SourcePiece]) -> list[SourcePiece]:
+    """``pieces`` sorted by their tensor's place in the HF checkpoint, then by box offsets.
+
+    The live path walks megatron's modules (whose registration order is not the family table's:
+    ``linear_proj`` comes before ``linear_qkv``), the metadata path walks the table; both answer in
+    this one order, so that ``refit plan``'s schedule (and its fingerprint) is the live one. Names
+    outside the per-expert inventory (legacy ``GroupedMLP``'s stacked experts) keep their order, last.
+    """
+    order = {name: i for i, name in enumerate(hf_specs(config))}
+    last = len(order)
+    return sorted(pieces, key=lambda p: (order.get(p.spec.name, last), p.box.offsets))
 
 
 def hf_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:

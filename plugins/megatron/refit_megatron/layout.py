@@ -20,7 +20,7 @@ from refit_core import ParallelLayout, PluginError, SourcePiece, TensorSpec
 from refit_core.models import config_dtype
 
 from .build import padded_vocab
-from .checkpoint import hf_specs
+from .checkpoint import hf_specs, in_checkpoint_order
 from .facts import ModelFacts, layer_prefix
 from .families import MTP, TOP, Kind, Rule
 from .rules import Param, Split, pieces_of
@@ -78,7 +78,7 @@ def layout_pieces(config: dict[str, Any], layout: ParallelLayout, rank: int) -> 
             pieces += maker.top("decoder.final_layernorm.weight")
             if not facts.tied:
                 pieces += maker.top("output_layer.weight")
-    return pieces
+    return in_checkpoint_order(config, pieces)
 
 
 class _Maker:

@@ -19,6 +19,7 @@ import torch
 
 from refit_core import PluginError, SourcePiece
 
+from .checkpoint import in_checkpoint_order
 from .facts import ModelFacts, layer_prefix, match
 from .families import MTP, TOP, Kind, Rule
 from .rules import GroupedParam, Param, Split, pieces_of
@@ -101,7 +102,7 @@ def live_pieces(source: MegatronSource) -> list[SourcePiece]:
             if rule is None or rule.buffer != is_buffer:
                 continue
             pieces += _param_pieces(facts, rule, name, tensor, hf_prefix, local_expert, ranks)
-    return pieces
+    return in_checkpoint_order(source.hf_config, pieces)
 
 
 def _tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
