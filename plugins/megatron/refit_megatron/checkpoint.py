@@ -20,14 +20,17 @@ from .families import family_of
 
 
 def in_checkpoint_order(config: dict[str, Any], pieces: list[SourcePiece]) -> list[SourcePiece]:
-    """``pieces`` sorted by their tensor's place in the HF checkpoint, then by box offsets.
+    """``pieces`` sorted by their tensor's place in :func:`hf_specs` (the inventory's order), then by box offsets.
 
     The live path walks megatron's modules (whose registration order is not the family table's:
     ``linear_proj`` comes before ``linear_qkv``), the metadata path walks the table; both answer in
     this one order, so that ``refit plan``'s schedule (and its fingerprint) is the live one. Names
     outside the per-expert inventory (legacy ``GroupedMLP``'s stacked experts) keep their order, last.
     """
-    order = {name: i for i, name in enumerate(hf_specs(config))}
+    try:
+        order = {name: i for i, name in enumerate(hf_specs(config))}
+    except (TypeError, ValueError):  # a config dict that is not JSON (a torch.dtype value): offsets only
+        order = {}
     last = len(order)
     return sorted(pieces, key=lambda p: (order.get(p.spec.name, last), p.box.offsets))
 
