@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import RefitError, TransferError
-from .lanes import Lane, current_work, lane_for
+from .lanes import EventFence, Lane, current_work, lane_for
 from .schedule import Message, Segment
 from .transport.base import Fence
 from .transport.mailbox import Mailbox
@@ -242,22 +242,6 @@ def coalesce(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[t
     return out
 
 
-class _PeerEvent(Fence):
-    """The trainer's interprocess event as a fence for the engine's copy lane."""
-
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        if stream is None:
-            self.event.synchronize()
-        else:
-            stream.wait_event(self.event)
-
-    def synchronize(self, timeout_s: float) -> None:
-        self.event.synchronize()
-
-
 class ColocatedReceiver:
     """A gen rank's colocated pairs: opens the trainers' memory once, copies out of it every step."""
 
@@ -346,7 +330,8 @@ class ColocatedReceiver:
                        "every train rank must call send() with the same version")
             self._publish_done(message)
             raise TransferError(message)
-        after = [current_work(self.device, "the engine's pending work"), *map(_PeerEvent, self._events.values())]
+        after = [current_work(self.device, "the engine's pending work"),
+                 *(EventFence(event, "the trainer's step") for event in self._events.values())]
         copies = self._copies
         if copies:
             dst, src = [d for d, _ in copies], [s for _, s in copies]
