@@ -9,7 +9,8 @@ and the enums of their modes), the data model plugins speak (:class:`TensorSpec`
 
 from .api import RefitReceiver, RefitSender, StepStats
 from .backend import GEN, TRAIN, Backend
-from .errors import OptionError, PlanError, PluginError, RefitError, TransferError
+from .errors import AuthenticationError, OptionError, PlanError, PluginError, RefitError, RendezvousError, TransferError
+from .failures import StepFailedError, StepFailure, UpdateMode
 from .experts import ExpertName
 from .layout import ParallelLayout
 from .options import CastPolicy, MessageMode, MessageOptions, NcclBackend, NcclOptions, RefitOptions, TransportKind
@@ -22,4 +23,5 @@ __all__ = [
     "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "OptionError", "ParallelLayout", "PlanError",
     "PluginError", "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "SourcePiece", "StepStats",
     "TensorSpec", "TransferError", "TransportKind", "get_plugin_manager", "hookimpl",
+    "AuthenticationError", "RendezvousError", "StepFailedError", "StepFailure", "UpdateMode",
 ]

@@ -14,13 +14,16 @@ from typing import Any
 
 import torch
 
+from . import wire
+from .auth import JobCredentials
 from .backend import GEN, TRAIN
 from .env import with_overrides
 from .colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
 from .errors import PlanError, RefitError, TransferError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
 from .experts import ExpertNaming, group_piece, group_side
-from .options import RefitOptions
+from .failures import StepFailedError, StepFailure
+from .options import RefitOptions, UpdateMode
 from .pieces import DestinationPiece, Piece, PieceMeta
 from .planner import plan_transfers
 from .plugins import PluginManager, get_plugin_manager
@@ -30,6 +33,7 @@ from .spec import TensorSpec
 from .transport import Transport, open_transport
 from .transport.placement import Link, Placement, pair_links, placement_of
 from .units import format_bytes
+from .validate import check_no_overlap, check_view
 
 log = logging.getLogger("refit")
 
@@ -79,6 +83,9 @@ class _Endpoint:
         """Every pair's link after setup (identical on every rank), see :mod:`refit_core.transport.placement`."""
         self._colocated: ColocatedSender | ColocatedReceiver | None = None
         self._colocated_bound = False
+        self._bound_names: list[str] = []
+        self._steps = 0  # steps since setup (landing keys of staged mode)
+        self._broken: str | None = None  # why the last step failed; a new setup() clears it
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -86,24 +93,39 @@ class _Endpoint:
         raise NotImplementedError
 
     def setup(self) -> Schedule:
-        """Exchange metadata, plan, check agreement and open the transport. Collective over both sides."""
+        """Exchange metadata, plan, check agreement and open the transport. Collective over both sides.
+
+        Every wait has the deadline ``options.timeout_s``; a failure on any rank (including while the
+        transport opens) reaches every other rank at once. After a failed setup or step, calling
+        ``setup()`` again (same address) starts over: it closes what is left first.
+        """
         start = time.perf_counter()
-        self._rdv = Rendezvous(self.address, host=self._hosts_store, timeout_s=self.options.timeout_s)
+        if self._rdv is not None or self.transport is not None:
+            self.close()
+        credentials = JobCredentials.of(self.options.job, self.options.secret)
+        self._rdv = Rendezvous(self.address, host=self._hosts_store, who=f"{self.side}/{self.rank}",
+                               timeout_s=self.options.timeout_s, credentials=credentials)
         self.sizes = {}
         try:
             pieces = self._local_pieces()
+            for p in pieces:
+                if p.view is not None:
+                    check_view(p.spec, p.box, p.view, destination=False)
             self.device = _device_of(pieces)
             settings, metas = self._exchange_metadata(pieces)
             schedule = self._plan(settings, metas)
+            if any(link is Link.NETWORK for link in self.links.values()):  # the same answer on every rank
+                self.transport = self._open_transport(settings)
         except Exception as exc:
             self._abort_setup(exc)
             raise
         self.settings = settings
         self.schedule = schedule
-        if any(link is Link.NETWORK for link in self.links.values()):  # the same answer on every rank
-            self.transport = open_transport(settings.transport, self._rdv.store, self._global_rank(),
-                                            sum(self.sizes.values()), self.device, settings.timeout_s,
-                                            settings.nccl)
+        self._broken = None
+        self._steps = 0
+        self._bound = False  # new executors: bind the views again
+        self._colocated_bound = False
+        self._rdv.seal()
         self._make_executors(schedule, settings)
         self._pieces = pieces
         summary = schedule.summary
@@ -111,6 +133,19 @@ class _Endpoint:
                  self.side, self.rank, time.perf_counter() - start, format_bytes(summary.bytes),
                  summary.messages, summary.rounds, schedule.fingerprint)
         return schedule
+
+    def _open_transport(self, settings: RefitOptions) -> Transport:
+        """Open the transport once every rank is ready to; a failure on any rank stops them all."""
+        rdv = self._require_rendezvous()
+        rdv.publish(f"open/{self.side}/{self.rank}", True)
+        rdv.wait(self._rank_keys("open"), "every rank to open the transport")
+        try:
+            return open_transport(settings.transport, rdv.store, self._global_rank(), sum(self.sizes.values()),
+                                  self.device, settings.timeout_s, settings.nccl)
+        except RefitError:
+            raise
+        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses
+            raise RefitError(f"the {settings.transport.value} transport did not open: {exc}") from exc
 
     @property
     def _hosts_store(self) -> bool:
@@ -129,10 +164,14 @@ class _Endpoint:
             rdv.publish("options", self.options.resolved(self.device.type).to_wire())
         (published,) = rdv.wait(["options"], "the train side's options")
         settings = self.options.agree_with(RefitOptions.from_wire(published), f"{self.side} rank {self.rank}")
-        rdv.publish(f"meta/{self.side}/{self.rank}", [p.meta for p in pieces])
+        rdv.publish(f"meta/{self.side}/{self.rank}", wire.metas_to_wire([p.meta for p in pieces]))
         rdv.publish(f"placement/{self.side}/{self.rank}", placement_of(self.device, self.host_id).encode())
-        self.sizes = dict(zip((TRAIN, GEN), rdv.wait(["size/train", "size/gen"], "both sides' sizes")))
-        metas = {side: rdv.wait([f"meta/{side}/{r}" for r in range(self.sizes[side])], f"{side} metadata")
+        sizes = rdv.wait(["size/train", "size/gen"], "both sides' sizes")
+        if not all(type(n) is int and 0 < n <= 1 << 20 for n in sizes):
+            raise RefitError(f"the rendezvous holds invalid world sizes {sizes!r:.80}")
+        self.sizes = dict(zip((TRAIN, GEN), sizes))
+        metas = {side: [wire.metas_from_wire(m, f"{side} rank {r}") for r, m in enumerate(
+                     rdv.wait([f"meta/{side}/{r}" for r in range(self.sizes[side])], f"{side} metadata"))]
                  for side in (TRAIN, GEN)}
         return settings, metas
 
@@ -207,6 +246,7 @@ class _Endpoint:
                 rdv.linger(["size/gen"], timeout_s=self.options.timeout_s)
                 self.sizes = {TRAIN: self.world_size, GEN: rdv.read("size/gen", default=0)}
             rdv.linger(self._rank_keys("done"), timeout_s=self.options.timeout_s)
+        self.close()
 
     def _global_rank(self) -> int:
         """Train ranks come first in refit's own process group, then gen ranks."""
@@ -220,32 +260,78 @@ class _Endpoint:
         assert settings.bucket_bytes is not None
         return dict(bucket_bytes=settings.bucket_bytes, num_buffers=settings.num_buffers,
                     zero_copy=settings.messages.zero_copy, fingerprint=schedule.fingerprint,
-                    timeout_s=settings.timeout_s)
+                    timeout_s=settings.timeout_s, mode=settings.mode)
 
     def _bind(self, pieces: list[Piece]) -> None:
+        """Re-check every view (see :mod:`refit_core.validate`), then resolve the schedule onto them."""
         grouped = [group_piece(p, self.plugins.expert_name, self._counts) for p in pieces]
-        views = [p.view for p in grouped]
-        if any(v is None for v in views):
+        if any(p.view is None for p in grouped):
             raise RefitError(f"{self.side} rank {self.rank}: a piece without a view cannot be bound")
+        writes = self.side == GEN
+        for p in grouped:
+            check_view(p.spec, p.box, p.view, destination=writes)
+        views = [p.view for p in grouped]
+        if writes:
+            check_no_overlap([p.spec.name for p in grouped], views)  # type: ignore[arg-type]
+        self._bound_names = [p.spec.name for p in grouped]
         if isinstance(self._colocated, ColocatedSender) and not self._colocated_bound:
             # first: on CPU, exporting moves the storages into shared memory (in place)
-            self._colocated.export(views, [p.spec.name for p in grouped])  # type: ignore[arg-type]
+            self._colocated.export(views, self._bound_names)  # type: ignore[arg-type]
             self._colocated_bound = True
         elif isinstance(self._colocated, ColocatedReceiver):
             self._colocated.bind(views)  # type: ignore[arg-type]
         if self._executor is not None:
             self._executor.bind(views)  # type: ignore[arg-type]
 
+    def _require_step(self) -> None:
+        self._require_setup()
+        if self._broken is not None:
+            raise TransferError(f"refit {self.side} rank {self.rank}: a previous step failed ({self._broken[:300]}); "
+                                "call close() and setup() again before the next step")
+
+    @property
+    def _mode(self) -> UpdateMode:
+        assert self.settings is not None
+        return self.settings.mode
+
+    def _break(self, reason: str) -> None:
+        """A step failed: drop the transport at once, so that peers still in the step see its
+        connection close and stop within seconds instead of at their deadline."""
+        self._broken = reason
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            transport.close()
+
+    def _landing_keys(self, step: int) -> list[str]:
+        return [f"landed/{step}/gen/{r}" for r in range(self.sizes[GEN])]
+
+    def _await_landing(self, step: int) -> None:
+        """Staged mode: wait until every gen rank says whether it landed ``step``; raise if one did not."""
+        try:
+            verdicts = self._require_rendezvous().wait(self._landing_keys(step), f"every gen rank to land step {step}")
+        except RefitError as exc:
+            raise TransferError(f"step {step} was not applied on any gen rank (staged mode): {exc}") from exc
+        failed = [(r, v) for r, v in enumerate(verdicts) if not (isinstance(v, dict) and v.get("ok") is True)]
+        if failed:
+            rank, verdict = failed[0]
+            reason = verdict.get("reason") if isinstance(verdict, dict) else verdict
+            raise TransferError(f"gen rank {rank} did not land step {step} ({str(reason)[:300]}); "
+                                "no gen rank applied it (staged mode): the engine keeps its previous weights")
+
     def close(self) -> None:
-        """Release the transport, the colocated peers' memory and the rendezvous connection."""
-        if self.transport is not None:
-            self.transport.close()
-        if self._colocated is not None:
-            self._colocated.close()
-        self.transport = None
-        self._colocated = None
-        self._executor = None
-        self._rdv = None
+        """Release the transport, the colocated peers' memory and the rendezvous (the host stops its
+        store and frees the port).
+
+        Safe after any failure; ``setup()`` may be called again afterwards, on the same address.
+        """
+        transport, colocated, rdv = self.transport, self._colocated, self._rdv
+        self.transport, self._colocated, self._executor, self._rdv = None, None, None, None
+        if transport is not None:
+            transport.close()
+        if colocated is not None:
+            colocated.close()
+        if rdv is not None:
+            rdv.close()
 
 
 class RefitSender(_Endpoint):
@@ -297,21 +383,32 @@ class RefitSender(_Endpoint):
 
         With colocated peers this first checks that every source tensor is still the memory shared at
         setup; if not, the step fails on this rank and on its colocated peers, naming the tensor.
+        In staged mode it returns once every gen rank has landed the step. After a failure
+        (:class:`~refit_core.errors.TransferError`), ``close()`` and ``setup()`` again.
         """
-        self._require_setup()
+        self._require_step()
+        step, self._steps = self._steps, self._steps + 1
         start = time.perf_counter()
         colocated = self._colocated
-        if isinstance(colocated, ColocatedSender):
-            problem = self._moved_sources(colocated)
-            colocated.post(version, problem)
-            if problem is not None:
-                raise TransferError(f"train rank {self.rank}: {problem}")
         executor = self._executor
         assert executor is None or isinstance(executor, SendExecutor)
-        stats = executor.run(version) if executor is not None else None
-        if isinstance(colocated, ColocatedSender):
-            colocated.wait()
-        stats = _combined(stats, version, colocated, start)
+        try:
+            if isinstance(colocated, ColocatedSender):
+                problem = self._moved_sources(colocated)
+                colocated.post(version, problem)
+                if problem is not None:
+                    raise TransferError(f"train rank {self.rank}: {problem}")
+            stats = executor.run(version) if executor is not None else None
+            if isinstance(colocated, ColocatedSender):
+                colocated.wait()
+            stats = _combined(stats, version, colocated, start)
+            if self._mode is UpdateMode.STAGED:
+                self._await_landing(step)
+        except Exception as exc:
+            self._break(str(exc))
+            if isinstance(exc, RefitError):
+                raise
+            raise TransferError(f"refit step {step} failed on train rank {self.rank}: {exc}") from exc
         log.info("refit sent version %d: %s in %.3f s (%.2f GB/s)", version, format_bytes(stats.bytes),
                  stats.seconds, stats.gbps)
         return stats
@@ -370,27 +467,52 @@ class RefitReceiver(_Endpoint):
         self._bind(self._pieces[:fast] + loaded)
         return [(s.name, b) for s, b in zip(self._loader, buffers)]
 
+    version: int | None = None  # the weight version the engine holds (None: none from refit yet)
+    last_failure: StepFailure | None = None
+
+    @property
+    def needs_refit(self) -> bool:
+        """True while the engine holds weights a failed in-place step tore: serve nothing until the
+        next successful ``receive()`` (after ``close()`` and ``setup()``)."""
+        return self.last_failure is not None and not self.last_failure.clean
+
     def receive(self) -> StepStats:
-        """Receive one step's weights into the engine; ``stats.version`` is the sender's version."""
-        self._require_setup()
+        """Receive one step's weights into the engine; ``stats.version`` is the sender's version.
+
+        On failure raises :class:`~refit_core.failures.StepFailedError`, whose ``failure`` names the
+        destination tensors the step touched (none in staged mode, unless colocated pairs, which land in
+        place, had started); ``version`` is not advanced, the plugin's ``refit_abort_update`` is told,
+        and the endpoint needs ``close()`` + ``setup()``.
+        """
+        self._require_step()
+        step, self._steps = self._steps, self._steps + 1
+        touched: set[int] = set()
+        loader_weights: list[tuple[str, torch.Tensor]] = []
+        voted = False
         try:
             loader_weights = self._bind_step()
-            stats = self._receive_parts()
+            stats = self._receive_parts(touched)
+            if self._mode is UpdateMode.STAGED:
+                self._require_rendezvous().publish(self._landing_keys(step)[self.rank], {"ok": True})
+                voted = True
+                self._await_landing(step)
+                if isinstance(self._executor, ReceiveExecutor):
+                    self._executor.commit()
             if loader_weights:
+                touched.update(range(len(self._bound_names) - len(loader_weights), len(self._bound_names)))
                 self.plugins.load_weights(self.model, self._experts.ungrouped(loader_weights))
         except Exception as exc:
-            if self.plugins.abort_update(self.model) is False:
-                exc.add_note(f"refit: gen rank {self.rank}: the engine could not restore its previous weights "
-                             "(refit_abort_update returned False); it may hold a mix of versions until the "
-                             "next successful receive()")
-            raise
+            raise self._step_failed(step, exc, voted, touched) from exc
         self.plugins.finish_update(self.model, stats.version)
+        self.version = stats.version
+        self.last_failure = None
         log.info("refit received version %d: %s in %.3f s (%.2f GB/s)", stats.version,
                  format_bytes(stats.bytes), stats.seconds, stats.gbps)
         return stats
 
-    def _receive_parts(self) -> StepStats:
-        """This step's network part and colocated part; colocated peers hear of any failure."""
+    def _receive_parts(self, touched: set[int]) -> StepStats:
+        """This step's network part and colocated part; colocated peers hear of any failure.
+        ``touched`` gathers the bound pieces whose destinations may have been written."""
         executor, colocated = self._executor, self._colocated
         assert executor is None or isinstance(executor, ReceiveExecutor)
         if not isinstance(colocated, ColocatedReceiver):
@@ -398,6 +520,7 @@ class RefitReceiver(_Endpoint):
             return executor.run()
         start = time.perf_counter()
         version = colocated.start()  # on a bad header it has told its peers already
+        touched |= self._colocated_pieces  # colocated copies land in place, also in staged mode
         try:
             stats = executor.run(version) if executor is not None else None
             if stats is not None and stats.version != version:
@@ -408,6 +531,42 @@ class RefitReceiver(_Endpoint):
             raise
         colocated.finish()
         return _combined(stats, version, colocated, start)
+
+    @property
+    def _colocated_pieces(self) -> set[int]:
+        colocated = self._colocated
+        if colocated is None:
+            return set()
+        return {seg.piece for msgs in colocated.messages.values() for m in msgs for seg in m.dst_segments}
+
+    def _step_failed(self, step: int, exc: Exception, voted: bool, touched: set[int]) -> StepFailedError:
+        """Record what a failed step touched, tell the peers and the plugin; the error to raise."""
+        executor = self._executor
+        if isinstance(executor, ReceiveExecutor):
+            touched |= executor.touched
+            executor.discard()
+        if self._mode is UpdateMode.STAGED and not voted and self._rdv is not None:
+            try:
+                self._rdv.publish(self._landing_keys(step)[self.rank], {"ok": False, "reason": str(exc)[:500]})
+            except RefitError:
+                pass  # the store's host is gone: the others fail on that too
+        names = sorted({self._bound_names[i] for i in touched if i < len(self._bound_names)})
+        failure = StepFailure(step, self._mode, str(exc), tuple(names))
+        self.last_failure = failure
+        self._break(str(exc))
+        handled = self.plugins.abort_update(self.model, list(failure.torn))
+        if failure.clean:
+            outcome = "the engine's weights are unchanged"
+        else:
+            outcome = (f"{len(names)} destination tensor(s) may be partly written (torn): "
+                       f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; the engine needs a new "
+                       f"refit and stays at version {self.version}")
+        error = StepFailedError(f"refit step {step} failed on gen rank {self.rank}: {exc}; {outcome}", failure)
+        if handled is False:
+            error.add_note(f"refit: gen rank {self.rank}: the engine could not restore its previous weights "
+                           "(refit_abort_update returned False); it may hold a mix of versions until the "
+                           "next successful receive()")
+        return error
 
 
 def _combined(network: StepStats | None, version: int, colocated: ColocatedSender | ColocatedReceiver | None,

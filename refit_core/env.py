@@ -13,6 +13,8 @@ variable                   setting                          values
 ``REFIT_ZERO_COPY``        ``messages.zero_copy``           ``1`` or ``0``
 ``REFIT_DIRECT_MIN_BYTES`` ``messages.direct_min_bytes``    bytes (an integer)
 ``REFIT_MESSAGES``         ``messages.mode``                ``units`` or ``runs``
+``REFIT_JOB``              ``job`` (local)                  this refit job's name
+``REFIT_SECRET``           ``secret`` (local)               the job's shared secret (never sent)
 ========================== ================================ =====================================
 
 ``REFIT_PLUGINS`` (comma-separated plugin names; unset loads all, empty loads none) selects plugins;
@@ -58,6 +60,8 @@ OVERRIDES = (
     Override("REFIT_NCCL_COMMS", "nccl.comms_per_link", _integer),
     Override("REFIT_NCCL_BACKEND", "nccl.backend", str.strip),
     Override("REFIT_ZERO_COPY", "messages.zero_copy", _flag),
+    Override("REFIT_JOB", "job", str.strip),
+    Override("REFIT_SECRET", "secret", str),
     Override("REFIT_DIRECT_MIN_BYTES", "messages.direct_min_bytes", _integer),
     Override("REFIT_MESSAGES", "messages.mode", str.strip),
 )

@@ -19,3 +19,12 @@ class TransferError(RefitError):
 
 class OptionError(RefitError, ValueError):
     """A setting has a bad value or an unknown name; the message names the class and the field."""
+
+
+class RendezvousError(RefitError):
+    """The rendezvous could not be hosted, reached or trusted: a busy port, a silent or foreign
+    listener, a lost connection, a rank that joined twice."""
+
+
+class AuthenticationError(RendezvousError):
+    """A rank of another job, or one with the wrong secret, tried to join (or host) a refit."""

@@ -17,6 +17,8 @@ end. Refit's streams first wait for the work already queued on the caller's curr
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from functools import partial
 import torch
 
 from .errors import TransferError
+from .failures import UpdateMode
 from .lanes import Lane, current_work, lane_for
 from .options import align
 from .schedule import Message, Segment
@@ -126,6 +129,10 @@ class RoundPlan:
     segments: list[StagedSegment] = field(default_factory=list)
     views: list[torch.Tensor] = field(default_factory=list)
     """The local views of ``segments`` (sources or destinations), in the same order."""
+    direct_pieces: set[int] = field(default_factory=set)
+    """Pieces this round's direct messages read or write (receives land in them as they arrive)."""
+    staged_pieces: set[int] = field(default_factory=set)
+    """Pieces this round's staged messages are unpacked into (or packed from)."""
 
     def pairs(self, buffer: torch.Tensor | None) -> list[tuple[int, torch.Tensor]]:
         """``(peer, tensor)`` of every message for the transport; ``buffer`` is None when nothing is staged."""
@@ -142,14 +149,15 @@ class _RoundRunner:
 
     def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int, *,
                  bucket_bytes: int, num_buffers: int, zero_copy: bool, fingerprint: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, mode: UpdateMode = UpdateMode.IN_PLACE) -> None:
         self.rounds = rounds
+        self.mode = mode
         self.transport = transport
         self.device = transport.device
         self.peer_offset = peer_offset
         self.bucket_bytes = bucket_bytes
         self.num_buffers = max(1, num_buffers)
-        self.zero_copy = zero_copy
+        self.zero_copy = zero_copy and mode is UpdateMode.IN_PLACE  # staged: nothing lands before commit
         self.timeout_s = timeout_s
         self.fingerprint = int(fingerprint[:15], 16)
         self.payload_bytes = sum(m.nbytes for msgs in rounds for m in msgs)
@@ -184,6 +192,7 @@ class _RoundRunner:
                 peer = self._peer(m) + self.peer_offset
                 if region is not None:
                     plan.posts.append(Post(peer, m.nbytes, direct=region))
+                    plan.direct_pieces.update(seg.piece for seg in segs)
                     continue
                 base = plan.staged_bytes
                 plan.posts.append(Post(peer, m.nbytes, staging_offset=base))
@@ -191,6 +200,7 @@ class _RoundRunner:
                 plan.segments.extend(StagedSegment(seg.dtype, seg.box.sizes, contiguous_strides(seg.box.sizes),
                                                    base + seg.offset) for seg in segs)
                 plan.views.extend(seg_views)
+                plan.staged_pieces.update(seg.piece for seg in segs)
             plans.append(plan)
         buffer_bytes = max((p.staged_bytes for p in plans), default=0)
         if buffer_bytes > self.bucket_bytes:
@@ -200,7 +210,20 @@ class _RoundRunner:
         self.buffer_bytes = buffer_bytes
         self.direct_bytes = sum(post.nbytes for p in plans for post in p.posts if post.direct is not None)
 
-    def _exchange_headers(self, version: int, after: Sequence[Fence]) -> int:
+    def _settle(self, fence: Fence | None, deadline: float) -> None:
+        """On the host path, wait for ``fence`` within the step's deadline (CUDA orders by events)."""
+        if fence is not None and self.device.type != "cuda":
+            fence.synchronize(self._remaining(deadline))
+
+    def _remaining(self, deadline: float) -> float:
+        """Seconds left of this step; the step deadline counts from its start, not from the last send."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError(f"refit step {self.step} did not complete within its deadline of "
+                                f"{self.timeout_s:.0f} s (a peer is stopped or hung)")
+        return left
+
+    def _exchange_headers(self, version: int, after: Sequence[Fence], deadline: float) -> int:
         """Both sides send ``[magic, fingerprint, version, step]`` to each peer and check theirs."""
         peers = self.peers()
         if not peers:
@@ -210,7 +233,7 @@ class _RoundRunner:
         after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
         fence = self.transport.exchange([(p + self.peer_offset, mine) for p in peers],
                                         [(p + self.peer_offset, t) for p, t in theirs.items()], after=after)
-        fence.synchronize(self.timeout_s)
+        fence.synchronize(self._remaining(deadline))
         versions = set()
         for peer, header in theirs.items():
             magic, fp, peer_version, step = header.tolist()
@@ -230,9 +253,9 @@ class _RoundRunner:
         count = min(self.num_buffers, staged_rounds)
         return [self.lane.allocate(self.buffer_bytes, self.device) for _ in range(count)]
 
-    def _finish(self, fences: list[Fence]) -> None:
+    def _finish(self, fences: list[Fence], deadline: float) -> None:
         for fence in fences:
-            fence.synchronize(self.timeout_s)
+            fence.synchronize(self._remaining(deadline))
 
     def _stats(self, version: int, start: float, buffers: list[torch.Tensor]) -> StepStats:
         self.step += 1
@@ -253,8 +276,9 @@ class SendExecutor(_RoundRunner):
 
     def run(self, version: int) -> StepStats:
         start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
         ready = current_work(self.device, "the trainer's pending work")
-        self._exchange_headers(version, [ready])
+        self._exchange_headers(version, [ready], deadline)
         buffers = self._buffers()
         free: list[Fence | None] = [None] * len(buffers)
         pending: list[Fence] = []
@@ -268,13 +292,14 @@ class SendExecutor(_RoundRunner):
                 buffer = buffers[slot]
                 targets = _buffer_views(buffer, plan.segments)
                 sources = plan.views
+                self._settle(free[slot], deadline)
                 after.append(self.lane.run(partial(torch._foreach_copy_, targets, sources),
                                            after=[ready, free[slot]]))
             fence = self.transport.exchange(plan.pairs(buffer), [], after=after or [ready])
             pending.append(fence)
             if plan.staged_bytes:
                 free[slot] = fence
-        self._finish(pending)
+        self._finish(pending, deadline)
         stats = self._stats(version, start, buffers)
         del buffers, free, pending
         return stats
@@ -289,15 +314,27 @@ class ReceiveExecutor(_RoundRunner):
     def _segments(self, m: Message) -> tuple[Segment, ...]:
         return m.dst_segments
 
+    touched: set[int]
+    _landed: tuple[torch.Tensor, list[int]] | None = None
+
     def run(self, version_hint: int = -1) -> StepStats:
+        """Receive one step. In place: straight into the destinations (``touched`` names the pieces
+        that may have been written, also when this raises). Staged: into a step-wide staging
+        buffer only; :meth:`commit` then writes the destinations, or :meth:`discard` drops it."""
         start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        self.touched = set()
+        self._landed = None
         ready = current_work(self.device, "the engine's pending work")
-        version = self._exchange_headers(version_hint, [ready])
+        version = self._exchange_headers(version_hint, [ready], deadline)
+        if self.mode is UpdateMode.STAGED:
+            return self._run_staged(version, start, deadline, ready)
         buffers = self._buffers()
         free: list[Fence | None] = [None] * len(buffers)
         pending: list[Fence] = []
         staged = 0
         for plan in self.plans:
+            self.touched |= plan.direct_pieces
             if not plan.staged_bytes:  # straight into the weights: after the engine's pending work
                 pending.append(self.transport.exchange([], plan.pairs(None), after=[ready]))
                 continue
@@ -305,13 +342,48 @@ class ReceiveExecutor(_RoundRunner):
             staged += 1
             buffer = buffers[slot]
             previous = free[slot]
+            self._settle(previous, deadline)
             received = self.transport.exchange([], plan.pairs(buffer),
                                                after=[ready] if previous is None else [ready, previous])
             sources = _buffer_views(buffer, plan.segments)
+            self._settle(received, deadline)
+            self.touched |= plan.staged_pieces
             unpacked = self.lane.run(partial(torch._foreach_copy_, plan.views, sources), after=[received])
             free[slot] = unpacked
             pending += [received, unpacked]
-        self._finish(pending)
+        self._finish(pending, deadline)
         stats = self._stats(version, start, buffers)
         del buffers, free, pending
         return stats
+
+    def _run_staged(self, version: int, start: float, deadline: float, ready: Fence) -> StepStats:
+        """Every round's messages into one step-wide buffer; the destinations are not touched."""
+        offsets, total = [], 0
+        for plan in self.plans:
+            offsets.append(total)
+            total += plan.staged_bytes
+        buffer = self.lane.allocate(total, self.device)
+        pending = [self.transport.exchange([], plan.pairs(buffer[off:off + plan.staged_bytes]), after=[ready])
+                   for plan, off in zip(self.plans, offsets) if plan.posts]
+        self._finish(pending, deadline)
+        self._landed = (buffer, offsets)
+        stats = self._stats(version, start, [])
+        stats.staging_bytes = total
+        return stats
+
+    def commit(self) -> None:
+        """Staged mode: copy the landed step into the destinations (in place: nothing is left to do)."""
+        if self._landed is None:
+            return
+        buffer, offsets = self._landed
+        self._landed = None
+        for plan, off in zip(self.plans, offsets):
+            if plan.segments:
+                self.touched |= plan.staged_pieces
+                shifted = [dataclasses.replace(seg, offset=seg.offset + off) for seg in plan.segments]
+                sources = _buffer_views(buffer, shifted)  # as_strided offsets count from the storage's start
+                self.lane.run(lambda t=plan.views, s=sources: torch._foreach_copy_(t, s)).synchronize(self.timeout_s)
+
+    def discard(self) -> None:
+        """Staged mode: drop a landed step without touching the destinations."""
+        self._landed = None

@@ -151,11 +151,17 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
 
 
 @hookspec(firstresult=True)
-def refit_abort_update(model: Any) -> bool | None:
-    """A step failed after ``refit_begin_update`` (a peer died, a header disagreed): put ``model``
-    back in a state that serves its previous weights if you can.
+def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
+    """A step failed after ``refit_begin_update`` (a peer died or stalled, a header disagreed).
 
-    Return True when the previous weights serve again; False when the model is yours but you could
-    not restore them (refit adds a note to the re-raised error saying the engine may hold a mix of
-    versions until the next successful ``receive()``); None if not yours.
+    ``torn`` names the logical tensors (HF names, experts grouped) whose engine memory the step may
+    have written partly or wholly; empty means every destination still holds its previous weights
+    (always so in staged mode). Put ``model`` back in a state that serves its previous weights
+    (restore the torn tensors if you kept a copy), or make it refuse to serve until the next
+    successful refit.
+
+    Return True when handled (the previous weights serve again, or the model refuses to serve);
+    False when the model is yours but you could not do either (refit adds a note to the re-raised
+    error saying the engine may hold a mix of versions until the next successful ``receive()``);
+    None if not yours.
     """

@@ -73,6 +73,15 @@ class MessageMode(StrEnum):
     """Runs of units of one kind packed back to back (fewer NCCL operations; benchmarking)."""
 
 
+class UpdateMode(StrEnum):
+    """How a gen rank applies a step (see :mod:`refit_core.failures`)."""
+
+    IN_PLACE = "in_place"
+    """Bytes land straight in engine memory; a failed step reports the tensors it tore."""
+    STAGED = "staged"
+    """A step lands in staging memory on every gen rank first, and is applied only once all have it."""
+
+
 class NcclBackend(StrEnum):
     """Which NCCL binding the nccl transport uses."""
 
@@ -134,6 +143,8 @@ class _Settings:
         out: dict[str, Any] = {}
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
+            if f.metadata.get("secret"):
+                continue  # never published
             if isinstance(value, _Settings):
                 out[f.name] = value.to_wire()
             elif isinstance(value, StrEnum):
@@ -254,8 +265,13 @@ class RefitOptions(_Settings):
     - ``transport``: :class:`TransportKind`: the network transport, for pairs that share no memory.
     - ``colocate``: :class:`Colocation`: which pairs read the trainer's memory directly instead.
     - ``messages``: :class:`MessageOptions`; ``nccl``: :class:`NcclOptions`.
-    - ``timeout_s``: setup waits and every step's transfers fail after this long. This rank's own
-      deadline: the only setting the sides need not agree on.
+    - ``timeout_s``: setup waits fail after this long, and every step must finish within it
+      (counted from the step's start). This rank's own deadline: the sides need not agree on it.
+    - ``mode``: :class:`UpdateMode` (``in_place`` by default; ``staged`` costs each gen rank the
+      bytes it receives per step in extra memory and guarantees old-or-new, never a mix).
+    - ``job`` / ``secret``: this refit job's name and shared secret (local settings; defaults:
+      the ``REFIT_JOB`` / ``REFIT_SECRET`` environment variables, else ``"refit"`` and none). Every
+      rank proves both (HMAC) before it may read or write the rendezvous; the secret is never sent.
 
     Strings and dicts are accepted where enums and nested options are expected
     (``RefitOptions(cast="strict", messages={"zero_copy": False})``).
@@ -270,6 +286,9 @@ class RefitOptions(_Settings):
     messages: MessageOptions = _nested(MessageOptions)
     nccl: NcclOptions = _nested(NcclOptions)
     timeout_s: float = _setting(300.0, float, local=True)
+    mode: UpdateMode = _setting(UpdateMode.IN_PLACE, UpdateMode)
+    job: str | None = _setting(None, str, local=True)
+    secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
 
     def __post_init__(self) -> None:
         self._coerce()
@@ -278,6 +297,10 @@ class RefitOptions(_Settings):
                               f"multiple of {ALIGN}")
         if self.num_buffers < 1:
             raise OptionError(f"RefitOptions.num_buffers={self.num_buffers}: must be >= 1")
+        if self.job is not None and (not isinstance(self.job, str) or not 0 < len(self.job) <= 256):
+            raise OptionError(f"RefitOptions.job={self.job!r:.60}: expected a name of 1 to 256 characters")
+        if self.secret is not None and not isinstance(self.secret, str):
+            raise OptionError("RefitOptions.secret: expected a string")
 
     def resolved(self, device_type: str) -> RefitOptions:
         """These options with ``bucket_bytes`` decided for a rank on ``device_type`` (``"cuda"``...)."""
@@ -350,4 +373,4 @@ def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, An
     return result
 
 __all__ = ["ALIGN", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
-           "TransportKind", "align"]
+           "TransportKind", "UpdateMode", "align"]

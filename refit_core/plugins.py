@@ -176,9 +176,9 @@ class PluginManager:
     def finish_update(self, model: Any, version: int) -> None:
         self.hook.refit_finish_update(model=model, version=version)
 
-    def abort_update(self, model: Any) -> bool | None:
-        """The plugin's answer: True restored, False could not restore, None not handled."""
-        result = self.hook.refit_abort_update(model=model)
+    def abort_update(self, model: Any, torn: list[str]) -> bool | None:
+        """The plugin's answer: True handled, False could not restore, None not handled."""
+        result = self.hook.refit_abort_update(model=model, torn=torn)
         return None if result is None else bool(result)
 
 

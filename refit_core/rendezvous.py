@@ -1,96 +1,140 @@
-"""Setup-time coordination through a TCPStore: metadata exchange, agreement checks, error broadcast.
+"""Setup-time coordination: metadata exchange, agreement checks and error broadcast over refit's store.
 
-Train rank 0 hosts the store at the rendezvous address; everyone else connects as a client. A rank
-that fails during setup writes its error under ``error`` so the others stop at once with that
-message instead of waiting for metadata that will never come.
+Train rank 0 hosts the store (:class:`~refit_core.store.StoreServer`) at the rendezvous address,
+bound to that address's interface only; every rank, the host included, joins it as an authenticated
+client (:class:`~refit_core.store.StoreClient`). Values are JSON (:mod:`refit_core.wire`), never
+pickle. A rank that fails during setup writes its error under ``error``; every other rank's waits
+(and gloo's or NCCL's rendezvous on the same store) stop at once with that message, and a rank whose
+connection closes (it died) stops them too, naming it, instead of letting them wait for their deadline.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
-from .errors import PlanError, RefitError
+from . import wire
+from .auth import JobCredentials
+from .errors import AuthenticationError, PlanError, PluginError, RefitError, RendezvousError
+from .store import ERROR_KEY, Endpoint, StoreClient, StoreServer
 
 POLL_S = 0.02
+HANDSHAKE_S = 5.0
+_KINDS = {cls.__name__: cls for cls in (PlanError, PluginError, RendezvousError, AuthenticationError)}
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise RefitError(f"rendezvous {address!r}: expected HOST:PORT")
-    return host or "127.0.0.1", int(port)
+    endpoint = Endpoint.parse(address)
+    return endpoint.host, endpoint.port
+
+
+def rank_name(identity: str) -> str:
+    """``"train/1"`` (or a key ending so) -> ``"train rank 1"``."""
+    parts = identity.split("/")
+    if len(parts) >= 2 and parts[-1].isdigit():
+        return f"{parts[-2]} rank {parts[-1]}"
+    if parts[-1] in ("train", "gen"):  # a side-wide key that side's rank 0 publishes
+        return f"{parts[-1]} rank 0"
+    return identity
 
 
 class Rendezvous:
-    """A namespace in a TCPStore shared by every train and gen rank of one refit."""
+    """One setup's store: hosted here when ``host``, joined as rank ``who`` (``"train/0"``) always."""
 
-    def __init__(self, address: str, *, host: bool, timeout_s: float, namespace: str = "refit") -> None:
-        hostname, port = parse_address(address)
+    def __init__(self, address: str, *, host: bool, who: str, timeout_s: float,
+                 credentials: JobCredentials | None = None, handshake_s: float = HANDSHAKE_S) -> None:
+        endpoint = Endpoint.parse(address)
+        credentials = credentials or JobCredentials()
         self.timeout_s = timeout_s
+        self.server = StoreServer(endpoint, credentials, handshake_s=handshake_s) if host else None
         try:
-            tcp = dist.TCPStore(hostname, port, is_master=host, timeout=timedelta(seconds=timeout_s),
-                                wait_for_workers=False, use_libuv=True)
-        except Exception as exc:  # re-raised with the address
-            role = "host" if host else "reach"
-            raise RefitError(f"could not {role} the refit rendezvous at {address}: {exc}") from exc
-        self.store = dist.PrefixStore(namespace + "/", tcp)
-        self._tcp = tcp
+            self.client = StoreClient(endpoint, credentials, who, timeout_s=timeout_s, handshake_s=handshake_s)
+        except BaseException:
+            if self.server is not None:
+                self.server.close()
+            raise
+        self.client.watch = self._check_failures
+        self.store = self.client
+
+    # -- values -------------------------------------------------------------------------------
 
     def publish(self, key: str, value: Any) -> None:
-        self.store.set(key, pickle.dumps(value))
+        self.client.set(key, wire.encode(value))
 
     def read(self, key: str, default: Any = None) -> Any:
         """The value under ``key`` now, or ``default``; never waits, never raises."""
         try:
-            return pickle.loads(self.store.get(key)) if self.store.check([key]) else default
-        except Exception:  # noqa: BLE001
+            raw = self.client.try_get(key)
+            return default if raw is None else wire.decode(raw, key)
+        except RefitError:
             return default
+
+    def wait(self, keys: list[str], what: str) -> list[Any]:
+        """Values of ``keys`` once all exist; raises on timeout, on another rank's error or departure."""
+        deadline = time.monotonic() + self.timeout_s
+        values: dict[str, Any] = {}
+        while True:
+            for key in keys:
+                if key not in values:
+                    raw = self.client.try_get(key)
+                    if raw is not None:
+                        values[key] = wire.decode(raw, f"{what} ({key})")
+            self._check_failures()
+            if len(values) == len(keys):
+                return [values[k] for k in keys]
+            if time.monotonic() > deadline:
+                missing = [rank_name(k) for k in keys if k not in values]
+                raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
+                                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} did not arrive")
+            time.sleep(POLL_S)
+
+    # -- failures -----------------------------------------------------------------------------
 
     def fail(self, error: Exception, where: str, done_key: str) -> None:
         """Tell every other rank that setup failed, and why; then mark this rank as done."""
+        record = wire.encode({"kind": type(error).__name__, "message": f"{where}: {error}"})
         try:
-            if not self.store.check(["error"]):  # the first error is the cause; keep it
-                self.publish("error", (type(error).__name__, f"{where}: {error}"))
-            self.store.set(done_key, b"")
-        except Exception:  # noqa: BLE001 - best effort: the store's host may have exited already
+            self.client.compare_set(ERROR_KEY, b"", record)  # the first error is the cause; keep it
+            self.client.set(done_key, b"1")
+        except RefitError:  # best effort: the store's host may have exited already
             pass
 
+    def _check_failures(self) -> None:
+        raw = self.client.try_get(ERROR_KEY)
+        if raw is not None:
+            record = wire.decode(raw, "another rank's error")
+            kind = record.get("kind") if isinstance(record, dict) else None
+            message = record.get("message") if isinstance(record, dict) else None
+            cls = _KINDS.get(kind, RefitError)  # a bad plan is a bad plan everywhere
+            raise cls(f"refit setup failed on another rank: {str(message)[:4000]}")
+        gone = self.client.gone()
+        if gone:
+            raise RendezvousError(f"{', '.join(map(rank_name, gone))} left the refit during setup "
+                                  "(its connection to the rendezvous closed: it exited or was killed)")
+
     def linger(self, keys: list[str], timeout_s: float) -> None:
-        """Keep the store up until ``keys`` exist or ``timeout_s`` passes (the host, after a failure,
-        so that every rank can still read the error instead of losing the store)."""
+        """Keep the store up until ``keys`` exist (or their ranks are gone) or ``timeout_s`` passes:
+        the host, after a failure, so that every rank can still read the error."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if self.store.check(keys):
+                gone = {f"{rank}" for rank in self.client.gone()}
+                pending = [k for k in keys if "/".join(k.split("/")[-2:]) not in gone]
+                if not pending or self.client.check(pending):
                     return
-            except Exception:  # noqa: BLE001 - a slow client must not make the host leave early
+            except RefitError:  # a slow client must not make the host leave early
                 pass
             time.sleep(POLL_S)
 
-    def _check_error(self) -> None:
-        if self.store.check(["error"]):
-            kind, message = pickle.loads(self.store.get("error"))
-            cls = PlanError if kind == PlanError.__name__ else RefitError  # a bad plan is a bad plan everywhere
-            raise cls(f"refit setup failed on another rank: {message}")
+    # -- lifetime -----------------------------------------------------------------------------
 
-    def wait(self, keys: list[str], what: str) -> list[Any]:
-        """Values of ``keys`` once all exist; raises on timeout or on another rank's error."""
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            while not self.store.check(keys):
-                self._check_error()
-                if time.monotonic() > deadline:
-                    missing = [k for k in keys if not self.store.check([k])]
-                    raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
-                                     f"missing {', '.join(missing[:8])}")
-                time.sleep(POLL_S)
-            self._check_error()
-            return [pickle.loads(self.store.get(k)) for k in keys]
-        except dist.DistError as exc:
-            raise RefitError(f"lost the refit rendezvous while waiting for {what} (the train side's "
-                             f"rank 0 hosts it and has probably exited): {exc}") from exc
+    def seal(self) -> None:
+        """Setup finished: the host admits no further ranks into this store."""
+        if self.server is not None:
+            self.server.seal()
+
+    def close(self) -> None:
+        """Leave (saying goodbye) and, on the host, stop the store: the port is free for a new setup."""
+        self.client.close(goodbye=True)
+        if self.server is not None:
+            self.server.close()

@@ -144,7 +144,8 @@ def gen_semantics(pm: PluginManager, factory: GenFactory, model: Any, setup_meta
         checks.append(("destination views cover every parameter", uncovered(factory.parameters(model), views)))
     for view in views:
         view.fill_(SCRIBBLE)
-    aborted = pm.hook.refit_abort_update(model=model)
+    torn = sorted({p.spec.name for p in pieces})  # every destination was scribbled on: all torn
+    aborted = pm.hook.refit_abort_update(model=model, torn=torn)
     if factory.restores_on_abort:
         problems = [] if aborted is True else [f"refit_abort_update returned {aborted!r}, not True"]
         problems += [f"after abort, differs from the previous weights: {d}" for d in verify(state)]

@@ -15,7 +15,11 @@ from .base import Fence, Transport, check_contiguous
 
 
 def _failure(rank: int, peer: int, what: str, exc: BaseException) -> TransferError:
-    return TransferError(f"gloo {what} between rank {rank} and rank {peer} failed (a peer died or timed out): {exc}")
+    text = str(exc)
+    cause = ("timed out: a peer is stopped, hung or much slower" if "imed out" in text
+             else "a peer died or closed its connection")
+    return TransferError(f"gloo {what} between rank {rank} and rank {peer} failed "
+                         f"({cause}): {text.splitlines()[0] if text else type(exc).__name__}")
 
 
 class _WorkFence(Fence):
@@ -29,12 +33,16 @@ class _WorkFence(Fence):
         self.synchronize(timeout_s=0)
 
     def synchronize(self, timeout_s: float) -> None:
-        for peer, work in self._works:
+        """Wait at most ``timeout_s`` (0: the process group's own timeout). A peer that exited or was
+        killed is noticed as soon as its connection closes."""
+        limit = timedelta(seconds=timeout_s) if timeout_s > 0 else timedelta(0)
+        while self._works:
+            peer, work = self._works[0]
             try:
-                work.wait()
+                work.wait(limit)
             except Exception as exc:  # gloo raises RuntimeError subclasses on peer loss
                 raise _failure(self._rank, peer, "exchange", exc) from exc
-        self._works = []
+            self._works.pop(0)
 
 
 class GlooTransport(Transport):
@@ -72,4 +80,10 @@ class GlooTransport(Transport):
             raise _failure(self.rank, peer, "post", exc) from exc
 
     def close(self) -> None:
-        self._pg = None
+        """Drop the process group (and its connections); safe after a failed or timed-out step."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - already broken: dropping it is all that is left
+                pass

@@ -87,7 +87,7 @@ class Sloppy:
         return True if isinstance(model, SloppyEngine) else None
 
     @hookimpl
-    def refit_abort_update(self, model: Any) -> bool | None:
+    def refit_abort_update(self, model: Any, torn: list[str]) -> bool | None:
         return True if isinstance(model, SloppyEngine) else None
 
     @hookimpl

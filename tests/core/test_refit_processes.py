@@ -55,7 +55,7 @@ def test_a_peer_that_dies_gives_an_error_not_a_hang():
     results = run(steps=1, options={"timeout_s": 10}, die_after_setup=1)
     gen_errors = [r for r in results[TRAIN_RANKS:] if isinstance(r, tuple)]
     assert gen_errors, results
-    assert all(r[1] == "TransferError" for r in gen_errors), gen_errors
+    assert all(r[1] in ("TransferError", "StepFailedError") for r in gen_errors), gen_errors
     assert time.monotonic() - start < 150  # the 10 s deadline, plus starting 5 processes on a busy machine
 
 

@@ -17,6 +17,8 @@ from refit_core import (
     hookimpl,
 )
 
+from refit_core.guard import refuse_serving, resume_serving
+
 from .layout import layout_pieces
 from .names import clean_name, tied_targets, unwrap
 from .shards import model_pieces, reshard
@@ -75,6 +77,19 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
             copy.to_local().detach().copy_(original.to_local().detach())
         else:
             copy.detach().copy_(original.detach())
+    resume_serving(hf)
+    return True
+
+
+@hookimpl
+def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
+    """A failed in-place step: the module keeps no second copy, so it refuses to serve (its forward
+    raises) until a refit succeeds; in staged mode ``torn`` is empty and nothing changed."""
+    hf = unwrap(model)
+    if hf is None:
+        return None
+    if torn:
+        refuse_serving(hf, torn)
     return True
 
 

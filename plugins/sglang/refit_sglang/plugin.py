@@ -93,9 +93,10 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
 
 
 @hookimpl
-def refit_abort_update(model: Any) -> bool | None:
+def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
     """False: SGLang's parameters are written in place and the previous weights are gone (as with
-    SGLang's own ``update_weights_from_distributed``); the engine must get a complete refit next."""
+    SGLang's own ``update_weights_from_distributed``); the engine must get a complete refit next
+    (``torn`` names what the step may have written; empty in staged mode, where nothing changed)."""
     state = state_of(model)
     if state is None:
         return None

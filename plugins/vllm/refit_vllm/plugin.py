@@ -14,6 +14,7 @@ import torch
 
 from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, hookimpl
 from refit_core.env import read as read_env
+from refit_core.guard import refuse_serving, resume_serving
 
 from .state import MODE_ENV, ModelState, engine_context, model_device, state_of
 
@@ -145,21 +146,30 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
             reload.finish(model, state.plan, state.model_config)
         state.updating = False
     state.version = version
+    resume_serving(model)
     return True
 
 
 @hookimpl
-def refit_abort_update(model: Any) -> bool | None:
-    """Give the engine its previous weights back after a failed step (no-op when none is open)."""
+def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
+    """After a failed step: the reload path gives every layer its previous kernel tensors back (the
+    step wrote only into re-materialized checkpoint-format copies); what cannot be restored -- direct
+    writes into live tensors, and layers the engine's own loader already processed -- makes the
+    model refuse to serve (its forward raises) until a refit succeeds."""
     state = state_of(model)
     if state is None:
         return None
+    unrestorable = list(torn)
     if state.updating:
         from . import reload
 
         with engine_context(state):
             reload.abort(model)
         state.updating = False
+        loader = {spec.name for spec in state.plan.loader} if state.plan is not None else set()
+        unrestorable = [name for name in torn if name in loader]
+    if unrestorable:
+        refuse_serving(model, unrestorable)
     return True
 
 

@@ -120,6 +120,13 @@ class ToyEngine:
         self.norm = torch.zeros(HIDDEN, device=device)
         self.version = -1
         self.loaded_names: list[str] = []
+        self.torn: set[str] = set()  # tensors a failed refit left partly written
+
+    def serve(self) -> int:
+        """What an engine does between refits; refuses while a failed refit left torn weights."""
+        if self.torn:
+            raise RuntimeError(f"toy engine: refusing to serve torn weights {sorted(self.torn)}; refit first")
+        return self.version
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """The engine's own loader: per-expert checkpoint tensors into its local experts."""

@@ -83,6 +83,16 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
     if not isinstance(model, ToyEngine):
         return None
     model.version = version
+    model.torn.clear()
+    return True
+
+
+@hookimpl
+def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
+    """The toy keeps no copy to restore from: it refuses to serve torn tensors until a refit succeeds."""
+    if not isinstance(model, ToyEngine):
+        return None
+    model.torn.update(torn)
     return True
 
 

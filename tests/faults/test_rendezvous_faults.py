@@ -1,0 +1,220 @@
+"""The rendezvous as an attacker and an unlucky operator meet it: pickles, foreign jobs, wrong
+secrets, programs that are not refit, silent listeners, ranks that die or fail during setup."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from refit_core.auth import JobCredentials
+from refit_core.errors import AuthenticationError, RendezvousError
+from refit_core.launch import free_port
+from refit_core.rendezvous import Rendezvous
+
+from fault_ranks import exit_during_setup_rank, setup_rank
+from harness import ENV, Ranks
+
+HERE = Path(__file__).parent
+
+
+def _listening_address(port: int) -> str:
+    """The local address a socket listens on for ``port``, from /proc/net/tcp (hex, as the kernel writes it)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if int(hex_port, 16) == port and state == "0A":  # LISTEN
+            return socket.inet_ntoa(bytes.fromhex(address)[::-1])
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def test_the_store_listens_only_on_the_interface_it_was_given():
+    port = free_port()
+    rdv = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=10)
+    try:
+        assert _listening_address(port) == "127.0.0.1"
+        with pytest.raises(ConnectionRefusedError):  # another address of this host: nobody there
+            socket.create_connection(("127.0.0.2", port), timeout=2)
+    finally:
+        rdv.close()
+
+
+def _attack(port: int, marker: Path, secret: str | None = None) -> str:
+    args = [sys.executable, str(HERE / "attacker.py"), str(port), str(marker)] + ([secret] if secret else [])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60, env={**os.environ, **ENV})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_a_pickle_written_into_the_store_never_runs(tmp_path):
+    """The issue's attack, both ways: with a secret the attacker cannot write at all and the refit
+    completes bitwise; without one it can write, and the ranks fail naming bad data. Nothing runs."""
+    marker = tmp_path / "pwned"
+    for secret in ("s3cret", None):
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        options = {"secret": secret, "timeout_s": 40} if secret else {"timeout_s": 40}
+        ranks = Ranks()
+        try:
+            for rank in range(2):  # the train side, waiting for the gen side
+                ranks.start(setup_rank, rank, address, 2, 1, options)
+            _wait_listening(port)
+            log = _attack(port, marker)
+            if secret:
+                assert "tcpstore: refused" in log and "raw: dropped" in log, log
+                assert "no secret: refused (AuthenticationError" in log, log
+                ranks.start(setup_rank, 2, address, 2, 1, options)
+                results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
+                assert all(r["ok"] and r["bitwise"] for r in results.values()), results
+            else:
+                assert "no secret: wrote" in log, log
+                results = ranks.wait_for([(r, "result") for r in range(2)], timeout_s=60)
+                for r in results.values():
+                    assert "not refit data" in r["message"] and r["seconds"] < 30, r
+        finally:
+            ranks.close()
+        time.sleep(0.5)
+        assert not marker.exists(), "the pickle ran"
+
+
+def _wait_listening(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            _listening_address(port)
+            return
+        except AssertionError:
+            time.sleep(0.1)
+    raise AssertionError(f"nobody listens on {port}")
+
+
+@pytest.mark.slow
+def test_a_second_job_on_a_busy_port_gets_named_errors_and_the_first_job_is_untouched():
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    ranks = Ranks()
+    try:
+        ranks.start(setup_rank, 0, address, 1, 1, {"job": "job-a"}, 2)  # job A's train side, waiting
+        _wait_listening(port)
+        ranks.start(setup_rank, 10, address, 1, 1, {"job": "job-b"}, 2)  # job B's train rank 0
+        ranks.start(setup_rank, 11, address, 1, 1, {"job": "job-b"}, 2)  # job B's gen rank 0
+        b = ranks.wait_for([(10, "result"), (11, "result")], timeout_s=120)
+        ranks.start(setup_rank, 1, address, 1, 1, {"job": "job-a"}, 2)  # job A's gen rank
+        a = ranks.wait_for([(0, "result"), (1, "result")], timeout_s=120)
+    finally:
+        ranks.close()
+    host, gen = b[(10, "result")], b[(11, "result")]
+    assert host["error"] == "RendezvousError" and "could not host" in host["message"], host
+    assert gen["error"] == "AuthenticationError" and "job 'job-a'" in gen["message"], gen
+    assert "job-b" in gen["message"] and gen["seconds"] < 15, gen
+    assert all(r.get("ok") and r["bitwise"] for r in a.values()), a
+
+
+def test_a_wrong_secret_is_refused_before_it_reads_or_writes():
+    port = free_port()
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=10,
+                      credentials=JobCredentials("job", b"right"))
+    try:
+        host.publish("meta/train/0", [])
+        start = time.monotonic()
+        with pytest.raises(AuthenticationError, match="wrong secret|could not prove"):
+            Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=10,
+                       credentials=JobCredentials("job", b"wrong"))
+        assert time.monotonic() - start < 5
+        assert host.client.num_keys() == 1 and host.read("meta/train/0") == []
+    finally:
+        host.close()
+
+
+def test_a_rank_joining_twice_fails_the_setup_instead_of_mixing_two_jobs():
+    port = free_port()
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=10)
+    first = Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=10)
+    try:
+        with pytest.raises(RendezvousError, match="gen rank 0 joined the refit rendezvous twice"):
+            Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=10)
+        with pytest.raises(RendezvousError, match="joined the refit rendezvous twice"):
+            first.wait(["meta/gen/0"], "gen metadata")
+    finally:
+        first.close()
+        host.close()
+
+
+def test_a_program_that_is_not_refit_is_dropped_and_the_store_keeps_serving():
+    port = free_port()
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=10)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert raw.recv(100) == b""  # closed without an answer
+        client = Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=10)
+        client.publish("x", 1)
+        assert host.read("x") == 1
+        client.close()
+    finally:
+        host.close()
+
+
+def _silent_listener(port: int, stop: threading.Event) -> socket.socket:
+    server = socket.create_server(("127.0.0.1", port))
+    held = []
+
+    def accept():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])  # accept, never answer
+            except OSError:
+                pass
+    threading.Thread(target=accept, daemon=True).start()
+    return server
+
+
+def test_a_silent_listener_on_the_port_is_named_within_seconds():
+    port = free_port()
+    stop = threading.Event()
+    server = _silent_listener(port, stop)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RendezvousError, match="did not answer refit's greeting"):
+            Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=60, handshake_s=2)
+        assert time.monotonic() - start < 5
+        with pytest.raises(RendezvousError, match="could not host"):
+            Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=60)
+    finally:
+        stop.set()
+        server.close()
+
+
+@pytest.mark.slow
+def test_a_transport_that_fails_to_open_on_one_rank_stops_every_rank_at_once():
+    address = f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        ranks.start(setup_rank, 0, address, 1, 2, {"timeout_s": 60})
+        ranks.start(setup_rank, 1, address, 1, 2, {"timeout_s": 60})
+        ranks.start(setup_rank, 2, address, 1, 2, {"timeout_s": 60, "transport": "carrier-pigeon"})
+        results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
+    finally:
+        ranks.close()
+    for r in results.values():
+        assert "unknown transport 'carrier-pigeon'" in r["message"] and r["seconds"] < 30, r
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_during_setup_is_named_within_seconds():
+    address = f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        ranks.start(setup_rank, 0, address, 1, 1, {"timeout_s": 60})
+        ranks.start(exit_during_setup_rank, 1, address, 1, 1, {})
+        (result,) = ranks.wait_for([(0, "result")], timeout_s=120).values()
+    finally:
+        ranks.close()
+    assert result["error"] == "RendezvousError" and "gen rank 0 left the refit during setup" in result["message"]
+    assert result["seconds"] < 30, result
