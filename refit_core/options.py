@@ -330,7 +330,7 @@ class RefitOptions(_Settings):
         wire = self.to_wire()
         for f in fields(self):
             if f.metadata.get("local"):
-                del wire[f.name]
+                wire.pop(f.name, None)
         return wire
 
     def digest(self) -> str:

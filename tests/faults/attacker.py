@@ -40,7 +40,8 @@ def main() -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=3) as raw:  # raw pickle bytes
         try:
             raw.sendall(len(evil).to_bytes(4, "big") + evil)
-            print(f"raw: answered {raw.recv(100)!r}", flush=True)
+            answer = raw.recv(100)
+            print("raw: dropped (closed)" if answer == b"" else f"raw: answered {answer!r}", flush=True)
         except OSError as exc:
             print(f"raw: dropped ({type(exc).__name__})", flush=True)
     for label, creds in (("no secret", JobCredentials("refit", b"")),

@@ -132,8 +132,10 @@ def _serves(engine: ToyEngine) -> bool:
     return True
 
 
-def setup_rank(rank: int, report, address: str, train: int, gen: int, options: dict, steps: int = 1) -> dict:
-    """Set up (and refit ``steps`` times) one toy rank; setup errors are returned, not raised."""
+def setup_rank(rank: int, report, address: str, train: int, gen: int, options: dict, steps: int = 1,
+               base: int = 0) -> dict:
+    """Set up (and refit ``steps`` times) toy rank ``rank - base``; setup errors are returned, not raised."""
+    rank -= base
     is_train = rank < train
     local, size = (rank, train) if is_train else (rank - train, gen)
     model = ToyTrainer(local, size) if is_train else ToyEngine(local, size)
@@ -166,3 +168,14 @@ def exit_during_setup_rank(rank: int, report, address: str, train: int, gen: int
                credentials=JobCredentials.of(options.get("job"), options.get("secret")))
     time.sleep(1)
     os._exit(3)
+
+
+def transport_fails_rank(rank: int, report, address: str, train: int, gen: int, options: dict) -> dict:
+    """A rank whose transport cannot open (gloo's constructor raising, injected): the others must
+    hear of it at once instead of waiting for gloo's timeout."""
+    import refit_core.api as api
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: gloo could not create its context on this rank")
+    api.open_transport = broken
+    return setup_rank(rank, report, address, train, gen, options)

@@ -20,8 +20,13 @@ from typing import Any
 ENV = {"REFIT_PLUGINS": "toy"}  # importing every installed plugin costs seconds per process
 
 
-def _entry(fn: Callable[..., Any], rank: int, events: Any, args: tuple) -> None:
+def _entry(fn: Callable[..., Any], rank: int, events: Any, go: Any, args: tuple) -> None:
     os.environ.update(ENV)
+    import refit_core.api  # noqa: F401 - the slow imports happen before the start line
+    import refit_toy.plugin  # noqa: F401
+
+    events.put((rank, "ready", None))
+    go.wait()
     try:
         result = fn(rank, lambda event, payload=None: events.put((rank, event, payload)), *args)
     except BaseException:  # noqa: BLE001 - reported to the test, which fails on it
@@ -36,13 +41,19 @@ class Ranks:
     def __init__(self) -> None:
         self._ctx = mp.get_context("spawn")
         self.events = self._ctx.Queue()
+        self.go = self._ctx.Event()  # ranks start their programs together, once all have imported
         self.procs: dict[int, mp.Process] = {}
         self.seen: dict[tuple[int, str], Any] = {}
 
     def start(self, fn: Callable[..., Any], rank: int, *args: Any) -> None:
-        proc = self._ctx.Process(target=_entry, args=(fn, rank, self.events, args), daemon=True)
+        proc = self._ctx.Process(target=_entry, args=(fn, rank, self.events, self.go, args), daemon=True)
         proc.start()
         self.procs[rank] = proc
+
+    def release(self, timeout_s: float = 180) -> None:
+        """Let every rank started so far run, once all have imported (later ones run at once)."""
+        self.wait_for([(rank, "ready") for rank in self.procs], timeout_s)
+        self.go.set()
 
     def wait_for(self, wanted: list[tuple[int, str]], timeout_s: float) -> dict[tuple[int, str], Any]:
         """Wait until every ``(rank, event)`` in ``wanted`` arrived; raise naming what did not."""

@@ -16,7 +16,7 @@ from refit_core.errors import AuthenticationError, RendezvousError
 from refit_core.launch import free_port
 from refit_core.rendezvous import Rendezvous
 
-from fault_ranks import exit_during_setup_rank, setup_rank
+from fault_ranks import exit_during_setup_rank, setup_rank, transport_fails_rank
 from harness import ENV, Ranks
 
 HERE = Path(__file__).parent
@@ -58,11 +58,12 @@ def test_a_pickle_written_into_the_store_never_runs(tmp_path):
     for secret in ("s3cret", None):
         port = free_port()
         address = f"127.0.0.1:{port}"
-        options = {"secret": secret, "timeout_s": 40} if secret else {"timeout_s": 40}
+        options = {"secret": secret, "timeout_s": 120} if secret else {"timeout_s": 120}
         ranks = Ranks()
         try:
             for rank in range(2):  # the train side, waiting for the gen side
                 ranks.start(setup_rank, rank, address, 2, 1, options)
+            ranks.release()
             _wait_listening(port)
             log = _attack(port, marker)
             if secret:
@@ -99,12 +100,13 @@ def test_a_second_job_on_a_busy_port_gets_named_errors_and_the_first_job_is_unto
     address = f"127.0.0.1:{port}"
     ranks = Ranks()
     try:
-        ranks.start(setup_rank, 0, address, 1, 1, {"job": "job-a"}, 2)  # job A's train side, waiting
+        ranks.start(setup_rank, 0, address, 1, 1, {"job": "job-a", "timeout_s": 120}, 2)  # job A's train side, waiting
+        ranks.release()
         _wait_listening(port)
-        ranks.start(setup_rank, 10, address, 1, 1, {"job": "job-b"}, 2)  # job B's train rank 0
-        ranks.start(setup_rank, 11, address, 1, 1, {"job": "job-b"}, 2)  # job B's gen rank 0
+        ranks.start(setup_rank, 10, address, 1, 1, {"job": "job-b", "timeout_s": 120}, 2, 10)  # job B's train rank 0
+        ranks.start(setup_rank, 11, address, 1, 1, {"job": "job-b", "timeout_s": 120}, 2, 10)  # job B's gen rank 0
         b = ranks.wait_for([(10, "result"), (11, "result")], timeout_s=120)
-        ranks.start(setup_rank, 1, address, 1, 1, {"job": "job-a"}, 2)  # job A's gen rank
+        ranks.start(setup_rank, 1, address, 1, 1, {"job": "job-a", "timeout_s": 120}, 2)  # job A's gen rank
         a = ranks.wait_for([(0, "result"), (1, "result")], timeout_s=120)
     finally:
         ranks.close()
@@ -198,12 +200,13 @@ def test_a_transport_that_fails_to_open_on_one_rank_stops_every_rank_at_once():
     try:
         ranks.start(setup_rank, 0, address, 1, 2, {"timeout_s": 60})
         ranks.start(setup_rank, 1, address, 1, 2, {"timeout_s": 60})
-        ranks.start(setup_rank, 2, address, 1, 2, {"timeout_s": 60, "transport": "carrier-pigeon"})
+        ranks.start(transport_fails_rank, 2, address, 1, 2, {"timeout_s": 60})
+        ranks.release()
         results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
     finally:
         ranks.close()
     for r in results.values():
-        assert "unknown transport 'carrier-pigeon'" in r["message"] and r["seconds"] < 30, r
+        assert "transport did not open: injected: gloo could not" in r["message"] and r["seconds"] < 30, r
 
 
 @pytest.mark.slow
@@ -213,6 +216,7 @@ def test_a_rank_that_dies_during_setup_is_named_within_seconds():
     try:
         ranks.start(setup_rank, 0, address, 1, 1, {"timeout_s": 60})
         ranks.start(exit_during_setup_rank, 1, address, 1, 1, {})
+        ranks.release()
         (result,) = ranks.wait_for([(0, "result")], timeout_s=120).values()
     finally:
         ranks.close()

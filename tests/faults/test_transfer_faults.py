@@ -22,6 +22,7 @@ def run(scenario: Scenario) -> dict[int, dict]:
     try:
         for rank in range(scenario.train + scenario.gen):
             ranks.start(run_rank, rank, address, scenario)
+        ranks.release()
         survivors = [r for r in range(scenario.train + scenario.gen) if r != scenario.fault.rank]
         results = ranks.wait_for([(r, "result") for r in survivors], timeout_s=180)
         return {rank: results[(rank, "result")] for rank in survivors}
@@ -89,6 +90,7 @@ def test_timeout_then_recovery_on_the_same_port_with_a_replacement():
     try:
         for rank in range(3):
             ranks.start(run_rank, rank, address, scenario)
+        ranks.release()
         start = time.monotonic()
         ranks.wait_for([(0, "failed"), (1, "failed")], timeout_s=120)
         assert time.monotonic() - start < 60
