@@ -138,13 +138,17 @@ class _Settings:
                 out.add(f.name)
         return frozenset(out)
 
-    def to_wire(self) -> dict[str, Any]:
-        """A plain JSON-able dict of every field (enums as their values, nested settings as dicts)."""
+    def to_wire(self, *, secrets: bool = False) -> dict[str, Any]:
+        """A plain JSON-able dict of every field (enums as their values, nested settings as dicts).
+
+        Secret fields (``RefitOptions.secret``) are left out unless ``secrets``: pass True only to
+        hand options to a process of the same job over a trusted channel, never to publish them.
+        """
         out: dict[str, Any] = {}
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if f.metadata.get("secret"):
-                continue  # never published
+            if f.metadata.get("secret") and not secrets:
+                continue
             if isinstance(value, _Settings):
                 out[f.name] = value.to_wire()
             elif isinstance(value, StrEnum):

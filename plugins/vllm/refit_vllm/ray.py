@@ -58,7 +58,7 @@ class VLLMEngineActor:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         info = {"rendezvous": rendezvous, "rank_offset": rank_offset, "world_size": world_size,
-                "options": options.to_wire()}
+                "options": options.to_wire(secrets=True)}  # to this job's own engine, through Ray
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def refit_receive(self, version: int) -> int:
