@@ -38,6 +38,14 @@ def rank_name(identity: str) -> str:
     return identity
 
 
+def _publisher(key: str) -> str:
+    """The rank (``"gen/0"``) that publishes ``key``: ``done/gen/0`` -> ``gen/0``; ``size/gen`` -> ``gen/0``."""
+    parts = key.split("/")
+    if parts[-1] in ("train", "gen"):
+        return f"{parts[-1]}/0"
+    return "/".join(parts[-2:])
+
+
 class Rendezvous:
     """One setup's store: hosted here when ``host``, joined as rank ``who`` (``"train/0"``) always."""
 
@@ -118,8 +126,8 @@ class Rendezvous:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                gone = {f"{rank}" for rank in self.client.gone()}
-                pending = [k for k in keys if "/".join(k.split("/")[-2:]) not in gone]
+                gone = set(self.client.gone())
+                pending = [k for k in keys if _publisher(k) not in gone]
                 if not pending or self.client.check(pending):
                     return
             except RefitError:  # a slow client must not make the host leave early
