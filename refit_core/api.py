@@ -487,6 +487,8 @@ class RefitReceiver(_Endpoint):
         self._require_step()
         step, self._steps = self._steps, self._steps + 1
         touched: set[int] = set()
+        if isinstance(self._executor, ReceiveExecutor):
+            self._executor.touched = set()  # this step's, also if binding fails before it runs
         loader_weights: list[tuple[str, torch.Tensor]] = []
         voted = False
         try:

@@ -382,7 +382,7 @@ class ReceiveExecutor(_RoundRunner):
                 self.touched |= plan.staged_pieces
                 shifted = [dataclasses.replace(seg, offset=seg.offset + off) for seg in plan.segments]
                 sources = _buffer_views(buffer, shifted)  # as_strided offsets count from the storage's start
-                self.lane.run(lambda t=plan.views, s=sources: torch._foreach_copy_(t, s)).synchronize(self.timeout_s)
+                self.lane.run(partial(torch._foreach_copy_, plan.views, sources)).synchronize(self.timeout_s)
 
     def discard(self) -> None:
         """Staged mode: drop a landed step without touching the destinations."""

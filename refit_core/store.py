@@ -166,7 +166,9 @@ class StoreServer:
         if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
             return None  # not refit: say nothing
         job, who, nonce = hello.get("job"), hello.get("who"), hello.get("nonce")
-        if not all(isinstance(v, str) and 0 < len(v) <= 256 for v in (job, who, nonce)):
+        if not (isinstance(job, str) and isinstance(who, str) and isinstance(nonce, str)):
+            return None
+        if not all(0 < len(v) <= 256 for v in (job, who, nonce)):
             return None
         if job != self.credentials.job:
             send_frame(conn, {"refused": "foreign_job", "job": self.credentials.job})
@@ -222,10 +224,10 @@ class StoreServer:
                 key, amount = _key(request), request["amount"]
                 if type(amount) is not int:
                     raise WireError("add: the amount must be an integer")
-                value = int(self._data.get(key, b"0")) + amount
-                self._data[key] = str(value).encode()
+                total = int(self._data.get(key, b"0")) + amount
+                self._data[key] = str(total).encode()
                 self._cond.notify_all()
-                return {"value": value}
+                return {"value": total}
             if op == "compare_set":
                 key = _key(request)
                 expected, desired = _decode_value(request["expected"]), _decode_value(request["desired"])
@@ -282,7 +284,7 @@ class StoreClient(dist.Store):
         self.timeout_s = timeout_s
         self.watch: Watch | None = None
         self._lock = threading.Lock()
-        self._sock = self._connect(credentials, handshake_s)
+        self._sock: socket.socket | None = self._connect(credentials, handshake_s)
 
     def _connect(self, credentials: JobCredentials, handshake_s: float) -> socket.socket:
         """Connect and authenticate, retrying while nobody listens yet or the host is between setups."""
