@@ -64,21 +64,24 @@ class _Channel:
     """Setup records between the two ranks of colocated pairs (JSON, through the rendezvous store)."""
 
     def __init__(self, store: dist.Store, timeout_s: float) -> None:
-        self.store = dist.PrefixStore("colocated/", store)
+        # prefixed here, not with torch's PrefixStore: refit's own store is a Python dist.Store, whose
+        # methods (delete_key among them) torch's C++ wrappers do not all reach
+        self.store = store
+        self.prefix = "colocated/"
         self.timeout_s = timeout_s
 
     def put(self, key: str, value: dict | bytes) -> None:
         try:
-            self.store.set(key, value if isinstance(value, bytes) else json.dumps(value).encode())  # type: ignore[arg-type]
+            self.store.set(self.prefix + key, value if isinstance(value, bytes) else json.dumps(value).encode())  # type: ignore[arg-type]
         except Exception as exc:
             raise TransferError(f"lost the refit rendezvous (train rank 0 hosts it): {exc}") from exc
 
     def take(self, key: str, what: str, *, delete: bool = True) -> bytes:
         """The value of ``key`` once it exists (then removed); :class:`TransferError` after the timeout."""
         try:
-            raw = self.store.get(key)  # waits up to the store's timeout, the refit's timeout_s
+            raw = self.store.get(self.prefix + key)  # waits up to the store's timeout, the refit's timeout_s
             if delete:
-                self.store.delete_key(key)
+                self.store.delete_key(self.prefix + key)
         except Exception as exc:
             raise TransferError(f"{what} did not arrive within {self.timeout_s:.0f} s (a peer died or "
                                 f"hung): {exc}") from exc
