@@ -82,7 +82,7 @@ def check_foreign(pm: PluginManager, suite: Conformance) -> list[str]:
         for impl in _impls(pm, suite.plugin, hook):
             for model in foreign_models():
                 try:
-                    answer = _call(impl, model=model, weights=[], version=0)
+                    answer = _call(impl, model=model, weights=[], version=0, torn=[])
                 except Exception as exc:  # noqa: BLE001 - reported as the problem it is
                     problems.append(f"{hook}({type(model).__name__}) raised {type(exc).__name__}: {exc}")
                     continue
