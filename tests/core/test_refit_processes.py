@@ -64,6 +64,7 @@ def _unknown_model_on_the_host(rank: int, world: int, address: str):
     from refit_toy.models import ToyEngine, ToyTrainer
 
     options = RefitOptions(timeout_s=30)
+    start = time.monotonic()
     try:
         if rank == 0:  # the store's host fails before it learns anything about the gen side
             RefitSender(object(), rendezvous=address, rank=0, world_size=2, options=options).setup()
@@ -74,17 +75,16 @@ def _unknown_model_on_the_host(rank: int, world: int, address: str):
             time.sleep(2)
             RefitReceiver(ToyEngine(0, 1), rendezvous=address, rank=0, world_size=1, options=options).setup()
     except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return type(exc).__name__, str(exc)
-    return "none", "setup succeeded"
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "none", "setup succeeded", time.monotonic() - start
 
 
 def test_a_rank_failing_early_still_tells_every_other_rank_why():
-    start = time.monotonic()
     results = spawn(_unknown_model_on_the_host, 3, f"127.0.0.1:{free_port()}", timeout_s=120)
     assert results[0][0] == "PluginError"
-    for kind, message in results:
+    for kind, message, seconds in results:
         assert "no installed refit plugin recognizes the training model of type builtins.object" in message, message
-    assert time.monotonic() - start < 25  # nobody waited for the full timeout
+        assert seconds < 25, (kind, seconds)  # nobody waited for the 30 s timeout (process start-up not counted)
 
 
 def test_a_dead_gen_rank_is_a_transfer_error_naming_it_on_every_other_rank():
