@@ -110,7 +110,7 @@ class _Endpoint:
             pieces = self._local_pieces()
             for p in pieces:
                 if p.view is not None:
-                    check_view(p.spec, p.box, p.view, destination=False)
+                    check_view(p.spec, p.box, p.view, destination=False, bound=False)
             self.device = _device_of(pieces)
             settings, metas = self._exchange_metadata(pieces)
             schedule = self._plan(settings, metas)

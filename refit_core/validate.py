@@ -22,8 +22,13 @@ class ViewError(RefitError):
     """A local view does not match its piece, or destination views overlap."""
 
 
-def check_view(spec: TensorSpec, box: Box, view: object, *, destination: bool) -> None:
-    """One view against its piece: a tensor of ``box.sizes`` and ``spec.dtype``, writable if a destination."""
+def check_view(spec: TensorSpec, box: Box, view: object, *, destination: bool, bound: bool = True) -> None:
+    """One view against its piece: a tensor of ``box.sizes`` and ``spec.dtype``, writable if a destination.
+
+    ``bound=False`` (at setup) checks only what planning reads: name, shape and dtype. A plugin may then
+    hand out placeholders for memory that exists only during an update (the vLLM plugin's reload mode
+    expands one element); their memory is checked when the real views are bound, before any byte moves.
+    """
     if not isinstance(spec.name, str):
         raise ViewError(f"a piece's tensor name {spec.name!r:.60} is not a string")
     if not isinstance(view, torch.Tensor):
@@ -34,6 +39,8 @@ def check_view(spec: TensorSpec, box: Box, view: object, *, destination: bool) -
     if view.dtype != spec.dtype:
         raise ViewError(f"{spec.name}: view dtype {view.dtype} != spec dtype {spec.dtype} "
                         "(the view changed after the piece was built?)")
+    if not bound:
+        return
     if any(st == 0 and n > 1 for st, n in zip(view.stride(), view.shape)):
         raise ViewError(f"{spec.name}: view has a stride-0 dimension (strides {view.stride()}): several "
                         "elements share one memory location (an expanded tensor, not the weights)")
