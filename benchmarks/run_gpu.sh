@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU check in one go, for a 2-GPU machine (made for nvidia-h200-x2):
+# The whole GPU check in one go, for a 2-GPU machine (made for nvidia-h200-x2; the colocated step alone,
+# STEPS=colocated, needs one GPU and is made for nvidia-h200):
 #   1. environment (GPUs, link topology, torch / NCCL / nccl4py versions),
 #   2. `refit bench` on the Llama-3-8B and Qwen3-30B-A3B shapes: wire, per-tensor, packed, refit,
 #   3. the GPU tests (tests/gpu),
@@ -14,12 +15,14 @@
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
 #   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo
+#                                                        # colocated megatron
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated megatron"}
-MACHINE=${MACHINE:-nvidia-h200-x2}
+source benchmarks/machine.sh
+MACHINE=${MACHINE:-$(machine_name)}  # nvidia-h200-x2 on two H200s, nvidia-h200 on one
 DATE=$(date -u +%F)
 PY=${PY:-python3}
 mkdir -p "$OUT"

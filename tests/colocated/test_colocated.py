@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from refit_core import RefitOptions
-from refit_core.colocated import coalesce
+from refit_core.copies import coalesce
 from refit_core.errors import OptionError, PlanError
 from refit_core.launch import free_port, spawn
 from refit_core.options import Colocation
