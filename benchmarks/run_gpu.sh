@@ -8,7 +8,8 @@
 #      TP2 (2 ranks on GPU 0) -> TP2 (2 ranks on GPU 1), and TP2 -> TP1 x DP2,
 #   5. `refit demo --train dtensor --gen dtensor --device cuda` (FSDP2/DTensor over NCCL, verified).
 #   6. colocated: the trainer and the engine as two processes on GPU 0 (CUDA IPC), Llama-3-8B and
-#      Qwen3-30B-A3B shapes: copy bound, ping-pong baseline, refit (benchmarks/run_colocated.sh).
+#      Qwen3-30B-A3B shapes (and Qwen3 with one trainer parameter per expert): copy bound, ping-pong
+#      baseline, refit (benchmarks/run_colocated.sh; one GPU is enough).
 #   7. megatron: a Llama-3-8B-shaped megatron-core model through refit-plugin-megatron vs the wire
 #      (benchmarks/megatron_gpu.sh; needs .whl/megatron_core-*.whl from benchmarks/fetch_gpu_wheels.sh).
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
@@ -107,7 +108,7 @@ if step demo; then
   echo "demo exit: $?" | tee -a "$LOG"
 fi
 if step colocated; then
-  limit ${COLOCATED_TIMEOUT:-240} env OUT="$OUT" PY="$PY" MACHINE="$MACHINE" bash benchmarks/run_colocated.sh 2>&1 | tee -a "$LOG"
+  limit ${COLOCATED_TIMEOUT:-480} env OUT="$OUT" PY="$PY" MACHINE="$MACHINE" bash benchmarks/run_colocated.sh 2>&1 | tee -a "$LOG"
   echo "colocated exit: $?" | tee -a "$LOG"
 fi
 if step megatron; then

@@ -2,6 +2,9 @@
 
 ``python -m refit_core.bench.colocated --models llama-3-8b-shape,qwen3-30b-a3b-shape --out PREFIX``
 
+A model entry ``NAME:sequential`` gives the trainer one parameter per expert (Megatron's
+``SequentialMLP``: thousands of small source tensors into the engine's stacked ``w13`` / ``w2``).
+
 Process 0 holds a Megatron-style model, process 1 a vLLM-style model (:mod:`refit_core.bench.layouts`),
 on the same device. In one run, each model shape, each timed on the trainer from a common barrier to
 the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
@@ -47,6 +50,16 @@ from .methods import hf_tensors, scatter
 
 GiB = 1 << 30
 METHODS = ("copy-bound", "ping-pong", "refit")
+TRAINERS = {"": layouts.MegatronStyleModel, "sequential": layouts.MegatronSequentialStyleModel}
+"""Trainer layouts by model-entry suffix (``NAME:sequential``)."""
+
+
+def _model_entry(entry: str) -> tuple[str, str]:
+    """``NAME[:VARIANT]`` -> (preset or config path, trainer variant)."""
+    name, _, variant = entry.partition(":")
+    if variant not in TRAINERS:
+        raise SystemExit(f"unknown trainer layout {variant!r} in {entry!r}: use NAME or NAME:sequential")
+    return name, variant
 
 
 class _Sync:
@@ -274,8 +287,9 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     sync = _Sync(job["sync_address"], rank, job["timeout_s"])
     results = []
     for number, name in enumerate(job["models"]):
-        config = load_config(name)
-        cls = layouts.MegatronStyleModel if train else layouts.VllmStyleModel
+        path, variant = _model_entry(name)
+        config = load_config(path)
+        cls = TRAINERS[variant] if train else layouts.VllmStyleModel
         model = cls(config, tp=1, rank=0, device=device)
         row: dict[str, Any] = {"model": name, "bytes": model.nbytes, "methods": []}
         if not train:
@@ -362,6 +376,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     models = [m for m in args.models.split(",") if m]
+    for entry in models:
+        _model_entry(entry)
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
