@@ -3,16 +3,30 @@
 # (Megatron-style layout) and the engine (vLLM-style layout) are two processes on GPU 0; in one run,
 # per shape: the copy bound (one on-GPU copy of the same bytes), the ping-pong baseline (HF tensors
 # through 2 x 1 GiB IPC buffers) and refit (CUDA IPC, straight out of the trainer's memory).
-# Results: $OUT/colocated-<machine>-<date>.{json,md}. Takes ~2-3 minutes.
+# Then the Qwen3-30B-A3B shape again with one trainer parameter per expert (SKIP_SEQUENTIAL=1 skips it).
+# Results: $OUT/colocated-<machine>-<date>.{json,md} and colocated-<machine>-sequential-<date>.{json,md},
+# <machine> from the GPUs (nvidia-h200 on one H200; set MACHINE to override). Takes ~2-4 minutes; only
+# GPU 0 is used.
 #
 #   OUT=/somewhere bash benchmarks/run_colocated.sh
+#   STEPS=colocated OUT=/somewhere bash benchmarks/run_gpu.sh     # the same, through the GPU script
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 PY=${PY:-python3}
-MACHINE=${MACHINE:-nvidia-h200}
+source benchmarks/machine.sh
+MACHINE=${MACHINE:-$(machine_name)}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests/example_plugin:$PYTHONPATH PYTHONUNBUFFERED=1
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m refit_core.bench.colocated \
-  --models ${COLOCATED_MODELS:-llama-3-8b-shape,qwen3-30b-a3b-shape} --device cuda --iters ${ITERS:-3} --warmup 1 \
-  --timeout-s 150 --machine "$MACHINE" --out "$OUT/colocated-$MACHINE-$(date -u +%F)"
+run() {  # run SUFFIX MODELS: one benchmark run, its results in $OUT/colocated-$MACHINE[-SUFFIX]-<date>
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m refit_core.bench.colocated \
+    --models "$2" --device cuda --iters ${ITERS:-5} --warmup 1 \
+    --timeout-s 150 --machine "$MACHINE" --out "$OUT/colocated-$MACHINE$1-$(date -u +%F)"
+}
+run "" "${COLOCATED_MODELS:-llama-3-8b-shape,qwen3-30b-a3b-shape}"; rc=$?
+# the trainer with one parameter per expert (Megatron's SequentialMLP: 12,288 source tensors of 3-6 MB
+# into the engine's stacked w13 / w2), in a run of its own so the main table never waits on it
+if [[ -z "${COLOCATED_MODELS:-}" && -z "${SKIP_SEQUENTIAL:-}" ]]; then
+  run "-sequential" "qwen3-30b-a3b-shape:sequential" || rc=$?
+fi
+exit $rc

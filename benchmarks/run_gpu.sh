@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU check in one go, for a 2-GPU machine (made for nvidia-h200-x2):
+# The whole GPU check in one go, for a 2-GPU machine (made for nvidia-h200-x2; the colocated step alone,
+# STEPS=colocated, needs one GPU and is made for nvidia-h200):
 #   1. environment (GPUs, link topology, torch / NCCL / nccl4py versions),
 #   2. `refit bench` on the Llama-3-8B and Qwen3-30B-A3B shapes: wire, per-tensor, packed, refit,
 #   3. the GPU tests (tests/gpu),
@@ -7,19 +8,22 @@
 #      TP2 (2 ranks on GPU 0) -> TP2 (2 ranks on GPU 1), and TP2 -> TP1 x DP2,
 #   5. `refit demo --train dtensor --gen dtensor --device cuda` (FSDP2/DTensor over NCCL, verified).
 #   6. colocated: the trainer and the engine as two processes on GPU 0 (CUDA IPC), Llama-3-8B and
-#      Qwen3-30B-A3B shapes: copy bound, ping-pong baseline, refit (benchmarks/run_colocated.sh).
+#      Qwen3-30B-A3B shapes (and Qwen3 with one trainer parameter per expert): copy bound, ping-pong
+#      baseline, refit (benchmarks/run_colocated.sh; one GPU is enough).
 #   7. megatron: a Llama-3-8B-shaped megatron-core model through refit-plugin-megatron vs the wire
 #      (benchmarks/megatron_gpu.sh; needs .whl/megatron_core-*.whl from benchmarks/fetch_gpu_wheels.sh).
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
 #   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo
+#                                                        # colocated megatron
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated megatron"}
-MACHINE=${MACHINE:-nvidia-h200-x2}
+source benchmarks/machine.sh
+MACHINE=${MACHINE:-$(machine_name)}  # nvidia-h200-x2 on two H200s, nvidia-h200 on one
 DATE=$(date -u +%F)
 PY=${PY:-python3}
 mkdir -p "$OUT"
@@ -104,7 +108,7 @@ if step demo; then
   echo "demo exit: $?" | tee -a "$LOG"
 fi
 if step colocated; then
-  limit ${COLOCATED_TIMEOUT:-240} env OUT="$OUT" PY="$PY" MACHINE="$MACHINE" bash benchmarks/run_colocated.sh 2>&1 | tee -a "$LOG"
+  limit ${COLOCATED_TIMEOUT:-480} env OUT="$OUT" PY="$PY" MACHINE="$MACHINE" bash benchmarks/run_colocated.sh 2>&1 | tee -a "$LOG"
   echo "colocated exit: $?" | tee -a "$LOG"
 fi
 if step megatron; then

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from .auth import JobCredentials
 from .backend import GEN, TRAIN
 from .env import with_overrides
 from .colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
+from .copies import CopyCounts
 from .errors import PlanError, RefitError, TransferError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
 from .experts import ExpertNaming, group_piece, group_side
@@ -231,8 +233,13 @@ class _Endpoint:
 
     @property
     def colocated_copies(self) -> int:
-        """How many batched copies a gen rank runs per step for its colocated pairs (0 if none)."""
+        """How many copy launches a gen rank runs per step for its colocated pairs (0 if none)."""
         return getattr(self._colocated, "copies", 0)
+
+    @property
+    def colocated_counts(self) -> CopyCounts | None:
+        """What a gen rank's colocated copies look like after batching (None if it has none)."""
+        return self._colocated.counts if isinstance(self._colocated, ColocatedReceiver) else None
 
     def _rank_keys(self, prefix: str) -> list[str]:
         return [f"{prefix}/{side}/{r}" for side, n in self.sizes.items() for r in range(n)]
@@ -338,6 +345,7 @@ class RefitSender(_Endpoint):
     """The train side of a refit, one per train rank. ``send(version)`` every step."""
 
     side = TRAIN
+    _signature: list[tuple[object, object, int]] | None = None  # the source pieces bound at setup
 
     def _local_pieces(self) -> list[Piece]:
         pieces: list[Piece] = list(self.plugins.source_pieces(self.model))
@@ -359,14 +367,20 @@ class RefitSender(_Endpoint):
     def setup(self) -> Schedule:
         schedule = super().setup()
         self._bind(self._pieces)
+        self._signature = _source_signature(self._pieces)
         return schedule
 
     def _moved_sources(self, colocated: ColocatedSender) -> str | None:
-        """What the trainer freed, replaced or moved since setup (colocated engines read it in place)."""
+        """What the trainer freed, replaced or moved since setup (colocated engines read it in place).
+
+        Runs before every colocated step, on its critical path: the common case (nothing changed) is
+        one comparison of (spec, box, address) per piece; only a difference is diagnosed in detail."""
         problem = colocated.check()
         if problem is not None:
             return problem
         current = self._local_pieces()
+        if _source_signature(current) == self._signature:
+            return None
         if [p.meta for p in current] != [p.meta for p in self._pieces]:
             return "the trainer's source pieces changed since setup(); call setup() again after changing the model"
         for now, bound in zip(current, self._pieces):
@@ -522,7 +536,7 @@ class RefitReceiver(_Endpoint):
             return executor.run()
         start = time.perf_counter()
         version = colocated.start()  # on a bad header it has told its peers already
-        touched |= self._colocated_pieces  # colocated copies land in place, also in staged mode
+        touched |= colocated.pieces  # colocated copies land in place, also in staged mode
         try:
             stats = executor.run(version) if executor is not None else None
             if stats is not None and stats.version != version:
@@ -533,13 +547,6 @@ class RefitReceiver(_Endpoint):
             raise
         colocated.finish()
         return _combined(stats, version, colocated, start)
-
-    @property
-    def _colocated_pieces(self) -> set[int]:
-        colocated = self._colocated
-        if colocated is None:
-            return set()
-        return {seg.piece for msgs in colocated.messages.values() for m in msgs for seg in m.dst_segments}
 
     def _step_failed(self, step: int, exc: Exception, voted: bool, touched: set[int]) -> StepFailedError:
         """Record what a failed step touched, tell the peers and the plugin; the error to raise."""
@@ -569,6 +576,11 @@ class RefitReceiver(_Endpoint):
                            "(refit_abort_update returned False); it may hold a mix of versions until the "
                            "next successful receive()")
         return error
+
+
+def _source_signature(pieces: Sequence[Piece]) -> list[tuple[object, object, int]]:
+    """Per source piece, what a colocated engine relies on: its tensor, its box and its address."""
+    return [(p.spec, p.box, p.view.data_ptr() if p.view is not None else 0) for p in pieces]
 
 
 def _combined(network: StepStats | None, version: int, colocated: ColocatedSender | ColocatedReceiver | None,

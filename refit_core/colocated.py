@@ -10,13 +10,17 @@ rendezvous store; the gen rank opens them once. Every step then runs:
    (step, version, plan fingerprint, error) in each colocated peer's mailbox (one page of host shared
    memory per pair, :mod:`refit_core.transport.mailbox`: no network, no store per step);
 2. gen rank (:meth:`ColocatedReceiver.start` / :meth:`~ColocatedReceiver.finish`): wait for every
-   peer's header and check it, then one batched ``torch._foreach_copy_`` of all the pair's segments
-   from the trainer's views into the engine's views (casting where the plan casts; neighbouring
-   segments that are neighbours in memory on both sides merged into one copy), ordered after the
-   trainer's event and the engine's queued work; wait for it, publish *done*;
+   peer's header and check it, then copy every segment from the trainer's view straight into the
+   engine's view (casting where the plan casts) as a :class:`~refit_core.copies.CopyProgram` resolved
+   at bind time: neighbours merged, equal blocks stacked into one strided copy, small copies batched
+   into multi-tensor launches; ordered after the trainer's event and the engine's queued work; wait
+   for it, publish *done*;
 3. train rank (:meth:`ColocatedSender.wait`): wait for every peer's *done* before ``send`` returns.
 
-No staging memory: one read and one write of every byte, which is the bound of any copy. The same
+No staging memory on either side, casts included: one read and one write of every byte, which is
+the bound of any copy (a source region is always a strided view of the trainer's memory; what an
+engine must post-process, such as a quantized layer, takes the loader path into the engine's own
+buffers). The same
 plan, fingerprint and step counting as the network path; setup records are JSON, step headers plain
 integers (never pickle).
 
@@ -38,6 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .copies import CopyCounts, CopyProgram
 from .errors import RefitError, TransferError
 from .lanes import EventFence, Lane, current_work, lane_for
 from .schedule import Message, Segment
@@ -183,68 +188,6 @@ class ColocatedSender:
         self._storages, self._event, self._mailboxes = [], None, {}
 
 
-def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``b`` starts where contiguous ``a`` ends, in the same storage and dtype."""
-    return (a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
-
-
-def _span(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=a.dtype, device=a.device).set_(a.untyped_storage(), a.storage_offset(),
-                                                               (a.numel() + b.numel(),), (1,))
-
-
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
-
-
-def _step(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Elements from ``a``'s first element to ``b``'s (0 if not a positive whole number)."""
-    delta = b.data_ptr() - a.data_ptr()
-    return delta // a.element_size() if delta > 0 and delta % a.element_size() == 0 else 0
-
-
-def _stack(run: list[tuple[torch.Tensor, torch.Tensor]], steps: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Equal-layout copies at constant distances as one copy of two views with a new leading dim."""
-    (dst, src), (dst_step, src_step) = run[0], steps
-    return (dst.as_strided((len(run), *dst.shape), (dst_step, *dst.stride()), dst.storage_offset()),
-            src.as_strided((len(run), *src.shape), (src_step, *src.stride()), src.storage_offset()))
-
-
-def coalesce(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination, source) copies batched into as few copies as possible, exactly the same bytes.
-
-    Neighbours in memory on both sides merge into one flat copy (``[gate_e; up_e]`` of every expert:
-    one copy per stacked tensor); then runs of equal-layout copies at constant distances on both sides
-    become one strided copy (Megatron's per-group ``q``/``k``/``v`` blocks: one copy each per layer).
-    Segments never overlap, so a merged view covers exactly the bytes of the copies it replaces.
-    """
-    flat: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for dst, src in pairs:
-        if flat and _adjacent(flat[-1][0], dst) and _adjacent(flat[-1][1], src):
-            flat[-1] = (_span(flat[-1][0], dst), _span(flat[-1][1], src))
-        else:
-            flat.append((dst, src))
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    run: list[tuple[torch.Tensor, torch.Tensor]] = []
-    steps = (0, 0)
-    for dst, src in flat:
-        if run and _same_layout(run[-1][0], dst) and _same_layout(run[-1][1], src):
-            step = (_step(run[-1][0], dst), _step(run[-1][1], src))
-            if all(step) and (len(run) == 1 or step == steps):
-                run.append((dst, src))
-                steps = step
-                continue
-        if run:
-            out.append(run[0] if len(run) == 1 else _stack(run, steps))
-        run, steps = [(dst, src)], (0, 0)
-    if run:
-        out.append(run[0] if len(run) == 1 else _stack(run, steps))
-    return out
-
-
 class ColocatedReceiver:
     """A gen rank's colocated pairs: opens the trainers' memory once, copies out of it every step."""
 
@@ -264,9 +207,20 @@ class ColocatedReceiver:
         self._sources: dict[int, dict[int, torch.Tensor]] = {}  # peer -> piece -> view of its memory
         self._opened: list[torch.UntypedStorage] = []
         self._events: dict[int, torch.cuda.Event] = {}
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._program: CopyProgram | None = None
         self._pending: Fence | None = None
-        self.copies = 0
+        self.pieces = frozenset(seg.piece for msgs in messages.values() for m in msgs for seg in m.dst_segments)
+        """The bound destination pieces these pairs write (in place, every step)."""
+
+    @property
+    def counts(self) -> CopyCounts | None:
+        """What one step runs (after :meth:`bind`)."""
+        return self._program.counts if self._program is not None else None
+
+    @property
+    def copies(self) -> int:
+        """Copy launches per step (after :meth:`bind`; 0 before)."""
+        return self._program.counts.launches if self._program is not None else 0
 
     @property
     def peers(self) -> list[int]:
@@ -299,14 +253,13 @@ class ColocatedReceiver:
         return seg.box.slice_of(view)
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
-        """Resolve every segment to (engine view, trainer view); merge memory neighbours."""
+        """Resolve every segment to (engine view, trainer view), then into a :class:`CopyProgram`."""
         pairs = []
         for peer in self.peers:
             for m in self.messages[peer]:
                 for src, dst in zip(m.src_segments, m.dst_segments):
                     pairs.append((dst.box.slice_of(views[dst.piece]), self._source(peer, src)))
-        self._copies = coalesce(pairs)
-        self.copies = len(self._copies)
+        self._program = CopyProgram(pairs)
 
     def start(self, version_hint: int = -1) -> int:
         """Wait for every peer's header, check it, start the copies; returns the weight version."""
@@ -335,10 +288,8 @@ class ColocatedReceiver:
             raise TransferError(message)
         after = [current_work(self.device, "the engine's pending work"),
                  *(EventFence(event, "the trainer's step") for event in self._events.values())]
-        copies = self._copies
-        if copies:
-            dst, src = [d for d, _ in copies], [s for _, s in copies]
-            self._pending = self.lane.run(lambda: torch._foreach_copy_(dst, src), after=after)
+        if self._program is not None and self._program.counts.launches:
+            self._pending = self.lane.run(self._program.run, after=after)
         return versions.pop() if versions else version_hint
 
     def finish(self, error: str | None = None) -> None:
@@ -359,7 +310,7 @@ class ColocatedReceiver:
         self.step += 1
 
     def close(self) -> None:
-        self._copies, self._sources, self._opened, self._events, self._mailboxes = [], {}, [], {}, {}
+        self._program, self._sources, self._opened, self._events, self._mailboxes = None, {}, [], {}, {}
 
 
 def split_rounds(rounds: list[list[Message]], network: Callable[[Message], bool]
@@ -381,4 +332,4 @@ def by_peer(messages: Sequence[Message], peer: Callable[[Message], int]) -> dict
     return out
 
 
-__all__ = ["ColocatedReceiver", "ColocatedSender", "coalesce", "split_rounds"]
+__all__ = ["ColocatedReceiver", "ColocatedSender", "split_rounds"]

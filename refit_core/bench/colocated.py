@@ -2,6 +2,9 @@
 
 ``python -m refit_core.bench.colocated --models llama-3-8b-shape,qwen3-30b-a3b-shape --out PREFIX``
 
+A model entry ``NAME:sequential`` gives the trainer one parameter per expert (Megatron's
+``SequentialMLP``: thousands of small source tensors into the engine's stacked ``w13`` / ``w2``).
+
 Process 0 holds a Megatron-style model, process 1 a vLLM-style model (:mod:`refit_core.bench.layouts`),
 on the same device. In one run, each model shape, each timed on the trainer from a common barrier to
 the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
@@ -18,8 +21,10 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
   pair copies straight out of the trainer's memory (CUDA IPC; shared memory on CPU).
 
 Every method's last step is checked bitwise on the engine (weights poisoned with NaN before it).
-Extra memory is each process's peak allocation above its model during the method (CUDA), and the
-bytes it shares with the other process. Writes ``PREFIX.json`` and ``PREFIX.md``.
+Extra memory is each process's peak allocation above its model during the method's setup and steps
+(CUDA; the benchmark's own weight fill, whose temporaries are the size of the largest tensor in fp32,
+is excluded), which for the trainer includes what it shares with the engine; on CPU the table shows
+the bytes refit reports staged. Writes ``PREFIX.json`` and ``PREFIX.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import asdict
 from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +50,16 @@ from .methods import hf_tensors, scatter
 
 GiB = 1 << 30
 METHODS = ("copy-bound", "ping-pong", "refit")
+TRAINERS = {"": layouts.MegatronStyleModel, "sequential": layouts.MegatronSequentialStyleModel}
+"""Trainer layouts by model-entry suffix (``NAME:sequential``)."""
+
+
+def _model_entry(entry: str) -> tuple[str, str]:
+    """``NAME[:VARIANT]`` -> (preset or config path, trainer variant)."""
+    name, _, variant = entry.partition(":")
+    if variant not in TRAINERS:
+        raise SystemExit(f"unknown trainer layout {variant!r} in {entry!r}: use NAME or NAME:sequential")
+    return name, variant
 
 
 class _Sync:
@@ -185,15 +201,20 @@ class PingPong:
 
 # -- the worker -----------------------------------------------------------------------------------
 
-def _timed(sync: _Sync, device: torch.device, step, before=None) -> float:
+def _timed(sync: _Sync, device: torch.device, step, before=None) -> tuple[float, int]:
+    """One step from a common barrier: (seconds, peak bytes allocated during the step).
+
+    ``before`` (the benchmark's own fill or poison, whose temporaries are no method's memory) runs
+    first, outside both measurements."""
     if before is not None:
         before()
     _sync_device(device)
+    _reset_peak(device)
     sync.barrier()
     start = time.perf_counter()
     step()
     _sync_device(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _peak(device)
 
 
 def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.device, train: bool,
@@ -204,6 +225,7 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
     out: dict[str, Any] = {"method": name}
     base = _allocated(device)
     _reset_peak(device)
+    stats: list[Any] = []  # refit's StepStats (its own account of staged bytes)
     start = time.perf_counter()
     if name == "ping-pong":
         runner = PingPong(model, sync, device, train)
@@ -219,10 +241,11 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         links = sorted({link.value for link in endpoint.links.values()})
         out["links"] = links
         if isinstance(endpoint, RefitSender):
-            step = lambda: endpoint.send(version=sync.rounds)  # noqa: E731
+            step = lambda: stats.append(endpoint.send(version=sync.rounds))  # noqa: E731
         else:
-            step = endpoint.receive
+            step = lambda: stats.append(endpoint.receive())  # noqa: E731
     out["setup_s"] = time.perf_counter() - start
+    peaks = [_peak(device)]  # setup: buffers a method allocates once (ping-pong's pair, refit's own)
     times = []
     for i in range(warmup + iters):
         seed = seed_base + i
@@ -232,15 +255,21 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
             before = lambda s=seed: model.fill(seed=s)  # noqa: E731
         else:
             before = model.poison if last else None
-        times.append(_timed(sync, device, step, before))
+        seconds, peak = _timed(sync, device, step, before)
+        times.append(seconds)
+        peaks.append(peak)
     out["seconds"] = times[warmup:]
-    out["peak_extra_bytes"] = max(0, _peak(device) - base)
+    out["peak_extra_bytes"] = max(0, max(peaks) - base)
+    if stats:
+        out["staging_bytes"] = max(s.staging_bytes for s in stats)
     if not train:
         bad = model.mismatches(seed=seed_base + warmup + iters - 1)
         out["checks"] = ["bitwise ok"] if not bad else [f"{len(bad)} pieces differ, e.g. {bad[:3]}"]
     if name == "refit":
-        if not train:  # copies after batching (bound at the first step)
+        if not train:  # copy launches per step after batching (bound at the first step)
             out["copies"] = endpoint.colocated_copies
+            counts = endpoint.colocated_counts
+            out["copy_counts"] = asdict(counts) if counts is not None else None
         endpoint.close()
         del endpoint
     else:
@@ -258,8 +287,9 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     sync = _Sync(job["sync_address"], rank, job["timeout_s"])
     results = []
     for number, name in enumerate(job["models"]):
-        config = load_config(name)
-        cls = layouts.MegatronStyleModel if train else layouts.VllmStyleModel
+        path, variant = _model_entry(name)
+        config = load_config(path)
+        cls = TRAINERS[variant] if train else layouts.VllmStyleModel
         model = cls(config, tp=1, rank=0, device=device)
         row: dict[str, Any] = {"model": name, "bytes": model.nbytes, "methods": []}
         if not train:
@@ -301,18 +331,30 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "checks": g["checks"], "trainer_extra_bytes": t.get("peak_extra_bytes", 0),
                          "engine_extra_bytes": g.get("peak_extra_bytes", 0),
                          "shared_bytes": t.get("shared_bytes", 0), "setup_s": t.get("setup_s", 0.0),
-                         "info": {k: g[k] for k in ("links", "copies", "fills", "measured_bytes") if k in g}})
+                         "staging_bytes": {"trainer": t.get("staging_bytes"), "engine": g.get("staging_bytes")},
+                         "info": {k: g[k] for k in ("links", "copies", "copy_counts", "fills", "measured_bytes")
+                                  if k in g}})
     return rows
 
 
+def _memory(peak: int, row: dict[str, Any]) -> str:
+    """A process's extra memory: the measured peak (CUDA), else what refit says it staged (CPU)."""
+    if peak or row["method"] != "refit" or row["staging_bytes"]["trainer"] is None:
+        return f"{peak / GiB:.2f} GiB"
+    staged = (row["staging_bytes"]["trainer"] or 0) + (row["staging_bytes"]["engine"] or 0)
+    return f"{staged / GiB:.2f} GiB staged"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | method | GB | ms/step | of copy bound | GB/s | trainer extra | engine extra | check |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | method | GB | ms/step | of copy bound | GB/s | trainer extra | engine extra | launches "
+             "| check |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        info = r["info"]
+        launches = info.get("copies", info.get("fills", "-"))
         lines.append(f"| {r['model']} | {r['method']} | {r['bytes'] / 1e9:.2f} | {r['ms']:.2f} | "
-                     f"{r['of_bound']:.3f} | {r['gbps']:.0f} | "
-                     f"{(r['trainer_extra_bytes'] + r['shared_bytes']) / GiB:.2f} GiB | "
-                     f"{r['engine_extra_bytes'] / GiB:.2f} GiB | {', '.join(r['checks'])} |")
+                     f"{r['of_bound']:.3f} | {r['gbps']:.0f} | {_memory(r['trainer_extra_bytes'], r)} | "
+                     f"{_memory(r['engine_extra_bytes'], r)} | {launches} | {', '.join(r['checks'])} |")
     return "\n".join(lines)
 
 
@@ -334,6 +376,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     models = [m for m in args.models.split(",") if m]
+    for entry in models:
+        _model_entry(entry)
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -358,8 +402,12 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(f"# Colocated refit, {report['gpu']} ({args.machine or device}), one device, two processes\n\n"
-                    f"{text}\n\n`trainer extra` includes buffers shared with the engine; `of copy bound` is the "
-                    "measured one-copy time of the same bytes divided by the method's step.\n")
+                    f"{text}\n\n`trainer extra` / `engine extra`: each process's peak allocation above its model "
+                    "during the method's setup and steps (the benchmark's own weight fill excluded; the "
+                    "trainer's includes the buffers it shares with the engine); on CPU, the bytes refit "
+                    "reports staged. `of copy bound`: the measured one-copy time of the same bytes "
+                    "divided by the method's step. `launches`: copy calls per step (refit) or buffer "
+                    "fills (ping-pong).\n")
     ok = all(r["checks"] in (["bitwise ok"], ["-"]) for r in rows)
     return 0 if ok else 1
 

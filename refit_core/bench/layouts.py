@@ -9,7 +9,8 @@ parameters being neighbours in memory), and describe their memory as HF-space bo
   local KV group, so ``q_proj`` is one piece per group), ``linear_proj`` split on columns, dense
   ``linear_fc1`` = ``[gate; up]`` shards, ``linear_fc2`` split on columns, MoE experts stacked
   ``[E, 2I, H]`` (fc1) and ``[E, H, I]`` (fc2), the grouped HF names (``...experts.gate_proj.weight``
-  ``[E, I, H]`` is the strided view ``fc1[:, :I]``).
+  ``[E, I, H]`` is the strided view ``fc1[:, :I]``); :class:`MegatronSequentialStyleModel` holds every
+  expert as its own ``[2I, H]`` / ``[H, I]`` parameter instead (``SequentialMLP``, TE's ``weight{e}``).
 - :class:`VllmStyleModel` (gen side, ``tp``/``rank``): ``qkv_proj`` = ``[Q; K; V]`` shards,
   ``gate_up_proj`` = ``[gate; up]`` shards, ``o_proj``/``down_proj`` split on columns, MoE ``w13``
   ``[E, 2I/tp, H]`` and ``w2`` ``[E, H, I/tp]``.
@@ -134,8 +135,7 @@ class MegatronStyleModel(_FlatModel):
             self._param(f"{p}.mlp.linear_fc1.layer_norm_weight", H)
             if d["E"]:
                 self._param(f"{p}.mlp.router.weight", d["E"], H)
-                self._param(f"{p}.mlp.experts.linear_fc1.weight", d["E"], 2 * d["I"] // t, H)
-                self._param(f"{p}.mlp.experts.linear_fc2.weight", d["E"], H, d["I"] // t)
+                self._declare_experts(p)
             else:
                 self._param(f"{p}.mlp.linear_fc1.weight", 2 * d["I"] // t, H)
                 self._param(f"{p}.mlp.linear_fc2.weight", H, d["I"] // t)
@@ -166,10 +166,7 @@ class MegatronStyleModel(_FlatModel):
             inter = d["I"] // t
             if d["E"]:
                 self._piece(n["router"], (0, 0), P[f"{p}.mlp.router.weight"])
-                fc1 = P[f"{p}.mlp.experts.linear_fc1.weight"]
-                self._piece(n["e_gate"], (0, r * inter, 0), fc1[:, :inter])
-                self._piece(n["e_up"], (0, r * inter, 0), fc1[:, inter:])
-                self._piece(n["e_down"], (0, 0, r * inter), P[f"{p}.mlp.experts.linear_fc2.weight"])
+                self._expert_pieces(n, p)
             else:
                 fc1 = P[f"{p}.mlp.linear_fc1.weight"]
                 self._piece(n["gate"], (r * inter, 0), fc1[:inter])
@@ -177,6 +174,18 @@ class MegatronStyleModel(_FlatModel):
                 self._piece(n["down"], (0, r * inter), P[f"{p}.mlp.linear_fc2.weight"])
         self._piece("model.norm.weight", (0,), P["decoder.final_layernorm.weight"])
         self._piece("lm_head.weight", (r * vs, 0), P["output_layer.weight"])
+
+    def _declare_experts(self, p: str) -> None:
+        d = self.dims
+        self._param(f"{p}.mlp.experts.linear_fc1.weight", d["E"], 2 * d["I"] // self.tp, d["H"])
+        self._param(f"{p}.mlp.experts.linear_fc2.weight", d["E"], d["H"], d["I"] // self.tp)
+
+    def _expert_pieces(self, n: dict[str, str], p: str) -> None:
+        inter, r = self.dims["I"] // self.tp, self.rank
+        fc1 = self.params[f"{p}.mlp.experts.linear_fc1.weight"]
+        self._piece(n["e_gate"], (0, r * inter, 0), fc1[:, :inter])
+        self._piece(n["e_up"], (0, r * inter, 0), fc1[:, inter:])
+        self._piece(n["e_down"], (0, 0, r * inter), self.params[f"{p}.mlp.experts.linear_fc2.weight"])
 
     def fill(self, seed: int) -> None:
         """Write this rank's part of every HF tensor's benchmark values into the parameters."""
@@ -186,6 +195,26 @@ class MegatronStyleModel(_FlatModel):
                 for piece in pieces:
                     piece.view.copy_(piece.box.slice_of(full))
                 del full
+
+
+class MegatronSequentialStyleModel(MegatronStyleModel):
+    """Train side with every expert its own parameter (Megatron's ``SequentialMLP``
+    ``local_experts.{e}.linear_fc1``, TE's ``linear_fc1.weight{e}``): thousands of small tensors."""
+
+    def _declare_experts(self, p: str) -> None:
+        d = self.dims
+        for e in range(d["E"]):
+            self._param(f"{p}.mlp.experts.local_experts.{e}.linear_fc1.weight", 2 * d["I"] // self.tp, d["H"])
+            self._param(f"{p}.mlp.experts.local_experts.{e}.linear_fc2.weight", d["H"], d["I"] // self.tp)
+
+    def _expert_pieces(self, n: dict[str, str], p: str) -> None:
+        inter, r = self.dims["I"] // self.tp, self.rank
+        for e in range(self.dims["E"]):
+            fc1 = self.params[f"{p}.mlp.experts.local_experts.{e}.linear_fc1.weight"].unsqueeze(0)
+            self._piece(n["e_gate"], (e, r * inter, 0), fc1[:, :inter])
+            self._piece(n["e_up"], (e, r * inter, 0), fc1[:, inter:])
+            fc2 = self.params[f"{p}.mlp.experts.local_experts.{e}.linear_fc2.weight"].unsqueeze(0)
+            self._piece(n["e_down"], (e, 0, r * inter), fc2)
 
 
 class VllmStyleModel(_FlatModel):
@@ -278,7 +307,7 @@ def refit_register_backends(register) -> None:
 
 @hookimpl
 def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
-    return list(model.pieces) if isinstance(model, MegatronStyleModel) else None
+    return list(model.pieces) if isinstance(model, MegatronStyleModel) else None  # and its subclass
 
 
 @hookimpl

@@ -89,7 +89,7 @@ def _bench_rank(rank: int, world: int, address: str, model: str, train_size: int
                 if fault is not None and step == 1 and local == fault_rank:
                     results.append({"faulted": _fault(net, fault)})
                 stats = endpoint.send(version=100 + step)
-                results.append({"version": stats.version, "bytes": stats.bytes})
+                results.append({"version": stats.version, "bytes": stats.bytes, "staging": stats.staging_bytes})
             else:
                 net.poison()
                 stats = endpoint.receive()
@@ -97,9 +97,10 @@ def _bench_rank(rank: int, world: int, address: str, model: str, train_size: int
                                 "mismatches": net.mismatches(seed=step), "engine_version": net.version})
         shared_storage = (any(p.view.untyped_storage().is_shared() for p in net.pieces)
                           if train and Link.SHARED_MEMORY.value in links else None)
+        counts = endpoint.colocated_counts if not train else None
         endpoint.close()
         return {"side": "train" if train else "gen", "links": links, "steps": results,
-                "shared_storage": shared_storage}
+                "shared_storage": shared_storage, "copy_counts": counts}
     except Exception as exc:  # noqa: BLE001 - the test inspects the error
         return ("error", type(exc).__name__, str(exc))
 

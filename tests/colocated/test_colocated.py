@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from refit_core import RefitOptions
-from refit_core.colocated import coalesce
+from refit_core.copies import coalesce
 from refit_core.errors import OptionError, PlanError
 from refit_core.launch import free_port, spawn
 from refit_core.options import Colocation
@@ -106,6 +106,9 @@ def test_dense_mixed_plan_is_bitwise_over_steps():
     assert results[0]["links"] == ["shared-memory"] and results[1]["links"] == ["network"]
     assert results[2]["links"] == ["network", "shared-memory"]
     assert results[0]["shared_storage"] is True  # the trainer's parameters now live in shared memory
+    assert [s["staging"] for s in results[0]["steps"]] == [0, 0, 0]  # the colocated trainer packs nothing
+    counts = results[2]["copy_counts"]  # per layer: q, k, v (each stacked over groups), o, gate_up, down
+    assert counts.strided > 0 and counts.copies < counts.segments
 
 
 def test_moe_mixed_plan_is_bitwise_over_steps():
@@ -117,6 +120,9 @@ def test_moe_mixed_plan_is_bitwise_over_steps():
     assert results[1]["links"] == ["shared-memory"] and results[2]["links"] == ["network"]
     colocated_gen = results[1]["steps"][0]
     assert colocated_gen["staging"] == 0  # nothing staged: copied straight out of the trainer's memory
+    counts = results[1]["copy_counts"]  # TP1 -> TP2: w13's gate / up rows are two equal strided blocks
+    layers = 2
+    assert counts.copies < counts.segments and counts.launches <= 9 * layers + 3, counts
 
 
 def test_toy_plugin_mixed_plan_with_experts_replicas_and_casts():

@@ -82,6 +82,10 @@ def test_colocated_benchmark_is_bitwise_on_one_gpu(tmp_path):
         if row["method"] == "refit":
             assert row["info"]["links"] == ["cuda-ipc"]
             assert row["engine_extra_bytes"] == 0 and row["shared_bytes"] == 0
+            assert row["trainer_extra_bytes"] == 0  # nothing staged: the engine reads the parameters
+            assert row["staging_bytes"] == {"trainer": 0, "engine": 0}
+        if row["method"] == "ping-pong":  # its two 1 GiB buffers, counted once (the trainer allocates them)
+            assert 2 << 30 <= row["trainer_extra_bytes"] < (2 << 30) + (64 << 20)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

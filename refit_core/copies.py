@@ -1,0 +1,226 @@
+"""Many (destination view, source view) copies run as few copy kernels: the colocated receiver's step.
+
+A colocated gen rank copies every segment straight from a view of the trainer's memory into a view
+of the engine's memory; nothing is staged on either side. :class:`CopyProgram` resolves those copies
+once, at bind time, into the fewest launches that move exactly the same bytes:
+
+1. :func:`coalesce` merges copies that are neighbours in memory on both sides: into one flat copy
+   (consecutive rows), along a dimension (an expert stack's ``[:, :I]`` gate and ``[:, I:]`` up
+   halves: one ``[E, 2I, H]`` copy), and runs of equal-layout copies at constant distances into one
+   strided copy with a new leading dimension (Megatron's per-query-group ``q``/``k``/``v`` blocks of
+   ``linear_qkv`` into vLLM's ``[Q; K; V]``: one copy each per layer).
+2. :func:`widen` moves a same-dtype copy as the same bytes in the widest integer words both views
+   allow (a strided bf16 copy then moves 8 bytes per element instead of 2; integers copy bit for bit).
+3. Copies of at least ``batch_below`` bytes run one by one, largest first (contiguous ones are a
+   plain device memcpy); smaller ones run as one ``torch._foreach_copy_`` per dtype pair, contiguous
+   and strided apart (a list of dense equal-stride pairs takes torch's single-kernel multi-tensor
+   route on CUDA: a model's many small experts and norms cost a few launches, not thousands).
+
+Casts (a destination dtype other than the source's) are copies too: ``copy_`` reads the source dtype
+and writes the destination's, so they need no staging either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, source view), equal shapes
+
+BATCH_BELOW = 8 << 20
+"""Copies smaller than this join a multi-tensor batch. On an H200 a device memcpy launch costs
+~5 us of host time, which moves ~10 MB at the copy rate; torch's multi-tensor copy of 2 MiB slices
+runs at ~0.65 of a memcpy (../shared/DESIGN.md): below ~8 MiB one launch for many wins."""
+
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` starts where contiguous ``a`` ends, in the same storage and dtype."""
+    return (a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous() and _storage(a) == _storage(b)
+            and b.data_ptr() == a.data_ptr() + _nbytes(a))
+
+
+def _span(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=a.dtype, device=a.device).set_(a.untyped_storage(), a.storage_offset(),
+                                                               (a.numel() + b.numel(),), (1,))
+
+
+def _next_along(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """The dimension along which ``b`` continues ``a`` (same storage, dtype and strides, shapes equal
+    elsewhere, ``b`` starting one step past ``a``'s end on it); None if there is none."""
+    if (a.dtype != b.dtype or a.dim() != b.dim() or a.dim() == 0 or a.stride() != b.stride()
+            or _storage(a) != _storage(b)):
+        return None
+    differ = [d for d in range(a.dim()) if a.shape[d] != b.shape[d]]
+    if len(differ) > 1:
+        return None
+    candidates = differ or range(a.dim())
+    gap = b.storage_offset() - a.storage_offset()
+    for d in candidates:
+        if a.stride(d) > 0 and gap == a.shape[d] * a.stride(d):
+            return d
+    return None
+
+
+def _along(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(a.shape)
+    shape[dim] += b.shape[dim]
+    return a.as_strided(shape, a.stride(), a.storage_offset())
+
+
+def _merge(a: Pair, b: Pair) -> Pair | None:
+    """Copy ``a`` and copy ``b`` as one copy of the same bytes, if their views are neighbours on both
+    sides (flat, or along the same dimension); None otherwise."""
+    (dst_a, src_a), (dst_b, src_b) = a, b
+    if _adjacent(dst_a, dst_b) and _adjacent(src_a, src_b):
+        return _span(dst_a, dst_b), _span(src_a, src_b)
+    dim = _next_along(dst_a, dst_b)
+    if dim is not None and _next_along(src_a, src_b) == dim and dst_a.shape == src_a.shape:
+        return _along(dst_a, dst_b, dim), _along(src_a, src_b, dim)
+    return None
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and _storage(a) == _storage(b)
+
+
+def _step(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements from ``a``'s first element to ``b``'s (0 if not a positive whole number)."""
+    delta = b.data_ptr() - a.data_ptr()
+    return delta // a.element_size() if delta > 0 and delta % a.element_size() == 0 else 0
+
+
+def _stack(run: list[Pair], steps: tuple[int, int]) -> Pair:
+    """Equal-layout copies at constant distances as one copy of two views with a new leading dim."""
+    (dst, src), (dst_step, src_step) = run[0], steps
+    if len(run) == 1:
+        return dst, src
+    return (dst.as_strided((len(run), *dst.shape), (dst_step, *dst.stride()), dst.storage_offset()),
+            src.as_strided((len(run), *src.shape), (src_step, *src.stride()), src.storage_offset()))
+
+
+def coalesce(pairs: Sequence[Pair]) -> list[Pair]:
+    """(destination, source) copies batched into as few copies as possible, exactly the same bytes.
+
+    Copies are taken in destination memory order. Neighbours in memory on both sides merge into one
+    flat copy (``[gate_e; up_e]`` of every expert: one copy per stacked tensor) or into one copy along
+    the dimension they continue (``w13[:, :I]`` and ``w13[:, I:]`` from ``fc1[:, :I]`` and
+    ``fc1[:, I:]``); then runs of equal-layout copies at constant distances on both sides become one
+    strided copy (Megatron's per-group ``q``/``k``/``v`` blocks: one copy each per layer).
+    Destinations never overlap, so a merged view covers exactly the bytes of the copies it replaces.
+    """
+    ordered = sorted((p for p in pairs if p[0].numel()), key=lambda p: (_storage(p[0]), p[0].data_ptr()))
+    merged: list[Pair] = []
+    for pair in ordered:
+        joined = _merge(merged[-1], pair) if merged else None
+        if joined is not None:
+            merged[-1] = joined
+        else:
+            merged.append(pair)
+    out: list[Pair] = []
+    run: list[Pair] = []
+    steps = (0, 0)
+    for dst, src in merged:
+        if run and _same_layout(run[-1][0], dst) and _same_layout(run[-1][1], src):
+            step = (_step(run[-1][0], dst), _step(run[-1][1], src))
+            if all(step) and (len(run) == 1 or step == steps):
+                run.append((dst, src))
+                steps = step
+                continue
+        if run:
+            out.append(_stack(run, steps))
+        run, steps = [(dst, src)], (0, 0)
+    if run:
+        out.append(_stack(run, steps))
+    return out
+
+
+def widen(dst: torch.Tensor, src: torch.Tensor) -> Pair:
+    """A same-dtype copy as views of the same bytes in the widest integer word (8, 4 or 2 bytes) that
+    both views' last dimension (stride 1), other strides and offsets allow; else unchanged.
+    Integer words copy bit for bit (NaN payloads included)."""
+    if dst.dtype != src.dtype or dst.dim() == 0:
+        return dst, src
+    for word in _WORDS:
+        if word.itemsize <= dst.element_size():
+            break
+        if dst.stride(-1) != 1 or src.stride(-1) != 1:
+            break
+        try:
+            return dst.view(word), src.view(word)
+        except RuntimeError:  # a size, stride or offset not a whole number of words
+            continue
+    return dst, src
+
+
+@dataclass(frozen=True)
+class CopyCounts:
+    """What a :class:`CopyProgram` runs per step."""
+
+    segments: int
+    """Copies asked for (one per plan segment)."""
+    copies: int
+    """Copies left after merging neighbours and stacking equal blocks."""
+    launches: int
+    """Copy calls per step: one per large copy and one per batch."""
+    batched: int
+    """Small copies inside those batches."""
+    strided: int
+    """Copies of views that are not contiguous (one strided kernel each, or inside a batch)."""
+    widened: int
+    """Copies moved as wider integer words than their dtype."""
+
+
+class CopyProgram:
+    """Copies resolved once (:func:`coalesce`, :func:`widen`), run every step with few launches.
+
+    ``run()`` queues every copy on the current stream (CUDA) or copies synchronously (CPU); the
+    caller orders it after the work it depends on and waits for it.
+    """
+
+    def __init__(self, pairs: Sequence[Pair], batch_below: int = BATCH_BELOW) -> None:
+        for dst, src in pairs:
+            if dst.shape != src.shape:
+                raise ValueError(f"a copy from shape {tuple(src.shape)} into shape {tuple(dst.shape)}")
+        merged = coalesce(pairs)
+        singles: list[Pair] = []
+        batches: dict[tuple[torch.dtype, torch.dtype, bool], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        widened = strided = 0
+        for dst, src in merged:
+            wide_dst, wide_src = widen(dst, src)
+            widened += wide_dst.dtype != dst.dtype
+            dense = wide_dst.is_contiguous() and wide_src.is_contiguous()
+            strided += not dense
+            if _nbytes(wide_dst) >= batch_below:
+                singles.append((wide_dst, wide_src))
+            else:
+                dsts, srcs = batches.setdefault((wide_dst.dtype, wide_src.dtype, dense), ([], []))
+                dsts.append(wide_dst)
+                srcs.append(wide_src)
+        singles.sort(key=lambda p: _nbytes(p[0]), reverse=True)  # the device is busy at once
+        self._singles = singles
+        self._batches = list(batches.values())
+        self.counts = CopyCounts(segments=len(pairs), copies=len(merged),
+                                 launches=len(singles) + len(self._batches),
+                                 batched=sum(len(d) for d, _ in self._batches), strided=strided, widened=widened)
+
+    def run(self) -> None:
+        """Queue (CUDA) or run (CPU) every copy once."""
+        for dst, src in self._singles:
+            dst.copy_(src)
+        for dsts, srcs in self._batches:
+            torch._foreach_copy_(dsts, srcs)
+
+
+__all__ = ["BATCH_BELOW", "CopyCounts", "CopyProgram", "coalesce", "widen"]

@@ -1,0 +1,131 @@
+"""The colocated receiver's copy program: merged, stacked, widened and batched copies move exactly the
+bytes of the copies asked for (bit for bit, NaN payloads included), in few launches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from refit_core.copies import CopyProgram, coalesce, widen
+
+
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Every bit pattern is possible, NaNs with payloads and negative zeros among them."""
+    gen = torch.Generator().manual_seed(seed)
+    size = torch.Size(shape).numel() * dtype.itemsize
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _expected(dst: torch.Tensor, pairs, pair_of) -> torch.Tensor:
+    """The destination after one plain ``copy_`` per pair (on a clone)."""
+    out = dst.clone()
+    for d, s in pairs:
+        pair_of(out, d).copy_(s)
+    return out
+
+
+def _same_view(base: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    return base.as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def test_expert_gate_and_up_halves_become_one_contiguous_copy():
+    """vLLM's ``w13[:, :I]`` / ``w13[:, I:]`` from Megatron's ``fc1[:, :I]`` / ``fc1[:, I:]``: neighbours
+    along dim 1 on both sides, so one copy of the whole stack (a plain memcpy), not two strided ones."""
+    experts, inter, hidden = 8, 6, 16
+    fc1 = _random_bits((experts, 2 * inter, hidden), torch.bfloat16, 1)
+    w13 = torch.zeros_like(fc1)
+    pairs = [(w13[:, inter:], fc1[:, inter:]), (w13[:, :inter], fc1[:, :inter])]  # any order
+    merged = coalesce(pairs)
+    assert len(merged) == 1 and merged[0][0].shape == (experts, 2 * inter, hidden)
+    assert merged[0][0].is_contiguous() and merged[0][1].is_contiguous()
+    program = CopyProgram(pairs)
+    program.run()
+    assert torch.equal(_bits(w13), _bits(fc1))
+    assert program.counts.launches == 1 and program.counts.strided == 0
+
+
+def test_halves_that_are_not_neighbours_in_the_source_become_one_strided_copy():
+    """A TP-2 engine's ``[gate_0; up_0]`` rows come from ``fc1[:, :I/2]`` and ``fc1[:, I:I + I/2]``: equal
+    blocks at constant distances on both sides, stacked on a new leading dimension."""
+    experts, inter, hidden = 4, 8, 8
+    fc1 = _random_bits((experts, 2 * inter, hidden), torch.bfloat16, 2)
+    w13 = torch.zeros(experts, inter, hidden, dtype=torch.bfloat16)
+    half = inter // 2
+    pairs = [(w13[:, :half], fc1[:, :half]), (w13[:, half:], fc1[:, inter:inter + half])]
+    merged = coalesce(pairs)
+    assert len(merged) == 1 and merged[0][1].shape == (2, experts, half, hidden)
+    CopyProgram(pairs).run()
+    assert torch.equal(_bits(w13), _bits(torch.cat([fc1[:, :half], fc1[:, inter:inter + half]], dim=1)))
+
+
+def test_strided_same_dtype_copies_move_as_wide_words_bit_for_bit():
+    groups, q, kv, hidden = 4, 6, 2, 16
+    qkv = _random_bits((groups, q + 2 * kv, hidden), torch.bfloat16, 3)
+    dst = torch.zeros(groups, q, hidden, dtype=torch.bfloat16)
+    wide_dst, wide_src = widen(dst, qkv[:, :q])
+    assert wide_dst.dtype == wide_src.dtype == torch.int64 and wide_src.shape == (groups, q, hidden // 4)
+    wide_dst.copy_(wide_src)
+    assert torch.equal(_bits(dst), _bits(qkv[:, :q]))
+    odd = torch.zeros(3, 5, dtype=torch.bfloat16)  # 10-byte rows: 2-byte words only, left alone
+    assert widen(odd, torch.ones(3, 5, dtype=torch.bfloat16))[0].dtype == torch.bfloat16
+    cast = widen(torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(4, 8))  # a cast is never reinterpreted
+    assert cast[0].dtype == torch.bfloat16 and cast[1].dtype == torch.float32
+    columns = torch.zeros(8, 8, dtype=torch.bfloat16)[:, :1]  # last stride 8: no wider word fits
+    assert widen(columns, torch.zeros(8, 1, dtype=torch.bfloat16))[0].dtype == torch.bfloat16
+
+
+def test_small_copies_are_batched_per_dtype_pair_and_large_ones_run_alone():
+    experts, rows, hidden = 16, 4, 32
+    src = _random_bits((experts, rows, hidden), torch.bfloat16, 4)
+    # per-expert source tensors (separate allocations, as Megatron's SequentialMLP) into one stack
+    sources = [src[e].clone() for e in range(experts)]
+    dst = torch.zeros_like(src)
+    norms_src, norms_dst = torch.randn(64), torch.zeros(64, dtype=torch.bfloat16)  # a cast
+    pairs = [(dst[e], sources[e]) for e in range(experts)] + [(norms_dst, norms_src)]
+    program = CopyProgram(pairs, batch_below=1 << 20)
+    assert program.counts.launches == 2  # one batch of same-dtype expert copies, one of the cast
+    assert program.counts.batched == experts + 1 and program.counts.segments == experts + 1
+    program.run()
+    assert torch.equal(_bits(dst), _bits(src)) and torch.equal(norms_dst, norms_src.to(torch.bfloat16))
+    alone = CopyProgram(pairs, batch_below=1)
+    assert alone.counts.launches == experts + 1 and alone.counts.batched == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_layouts_land_exactly_as_plain_copies(seed):
+    """Random boxes of a source buffer (rows, row blocks at random strides, casts) into random places
+    of a destination buffer: the program writes exactly what one ``copy_`` per pair writes."""
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.bfloat16, torch.float32, torch.float16])
+    rows, cols = rng.choice([(24, 16), (36, 8), (48, 12)])
+    src = _random_bits((rows, cols), dtype, seed)
+    cast = rng.random() < 0.3
+    dst = torch.zeros(rows, cols, dtype=torch.float32 if cast and dtype != torch.float32 else dtype)
+    # destination rows in blocks of `block`, a random permutation of source blocks, cut in columns too
+    block = rng.choice([1, 2, 3, 4])
+    order = list(range(rows // block))
+    rng.shuffle(order)
+    if rng.random() < 0.5:  # a strided source: group g's block at a constant distance, as fused qkv
+        order = sorted(order)
+    cut = rng.choice([cols, cols // 2])
+    pairs = []
+    for i, j in enumerate(order):
+        for c in range(0, cols, cut):
+            pairs.append((dst[i * block:(i + 1) * block, c:c + cut], src[j * block:(j + 1) * block, c:c + cut]))
+    rng.shuffle(pairs)
+    expected = _expected(dst, pairs, _same_view)
+    program = CopyProgram(pairs, batch_below=rng.choice([1, 64, 1 << 20]))
+    program.run()
+    assert torch.equal(_bits(dst), _bits(expected))
+    assert program.counts.segments == len(pairs) and program.counts.copies <= len(pairs)
+
+
+def test_a_copy_between_different_shapes_is_refused():
+    with pytest.raises(ValueError, match=r"a copy from shape \(4,\) into shape \(2, 2\)"):
+        CopyProgram([(torch.zeros(2, 2), torch.zeros(4))])
