@@ -13,7 +13,7 @@ from .experts import group_side
 from .layout import ParallelLayout
 from .options import RefitOptions
 from .pieces import DestinationPiece, PieceMeta
-from .planner import plan_transfers
+from .plan_fast import plan_transfers_fast
 from .plugins import PluginManager
 from .schedule import Schedule, build_schedule
 from .units import format_bytes
@@ -82,8 +82,8 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
     if progress is not None and len(src) + len(dst) >= 64:
         progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
     grouped_src, grouped_dst = group_side(src, pm.expert_name), group_side(dst, pm.expert_name)
-    transfers = plan_transfers(grouped_src.metas, grouped_dst.metas, cast=settings.cast,
-                               allow_unused_sources=settings.allow_unused_sources)
+    transfers = plan_transfers_fast(grouped_src.metas, grouped_dst.metas, cast=settings.cast,
+                                    allow_unused_sources=settings.allow_unused_sources)
     schedule = build_schedule(transfers, len(src), len(dst), settings.bucket_bytes, settings.messages,
                               expert_groups=set(grouped_src.counts) | set(grouped_dst.counts),
                               agreed_settings=settings.digest())

@@ -53,6 +53,14 @@ class Segment:
         return self.box.numel * dtype_size(self.dtype)
 
 
+def _segment(piece: int, box: Box, offset: int, dtype: torch.dtype) -> Segment:
+    """A :class:`Segment` from known-good fields, without the frozen dataclass' per-field setattr
+    (schedules at scale hold a million of them)."""
+    segment = object.__new__(Segment)
+    object.__setattr__(segment, "__dict__", {"piece": piece, "box": box, "offset": offset, "dtype": dtype})
+    return segment
+
+
 @dataclass(frozen=True)
 class Message:
     """One contiguous buffer from train rank ``src`` to gen rank ``dst`` (side-local ranks)."""
@@ -147,15 +155,15 @@ class _MessageBuilder:
         self.used = 0
         self.pair = (0, 0)
 
-    def add(self, t: Transfer, src_box: Box, dst_box: Box) -> None:
-        nbytes = src_box.numel * dtype_size(t.dtype)
+    def add(self, t: Transfer, src_box: Box, dst_box: Box, nbytes: int) -> None:
+        """Append ``src_box`` -> ``dst_box`` of ``t`` (``nbytes`` on the wire)."""
         offset = align(self.used)
         if self.src_segs and offset + nbytes > self.bucket_bytes:
             self.close()
             offset = 0
         self.pair = (t.src, t.dst)
-        self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))
-        self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
+        self.src_segs.append(_segment(t.src_piece, src_box, offset, t.dtype))
+        self.dst_segs.append(_segment(t.dst_piece, dst_box, offset, t.dtype))
         self.used = offset + nbytes
 
     def close(self) -> None:
@@ -165,20 +173,26 @@ class _MessageBuilder:
 
 
 @dataclass(frozen=True)
-class _Part:
-    """A transfer's ``src``/``dst`` sub-boxes that travel together in a unit."""
-
-    transfer: Transfer
-    src: Box
-    dst: Box
-
-
-@dataclass(frozen=True)
 class _Unit:
-    """Parts cut into messages together; ``gather`` when several transfers feed one destination piece."""
+    """Transfers cut into messages together; ``gather`` when several transfers feed one destination piece.
+
+    Interleaved sibling experts are sub-transfers, one per expert (see :func:`_units`).
+    """
 
     gather: bool
-    parts: list[_Part]
+    parts: list[Transfer]
+
+
+def _unit(gather: bool, parts: list[Transfer]) -> _Unit:
+    unit = object.__new__(_Unit)
+    object.__setattr__(unit, "__dict__", {"gather": gather, "parts": parts})
+    return unit
+
+
+def _narrowed(t: Transfer, expert: int) -> Transfer:
+    """Expert ``expert`` (dim 0) of a grouped-expert transfer."""
+    return Transfer(t.name, t.src, t.src_piece, _narrow(t.src_box, 0, expert, 1), t.dst, t.dst_piece,
+                    _narrow(t.dst_box, 0, expert, 1), t.dtype)
 
 
 def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
@@ -206,10 +220,10 @@ def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -
             j += 1
         if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
             siblings = [run[0] for run in runs[i:j]]
-            units.append(_Unit(False, [_Part(t, _narrow(t.src_box, 0, e, 1), _narrow(t.dst_box, 0, e, 1))
-                                       for e in range(siblings[0].src_box.sizes[0]) for t in siblings]))
+            units.append(_unit(False, [_narrowed(t, e) for e in range(siblings[0].src_box.sizes[0])
+                                       for t in siblings]))
         else:
-            units.extend(_Unit(len(run) > 1, [_Part(t, t.src_box, t.dst_box) for t in run]) for run in runs[i:j])
+            units.extend(_unit(len(run) > 1, run) for run in runs[i:j])
         i = j
     return units
 
@@ -220,20 +234,20 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
     shared = _MessageBuilder(bucket_bytes, messages)
     kind = None
     for unit in _units(pair_transfers, expert_groups):
+        sizes = [t.src_box.numel * t.dtype.itemsize for t in unit.parts]
         if formation.mode == MessageMode.RUNS:
             if unit.gather != kind:  # a new run: close the last one's message
                 shared.close()
                 kind = unit.gather
             builder = shared
         else:
-            nbytes = sum(p.src.numel * dtype_size(p.transfer.dtype) for p in unit.parts)
-            builder = _MessageBuilder(bucket_bytes, messages) if nbytes >= formation.direct_min_bytes else shared
-        for p in unit.parts:
-            t = p.transfer
-            whole = p.src is t.src_box and p.dst is t.dst_box
-            part = t if whole else Transfer(t.name, t.src, t.src_piece, p.src, t.dst, t.dst_piece, p.dst, t.dtype)
-            for src_box, dst_box in _split_transfer(part, bucket_bytes):
-                builder.add(t, src_box, dst_box)
+            builder = _MessageBuilder(bucket_bytes, messages) if sum(sizes) >= formation.direct_min_bytes else shared
+        for t, nbytes in zip(unit.parts, sizes):
+            if nbytes <= bucket_bytes:  # what _split_transfer would yield whole, without building it
+                builder.add(t, t.src_box, t.dst_box, nbytes)
+            else:
+                for src_box, dst_box in _split_transfer(t, bucket_bytes):
+                    builder.add(t, src_box, dst_box, src_box.numel * t.dtype.itemsize)
         if builder is not shared:
             builder.close()
     shared.close()
