@@ -10,6 +10,7 @@ from typing import Any
 from .backend import GEN, TRAIN
 from .env import with_overrides
 from .experts import group_side
+from .gcpause import gc_paused
 from .layout import ParallelLayout
 from .options import RefitOptions
 from .pieces import DestinationPiece, PieceMeta
@@ -65,26 +66,27 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
     settings = with_overrides(options or RefitOptions()).resolved(device)
     assert settings.bucket_bytes is not None  # resolved above
     start = time.perf_counter()
-    pm.backend(train, TRAIN)
-    pm.backend(gen, GEN)
-    src: list[list[PieceMeta]] = []
-    tick = _every_tenth(train_layout.world_size, progress, TRAIN)
-    for r in range(train_layout.world_size):
-        src.append([p.meta for p in pm.source_layout(train, config, train_layout, r)])
-        tick(r + 1)
-    dst: list[list[PieceMeta]] = []
-    tick = _every_tenth(gen_layout.world_size, progress, GEN)
-    for r in range(gen_layout.world_size):
-        mapping = pm.destination_layout(gen, config, gen_layout, r)
-        dst.append([p.meta for p in mapping.pieces]
-                   + [DestinationPiece(s, s.full_box()).meta for s in mapping.loader])
-        tick(r + 1)
-    if progress is not None and len(src) + len(dst) >= 64:
-        progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
-    grouped_src, grouped_dst = group_side(src, pm.expert_name), group_side(dst, pm.expert_name)
-    transfers = plan_transfers_fast(grouped_src.metas, grouped_dst.metas, cast=settings.cast,
-                                    allow_unused_sources=settings.allow_unused_sources)
-    schedule = build_schedule(transfers, len(src), len(dst), settings.bucket_bytes, settings.messages,
-                              expert_groups=set(grouped_src.counts) | set(grouped_dst.counts),
-                              agreed_settings=settings.digest())
+    with gc_paused():
+        pm.backend(train, TRAIN)
+        pm.backend(gen, GEN)
+        src: list[list[PieceMeta]] = []
+        tick = _every_tenth(train_layout.world_size, progress, TRAIN)
+        for r in range(train_layout.world_size):
+            src.append([p.meta for p in pm.source_layout(train, config, train_layout, r)])
+            tick(r + 1)
+        dst: list[list[PieceMeta]] = []
+        tick = _every_tenth(gen_layout.world_size, progress, GEN)
+        for r in range(gen_layout.world_size):
+            mapping = pm.destination_layout(gen, config, gen_layout, r)
+            dst.append([p.meta for p in mapping.pieces]
+                       + [DestinationPiece(s, s.full_box()).meta for s in mapping.loader])
+            tick(r + 1)
+        if progress is not None and len(src) + len(dst) >= 64:
+            progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
+        grouped_src, grouped_dst = group_side(src, pm.expert_name), group_side(dst, pm.expert_name)
+        transfers = plan_transfers_fast(grouped_src.metas, grouped_dst.metas, cast=settings.cast,
+                                        allow_unused_sources=settings.allow_unused_sources)
+        schedule = build_schedule(transfers, len(src), len(dst), settings.bucket_bytes, settings.messages,
+                                  expert_groups=set(grouped_src.counts) | set(grouped_dst.counts),
+                                  agreed_settings=settings.digest())
     return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start)

@@ -157,8 +157,8 @@ class _MessageBuilder:
 
     def add(self, t: Transfer, src_box: Box, dst_box: Box, nbytes: int) -> None:
         """Append ``src_box`` -> ``dst_box`` of ``t`` (``nbytes`` on the wire)."""
-        offset = align(self.used)
-        if self.src_segs and offset + nbytes > self.bucket_bytes:
+        offset = -(-self.used // ALIGN) * ALIGN  # align(), inlined: a million calls at scale
+        if offset + nbytes > self.bucket_bytes and self.src_segs:
             self.close()
             offset = 0
         self.pair = (t.src, t.dst)
@@ -170,23 +170,6 @@ class _MessageBuilder:
         if self.src_segs:
             self.out.append(Message(*self.pair, self.used, tuple(self.src_segs), tuple(self.dst_segs)))
         self.src_segs, self.dst_segs, self.used = [], [], 0
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """Transfers cut into messages together; ``gather`` when several transfers feed one destination piece.
-
-    Interleaved sibling experts are sub-transfers, one per expert (see :func:`_units`).
-    """
-
-    gather: bool
-    parts: list[Transfer]
-
-
-def _unit(gather: bool, parts: list[Transfer]) -> _Unit:
-    unit = object.__new__(_Unit)
-    object.__setattr__(unit, "__dict__", {"gather": gather, "parts": parts})
-    return unit
 
 
 def _narrowed(t: Transfer, expert: int) -> Transfer:
@@ -202,15 +185,19 @@ def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
     return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
 
 
-def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -> list[_Unit]:
-    """Transfers of one pair grouped into units (see the module doc), in order."""
+def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -> Iterator[tuple[bool, list[Transfer]]]:
+    """Transfers of one pair grouped into units (see the module doc), in order: ``(gather, transfers)``,
+    ``gather`` when several transfers feed one destination piece; interleaved sibling experts come as
+    sub-transfers, one per expert."""
     runs: list[list[Transfer]] = []
+    last = None
     for t in pair_transfers:
-        if runs and (runs[-1][0].name, runs[-1][0].dst_piece) == (t.name, t.dst_piece):
+        key = (t.name, t.dst_piece)
+        if key == last:
             runs[-1].append(t)
         else:
             runs.append([t])
-    units: list[_Unit] = []
+            last = key
     i = 0
     while i < len(runs):
         family = _expert_family(runs[i][0], expert_groups) if len(runs[i]) == 1 else None
@@ -220,12 +207,10 @@ def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -
             j += 1
         if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
             siblings = [run[0] for run in runs[i:j]]
-            units.append(_unit(False, [_narrowed(t, e) for e in range(siblings[0].src_box.sizes[0])
-                                       for t in siblings]))
+            yield False, [_narrowed(t, e) for e in range(siblings[0].src_box.sizes[0]) for t in siblings]
         else:
-            units.extend(_unit(len(run) > 1, run) for run in runs[i:j])
+            yield len(runs[i]) > 1, runs[i]
         i = j
-    return units
 
 
 def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: MessageOptions,
@@ -233,16 +218,16 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
     messages: list[Message] = []
     shared = _MessageBuilder(bucket_bytes, messages)
     kind = None
-    for unit in _units(pair_transfers, expert_groups):
-        sizes = [t.src_box.numel * t.dtype.itemsize for t in unit.parts]
+    for gather, parts in _units(pair_transfers, expert_groups):
+        sizes = [t.src_box.numel * t.dtype.itemsize for t in parts]
         if formation.mode == MessageMode.RUNS:
-            if unit.gather != kind:  # a new run: close the last one's message
+            if gather != kind:  # a new run: close the last one's message
                 shared.close()
-                kind = unit.gather
+                kind = gather
             builder = shared
         else:
             builder = _MessageBuilder(bucket_bytes, messages) if sum(sizes) >= formation.direct_min_bytes else shared
-        for t, nbytes in zip(unit.parts, sizes):
+        for t, nbytes in zip(parts, sizes):
             if nbytes <= bucket_bytes:  # what _split_transfer would yield whole, without building it
                 builder.add(t, t.src_box, t.dst_box, nbytes)
             else:
