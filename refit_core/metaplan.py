@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +26,22 @@ Progress = Callable[[str], None]
 
 @dataclass
 class PlanSummary:
-    """A plan's schedule and how long planning took."""
+    """A plan's schedule and what planning cost.
+
+    ``seconds`` is wall time from the first layout hook to the schedule; ``describe_s`` the part the
+    plugins' layout hooks took (every rank's pieces); ``cpu_s`` and ``describe_cpu_s`` the process' CPU
+    time over the same spans (the one-core cost, whatever else runs on the machine);
+    ``peak_rss_bytes`` the process' peak resident memory so far.
+    """
 
     schedule: Schedule
     train_ranks: int
     gen_ranks: int
     seconds: float
+    describe_s: float = 0.0
+    cpu_s: float = 0.0
+    describe_cpu_s: float = 0.0
+    peak_rss_bytes: int = 0
 
     def lines(self) -> list[str]:
         s = self.schedule.summary
@@ -41,7 +52,9 @@ class PlanSummary:
             f"busiest:      sender {format_bytes(s.busiest_sender_bytes)}, "
             f"receiver {format_bytes(s.busiest_receiver_bytes)}",
             f"fingerprint:  {self.schedule.fingerprint}",
-            f"planned in:   {self.seconds:.3f} s",
+            f"planned in:   {self.seconds:.3f} s, {self.cpu_s:.3f} s CPU (layout hooks {self.describe_cpu_s:.3f} s, "
+            f"planner and schedule {self.cpu_s - self.describe_cpu_s:.3f} s)",
+            f"peak memory:  {format_bytes(self.peak_rss_bytes)} (the process' resident set)",
         ]
 
 
@@ -65,7 +78,7 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
     """
     settings = with_overrides(options or RefitOptions()).resolved(device)
     assert settings.bucket_bytes is not None  # resolved above
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with gc_paused():
         pm.backend(train, TRAIN)
         pm.backend(gen, GEN)
@@ -81,6 +94,7 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
             dst.append([p.meta for p in mapping.pieces]
                        + [DestinationPiece(s, s.full_box()).meta for s in mapping.loader])
             tick(r + 1)
+        described, described_cpu = time.perf_counter(), time.process_time()
         if progress is not None and len(src) + len(dst) >= 64:
             progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
         grouped_src, grouped_dst = group_side(src, pm.expert_name), group_side(dst, pm.expert_name)
@@ -89,4 +103,15 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
         schedule = build_schedule(transfers, len(src), len(dst), settings.bucket_bytes, settings.messages,
                                   expert_groups=set(grouped_src.counts) | set(grouped_dst.counts),
                                   agreed_settings=settings.digest())
-    return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start)
+    return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start, described - start,
+                       time.process_time() - cpu_start, described_cpu - cpu_start, peak_rss_bytes())
+
+
+def peak_rss_bytes() -> int:
+    """This process' peak resident memory (0 where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
