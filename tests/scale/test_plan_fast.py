@@ -138,3 +138,18 @@ def test_fast_planner_raises_the_reference_error(case: str) -> None:
     with pytest.raises(PlanError) as fast:
         plan_transfers_fast(src, dst)
     assert str(fast.value) == str(reference.value)
+
+
+def test_deepseek_v3_plans_from_megatron_into_vllm() -> None:
+    """MLA's up-projections are split by heads on the engine, routed experts in EP blocks; the
+    multi-token-prediction layer has no engine destination (allowed as an unused source)."""
+    from refit_megatron.conformance import MLA_CONFIG
+
+    src = _side_metas("megatron:tp=2,dp=2,ep=2", MLA_CONFIG, True)
+    dst = _side_metas("vllm:tp=2,ep=2", MLA_CONFIG, False)
+    by_name = {m.spec.name: m for m in dst[1]}
+    q_b = by_name["model.layers.0.self_attn.q_b_proj.weight"]
+    assert q_b.box.offsets[0] == q_b.spec.shape[0] // 2 and q_b.box.sizes[0] == q_b.spec.shape[0] // 2
+    experts = [m for m in dst[1] if m.spec.name.endswith("mlp.experts.gate_proj.weight")]
+    assert experts and all(m.box.offsets[0] == m.spec.shape[0] // 2 for m in experts)
+    _assert_same_plan(src, dst, allow_unused_sources=True)
