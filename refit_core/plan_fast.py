@@ -126,8 +126,8 @@ def _new_transfer(name: str, src: int, src_piece: int, src_box: Box, dst: int, d
                   dtype: torch.dtype) -> Transfer:
     """A :class:`Transfer` from known-good fields, without the frozen dataclass' per-field setattr."""
     t = object.__new__(Transfer)
-    t.__dict__.update(name=name, src=src, src_piece=src_piece, src_box=src_box, dst=dst, dst_piece=dst_piece,
-                      dst_box=dst_box, dtype=dtype)
+    object.__setattr__(t, "__dict__", {"name": name, "src": src, "src_piece": src_piece, "src_box": src_box,
+                                       "dst": dst, "dst_piece": dst_piece, "dst_box": dst_box, "dtype": dtype})
     return t
 
 
