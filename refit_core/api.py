@@ -27,7 +27,8 @@ from .experts import ExpertNaming, group_piece, group_side
 from .failures import StepFailedError, StepFailure
 from .options import RefitOptions, UpdateMode
 from .pieces import DestinationPiece, Piece, PieceMeta
-from .planner import plan_transfers
+from .gcpause import gc_paused
+from .plan_fast import plan_transfers_fast
 from .plugins import PluginManager, get_plugin_manager
 from .rendezvous import Rendezvous
 from .schedule import Message, Schedule, build_schedule
@@ -183,12 +184,13 @@ class _Endpoint:
         self._counts = grouped[self.side].counts
         for side in (TRAIN, GEN):
             self._experts.learn(metas[side])
-        transfers = plan_transfers(grouped[TRAIN].metas, grouped[GEN].metas, cast=settings.cast,
-                                   allow_unused_sources=settings.allow_unused_sources)
         assert settings.bucket_bytes is not None  # resolved by the train side's rank 0
         groups = set(grouped[GEN].counts) | set(grouped[TRAIN].counts)
-        schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings.bucket_bytes,
-                                  settings.messages, expert_groups=groups, agreed_settings=settings.digest())
+        with gc_paused():
+            transfers = plan_transfers_fast(grouped[TRAIN].metas, grouped[GEN].metas, cast=settings.cast,
+                                            allow_unused_sources=settings.allow_unused_sources)
+            schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings.bucket_bytes,
+                                      settings.messages, expert_groups=groups, agreed_settings=settings.digest())
         self._assign_links(schedule, settings)
         rdv = self._require_rendezvous()
         rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)

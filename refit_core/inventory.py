@@ -67,7 +67,7 @@ def head_dim(config: dict[str, Any]) -> int:
 
 def num_experts(config: dict[str, Any]) -> int:
     """Routed experts per MoE layer (0 for dense models)."""
-    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
 
 def architecture(config: dict[str, Any]) -> str:

@@ -53,6 +53,14 @@ class Segment:
         return self.box.numel * dtype_size(self.dtype)
 
 
+def _segment(piece: int, box: Box, offset: int, dtype: torch.dtype) -> Segment:
+    """A :class:`Segment` from known-good fields, without the frozen dataclass' per-field setattr
+    (schedules at scale hold a million of them)."""
+    segment = object.__new__(Segment)
+    object.__setattr__(segment, "__dict__", {"piece": piece, "box": box, "offset": offset, "dtype": dtype})
+    return segment
+
+
 @dataclass(frozen=True)
 class Message:
     """One contiguous buffer from train rank ``src`` to gen rank ``dst`` (side-local ranks)."""
@@ -147,15 +155,15 @@ class _MessageBuilder:
         self.used = 0
         self.pair = (0, 0)
 
-    def add(self, t: Transfer, src_box: Box, dst_box: Box) -> None:
-        nbytes = src_box.numel * dtype_size(t.dtype)
-        offset = align(self.used)
-        if self.src_segs and offset + nbytes > self.bucket_bytes:
+    def add(self, t: Transfer, src_box: Box, dst_box: Box, nbytes: int) -> None:
+        """Append ``src_box`` -> ``dst_box`` of ``t`` (``nbytes`` on the wire)."""
+        offset = -(-self.used // ALIGN) * ALIGN  # align(), inlined: a million calls at scale
+        if offset + nbytes > self.bucket_bytes and self.src_segs:
             self.close()
             offset = 0
         self.pair = (t.src, t.dst)
-        self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))
-        self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
+        self.src_segs.append(_segment(t.src_piece, src_box, offset, t.dtype))
+        self.dst_segs.append(_segment(t.dst_piece, dst_box, offset, t.dtype))
         self.used = offset + nbytes
 
     def close(self) -> None:
@@ -164,21 +172,10 @@ class _MessageBuilder:
         self.src_segs, self.dst_segs, self.used = [], [], 0
 
 
-@dataclass(frozen=True)
-class _Part:
-    """A transfer's ``src``/``dst`` sub-boxes that travel together in a unit."""
-
-    transfer: Transfer
-    src: Box
-    dst: Box
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """Parts cut into messages together; ``gather`` when several transfers feed one destination piece."""
-
-    gather: bool
-    parts: list[_Part]
+def _narrowed(t: Transfer, expert: int) -> Transfer:
+    """Expert ``expert`` (dim 0) of a grouped-expert transfer."""
+    return Transfer(t.name, t.src, t.src_piece, _narrow(t.src_box, 0, expert, 1), t.dst, t.dst_piece,
+                    _narrow(t.dst_box, 0, expert, 1), t.dtype)
 
 
 def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
@@ -188,15 +185,19 @@ def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
     return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
 
 
-def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -> list[_Unit]:
-    """Transfers of one pair grouped into units (see the module doc), in order."""
+def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -> Iterator[tuple[bool, list[Transfer]]]:
+    """Transfers of one pair grouped into units (see the module doc), in order: ``(gather, transfers)``,
+    ``gather`` when several transfers feed one destination piece; interleaved sibling experts come as
+    sub-transfers, one per expert."""
     runs: list[list[Transfer]] = []
+    last = None
     for t in pair_transfers:
-        if runs and (runs[-1][0].name, runs[-1][0].dst_piece) == (t.name, t.dst_piece):
+        key = (t.name, t.dst_piece)
+        if key == last:
             runs[-1].append(t)
         else:
             runs.append([t])
-    units: list[_Unit] = []
+            last = key
     i = 0
     while i < len(runs):
         family = _expert_family(runs[i][0], expert_groups) if len(runs[i]) == 1 else None
@@ -206,12 +207,10 @@ def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -
             j += 1
         if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
             siblings = [run[0] for run in runs[i:j]]
-            units.append(_Unit(False, [_Part(t, _narrow(t.src_box, 0, e, 1), _narrow(t.dst_box, 0, e, 1))
-                                       for e in range(siblings[0].src_box.sizes[0]) for t in siblings]))
+            yield False, [_narrowed(t, e) for e in range(siblings[0].src_box.sizes[0]) for t in siblings]
         else:
-            units.extend(_Unit(len(run) > 1, [_Part(t, t.src_box, t.dst_box) for t in run]) for run in runs[i:j])
+            yield len(runs[i]) > 1, runs[i]
         i = j
-    return units
 
 
 def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: MessageOptions,
@@ -219,21 +218,21 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
     messages: list[Message] = []
     shared = _MessageBuilder(bucket_bytes, messages)
     kind = None
-    for unit in _units(pair_transfers, expert_groups):
+    for gather, parts in _units(pair_transfers, expert_groups):
+        sizes = [t.src_box.numel * t.dtype.itemsize for t in parts]
         if formation.mode == MessageMode.RUNS:
-            if unit.gather != kind:  # a new run: close the last one's message
+            if gather != kind:  # a new run: close the last one's message
                 shared.close()
-                kind = unit.gather
+                kind = gather
             builder = shared
         else:
-            nbytes = sum(p.src.numel * dtype_size(p.transfer.dtype) for p in unit.parts)
-            builder = _MessageBuilder(bucket_bytes, messages) if nbytes >= formation.direct_min_bytes else shared
-        for p in unit.parts:
-            t = p.transfer
-            whole = p.src is t.src_box and p.dst is t.dst_box
-            part = t if whole else Transfer(t.name, t.src, t.src_piece, p.src, t.dst, t.dst_piece, p.dst, t.dtype)
-            for src_box, dst_box in _split_transfer(part, bucket_bytes):
-                builder.add(t, src_box, dst_box)
+            builder = _MessageBuilder(bucket_bytes, messages) if sum(sizes) >= formation.direct_min_bytes else shared
+        for t, nbytes in zip(parts, sizes):
+            if nbytes <= bucket_bytes:  # what _split_transfer would yield whole, without building it
+                builder.add(t, t.src_box, t.dst_box, nbytes)
+            else:
+                for src_box, dst_box in _split_transfer(t, bucket_bytes):
+                    builder.add(t, src_box, dst_box, src_box.numel * t.dtype.itemsize)
         if builder is not shared:
             builder.close()
     shared.close()

@@ -1,12 +1,16 @@
 """Metadata-only destination pieces of a tensor-parallel decoder engine rank (``refit plan``).
 
 vLLM and SGLang shard the decoder families refit knows from ``config.json`` (Llama, Mistral, Qwen2,
-Qwen3, Qwen3-MoE, Mixtral) by the same Megatron-style rules, which live here once:
+Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3) by the same Megatron-style rules, which live here once:
 
 - q/k/v and gate/up are column-parallel (q by heads; k/v by KV heads, each rank holding the KV head
   ``tp_rank // (tp / kv_heads)`` when tp exceeds the KV-head count), o/down row-parallel (their
   biases replicated); a fused ``qkv_proj`` / ``gate_up_proj`` checkpoint tensor (Phi-3) gives each
   rank its q, k, v (gate, up) rows as separate boxes;
+- MLA (DeepSeek-V2/V3, Kimi-K2): ``q_b_proj`` / ``kv_b_proj`` are column-parallel by heads, the
+  down-projections ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their norms replicated (vLLM's and
+  SGLang's ``DeepseekV2Attention``); a multi-token-prediction layer (index ``num_hidden_layers``) is
+  not part of the engine's main model;
 - ``embed_tokens`` / ``lm_head`` are vocab-parallel over the vocabulary padded to a multiple of
   ``vocab_padding`` (each rank holds rows ``[r * V_pad / tp, min((r + 1) * V_pad / tp, V))``);
 - MoE experts: whole experts in contiguous blocks of ``E / ep`` per expert-parallel rank, each block
@@ -124,6 +128,8 @@ def decoder_pieces(config: dict[str, Any], rank: EngineRank) -> list[Destination
             q_size, kv_size = heads * hd, kv_heads * hd
             for base, rows in ((0, q_rows), (q_size, kv_rows), (q_size + kv_size, kv_rows)):
                 add(spec, _rows((base + rows[0], base + rows[1]), shape))
+        elif leaf in ("q_b_proj", "kv_b_proj"):  # MLA's up-projections: column-parallel by heads
+            add(spec, _rows(split_range(shape[0], tp, tp_i, name, engine), shape))
         elif leaf in ("gate_proj", "up_proj"):
             add(spec, _rows(split_range(shape[0], tp, tp_i, name, engine), shape))
         elif leaf == "gate_up_proj":  # a checkpoint that stores [gate; up] fused (Phi-3)

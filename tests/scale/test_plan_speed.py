@@ -1,12 +1,11 @@
 """Planning from metadata is fast and plans exactly what it planned before it was made fast.
 
-The fingerprints below were recorded with the planner, schedule and layout hooks as they were
-before the speed work (main at 97f1027; re-recorded when the options gained the update mode, whose
-digest every fingerprint includes, with identical messages and segments):
-the same input must give the same schedule, segment for segment. The 1024-rank case
-(``dtensor:fsdp=128,tp=8 -> vllm:tp=8``, 592,896 segments) gave ``57505422c14f188c`` there and here;
-it is not run in CI (38 s of CPU). Timings are not asserted here (this machine is shared); README's numbers come from
-``refit plan`` runs.
+The fingerprints below were recorded with the reference planner (``refit_core.planner``) and the
+schedule as they were before the array planner (``refit_core.plan_fast``), at 5505877 (the recorded
+values of main 97f1027 had gone stale with later changes to the options' digest): the same input must
+give the same schedule, segment for segment. The 1024-rank case (``dtensor:fsdp=128,tp=8 -> vllm:tp=8``,
+592,896 segments) gave ``80108849a66db46b`` there and here; it is not run in CI (see
+``benchmarks/plan_speed.py``). Timings are not asserted here (this machine is shared).
 """
 
 from __future__ import annotations
