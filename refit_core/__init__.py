@@ -13,7 +13,8 @@ from .errors import AuthenticationError, OptionError, PlanError, PluginError, Re
 from .failures import StepFailedError, StepFailure, UpdateMode
 from .experts import ExpertName
 from .layout import ParallelLayout
-from .options import CastPolicy, MessageMode, MessageOptions, NcclBackend, NcclOptions, RefitOptions, TransportKind
+from .options import (CastPolicy, MessageMode, MessageOptions, NcclBackend, NcclOptions, RefitOptions, RelayOptions,
+                      TransportKind)
 from .pieces import DestinationMap, DestinationPiece, SourcePiece
 from .plugins import get_plugin_manager, hookimpl
 from .spec import Box, TensorSpec
@@ -21,7 +22,7 @@ from .spec import Box, TensorSpec
 __all__ = [
     "GEN", "TRAIN", "Backend", "Box", "CastPolicy", "DestinationMap", "DestinationPiece", "ExpertName",
     "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "OptionError", "ParallelLayout", "PlanError",
-    "PluginError", "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "SourcePiece", "StepStats",
+    "PluginError", "RefitError", "RefitOptions", "RefitReceiver", "RelayOptions", "RefitSender", "SourcePiece", "StepStats",
     "TensorSpec", "TransferError", "TransportKind", "get_plugin_manager", "hookimpl",
     "AuthenticationError", "RendezvousError", "StepFailedError", "StepFailure", "UpdateMode",
 ]
