@@ -25,11 +25,10 @@ from .experts import ExpertNaming, group_piece, group_side
 from .failures import StepFailedError, StepFailure
 from .options import RefitOptions, UpdateMode
 from .pieces import DestinationPiece, Piece, PieceMeta
-from .planner import plan_transfers
 from .plugins import PluginManager, get_plugin_manager
-from .relay import RelayPlan, plan_relay
+from .relay import RelayPlan, plan_with_relay
 from .rendezvous import Rendezvous
-from .schedule import Message, Schedule, build_schedule
+from .schedule import Message, Schedule
 from .setuptime import SetupTimes
 from .spec import TensorSpec
 from .transport import Transport, open_transport
@@ -212,16 +211,9 @@ class _Endpoint:
         self._counts = grouped[self.side].counts
         for side in (TRAIN, GEN):
             self._experts.learn(metas[side])
-        assert settings.bucket_bytes is not None  # resolved by the train side's rank 0
         groups = set(grouped[GEN].counts) | set(grouped[TRAIN].counts)
-        self.relay = plan_relay(settings.relay, grouped[GEN].metas, settings.bucket_bytes, settings.messages,
-                                expert_groups=groups)
-        fed = grouped[GEN].metas if self.relay is None else self.relay.direct_metas(grouped[GEN].metas)
-        transfers = plan_transfers(grouped[TRAIN].metas, fed, cast=settings.cast,
-                                   allow_unused_sources=settings.allow_unused_sources)
-        agreed = settings.digest() if self.relay is None else f"{settings.digest()}|{self.relay.digest}"
-        schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings.bucket_bytes,
-                                  settings.messages, expert_groups=groups, agreed_settings=agreed)
+        schedule, self.relay = plan_with_relay(grouped[TRAIN].metas, grouped[GEN].metas, settings,
+                                               expert_groups=groups)
         self._assign_links(schedule, settings)
         self._phases["plan"] = time.perf_counter() - began
         began = time.perf_counter()

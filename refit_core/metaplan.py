@@ -13,9 +13,9 @@ from .experts import group_side
 from .layout import ParallelLayout
 from .options import RefitOptions
 from .pieces import DestinationPiece, PieceMeta
-from .planner import plan_transfers
 from .plugins import PluginManager
-from .schedule import Schedule, build_schedule
+from .relay import RelayPlan, plan_with_relay
+from .schedule import Schedule
 from .units import format_bytes
 
 
@@ -30,6 +30,7 @@ class PlanSummary:
     train_ranks: int
     gen_ranks: int
     seconds: float
+    relay: RelayPlan | None = None
 
     def lines(self) -> list[str]:
         s = self.schedule.summary
@@ -41,6 +42,7 @@ class PlanSummary:
             f"receiver {format_bytes(s.busiest_receiver_bytes)}",
             f"fingerprint:  {self.schedule.fingerprint}",
             f"planned in:   {self.seconds:.3f} s",
+            *(self.relay.lines() if self.relay is not None else []),
         ]
 
 
@@ -82,9 +84,6 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
     if progress is not None and len(src) + len(dst) >= 64:
         progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
     grouped_src, grouped_dst = group_side(src, pm.expert_name), group_side(dst, pm.expert_name)
-    transfers = plan_transfers(grouped_src.metas, grouped_dst.metas, cast=settings.cast,
-                               allow_unused_sources=settings.allow_unused_sources)
-    schedule = build_schedule(transfers, len(src), len(dst), settings.bucket_bytes, settings.messages,
-                              expert_groups=set(grouped_src.counts) | set(grouped_dst.counts),
-                              agreed_settings=settings.digest())
-    return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start)
+    schedule, relay = plan_with_relay(grouped_src.metas, grouped_dst.metas, settings,
+                                      expert_groups=set(grouped_src.counts) | set(grouped_dst.counts))
+    return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start, relay)

@@ -22,9 +22,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .errors import PlanError
-from .options import MessageOptions, RelayOptions
+from .options import MessageOptions, RefitOptions, RelayOptions
 from .pieces import PieceMeta
-from .planner import Transfer
+from .planner import Transfer, plan_transfers
 from .schedule import Message, Schedule, build_schedule, fingerprint, summarize
 from .spec import Box
 
@@ -156,4 +156,20 @@ def plan_relay(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]], 
     return RelayPlan(size, waves, schedule, tuple(wave_rounds))
 
 
-__all__ = ["RelayPlan", "Waves", "plan_relay", "plan_waves"]
+def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Sequence[Sequence[PieceMeta]],
+                    settings: RefitOptions, *, expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
+    """The whole static plan from (expert-grouped) metadata and the agreed ``settings``: the trainers'
+    schedule into the replicas they feed, and the relay plan (None without relay), whose digest is
+    hashed into the schedule's fingerprint with the settings. What a live setup and ``refit plan`` run."""
+    assert settings.bucket_bytes is not None, "resolve the options first (RefitOptions.resolved)"
+    relay = plan_relay(settings.relay, gen_metas, settings.bucket_bytes, settings.messages,
+                       expert_groups=expert_groups)
+    fed = gen_metas if relay is None else relay.direct_metas(gen_metas)
+    transfers = plan_transfers(train_metas, fed, cast=settings.cast, allow_unused_sources=settings.allow_unused_sources)
+    agreed = settings.digest() if relay is None else f"{settings.digest()}|{relay.digest}"
+    schedule = build_schedule(transfers, len(train_metas), len(gen_metas), settings.bucket_bytes, settings.messages,
+                              expert_groups=expert_groups, agreed_settings=agreed)
+    return schedule, relay
+
+
+__all__ = ["RelayPlan", "Waves", "plan_relay", "plan_waves", "plan_with_relay"]
