@@ -22,7 +22,7 @@ from .spec import Box, TensorSpec
 __all__ = [
     "GEN", "TRAIN", "Backend", "Box", "CastPolicy", "DestinationMap", "DestinationPiece", "ExpertName",
     "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "OptionError", "ParallelLayout", "PlanError",
-    "PluginError", "RefitError", "RefitOptions", "RefitReceiver", "RelayOptions", "RefitSender", "SourcePiece", "StepStats",
-    "TensorSpec", "TransferError", "TransportKind", "get_plugin_manager", "hookimpl",
+    "PluginError", "RefitError", "RefitOptions", "RefitReceiver", "RelayOptions", "RefitSender", "SourcePiece",
+    "StepStats", "TensorSpec", "TransferError", "TransportKind", "get_plugin_manager", "hookimpl",
     "AuthenticationError", "RendezvousError", "StepFailedError", "StepFailure", "UpdateMode",
 ]

@@ -38,7 +38,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .demo.runner import default_device
     from .metaplan import plan_from_metadata
-    from .options import RefitOptions
+    from .options import RefitOptions, RelayOptions
 
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
@@ -48,7 +48,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     def plan(relay: dict[str, int]) -> Any:
         return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
-                                  options=RefitOptions(bucket_bytes=bucket, relay=relay),
+                                  options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay)),
                                   device=args.device or default_device(),
                                   progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
 

@@ -157,7 +157,8 @@ def plan_relay(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]], 
 
 
 def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Sequence[Sequence[PieceMeta]],
-                    settings: RefitOptions, *, expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
+                    settings: RefitOptions, *,
+                    expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
     """The whole static plan from (expert-grouped) metadata and the agreed ``settings``: the trainers'
     schedule into the replicas they feed, and the relay plan (None without relay), whose digest is
     hashed into the schedule's fingerprint with the settings. What a live setup and ``refit plan`` run."""

@@ -205,9 +205,9 @@ def simulate(schedule: Schedule, topology: Topology, placement: Placement | None
     bound = max((n / topology.rate(ingress.get(gpu, LinkKind.LOCAL)) for gpu, n in received.items()), default=0.0)
     notes = []
     if relay is not None:
-        relayed = sum(rounds[len(schedule.rounds):])
+        relay_s = sum(rounds[len(schedule.rounds):])
         notes.append(f"relay:        {len(relay.waves.waves) - 1} relay wave(s) after the trainers' "
-                     f"{len(relay.waves.waves[0])} replica(s): {_duration(relayed)} of the predicted time")
+                     f"{len(relay.waves.waves[0])} replica(s): {_duration(relay_s)} of the predicted time")
     return Simulation(topology, placement, dict(link_bytes), dict(load), rounds, bound,
                       bytes=sum(link_bytes.values()), notes=notes)
 

@@ -29,6 +29,7 @@ from ..experts import default_expert_name
 from ..models import checkpoint_specs
 from ..options import RefitOptions
 from ..spec import Box, TensorSpec
+from ..timeline import Timeline
 
 PACKED_TARGET_BYTES = 1 << 30
 PACKED_BUFFERS = 2
@@ -271,6 +272,11 @@ class Refit(Method):
                                      world_size=c.side_size, options=options, plugins=c.plugins)
         self.endpoint = endpoint
         self.schedule = endpoint.setup()
+        if c.extra.get("timeline"):
+            try:
+                endpoint.executor.timeline = Timeline(c.device)  # every step: the last one is drawn
+            except RefitError:  # every pair colocated: no network executor to record
+                pass
         transport = endpoint.transport
         summary = self.schedule.summary
         self.info.update(messages=summary.messages, segments=summary.segments, rounds=summary.rounds,
@@ -298,6 +304,20 @@ class Refit(Method):
                 raise AssertionError(f"received version {stats.version}, expected {index}")
         if index == 0:
             self._executor_info()
+
+    def recorded(self) -> dict[str, Any]:
+        """This rank's setup breakdown and, with ``--timeline``, its last step's spans (JSON)."""
+        out: dict[str, Any] = {}
+        times = self.endpoint.setup_times
+        if times is not None:
+            out["setup"] = times.to_json()
+        try:
+            last = self.endpoint.executor.last_timeline
+        except RefitError:
+            last = None
+        if last is not None:
+            out["timeline"] = last.to_json()
+        return out
 
     def close(self) -> None:
         self.endpoint.close()
