@@ -1,8 +1,8 @@
 """refit: move freshly trained weights into a running inference engine, every RL step.
 
 The public surface: :class:`RefitSender` (every train rank) and :class:`RefitReceiver` (every gen
-rank), their settings (:class:`RefitOptions` with :class:`MessageOptions` and :class:`NcclOptions`,
-and the enums of their modes), the data model plugins speak (:class:`TensorSpec`, :class:`Box`,
+rank), their settings (:class:`RefitOptions` with :class:`MessageOptions`, :class:`NcclOptions` and
+:class:`RelayOptions`, and the enums of their modes), the data model plugins speak (:class:`TensorSpec`, :class:`Box`,
 :class:`SourcePiece`, :class:`DestinationPiece`, :class:`DestinationMap`, :class:`ExpertName`),
 :class:`Backend` and ``hookimpl`` for plugin authors, and the errors refit raises.
 """

@@ -341,7 +341,8 @@ def _size(text: str) -> int:
 
 def method_class(name: str) -> type[Method]:
     """A method by name; ``refit@bucket=256M+buffers=2+messages=runs+direct=64M+zero_copy=0+comms=1``
-    is a refit variant, ``wire@ops=64`` the wire cut into 64 operations of one NCCL group."""
+    is a refit variant (``refit@replicas=3+relay=1``: relay fanout, the trainers feed 1 of 3 replicas),
+    ``wire@ops=64`` the wire cut into 64 operations of one NCCL group."""
     if name in METHODS:
         return METHODS[name]
     base, sep, spec = name.partition("@")
@@ -368,5 +369,8 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "messages": ("messages.mode", str),
     "comms": ("nccl.comms_per_link", int),
     "nccl": ("nccl.backend", str),
+    "replicas": ("relay.replicas", int),
+    "relay": ("relay.direct", int),
+    "fanout": ("relay.fanout", int),
 }
 """``refit@KEY=VALUE`` variant keys: the :class:`RefitOptions` setting each sets, and its parser."""
