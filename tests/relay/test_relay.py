@@ -95,3 +95,46 @@ def test_a_dead_relaying_replica_fails_the_step_on_its_parent_and_its_child():
     assert "gen rank 3" in child[2] and "rank 2" in child[2], child
     assert parent[3], parent  # replica 0's own region landed before forwarding: reported, never hidden
     assert time.monotonic() - start < 170
+
+
+def _one_node_into_replicas(replicas: int, direct: int):
+    """8 train GPUs each holding 1/8 of a 1 GiB tensor, ``replicas`` engine replicas of one GPU each."""
+    from refit_core.relay import plan_with_relay
+
+    spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
+    train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]
+    gen = [[PieceMeta(spec, Box((0, 0), spec.shape))] for _ in range(replicas)]
+    settings = RefitOptions(bucket_bytes=512 << 20, relay={"replicas": replicas, "direct": direct})
+    return plan_with_relay(train, gen, settings)
+
+
+def test_simulated_relay_beats_direct_fanout_from_one_trainer_node_into_32_replicas():
+    from refit_core.simulate import Topology, simulate
+
+    topology = Topology.parse("h200")
+    direct_schedule, none = _one_node_into_replicas(32, 32)
+    relay_schedule, relay = _one_node_into_replicas(32, 8)
+    assert none is None and relay is not None and [len(w) for w in relay.waves.waves] == [8, 8, 16]
+    direct = simulate(direct_schedule, topology)
+    relayed = simulate(relay_schedule, topology, relay=relay)
+    # every replica's GiB leaves the trainer node's NICs directly: 32 GiB / 8 GPUs / 50 GB/s ...
+    assert direct.busiest[1] == 4 << 30
+    # ... with relay the trainers send 8 GiB, then each wave moves 1 GiB per forwarding GPU
+    trainer_out = max(n for (gpu, _, way), n in relayed.load_bytes.items() if way == "out" and gpu < 8)
+    assert trainer_out == 1 << 30
+    assert relayed.predicted_s < 0.9 * direct.predicted_s, (relayed.predicted_s, direct.predicted_s)
+    assert relayed.bound_s == direct.bound_s  # each replica still receives its GiB once
+    assert any(line.startswith("relay:") for line in relayed.lines())
+
+
+def test_refit_plan_compares_relay_with_direct_fanout_and_plans_the_fastest(capsys):
+    from refit_core.cli import main
+
+    assert main(["plan", "--model", "tiny-llama", "--train", "dtensor:fsdp=2", "--gen", "dtensor:dp=4",
+                 "--device", "cpu", "--relay", "replicas=4", "--simulate"]) == 0
+    out = capsys.readouterr().out
+    assert "direct fanout (no relay)" in out and "relay, 1 fed by trainers" in out
+    best = int(out.split("best: direct=")[1].split()[0])
+    assert best in (1, 2, 4)
+    if best < 4:
+        assert "relay:        4 replicas of 1 gen rank(s)" in out
