@@ -84,9 +84,10 @@ def test_relay_changes_the_fingerprint():
 
 
 def test_a_dead_relaying_replica_fails_the_step_on_its_parent_and_its_child():
-    """Gen rank 1 (replica 1, wave 1) dies after setup: its parent (replica 0) cannot forward, its child
-    (replica 3, wave 2) never gets the step; both raise StepFailedError, and the child names nothing
-    torn because not a byte reached it... or the tensors it may have received."""
+    """Gen rank 1 (replica 1, wave 1) dies after setup: its parent (replica 0) cannot forward to it and
+    its child (replica 3, wave 2) never gets the step; both raise StepFailedError within the deadline.
+    Replica 0's own step had landed before it forwarded: its error still names those tensors as
+    possibly torn (the step failed as a whole; the engine's version is not advanced)."""
     start = time.monotonic()
     results = _run(steps=1, die_after_setup=2, timeout_s=15)
     parent, child = results[1], results[4]
