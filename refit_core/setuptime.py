@@ -5,6 +5,8 @@ world size. Phases, in order: the plugin's pieces (and their view checks), the m
 through the rendezvous store (publish this rank's, download every rank's), planning (identical on
 every rank), agreement (every rank's fingerprint), opening the transport, and binding the schedule
 to the views (a gen rank binds at its first step, after the plugin's ``refit_begin_update``).
+Phases that wait for other ranks (``metadata``: until every rank has published; ``agree``; the
+transport) include that wait: a rank that starts early shows the late ones' start-up there.
 """
 
 from __future__ import annotations
