@@ -12,11 +12,16 @@
 #      baseline, refit (benchmarks/run_colocated.sh; one GPU is enough).
 #   7. megatron: a Llama-3-8B-shaped megatron-core model through refit-plugin-megatron vs the wire
 #      (benchmarks/megatron_gpu.sh; needs .whl/megatron_core-*.whl from benchmarks/fetch_gpu_wheels.sh).
+#   8. timeline (not in the default STEPS): `refit bench --timeline` on the Llama-3-8B shape, GPU 0 -> GPU 1:
+#      the pack / transfer / unpack lanes of one step as a PNG (CUDA events), with the setup breakdown.
+#   9. relay (not in the default STEPS; needs 4 GPUs, nvidia-h200-x4): 1 train rank on GPU 0 -> 3 engine
+#      replicas on GPUs 1-3, direct fanout vs relay (the trainer feeds one replica, that one the next two).
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
 #   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo
 #                                                        # colocated megatron
+#   STEPS="env timeline" bash benchmarks/run_gpu.sh       # steps outside the default list: timeline, relay (4 GPUs)
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -110,6 +115,18 @@ fi
 if step colocated; then
   limit ${COLOCATED_TIMEOUT:-480} env OUT="$OUT" PY="$PY" MACHINE="$MACHINE" bash benchmarks/run_colocated.sh 2>&1 | tee -a "$LOG"
   echo "colocated exit: $?" | tee -a "$LOG"
+fi
+if step timeline; then
+  CMD="refit bench --models llama-3-8b-shape --methods wire,refit --train-gpus 0 --gen-gpus 1 --machine $MACHINE --timeline $OUT/timeline-$MACHINE-$DATE.png"
+  limit ${TIMELINE_TIMEOUT:-150} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
+    --command "$CMD" --out "$OUT/timeline-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
+  echo "timeline exit: $?" | tee -a "$LOG"
+fi
+if step relay; then
+  CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@replicas=3+relay=1 --gen-dp 3 --train-gpus 0 --gen-gpus 1,2,3 --machine $MACHINE"
+  limit ${RELAY_TIMEOUT:-200} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
+    --command "$CMD" --out "$OUT/relay-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
+  echo "relay exit: $?" | tee -a "$LOG"
 fi
 if step megatron; then
   OUT="$OUT" PY="$PY" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"

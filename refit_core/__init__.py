@@ -1,8 +1,8 @@
 """refit: move freshly trained weights into a running inference engine, every RL step.
 
 The public surface: :class:`RefitSender` (every train rank) and :class:`RefitReceiver` (every gen
-rank), their settings (:class:`RefitOptions` with :class:`MessageOptions` and :class:`NcclOptions`,
-and the enums of their modes), the data model plugins speak (:class:`TensorSpec`, :class:`Box`,
+rank), their settings (:class:`RefitOptions` with :class:`MessageOptions`, :class:`NcclOptions` and
+:class:`RelayOptions`, and the enums of their modes), the data model plugins speak (:class:`TensorSpec`, :class:`Box`,
 :class:`SourcePiece`, :class:`DestinationPiece`, :class:`DestinationMap`, :class:`ExpertName`),
 :class:`Backend` and ``hookimpl`` for plugin authors, and the errors refit raises.
 """
@@ -13,7 +13,8 @@ from .errors import AuthenticationError, OptionError, PlanError, PluginError, Re
 from .failures import StepFailedError, StepFailure, UpdateMode
 from .experts import ExpertName
 from .layout import ParallelLayout
-from .options import CastPolicy, MessageMode, MessageOptions, NcclBackend, NcclOptions, RefitOptions, TransportKind
+from .options import (CastPolicy, MessageMode, MessageOptions, NcclBackend, NcclOptions, RefitOptions, RelayOptions,
+                      TransportKind)
 from .pieces import DestinationMap, DestinationPiece, SourcePiece
 from .plugins import get_plugin_manager, hookimpl
 from .spec import Box, TensorSpec
@@ -21,7 +22,7 @@ from .spec import Box, TensorSpec
 __all__ = [
     "GEN", "TRAIN", "Backend", "Box", "CastPolicy", "DestinationMap", "DestinationPiece", "ExpertName",
     "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "OptionError", "ParallelLayout", "PlanError",
-    "PluginError", "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "SourcePiece", "StepStats",
-    "TensorSpec", "TransferError", "TransportKind", "get_plugin_manager", "hookimpl",
+    "PluginError", "RefitError", "RefitOptions", "RefitReceiver", "RelayOptions", "RefitSender", "SourcePiece",
+    "StepStats", "TensorSpec", "TransferError", "TransportKind", "get_plugin_manager", "hookimpl",
     "AuthenticationError", "RendezvousError", "StepFailedError", "StepFailure", "UpdateMode",
 ]

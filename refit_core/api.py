@@ -25,13 +25,14 @@ from .errors import PlanError, RefitError, TransferError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
 from .experts import ExpertNaming, group_piece, group_side
 from .failures import StepFailedError, StepFailure
+from .gcpause import gc_paused
 from .options import RefitOptions, UpdateMode
 from .pieces import DestinationPiece, Piece, PieceMeta
-from .gcpause import gc_paused
-from .plan_fast import plan_transfers_fast
 from .plugins import PluginManager, get_plugin_manager
+from .relay import RelayPlan, plan_with_relay
 from .rendezvous import Rendezvous
-from .schedule import Message, Schedule, build_schedule
+from .schedule import Message, Schedule
+from .setuptime import SetupTimes
 from .spec import TensorSpec
 from .transport import Transport, open_transport
 from .transport.placement import Link, Placement, pair_links, placement_of
@@ -89,6 +90,12 @@ class _Endpoint:
         self._bound_names: list[str] = []
         self._steps = 0  # steps since setup (landing keys of staged mode)
         self._broken: str | None = None  # why the last step failed; a new setup() clears it
+        self.relay: RelayPlan | None = None
+        """The relay fanout plan agreed at setup (None without relay), see :mod:`refit_core.relay`."""
+        self._relay_out: SendExecutor | None = None  # a gen rank's forwarding to the next wave
+        self._phases: dict[str, float] = {}
+        self._bind_s: float | None = None
+        self._downloaded = 0
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -109,16 +116,25 @@ class _Endpoint:
         self._rdv = Rendezvous(self.address, host=self._hosts_store, who=f"{self.side}/{self.rank}",
                                timeout_s=self.options.timeout_s, credentials=credentials)
         self.sizes = {}
+        self._phases, self._bind_s = {}, None
         try:
+            began = time.perf_counter()
             pieces = self._local_pieces()
             for p in pieces:
                 if p.view is not None:
                     check_view(p.spec, p.box, p.view, destination=False, bound=False)
             self.device = _device_of(pieces)
+            self._phases["pieces"] = time.perf_counter() - began
+            began = time.perf_counter()
             settings, metas = self._exchange_metadata(pieces)
-            schedule = self._plan(settings, metas)
-            if any(link is Link.NETWORK for link in self.links.values()):  # the same answer on every rank
+            self._phases["metadata"] = time.perf_counter() - began
+            schedule = self._plan(settings, metas)  # records "plan" and "agree"
+            began = time.perf_counter()
+            # the same answer on every rank: relay pairs (gen -> gen) always use the network
+            if self.relay is not None or any(link is Link.NETWORK for link in self.links.values()):
                 self.transport = self._open_transport(settings)
+            self._phases["transport"] = time.perf_counter() - began
+            self._downloaded = self._require_rendezvous().downloaded
         except Exception as exc:
             self._abort_setup(exc)
             raise
@@ -136,6 +152,16 @@ class _Endpoint:
                  self.side, self.rank, time.perf_counter() - start, format_bytes(summary.bytes),
                  summary.messages, summary.rounds, schedule.fingerprint)
         return schedule
+
+    @property
+    def setup_times(self) -> SetupTimes | None:
+        """Where the last ``setup()`` went (None before one succeeded); ``bind_s`` is None until the
+        views were bound (gen ranks bind at their first step)."""
+        p = self._phases
+        if "transport" not in p:
+            return None
+        return SetupTimes(p["pieces"], p["metadata"], p["plan"], p["agree"], p["transport"], self._bind_s,
+                          self._downloaded)
 
     def _open_transport(self, settings: RefitOptions) -> Transport:
         """Open the transport once every rank is ready to; a failure on any rank stops them all."""
@@ -179,25 +205,29 @@ class _Endpoint:
         return settings, metas
 
     def _plan(self, settings: RefitOptions, metas: dict[str, list[list[PieceMeta]]]) -> Schedule:
-        """Plan (identically on every rank) and check that every rank got the same fingerprint."""
+        """Plan (identically on every rank) and check that every rank got the same fingerprint.
+
+        With relay fanout the trainers feed only the first wave's replicas; the relay plan (waves,
+        parents, relay messages) is hashed into the fingerprint with the settings."""
+        began = time.perf_counter()
         grouped = {side: group_side(metas[side], self.plugins.expert_name) for side in (TRAIN, GEN)}
         self._counts = grouped[self.side].counts
         for side in (TRAIN, GEN):
             self._experts.learn(metas[side])
-        assert settings.bucket_bytes is not None  # resolved by the train side's rank 0
         groups = set(grouped[GEN].counts) | set(grouped[TRAIN].counts)
         with gc_paused():
-            transfers = plan_transfers_fast(grouped[TRAIN].metas, grouped[GEN].metas, cast=settings.cast,
-                                            allow_unused_sources=settings.allow_unused_sources)
-            schedule = build_schedule(transfers, self.sizes[TRAIN], self.sizes[GEN], settings.bucket_bytes,
-                                      settings.messages, expert_groups=groups, agreed_settings=settings.digest())
+            schedule, self.relay = plan_with_relay(grouped[TRAIN].metas, grouped[GEN].metas, settings,
+                                                   expert_groups=groups)
         self._assign_links(schedule, settings)
+        self._phases["plan"] = time.perf_counter() - began
+        began = time.perf_counter()
         rdv = self._require_rendezvous()
         rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
         everyone = rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
         if any(fp != schedule.fingerprint for fp in everyone):
             raise PlanError(f"ranks computed different plans (fingerprints {sorted(set(everyone))}); "
                             "every rank must run the same refit version and options")
+        self._phases["agree"] = time.perf_counter() - began
         return schedule
 
     def _assign_links(self, schedule: Schedule, settings: RefitOptions) -> None:
@@ -273,6 +303,7 @@ class _Endpoint:
 
     def _bind(self, pieces: list[Piece]) -> None:
         """Re-check every view (see :mod:`refit_core.validate`), then resolve the schedule onto them."""
+        began = time.perf_counter()
         grouped = [group_piece(p, self.plugins.expert_name, self._counts) for p in pieces]
         if any(p.view is None for p in grouped):
             raise RefitError(f"{self.side} rank {self.rank}: a piece without a view cannot be bound")
@@ -291,6 +322,10 @@ class _Endpoint:
             self._colocated.bind(views)  # type: ignore[arg-type]
         if self._executor is not None:
             self._executor.bind(views)  # type: ignore[arg-type]
+        if self._relay_out is not None:
+            self._relay_out.bind(views)  # type: ignore[arg-type]
+        if self._bind_s is None:
+            self._bind_s = time.perf_counter() - began
 
     def _require_step(self) -> None:
         self._require_setup()
@@ -335,6 +370,7 @@ class _Endpoint:
         """
         transport, colocated, rdv = self.transport, self._colocated, self._rdv
         self.transport, self._colocated, self._executor, self._rdv = None, None, None, None
+        self._relay_out = None
         if transport is not None:
             transport.close()
         if colocated is not None:
@@ -457,11 +493,29 @@ class RefitReceiver(_Endpoint):
             assert self.transport is not None
             self._executor = ReceiveExecutor(network, self.transport, 0,
                                              **self._network_executor_args(schedule, settings))
+        if self.relay is not None:
+            self._make_relay_executors(self.relay, schedule, settings)
         if colocated:
             receiver = ColocatedReceiver(by_peer(colocated, lambda m: m.src), self._require_rendezvous().store,
                                          self.rank, self.device, schedule.fingerprint, settings.timeout_s)
             receiver.open()
             self._colocated = receiver
+
+    def _make_relay_executors(self, relay: RelayPlan, schedule: Schedule, settings: RefitOptions) -> None:
+        """A relayed rank receives its step from its parent replica's rank (its network executor); a
+        rank with children forwards to them after its own step landed (``_relay_out``)."""
+        assert self.transport is not None  # always opened with relay
+        offset = self.sizes[TRAIN]  # relay peers are gen ranks: global rank = train ranks + gen rank
+        incoming = relay.schedule.rounds_of_destination(self.rank)
+        if incoming:
+            if self._executor is not None:
+                raise PlanError(f"refit bug: gen rank {self.rank} is fed by trainers and by a relay")
+            self._executor = ReceiveExecutor(incoming, self.transport, offset,
+                                             **self._network_executor_args(schedule, settings))
+        outgoing = relay.schedule.rounds_of_source(self.rank)
+        if outgoing:
+            self._relay_out = SendExecutor(outgoing, self.transport, offset,
+                                           **self._network_executor_args(schedule, settings))
 
     def _bind_step(self) -> list[tuple[str, torch.Tensor]]:
         """(Re)bind destination views for this step; returns the fresh loader-path tensors."""
@@ -510,6 +564,8 @@ class RefitReceiver(_Endpoint):
         try:
             loader_weights = self._bind_step()
             stats = self._receive_parts(touched)
+            if self._relay_out is not None:  # forward only what has fully landed here
+                self._relay_out.run(stats.version)
             if self._mode is UpdateMode.STAGED:
                 self._require_rendezvous().publish(self._landing_keys(step)[self.rank], {"ok": True})
                 voted = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from .errors import RefitError
 from .layout import parse_backend_layout
@@ -37,21 +38,30 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .demo.runner import default_device
     from .metaplan import plan_from_metadata
-    from .options import RefitOptions
+    from .options import RefitOptions, RelayOptions
 
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
-    options = RefitOptions(bucket_bytes=None if args.bucket_mb is None else args.bucket_mb << 20)
-    summary = plan_from_metadata(get_plugin_manager(), load_config(args.model), train, train_layout, gen,
-                                 gen_layout, options=options, device=args.device or default_device(),
-                                 progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
+    relay = _relay_settings(args.relay)
+    bucket = None if args.bucket_mb is None else args.bucket_mb << 20
+    config = load_config(args.model)
+
+    def plan(relay: dict[str, int]) -> Any:
+        return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
+                                  options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay)),
+                                  device=args.device or default_device(),
+                                  progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
+
+    if relay and "direct" not in relay:
+        relay = _best_relay(plan, relay, args.topology)
+    summary = plan(relay)
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
         print("  " + line)
     if args.simulate or args.explain:
         from .simulate import Topology, anchor_lines, simulate
 
-        simulation = simulate(summary.schedule, Topology.parse(args.topology))
+        simulation = simulate(summary.schedule, Topology.parse(args.topology), relay=summary.relay)
         print("refit plan: simulated (disaggregated placement: gen ranks on the nodes after the train ranks')")
         for line in [*simulation.lines(), *anchor_lines()]:
             print("  " + line)
@@ -62,6 +72,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
             path = write_plan_picture(summary.schedule, simulation, args.explain, title)
             print(f"refit plan: picture written to {path}")
     return 0
+
+
+def _relay_settings(text: str | None) -> dict[str, int]:
+    """``--relay replicas=32,direct=8,fanout=1`` -> a dict for :class:`~refit_core.options.RelayOptions`."""
+    if not text:
+        return {}
+    out: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in ("replicas", "direct", "fanout") or not value.isdigit():
+            raise RefitError(f"--relay item {item!r}: use replicas=N[,direct=N][,fanout=N]")
+        out[key] = int(value)
+    if "replicas" not in out:
+        raise RefitError("--relay needs replicas=N (the gen ranks' identical replicas, e.g. the gen layout's dp)")
+    return out
+
+
+def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> dict[str, int]:
+    """Simulate direct fanout (the trainers feed every replica) and relay with 1, 2, 4... replicas fed
+    directly; print each prediction and return the fastest settings."""
+    from .simulate import Topology, simulate
+
+    replicas = relay["replicas"]
+    candidates = sorted({replicas, *(1 << k for k in range(replicas.bit_length()) if 1 << k < replicas)},
+                        reverse=True)
+    print(f"refit plan: relay fanout vs direct fanout, {replicas} replicas, fanout {relay.get('fanout', 1)}, "
+          f"simulated on {topology}:")
+    results = []
+    for direct in candidates:
+        summary = plan({**relay, "direct": direct})
+        seconds = simulate(summary.schedule, Topology.parse(topology), relay=summary.relay).predicted_s
+        waves = len(summary.relay.waves.waves) if summary.relay is not None else 1
+        label = "direct fanout (no relay)" if direct == replicas else f"relay, {direct} fed by trainers"
+        print(f"  {label:<32} {waves} wave(s): predicted {seconds * 1e3:9.1f} ms")
+        results.append((seconds, direct))
+    best, direct = min(results)
+    baseline = results[0][0]
+    verdict = "direct fanout wins" if direct == replicas else f"relay wins, {baseline / best:.2f}x faster"
+    print(f"  best: direct={direct} ({verdict})")
+    return {**relay, "direct": direct}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -134,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--topology", default="h200",
                       help="h200, h100, or gpus_per_node=8,nvlink_gbps=370,nic_gbps=50,latency_us=15")
     plan.add_argument("--explain", metavar="PNG", help="draw the plan's traffic and busiest links into PNG")
+    plan.add_argument("--relay", metavar="replicas=N[,direct=N][,fanout=N]",
+                      help="relay fanout: the gen ranks form N identical replicas; the trainers feed `direct` of "
+                           "them and every holder forwards to `fanout` more per wave (without direct: simulate "
+                           "each choice against direct fanout and plan the fastest)")
     plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="run a real, verified refit between two programs on this machine")

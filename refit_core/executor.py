@@ -32,6 +32,7 @@ from .lanes import Lane, current_work, lane_for
 from .options import align
 from .schedule import Message, Segment
 from .spec import contiguous_strides, dtype_size
+from .timeline import Mark, Phase, StepTimeline, Timeline
 from .transport import Fence, Transport
 
 MAGIC = 0x52454649  # "REFI"
@@ -166,6 +167,37 @@ class _RoundRunner:
         self.buffer_bytes = 0
         self.direct_bytes = 0
         self.step = 0
+        self.timeline: Timeline | None = None
+        """Set to record the next steps' spans (``refit bench --timeline``); see :mod:`refit_core.timeline`."""
+        self.last_timeline: StepTimeline | None = None
+        """The last recorded step's spans."""
+
+    def _begin(self) -> None:
+        """A step starts: begin recording it if asked to."""
+        if self.timeline is not None:
+            self.timeline.begin()
+            self.transport.timeline = self.timeline if self.transport.records_spans else None
+
+    def _end(self) -> None:
+        if self.timeline is not None:
+            self.transport.timeline = None
+            self.last_timeline = self.timeline.finish()
+
+    def _mark(self, phase: Phase, index: int) -> Mark | None:
+        return Mark(self.timeline, phase, index) if self.timeline is not None else None
+
+    def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                  after: Sequence[Fence], index: int) -> Fence:
+        """The transport's exchange of round ``index`` (-1: the header), recorded when asked to."""
+        timeline = self.timeline
+        if timeline is None:
+            return self.transport.exchange(sends, recvs, after=after)
+        timeline.round = index
+        posted = time.perf_counter()
+        fence = self.transport.exchange(sends, recvs, after=after)
+        if self.transport.records_spans:
+            return fence
+        return timeline.observe(fence, "transfer", Phase.HEADER if index < 0 else Phase.TRANSFER, index, posted)
 
     def peers(self) -> list[int]:
         return sorted({self._peer(m) for msgs in self.rounds for m in msgs})
@@ -231,8 +263,8 @@ class _RoundRunner:
         mine = torch.tensor([MAGIC, self.fingerprint, version, self.step], dtype=torch.int64, device=self.device)
         theirs = {p: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device) for p in peers}
         after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
-        fence = self.transport.exchange([(p + self.peer_offset, mine) for p in peers],
-                                        [(p + self.peer_offset, t) for p, t in theirs.items()], after=after)
+        fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
+                               [(p + self.peer_offset, t) for p, t in theirs.items()], after, -1)
         fence.synchronize(self._remaining(deadline))
         versions = set()
         for peer, header in theirs.items():
@@ -277,13 +309,14 @@ class SendExecutor(_RoundRunner):
     def run(self, version: int) -> StepStats:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
+        self._begin()
         ready = current_work(self.device, "the trainer's pending work")
         self._exchange_headers(version, [ready], deadline)
         buffers = self._buffers()
         free: list[Fence | None] = [None] * len(buffers)
         pending: list[Fence] = []
         staged = 0
-        for plan in self.plans:
+        for index, plan in enumerate(self.plans):
             after: list[Fence] = []
             buffer = None
             if plan.staged_bytes:
@@ -294,12 +327,13 @@ class SendExecutor(_RoundRunner):
                 sources = plan.views
                 self._settle(free[slot], deadline)
                 after.append(self.lane.run(partial(torch._foreach_copy_, targets, sources),
-                                           after=[ready, free[slot]]))
-            fence = self.transport.exchange(plan.pairs(buffer), [], after=after or [ready])
+                                           after=[ready, free[slot]], mark=self._mark(Phase.PACK, index)))
+            fence = self._exchange(plan.pairs(buffer), [], after or [ready], index)
             pending.append(fence)
             if plan.staged_bytes:
                 free[slot] = fence
         self._finish(pending, deadline)
+        self._end()
         stats = self._stats(version, start, buffers)
         del buffers, free, pending
         return stats
@@ -325,6 +359,7 @@ class ReceiveExecutor(_RoundRunner):
         deadline = time.monotonic() + self.timeout_s
         self.touched = set()
         self._landed = None
+        self._begin()
         ready = current_work(self.device, "the engine's pending work")
         version = self._exchange_headers(version_hint, [ready], deadline)
         if self.mode is UpdateMode.STAGED:
@@ -333,25 +368,26 @@ class ReceiveExecutor(_RoundRunner):
         free: list[Fence | None] = [None] * len(buffers)
         pending: list[Fence] = []
         staged = 0
-        for plan in self.plans:
+        for index, plan in enumerate(self.plans):
             self.touched |= plan.direct_pieces
             if not plan.staged_bytes:  # straight into the weights: after the engine's pending work
-                pending.append(self.transport.exchange([], plan.pairs(None), after=[ready]))
+                pending.append(self._exchange([], plan.pairs(None), [ready], index))
                 continue
             slot = staged % len(buffers)
             staged += 1
             buffer = buffers[slot]
             previous = free[slot]
             self._settle(previous, deadline)
-            received = self.transport.exchange([], plan.pairs(buffer),
-                                               after=[ready] if previous is None else [ready, previous])
+            received = self._exchange([], plan.pairs(buffer), [ready] if previous is None else [ready, previous], index)
             sources = _buffer_views(buffer, plan.segments)
             self._settle(received, deadline)
             self.touched |= plan.staged_pieces
-            unpacked = self.lane.run(partial(torch._foreach_copy_, plan.views, sources), after=[received])
+            unpacked = self.lane.run(partial(torch._foreach_copy_, plan.views, sources), after=[received],
+                                     mark=self._mark(Phase.UNPACK, index))
             free[slot] = unpacked
             pending += [received, unpacked]
         self._finish(pending, deadline)
+        self._end()
         stats = self._stats(version, start, buffers)
         del buffers, free, pending
         return stats
@@ -363,9 +399,10 @@ class ReceiveExecutor(_RoundRunner):
             offsets.append(total)
             total += plan.staged_bytes
         buffer = self.lane.allocate(total, self.device)
-        pending = [self.transport.exchange([], plan.pairs(buffer[off:off + plan.staged_bytes]), after=[ready])
-                   for plan, off in zip(self.plans, offsets) if plan.posts]
+        pending = [self._exchange([], plan.pairs(buffer[off:off + plan.staged_bytes]), [ready], index)
+                   for index, (plan, off) in enumerate(zip(self.plans, offsets)) if plan.posts]
         self._finish(pending, deadline)
+        self._end()
         self._landed = (buffer, offsets)
         stats = self._stats(version, start, [])
         stats.staging_bytes = total

@@ -8,10 +8,16 @@ only, so packing of round k+1 runs while round k is on the wire and round k-1 is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .transport.base import DoneFence, Fence, spin_until
+
+if TYPE_CHECKING:
+    from .timeline import Mark
+
+COPY_LANE = "copy"
 
 
 class EventFence(Fence):
@@ -52,11 +58,15 @@ def current_work(device: torch.device, what: str = "the caller's pending work") 
 class Lane:
     """Runs batches of copies after fences; returns a fence for their completion."""
 
-    def run(self, copies: Callable[[], None], after: Sequence[Fence | None] = ()) -> Fence:
+    def run(self, copies: Callable[[], None], after: Sequence[Fence | None] = (), mark: Mark | None = None) -> Fence:
+        """Run ``copies`` once ``after`` completed; ``mark`` records them on a timeline."""
         for fence in after:
             if fence is not None:
                 fence.wait()
+        start = mark.timeline.stamp() if mark is not None else None
         copies()
+        if mark is not None and start is not None:
+            mark.timeline.add(COPY_LANE, mark.phase, mark.round, start, mark.timeline.stamp())
         return DoneFence()
 
     def allocate(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -70,12 +80,15 @@ class StreamLane(Lane):
         self.stream = torch.cuda.Stream(device=device)
         self.what = what
 
-    def run(self, copies: Callable[[], None], after: Sequence[Fence | None] = ()) -> Fence:
+    def run(self, copies: Callable[[], None], after: Sequence[Fence | None] = (), mark: Mark | None = None) -> Fence:
         for fence in after:
             if fence is not None:
                 fence.wait(self.stream)
+        start = mark.timeline.stamp(self.stream) if mark is not None else None
         with torch.cuda.stream(self.stream):
             copies()
+        if mark is not None and start is not None:
+            mark.timeline.add(COPY_LANE, mark.phase, mark.round, start, mark.timeline.stamp(self.stream))
         return record(self.stream, self.what)
 
 

@@ -15,9 +15,9 @@ from .gcpause import gc_paused
 from .layout import ParallelLayout
 from .options import RefitOptions
 from .pieces import DestinationPiece, PieceMeta
-from .plan_fast import plan_transfers_fast
 from .plugins import PluginManager
-from .schedule import Schedule, build_schedule
+from .relay import RelayPlan, plan_with_relay
+from .schedule import Schedule
 from .units import format_bytes
 
 
@@ -42,6 +42,7 @@ class PlanSummary:
     cpu_s: float = 0.0
     describe_cpu_s: float = 0.0
     peak_rss_bytes: int = 0
+    relay: RelayPlan | None = None
 
     def lines(self) -> list[str]:
         s = self.schedule.summary
@@ -55,6 +56,7 @@ class PlanSummary:
             f"planned in:   {self.seconds:.3f} s, {self.cpu_s:.3f} s CPU (layout hooks {self.describe_cpu_s:.3f} s, "
             f"planner and schedule {self.cpu_s - self.describe_cpu_s:.3f} s)",
             f"peak memory:  {format_bytes(self.peak_rss_bytes)} (the process' resident set)",
+            *(self.relay.lines() if self.relay is not None else []),
         ]
 
 
@@ -98,13 +100,10 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
         if progress is not None and len(src) + len(dst) >= 64:
             progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")
         grouped_src, grouped_dst = group_side(src, pm.expert_name), group_side(dst, pm.expert_name)
-        transfers = plan_transfers_fast(grouped_src.metas, grouped_dst.metas, cast=settings.cast,
-                                        allow_unused_sources=settings.allow_unused_sources)
-        schedule = build_schedule(transfers, len(src), len(dst), settings.bucket_bytes, settings.messages,
-                                  expert_groups=set(grouped_src.counts) | set(grouped_dst.counts),
-                                  agreed_settings=settings.digest())
+        schedule, relay = plan_with_relay(grouped_src.metas, grouped_dst.metas, settings,
+                                          expert_groups=set(grouped_src.counts) | set(grouped_dst.counts))
     return PlanSummary(schedule, len(src), len(dst), time.perf_counter() - start, described - start,
-                       time.process_time() - cpu_start, described_cpu - cpu_start, peak_rss_bytes())
+                       time.process_time() - cpu_start, described_cpu - cpu_start, peak_rss_bytes(), relay)
 
 
 def peak_rss_bytes() -> int:

@@ -257,6 +257,36 @@ class NcclOptions(_Settings):
 
 @_tracks_explicit
 @dataclass(frozen=True)
+class RelayOptions(_Settings):
+    """Relay fanout (:mod:`refit_core.relay`); both sides must agree (the plan depends on it).
+
+    - ``replicas``: the gen ranks form this many identical replicas (consecutive equal blocks).
+    - ``direct``: how many replicas the trainers feed (wave 0); 0 (the default) means all of them,
+      i.e. no relay. With ``0 < direct < replicas`` the others get the step from replicas that hold it.
+    - ``fanout``: replicas each holder forwards to per wave (1).
+
+    Relay needs ``mode="in_place"`` (a relaying rank forwards what landed in its engine memory) and
+    network links between gen ranks (NCCL needs them on different GPUs).
+    """
+
+    replicas: int = _setting(1, int)
+    direct: int = _setting(0, int)
+    fanout: int = _setting(1, int)
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        if self.replicas < 1 or self.fanout < 1 or self.direct < 0:
+            raise OptionError(f"RelayOptions(replicas={self.replicas}, direct={self.direct}, fanout={self.fanout}): "
+                              "replicas and fanout must be >= 1, direct >= 0")
+
+    @property
+    def active(self) -> bool:
+        """True when some replicas get the step from other replicas."""
+        return 0 < self.direct < self.replicas
+
+
+@_tracks_explicit
+@dataclass(frozen=True)
 class RefitOptions(_Settings):
     """Every knob of one refit. The train side's rank 0 decides; see the module doc.
 
@@ -269,6 +299,7 @@ class RefitOptions(_Settings):
     - ``transport``: :class:`TransportKind`: the network transport, for pairs that share no memory.
     - ``colocate``: :class:`Colocation`: which pairs read the trainer's memory directly instead.
     - ``messages``: :class:`MessageOptions`; ``nccl``: :class:`NcclOptions`.
+    - ``relay``: :class:`RelayOptions`: relay fanout among engine replicas (off by default).
     - ``timeout_s``: setup waits fail after this long, and every step must finish within it
       (counted from the step's start). This rank's own deadline: the sides need not agree on it.
     - ``mode``: :class:`UpdateMode` (``in_place`` by default; ``staged`` costs each gen rank the
@@ -293,9 +324,13 @@ class RefitOptions(_Settings):
     mode: UpdateMode = _setting(UpdateMode.IN_PLACE, UpdateMode)
     job: str | None = _setting(None, str, local=True)
     secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
+    relay: RelayOptions = _nested(RelayOptions)
 
     def __post_init__(self) -> None:
         self._coerce()
+        if self.relay.active and self.mode is not UpdateMode.IN_PLACE:
+            raise OptionError("RefitOptions.relay: relay fanout needs mode='in_place' (a relaying gen rank "
+                              f"forwards what landed in its engine memory), got mode={self.mode.value!r}")
         if self.bucket_bytes is not None and (self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN):
             raise OptionError(f"RefitOptions.bucket_bytes={self.bucket_bytes}: must be a positive "
                               f"multiple of {ALIGN}")
@@ -335,6 +370,8 @@ class RefitOptions(_Settings):
         for f in fields(self):
             if f.metadata.get("local"):
                 wire.pop(f.name, None)
+        if not self.relay.active:  # no relay: the same fingerprints as before relay existed
+            wire.pop("relay", None)
         return wire
 
     def digest(self) -> str:
@@ -377,4 +414,4 @@ def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, An
     return result
 
 __all__ = ["ALIGN", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
-           "TransportKind", "UpdateMode", "align"]
+           "RelayOptions", "TransportKind", "UpdateMode", "align"]

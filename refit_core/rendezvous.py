@@ -63,6 +63,8 @@ class Rendezvous:
             raise
         self.client.watch = self._check_failures
         self.store = self.client
+        self.downloaded = 0
+        """Bytes of values this rank read through :meth:`read` and :meth:`wait` (setup's metadata)."""
 
     # -- values -------------------------------------------------------------------------------
 
@@ -73,7 +75,10 @@ class Rendezvous:
         """The value under ``key`` now, or ``default``; never waits, never raises."""
         try:
             raw = self.client.try_get(key)
-            return default if raw is None else wire.decode(raw, key)
+            if raw is None:
+                return default
+            self.downloaded += len(raw)
+            return wire.decode(raw, key)
         except RefitError:
             return default
 
@@ -86,6 +91,7 @@ class Rendezvous:
                 if key not in values:
                     raw = self.client.try_get(key)
                     if raw is not None:
+                        self.downloaded += len(raw)
                         values[key] = wire.decode(raw, f"{what} ({key})")
             self._check_failures()
             if len(values) == len(keys):

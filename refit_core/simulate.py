@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 from .errors import RefitError
-from .schedule import Schedule
+from .relay import RelayPlan
+from .schedule import Message, Schedule
 from .units import format_bytes
 
 
@@ -169,8 +170,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
 
-def simulate(schedule: Schedule, topology: Topology, placement: Placement | None = None) -> Simulation:
-    """Predict ``schedule``'s time on ``topology`` (default placement: :meth:`Placement.disaggregated`)."""
+def simulate(schedule: Schedule, topology: Topology, placement: Placement | None = None,
+             relay: RelayPlan | None = None) -> Simulation:
+    """Predict ``schedule``'s time on ``topology`` (default placement: :meth:`Placement.disaggregated`).
+
+    With a ``relay`` plan, its rounds (gen GPU -> gen GPU, wave after wave) follow the trainers'
+    rounds: a relaying replica forwards only once its own step has landed."""
     placement = placement or Placement.disaggregated(schedule.num_src, schedule.num_dst, topology)
     if len(placement.train) != schedule.num_src or len(placement.gen) != schedule.num_dst:
         raise RefitError(f"placement has {len(placement.train)} train / {len(placement.gen)} gen GPUs, "
@@ -180,10 +185,13 @@ def simulate(schedule: Schedule, topology: Topology, placement: Placement | None
     received: dict[int, int] = defaultdict(int)
     ingress: dict[int, LinkKind] = {}
     rounds: list[float] = []
-    for msgs in schedule.rounds:
+    relay_rounds = relay.schedule.rounds if relay is not None else []
+    tagged: list[tuple[bool, list[Message]]] = [(False, m) for m in schedule.rounds] + [(True, m) for m in relay_rounds]
+    for relayed, msgs in tagged:
         busy: dict[Direction, float] = defaultdict(float)
         for m in msgs:
-            src, dst = placement.train[m.src], placement.gen[m.dst]
+            src = placement.gen[m.src] if relayed else placement.train[m.src]
+            dst = placement.gen[m.dst]
             kind = topology.link(src, dst)
             link_bytes[(src, dst)] += m.nbytes
             received[dst] += m.nbytes
@@ -195,8 +203,13 @@ def simulate(schedule: Schedule, topology: Topology, placement: Placement | None
                 busy[direction] += seconds
         rounds.append(max(busy.values(), default=0.0))
     bound = max((n / topology.rate(ingress.get(gpu, LinkKind.LOCAL)) for gpu, n in received.items()), default=0.0)
+    notes = []
+    if relay is not None:
+        relay_s = sum(rounds[len(schedule.rounds):])
+        notes.append(f"relay:        {len(relay.waves.waves) - 1} relay wave(s) after the trainers' "
+                     f"{len(relay.waves.waves[0])} replica(s): {_duration(relay_s)} of the predicted time")
     return Simulation(topology, placement, dict(link_bytes), dict(load), rounds, bound,
-                      bytes=sum(link_bytes.values()))
+                      bytes=sum(link_bytes.values()), notes=notes)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ def reference_region(piece: Piece, reference: Mapping[str, torch.Tensor],
 
         naming = get_plugin_manager().expert_naming()
     first, count = box.offsets[0], box.sizes[0]
+    if count == 0:  # a rank holding none of a group's experts: nothing to compare
+        return torch.empty(box.sizes, dtype=piece.spec.dtype)
     experts = []
     for e in range(first, first + count):
         member = naming.member_name(name, e)

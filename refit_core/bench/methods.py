@@ -29,6 +29,7 @@ from ..experts import default_expert_name
 from ..models import checkpoint_specs
 from ..options import RefitOptions
 from ..spec import Box, TensorSpec
+from ..timeline import Timeline
 
 PACKED_TARGET_BYTES = 1 << 30
 PACKED_BUFFERS = 2
@@ -271,6 +272,11 @@ class Refit(Method):
                                      world_size=c.side_size, options=options, plugins=c.plugins)
         self.endpoint = endpoint
         self.schedule = endpoint.setup()
+        if c.extra.get("timeline"):
+            try:
+                endpoint.executor.timeline = Timeline(c.device)  # every step: the last one is drawn
+            except RefitError:  # every pair colocated: no network executor to record
+                pass
         transport = endpoint.transport
         summary = self.schedule.summary
         self.info.update(messages=summary.messages, segments=summary.segments, rounds=summary.rounds,
@@ -299,6 +305,20 @@ class Refit(Method):
         if index == 0:
             self._executor_info()
 
+    def recorded(self) -> dict[str, Any]:
+        """This rank's setup breakdown and, with ``--timeline``, its last step's spans (JSON)."""
+        out: dict[str, Any] = {}
+        times = self.endpoint.setup_times
+        if times is not None:
+            out["setup"] = times.to_json()
+        try:
+            last = self.endpoint.executor.last_timeline
+        except RefitError:
+            last = None
+        if last is not None:
+            out["timeline"] = last.to_json()
+        return out
+
     def close(self) -> None:
         self.endpoint.close()
 
@@ -321,7 +341,8 @@ def _size(text: str) -> int:
 
 def method_class(name: str) -> type[Method]:
     """A method by name; ``refit@bucket=256M+buffers=2+messages=runs+direct=64M+zero_copy=0+comms=1``
-    is a refit variant, ``wire@ops=64`` the wire cut into 64 operations of one NCCL group."""
+    is a refit variant (``refit@replicas=3+relay=1``: relay fanout, the trainers feed 1 of 3 replicas),
+    ``wire@ops=64`` the wire cut into 64 operations of one NCCL group."""
     if name in METHODS:
         return METHODS[name]
     base, sep, spec = name.partition("@")
@@ -348,5 +369,8 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "messages": ("messages.mode", str),
     "comms": ("nccl.comms_per_link", int),
     "nccl": ("nccl.backend", str),
+    "replicas": ("relay.replicas", int),
+    "relay": ("relay.direct", int),
+    "fanout": ("relay.fanout", int),
 }
 """``refit@KEY=VALUE`` variant keys: the :class:`RefitOptions` setting each sets, and its parser."""

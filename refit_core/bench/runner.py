@@ -139,7 +139,8 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     pair = rank in (0, first_gen)  # the two ranks the wire and the baselines run between
     ctx = _Ctx(rank, nprocs, is_train, me["side_rank"], job["num_train"] if is_train else nprocs - first_gen,
                device, model, model.nbytes, job["bucket_bytes"], job["num_buffers"], job["timeout_s"],
-               job["ports"], register(PluginManager(load_entry_points=False)))
+               job["ports"], register(PluginManager(load_entry_points=False)),
+               extra={"timeline": job.get("timeline", False)})
     needs_comm = any(_is_baseline(m) for m in job["methods"])
     store.set(f"bytes/{rank}", str(model.nbytes))
     barrier()
@@ -208,6 +209,8 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
             barrier()
         if name.startswith("refit") and takes_part and rank == 0:
             entry["links"] = _link_bytes(method.schedule, job)
+        if name.startswith("refit") and takes_part:
+            entry.update(method.recorded())
         if takes_part:
             method.close()
         out["methods"][name] = entry
@@ -258,6 +261,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
     p.add_argument("--machine", default=None, help="machine name for the results (e.g. nvidia-h200-x2)")
     p.add_argument("--command", default=None, help="the command line to record (default: this one)")
+    p.add_argument("--timeline", metavar="PNG", default=None,
+                   help="record the first refit method's last step (pack / transfer / unpack per lane) on every "
+                        "rank and draw it into PNG (one file per model: MODEL is added to the name after the first)")
     return p.parse_args(argv)
 
 
@@ -309,6 +315,9 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
             row[f"{side}_after_extra_bytes"] = max(afters) if None not in afters else None
         if "links" in e0:
             row["links"] = e0["links"]
+        setups = [e["setup"] for e in entries if e.get("setup")]
+        if setups:  # the slowest rank per phase
+            row["setup"] = {k: max((s[k] or 0.0) for s in setups) for k in setups[0]}
         rows.append(row)
     wire = next((r for r in rows if r["method"] == "wire"), None)
     for row in rows:
@@ -358,6 +367,14 @@ def _table(summary: dict[str, Any]) -> str:
                          f"{r['sum_of_wires_gbps']:.0f} GB/s, refit reaches "
                          f"{(r['ratio_to_sum_of_wires'] or 0):.3f} of it and "
                          f"{r['ratio_to_busiest_link_bound']:.3f} of the busiest link's bound")
+    for r in summary["rows"]:
+        if "setup" in r:
+            s = r["setup"]
+            lines.append("")
+            lines.append(f"{r['method']} setup (slowest rank per phase): {s['total_s']:.2f} s = pieces "
+                         f"{s['pieces_s']:.2f} + metadata {s['metadata_s']:.2f} + plan {s['plan_s']:.2f} + agree "
+                         f"{s['agree_s']:.2f} + transport {s['transport_s']:.2f} + bind {s['bind_s']:.2f} s; "
+                         f"metadata read per rank up to {s['metadata_bytes'] / 1024:.1f} KiB")
     infos = [f"{r['method']}: {r['info']}" for r in summary["rows"] if r["info"]]
     if infos:
         lines += ["", *infos]
@@ -418,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                "port": free_port(), "ports": {m: free_port() for m in methods}, "seed": args.seed,
                "bucket_bytes": args.bucket_mib * MiB if args.bucket_mib else None, "num_buffers": args.buffers,
                "warmup": args.warmup, "iters": args.iters, "min_iters": args.min_iters,
-               "budget_s": args.budget_s, "timeout_s": args.timeout_s}
+               "budget_s": args.budget_s, "timeout_s": args.timeout_s, "timeline": bool(args.timeline)}
         started = time.perf_counter()
         results = spawn(_worker, len(ranks), job, env=SAFE_ENV, timeout_s=args.timeout_s * 4)
         summary = _summarize(model, job, results)
@@ -426,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["ranks"] = results
         report["models"].append(summary)
         print(_table(summary), flush=True)
+        if args.timeline:
+            path = _timeline_path(args.timeline, model, first=not report["models"][:-1])
+            print(f"timeline: {_draw_timeline(job, results, path, model)}", flush=True)
         print(flush=True)
         for row in summary["rows"]:
             if any(("ok" not in c) for c in row["checks"]) or (row["method"] != "wire" and not row["checks"]):
@@ -433,6 +453,29 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:  # after every model, so a later failure keeps what was measured
             _write(report, args.out)
     return 0 if ok else 1
+
+
+def _timeline_path(path: str, model: str, first: bool) -> str:
+    if first:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    name = os.path.basename(model).replace(".json", "")
+    return f"{stem}-{name}.{ext}" if dot else f"{path}-{name}"
+
+
+def _draw_timeline(job: dict[str, Any], results: list[dict[str, Any]], path: str, model: str) -> str:
+    """The first refit method's recorded step of every rank, drawn into ``path``."""
+    from ..timeline import StepTimeline
+    from ..timeline_plot import write_timeline_picture
+
+    method = next((m for m in job["methods"] if m.startswith("refit")), None)
+    ranks = []
+    for r in results:
+        entry = r["methods"].get(method, {}) if method else {}
+        if "timeline" in entry:
+            ranks.append((f"{r['side']} {r['rank'] - (job['num_train'] if r['side'] == 'gen' else 0)}",
+                          StepTimeline.from_json(entry["timeline"])))
+    return write_timeline_picture(ranks, path, f"{model}: {method}, last step, every rank")
 
 
 def _write(report: dict[str, Any], prefix: str) -> None:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..schedule import Schedule
+    from ..setuptime import SetupTimes
 
 
 class Phase(Enum):
@@ -76,12 +77,15 @@ class ProgressLog:
     def built(self, what: str, seconds: float) -> None:
         self.report(Phase.BUILD, f"{what} ({seconds:.1f} s)")
 
-    def planned(self, schedule: Schedule, seconds: float) -> None:
-        """The setup line: the agreed plan's size, messages and fingerprint."""
+    def planned(self, schedule: Schedule, seconds: float, times: SetupTimes | None = None) -> None:
+        """The setup line: the agreed plan's size, messages and fingerprint; with ``times`` (the
+        endpoint's :attr:`~refit_core.api.RefitSender.setup_times`) a second line breaks setup down."""
         summary = schedule.summary
         self.report(Phase.SETUP, f"plan {format_bytes(summary.bytes)} in {summary.segments} segments, "
                                  f"{summary.messages} messages in {summary.rounds} rounds, "
                                  f"fingerprint {schedule.fingerprint[:12]} ({seconds:.1f} s)")
+        if times is not None:
+            self.report(Phase.SETUP, times.line())
 
     def step(self, step: int, nbytes: int, seconds: float, verdict: str = "") -> None:
         """One step's line: bytes moved, time, throughput and (optionally) its check."""

@@ -11,11 +11,15 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import RefitError, TransferError
 from ..options import NcclOptions, TransportKind
+
+if TYPE_CHECKING:
+    from ..timeline import Timeline
 
 
 class Fence(ABC):
@@ -68,6 +72,11 @@ class Transport(ABC):
 
     kind: TransportKind
     device: torch.device
+    timeline: Timeline | None = None
+    """Set by an executor recording a step (``refit bench --timeline``): a transport whose work runs
+    on CUDA streams records each exchange's span there (:meth:`Timeline.transferred`)."""
+    records_spans = False
+    """True when this transport records its own spans on a timeline (else the executor observes fences)."""
 
     @abstractmethod
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],

@@ -234,6 +234,7 @@ class NcclTransport(Transport):
     """Grouped NCCL send/recv between the ranks of one refit (one rank per process)."""
 
     kind = TransportKind.NCCL
+    records_spans = True
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
                  timeout_s: float, options: NcclOptions) -> None:
@@ -318,11 +319,15 @@ class NcclTransport(Transport):
             stream = group.link.stream
             for fence in after:
                 fence.wait(stream)
+            timeline = self.timeline
+            start = timeline.stamp(stream) if timeline is not None else None
             try:
                 group.link.comm.post(group.sends, group.recvs, stream)
             except Exception as exc:  # every transport failure is a TransferError
                 raise TransferError(f"NCCL exchange of rank {self.rank} with rank(s) {sorted(set(peers))} "
                                     f"failed to post: {exc}") from exc
+            if timeline is not None and start is not None:
+                timeline.transferred(stream, start, timeline.stamp(stream))
             event = torch.cuda.Event()
             event.record(stream)
             events.append(event)

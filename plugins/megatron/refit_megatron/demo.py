@@ -38,7 +38,10 @@ def _train_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout,
     source = MegatronSource(chunks, ctx.config)
     sender = RefitSender(source, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
                          options=RefitOptions(**ctx.options))
-    sender.setup()
+    began = time.perf_counter()
+    schedule = sender.setup()
+    if rank == 0:
+        ctx.progress.planned(schedule, time.perf_counter() - began, sender.setup_times)
     seconds = []
     for step in range(ctx.steps):
         load_hf_weights(source, reference_state_dict(ctx.config, ctx.seed, step))

@@ -38,7 +38,7 @@ def _train_rank(rank: int, world: int, ctx: DemoContext) -> list[float]:
     began = time.perf_counter()
     schedule = sender.setup()
     if rank == 0:
-        ctx.progress.planned(schedule, time.perf_counter() - began)
+        ctx.progress.planned(schedule, time.perf_counter() - began, sender.setup_times)
     seconds = []
     for step in range(ctx.steps):
         trainer.load(reference(ctx.seed, step))

@@ -1,0 +1,125 @@
+"""Live setup time against world size, on this machine (CPU, gloo, the toy plugin).
+
+For each world size N, N processes (N/2 train ranks of ``ToyTrainer``, N/2 gen ranks of
+``ToyEngine``, both from ``tests/example_plugin``) import everything, wait until all are ready,
+then run ``setup()`` and one verified step. Every rank reports its :class:`~refit_core.setuptime.SetupTimes`
+(pieces, metadata exchange, plan, fingerprint agreement, transport, bind) and the bytes of metadata
+it read from the rendezvous store. Printed: per world size, the slowest rank's total and each
+phase's slowest rank, and the largest download.
+
+    .venv/bin/python benchmarks/setup_scaling.py --worlds 2,4,8,16,32 --out benchmarks/results/setup-scaling-cpu
+
+The machine's core count bounds what this shows: with more processes than cores, ranks wait for
+the CPU, not for each other's data (the ``metadata`` and ``agree`` phases absorb that wait).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "example_plugin"))
+
+PHASES = ("pieces_s", "metadata_s", "plan_s", "agree_s", "transport_s", "bind_s")
+
+
+def _rank(rank: int, world: int, address: str, ready_dir: str, timeout_s: float) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    from refit_core import RefitOptions, RefitReceiver, RefitSender
+    from refit_core.verify import mismatches
+    from refit_toy.demo import reference
+    from refit_toy.models import ToyEngine, ToyTrainer
+
+    train_world = world // 2
+    train = rank < train_world
+    local, size = (rank, train_world) if train else (rank - train_world, world - train_world)
+    options = RefitOptions(timeout_s=timeout_s)
+    model: Any = ToyTrainer(local, size) if train else ToyEngine(local, size)
+    endpoint = (RefitSender if train else RefitReceiver)(model, rendezvous=address, rank=local, world_size=size,
+                                                          options=options)
+    open(os.path.join(ready_dir, str(rank)), "w").close()  # start together: after every rank's imports
+    while len(os.listdir(ready_dir)) < world:
+        time.sleep(0.01)
+    began = time.perf_counter()
+    endpoint.setup()
+    setup_wall = time.perf_counter() - began
+    bad: list[str] = []
+    if train:
+        model.load(reference(0, 0))
+        endpoint.send(version=0)
+    else:
+        endpoint.receive()
+        bad = mismatches(endpoint.plugins.destination_map(model).pieces, reference(0, 0))
+    times = endpoint.setup_times
+    endpoint.close()
+    assert times is not None
+    return {"rank": rank, "side": "train" if train else "gen", "setup_wall_s": setup_wall,
+            "times": times.to_json(), "mismatches": bad}
+
+
+def measure(world: int, timeout_s: float) -> dict[str, Any]:
+    from refit_core.launch import free_port, spawn
+
+    with tempfile.TemporaryDirectory() as ready:
+        started = time.perf_counter()
+        ranks = spawn(_rank, world, f"127.0.0.1:{free_port()}", ready, timeout_s, timeout_s=timeout_s * 3)
+        wall = time.perf_counter() - started
+    bad = [r["rank"] for r in ranks if r["mismatches"]]
+    if bad:
+        raise SystemExit(f"setup_scaling: world {world}: gen ranks {bad} got wrong bytes")
+    slowest = {p: max(r["times"][p] or 0.0 for r in ranks) for p in PHASES}
+    return {"world": world, "setup_s": max(r["setup_wall_s"] for r in ranks),
+            "setup_total_s": max(r["times"]["total_s"] for r in ranks), "slowest_phase_s": slowest,
+            "metadata_bytes_max": max(r["times"]["metadata_bytes"] for r in ranks),
+            "metadata_bytes_min": min(r["times"]["metadata_bytes"] for r in ranks), "wall_s": wall, "ranks": ranks}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| world | setup (slowest rank) | pieces | metadata | plan | agree | transport | bind (gen: 1st step) "
+             "| metadata read per rank | per rank / world |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        s = row["slowest_phase_s"]
+        kib = row["metadata_bytes_max"] / 1024
+        lines.append(f"| {row['world']} | {row['setup_s']:.2f} s | " + " | ".join(f"{s[p]:.3f}" for p in PHASES)
+                     + f" | {kib:.1f} KiB | {kib / row['world']:.2f} KiB |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", default="2,4,8,16,32")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
+    args = parser.parse_args()
+    rows = []
+    for world in (int(w) for w in args.worlds.split(",")):
+        print(f"setup_scaling: world {world} ...", file=sys.stderr, flush=True)
+        rows.append(measure(world, args.timeout_s))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    text = table(rows)
+    print(text)
+    if args.out:
+        meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": platform.node(),
+                "cpus": os.cpu_count(), "python": platform.python_version(),
+                "command": "python benchmarks/setup_scaling.py " + " ".join(sys.argv[1:])}
+        with open(args.out + ".json", "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(f"# Live setup time vs world size (CPU machine, {meta['cpus']} cores, gloo, toy plugin), "
+                    f"{meta['date']}\n\nCommand: `{meta['command']}`\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Relay fanout: engine replicas updated in wave k forward their weights to replicas of wave k+1.
+
+When engine replicas outnumber what the trainers' links can feed (one trainer node into 32 engine
+replicas: every replica's bytes leave the same eight NICs), the trainers feed only the first
+``direct`` replicas (wave 0); every replica that holds the step then forwards it to up to ``fanout``
+replicas of the next wave, so the number of replicas holding the weights grows geometrically while
+each trainer GPU sends its share once per wave-0 replica only.
+
+Replicas are ``replicas`` consecutive, equal blocks of gen ranks (vLLM's data-parallel replicas:
+replica ``d`` is gen ranks ``d*size .. d*size+size-1``) whose destination pieces are identical rank by
+rank; rank ``i`` of a replica forwards every piece whole to rank ``i`` of its children. The plan is
+static and part of the fingerprint: the waves, every replica's parent, and the relay messages
+(schedule rounds whose ``src`` and ``dst`` are both gen ranks, one wave's rounds after another's).
+A relaying rank forwards only after its own step has fully landed (its receive completed), so a
+child never sees a half-old region; a failed relay fails the step on both ends like any other step
+(:class:`~refit_core.failures.StepFailedError` naming the tensors that may be torn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from .errors import PlanError
+from .options import MessageOptions, RefitOptions, RelayOptions
+from .pieces import PieceMeta
+from .plan_fast import plan_transfers_fast
+from .planner import Transfer
+from .schedule import Message, Schedule, build_schedule, fingerprint, summarize
+from .spec import Box
+
+
+@dataclass(frozen=True)
+class Waves:
+    """Which replicas get a step in which wave, and from whom.
+
+    ``waves[0]`` are fed by the trainers; ``parent[c]`` is the replica that forwards to replica
+    ``c`` (-1 for wave 0).
+    """
+
+    waves: tuple[tuple[int, ...], ...]
+    parent: tuple[int, ...]
+
+    @property
+    def replicas(self) -> int:
+        return len(self.parent)
+
+    def wave_of(self, replica: int) -> int:
+        return next(w for w, members in enumerate(self.waves) if replica in members)
+
+
+def plan_waves(replicas: int, direct: int, fanout: int = 1) -> Waves:
+    """Waves for ``replicas`` replicas, ``direct`` of them fed by the trainers.
+
+    Every replica holding the step after wave k (waves 0..k) forwards to at most ``fanout``
+    replicas of wave k+1, holders in order of arrival, so ``direct * (1 + fanout) ** k`` replicas
+    hold it after wave k. ``direct >= replicas`` gives one wave (no relay).
+    """
+    if replicas < 1 or direct < 1 or fanout < 1:
+        raise PlanError(f"relay: replicas={replicas}, direct={direct}, fanout={fanout} must all be >= 1")
+    direct = min(direct, replicas)
+    parent = [-1] * replicas
+    waves = [tuple(range(direct))]
+    holders = list(waves[0])
+    following = direct
+    while following < replicas:
+        wave = []
+        for holder in list(holders):
+            for _ in range(fanout):
+                if following == replicas:
+                    break
+                parent[following] = holder
+                wave.append(following)
+                following += 1
+        waves.append(tuple(wave))
+        holders += wave
+    return Waves(tuple(waves), tuple(parent))
+
+
+@dataclass(frozen=True)
+class RelayPlan:
+    """The static relay plan: replicas of ``replica_size`` gen ranks, the waves, and the relay
+    messages (gen rank -> gen rank) as a :class:`~refit_core.schedule.Schedule` whose rounds run wave
+    after wave (``wave_rounds[k]`` rounds belong to wave ``k+1``)."""
+
+    replica_size: int
+    waves: Waves
+    schedule: Schedule
+    wave_rounds: tuple[int, ...]
+
+    def replica_of(self, gen_rank: int) -> int:
+        return gen_rank // self.replica_size
+
+    def fed_by_trainers(self, gen_rank: int) -> bool:
+        return self.waves.parent[self.replica_of(gen_rank)] < 0
+
+    def direct_metas(self, gen_metas: Sequence[Sequence[PieceMeta]]) -> list[list[PieceMeta]]:
+        """The gen ranks' metadata with relayed ranks emptied: what the trainers must feed."""
+        return [list(m) if self.fed_by_trainers(r) else [] for r, m in enumerate(gen_metas)]
+
+    @property
+    def digest(self) -> str:
+        """What the plan's fingerprint hashes of the relay: waves, parents and relay messages."""
+        return f"relay:{self.replica_size}:{self.waves.waves}:{self.waves.parent}:{self.schedule.fingerprint}"
+
+    def lines(self) -> list[str]:
+        sizes = " + ".join(str(len(w)) for w in self.waves.waves)
+        return [f"relay:        {self.waves.replicas} replicas of {self.replica_size} gen rank(s) in "
+                f"{len(self.waves.waves)} waves ({sizes}); {self.schedule.summary.messages} relay messages"]
+
+
+def _check_replicas(gen_metas: Sequence[Sequence[PieceMeta]], replicas: int) -> int:
+    """The replica size; a :class:`PlanError` naming the ranks if replicas differ."""
+    world = len(gen_metas)
+    if world % replicas:
+        raise PlanError(f"relay: {world} gen ranks cannot form {replicas} equal replicas "
+                        "(RelayOptions.replicas must divide the gen world size)")
+    size = world // replicas
+    for rank in range(size, world):
+        first = rank % size
+        if list(gen_metas[rank]) != list(gen_metas[first]):
+            raise PlanError(f"relay: gen rank {rank} (replica {rank // size}) has other destination pieces "
+                            f"than gen rank {first} (replica 0): replicas must hold identical layouts to relay")
+    return size
+
+
+def plan_relay(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]], bucket_bytes: int,
+               formation: MessageOptions | None = None, *, expert_groups: Collection[str] = ()) -> RelayPlan | None:
+    """The relay plan for ``options`` over the (expert-grouped) gen metadata, or None when relay is off.
+
+    Deterministic for the same input, so every rank computes the same plan.
+    """
+    if not options.active:
+        return None
+    size = _check_replicas(gen_metas, options.replicas)
+    waves = plan_waves(options.replicas, options.direct, options.fanout)
+    rounds: list[list[Message]] = []
+    wave_rounds = []
+    for members in waves.waves[1:]:
+        transfers = []
+        for child in members:
+            parent = waves.parent[child]
+            for i in range(size):
+                src, dst = parent * size + i, child * size + i
+                for piece, meta in enumerate(gen_metas[src]):
+                    if meta.box.numel == 0:
+                        continue
+                    whole = Box((0,) * len(meta.box.sizes), meta.box.sizes)
+                    transfers.append(Transfer(meta.spec.name, src, piece, whole, dst, piece, whole, meta.spec.dtype))
+        wave = build_schedule(transfers, len(gen_metas), len(gen_metas), bucket_bytes, formation,
+                              expert_groups=expert_groups)
+        rounds += wave.rounds
+        wave_rounds.append(len(wave.rounds))
+    world = len(gen_metas)
+    schedule = Schedule(world, world, bucket_bytes, rounds, fingerprint(world, world, bucket_bytes, rounds),
+                        summarize(rounds))
+    return RelayPlan(size, waves, schedule, tuple(wave_rounds))
+
+
+def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Sequence[Sequence[PieceMeta]],
+                    settings: RefitOptions, *,
+                    expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
+    """The whole static plan from (expert-grouped) metadata and the agreed ``settings``: the trainers'
+    schedule into the replicas they feed, and the relay plan (None without relay), whose digest is
+    hashed into the schedule's fingerprint with the settings. What a live setup and ``refit plan`` run."""
+    assert settings.bucket_bytes is not None, "resolve the options first (RefitOptions.resolved)"
+    relay = plan_relay(settings.relay, gen_metas, settings.bucket_bytes, settings.messages,
+                       expert_groups=expert_groups)
+    fed = gen_metas if relay is None else relay.direct_metas(gen_metas)
+    transfers = plan_transfers_fast(train_metas, fed, cast=settings.cast,
+                                    allow_unused_sources=settings.allow_unused_sources)
+    agreed = settings.digest() if relay is None else f"{settings.digest()}|{relay.digest}"
+    schedule = build_schedule(transfers, len(train_metas), len(gen_metas), settings.bucket_bytes, settings.messages,
+                              expert_groups=expert_groups, agreed_settings=agreed)
+    return schedule, relay
+
+
+__all__ = ["RelayPlan", "Waves", "plan_relay", "plan_waves", "plan_with_relay"]

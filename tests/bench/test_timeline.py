@@ -1,0 +1,37 @@
+"""``refit bench --timeline``: a CPU (gloo) run records pack / transfer / unpack spans and draws them."""
+
+from __future__ import annotations
+
+import json
+
+from refit_core.timeline import Phase, StepTimeline
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_timeline_on_cpu_draws_a_png_of_non_overlapping_spans_that_cover_the_step(tmp_path):
+    from refit_core.bench import main
+
+    png, prefix = tmp_path / "timeline.png", str(tmp_path / "out")
+    rc = main(["--device", "cpu", "--models", "tiny-llama", "--methods", "refit", "--warmup", "1", "--iters", "1",
+               "--min-iters", "1", "--bucket-mib", "1", "--buffers", "2", "--timeline", str(png), "--out", prefix])
+    assert rc == 0
+    data = png.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+    report = json.loads(open(prefix + ".json").read())
+    ranks = report["models"][0]["ranks"]
+    phases = set()
+    for rank in ranks:
+        step = StepTimeline.from_json(rank["methods"]["refit"]["timeline"])
+        assert step.spans and step.overlaps() == [], step
+        assert all(0 <= s.start <= s.end <= step.seconds + 1e-6 for s in step.spans), step
+        first = min(s.start for s in step.spans)
+        last = max(s.end for s in step.spans)
+        assert first <= 0.05 * step.seconds, (first, step.seconds)  # the header opens the step
+        assert last >= 0.9 * step.seconds, (last, step.seconds)  # the last transfer or unpack closes it
+        assert step.covered >= 0.9, step.covered
+        assert len({s.round for s in step.spans if s.phase is not Phase.HEADER}) == 2  # 2 rounds of 1 MiB
+        phases |= {s.phase for s in step.spans}
+    assert phases == {Phase.HEADER, Phase.PACK, Phase.TRANSFER, Phase.UNPACK}
+    setup = report["models"][0]["rows"][0]["setup"]
+    assert setup["metadata_bytes"] > 0 and setup["total_s"] > 0
