@@ -1,6 +1,6 @@
 """Hybrid Mamba (NemotronH): a real megatron-core ``MambaModel`` (2 gloo ranks) refit into the kit's
 reference engine, TP 1 (two DP replicas), TP 2, PP 2 and EP 2, two steps bit for bit against megatron's
-own ``sharded_state_dict()`` converted by the test's routine (``nemotronh_ranks.py``).
+own ``sharded_state_dict()`` converted by the test's routine (``nemotronh_build.py``, ``engine_ranks.py``).
 
 The mixers are megatron-core's ``MambaMixer`` built for real with only mamba_ssm's gated RMSNorm class
 stood in for (its kernels are CUDA-only): no Mamba forward runs here. The metadata-only layouts and
@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("refit_megatron")
 
-from nemotronh_ranks import CONFIG, GEN_WORLD, LAYOUTS, TRAIN_WORLD, nemotronh_ranks
+from engine_ranks import GEN_WORLD, LAYOUTS, TRAIN_WORLD, engine_ranks
+from nemotronh_build import CONFIG
 
 from refit_core import ParallelLayout, PluginError
 from refit_core.launch import free_port, spawn
@@ -22,8 +23,8 @@ from refit_core.launch import free_port, spawn
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    out = spawn(nemotronh_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()),
-                str(tmp_path_factory.mktemp("nemotronh")), list(LAYOUTS), timeout_s=900)
+    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()),
+                str(tmp_path_factory.mktemp("nemotronh")), "nemotronh", list(LAYOUTS), timeout_s=900)
     return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
 
 
@@ -48,7 +49,7 @@ def test_pieces_are_views_of_parameters_and_metadata_layout_matches(results, lay
     # TP 2 splits each of in_proj's z, x, B, C, dt sections: 5 pieces per Mamba layer and rank, else 1
     per_layer = 5 if layout == "tp2" else 1
     mamba_layers = CONFIG["hybrid_override_pattern"].count("M")
-    held = sum(r[layout]["mamba_pieces"] for r in train)
+    held = sum(r[layout]["in_proj_pieces"] for r in train)
     expected = {"tp1": 2 * mamba_layers, "tp2": 2 * per_layer * mamba_layers, "pp2": mamba_layers,
                 "ep2": 2 * mamba_layers}
     assert held == expected[layout]

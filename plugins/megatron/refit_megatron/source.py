@@ -134,6 +134,8 @@ def _place(facts: ModelFacts, config: dict[str, Any], chunk: Any, name: str
         return _with(match(MTP, found.group(2)), facts.layer_prefix(facts.layers + int(found.group(1))))
     if name == "output_layer.weight" and (facts.tied or getattr(chunk, "share_embeddings_and_output_weights", False)):
         return None, "", None  # the last stage's copy of the tied embedding: the first stage sends it
+    if name.startswith("embedding.") and not getattr(chunk, "pre_process", True):
+        return None, "", None  # the MTP stage's copy of the embedding (PP > 1): the first stage sends it
     return _with(match(family.top, name), "")
 
 

@@ -1,4 +1,4 @@
-"""Rank programs of the hybrid Mamba (NemotronH) test: a megatron-core ``MambaModel`` -> the kit's reference engine.
+"""A NemotronH megatron-core ``MambaModel`` built on CPU, and the test's own conversion of its weights to HF.
 
 mamba_ssm and causal_conv1d are CUDA-only, so megatron-core's ``MambaMixer`` cannot run here. It can
 be *built*: its ``__init__`` creates ``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm`` and
@@ -16,12 +16,9 @@ global offset) is assembled and converted to HF names by :func:`nemotron_to_hf`,
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from megatron_ranks import _layout_keys, _rendezvous, _views_are_parameter_memory, assemble, local_shards, next_step
 
 from refit_core import ParallelLayout
 
@@ -36,12 +33,6 @@ CONFIG: dict[str, Any] = {
 }
 """Every layer kind (Mamba, MLP, attention, MoE); 8 Mamba heads in 2 groups, so TP 2 splits each
 of z, x, B, C and dt; vocabulary 500 (megatron pads it to 512 at TP <= 4)."""
-
-LAYOUTS = {"tp1": "dp=2", "tp2": "tp=2", "pp2": "pp=2", "ep2": "dp=2,ep=2"}
-"""Layouts of the 2 train ranks (TP 1 with two data-parallel replicas, TP 2, PP 2, EP 2)."""
-TRAIN_WORLD = 2
-GEN_WORLD = 1
-STEPS = (1, 2)
 
 
 class StandInGatedNorm(torch.nn.Module):
@@ -194,86 +185,3 @@ def nemotron_to_hf(mg: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[
                 stem = key.rsplit(".", 1)[0]
                 hf[f"backbone.layers.{parts[2]}.mixer.{name}"] = torch.cat([mg[f"{stem}.{s}"] for s in order])
     return {k: v.contiguous() for k, v in hf.items()}
-
-
-# -- the rank program -----------------------------------------------------------------------------
-
-def nemotronh_ranks(rank: int, world: int, ports: tuple[int, int], tmp: str, layouts: list[str]) -> dict[str, Any]:
-    """Train ranks ``0..1`` (megatron ``MambaModel``) or the gen rank 2 (the kit's reference engine), every layout."""
-    train = rank < TRAIN_WORLD
-    side_rank, side_world = (rank, TRAIN_WORLD) if train else (rank - TRAIN_WORLD, GEN_WORLD)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0 if train else 1]}",
-                            rank=side_rank, world_size=side_world)
-    results = {}
-    for name in layouts:
-        address = _rendezvous(train, side_rank, os.path.join(tmp, f"{name}.address"))
-        results[name] = (_train if train else _gen)(side_rank, name, address, tmp)
-    dist.destroy_process_group()
-    return results
-
-
-def _plugins() -> Any:
-    from refit_megatron.checkpoint import hf_specs
-
-    from refit_core.plugins import PluginManager
-    from refit_core.testing import ReferencePlugin
-    from refit_core.testing.reference import REFERENCE_PLUGIN
-
-    pm = PluginManager()
-    pm.register(ReferencePlugin(list(hf_specs(CONFIG).values())), name=REFERENCE_PLUGIN)
-    return pm
-
-
-def _train(rank: int, name: str, address: str, tmp: str) -> dict[str, Any]:
-    from refit_megatron import MegatronSource, destroy_parallel, init_parallel, live_pieces
-    from refit_megatron.layout import layout_pieces
-
-    from refit_core import RefitOptions, RefitSender
-
-    layout = ParallelLayout.parse(LAYOUTS[name])
-    init_parallel(layout)
-    model = build_mamba(CONFIG, layout)
-    source = MegatronSource(model, CONFIG)
-    live = live_pieces(source)
-    checks: dict[str, Any] = {
-        "views_share_parameter_memory": _views_are_parameter_memory(live, [model]),
-        "metadata_layout_equal": _layout_keys(live) == _layout_keys(layout_pieces(CONFIG, layout, rank)),
-        "mamba_pieces": sum(".mixer.in_proj." in p.spec.name for p in live),
-    }
-    sender = RefitSender(source, rendezvous=address, rank=rank, world_size=TRAIN_WORLD, plugins=_plugins(),
-                         options=RefitOptions(timeout_s=90, bucket_bytes=1 << 20))
-    sender.setup()
-    for step in STEPS:
-        if step > 1:
-            next_step([model])
-        everyone: list[Any] = [None] * TRAIN_WORLD
-        dist.all_gather_object(everyone, local_shards([model]))
-        if rank == 0:
-            torch.save(nemotron_to_hf(assemble(everyone), CONFIG), os.path.join(tmp, f"{name}-{step}.pt"))
-        dist.barrier()
-        checks[f"sent_bytes_{step}"] = sender.send(version=step).bytes
-    sender.close()
-    destroy_parallel()
-    return checks
-
-
-def _gen(rank: int, name: str, address: str, tmp: str) -> dict[str, Any]:
-    from refit_megatron.checkpoint import hf_specs
-
-    from refit_core import RefitOptions, RefitReceiver
-    from refit_core.testing import ReferenceEngine
-
-    specs = list(hf_specs(CONFIG).values())
-    engine = ReferenceEngine(specs, rank, GEN_WORLD)
-    receiver = RefitReceiver(engine, rendezvous=address, rank=rank, world_size=GEN_WORLD, plugins=_plugins(),
-                             options=RefitOptions(timeout_s=90))
-    receiver.setup()
-    checks: dict[str, Any] = {}
-    for step in STEPS:
-        checks[f"version_{step}"] = receiver.receive().version
-        reference = torch.load(os.path.join(tmp, f"{name}-{step}.pt"))
-        checks[f"reference_names_{step}"] = sorted(set(engine.tensors) ^ set(reference))
-        checks[f"differences_{step}"] = engine.differences(reference) if set(engine.tensors) <= set(reference) \
-            else ["reference incomplete"]
-    receiver.close()
-    return checks
