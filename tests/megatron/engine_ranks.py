@@ -1,7 +1,8 @@
 """Rank programs that refit a megatron-core model (2 gloo train ranks) into the kit's reference engine (1 rank).
 
 For checkpoints no HF model on this machine can hold whole: hybrid Mamba (NemotronH, a
-``MambaModel``) and DeepSeek-V3 with its MTP layer (transformers' DeepSeek-V3 drops MTP weights).
+``MambaModel``) and DeepSeek-V3 with its MTP layer (transformers' DeepSeek-V3 drops MTP weights);
+and a tied-embedding model under PP 2 (the last stage's copy of the embedding is not sent).
 The engine holds every tensor of the plugin's HF inventory as a plain tensor. The reference is
 independent of refit_megatron: megatron's own ``sharded_state_dict()`` assembled across ranks and
 converted to HF names by the tests' routines (``nemotronh_build.nemotron_to_hf``,
@@ -29,6 +30,7 @@ from megatron_ranks import (
 from nemotronh_build import CONFIG as NEMOTRONH, build_mamba, nemotron_to_hf
 
 from refit_core import ParallelLayout
+from refit_core.models import PRESETS
 
 TRAIN_WORLD = 2
 GEN_WORLD = 1
@@ -53,6 +55,7 @@ class Model:
 ENGINE_MODELS = {
     "nemotronh": Model(NEMOTRONH, lambda c, layout: [build_mamba(c, layout)], nemotron_to_hf),
     "mla-mtp": Model(dict(MODELS["mla"], num_nextn_predict_layers=1), _build_gpt, to_hf),
+    "dense-tied": Model(dict(PRESETS["tiny-qwen3-tied"], num_hidden_layers=4, vocab_size=500), _build_gpt, to_hf),
 }
 LAYOUTS = {"tp1": "dp=2", "tp2": "tp=2", "pp2": "pp=2", "ep2": "dp=2,ep=2"}
 """Layouts of the 2 train ranks (TP 1 with two data-parallel replicas, TP 2, PP 2, EP 2)."""
