@@ -58,7 +58,7 @@ def patch_for_cpu() -> None:
     if _applied or torch.cuda.is_available():
         return
     _applied = True
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker = _CpuRngTracker()
@@ -86,7 +86,7 @@ def _patch_embedding_sync() -> None:
         finally:
             torch.Tensor.cuda = cuda  # type: ignore[method-assign]
 
-    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu  # type: ignore[method-assign]
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
 
 
 def _patch_mla(mla: Any) -> None:
