@@ -94,6 +94,8 @@ def _train(rank: int, model: Model, name: str, address: str, stem: str) -> dict[
     from refit_megatron.layout import layout_pieces
 
     from refit_core import RefitOptions, RefitSender
+    from refit_core.metaplan import plan_from_metadata
+    from refit_core.testing.reference import REFERENCE_BACKEND
 
     layout = ParallelLayout.parse(LAYOUTS[name])
     init_parallel(layout)
@@ -106,9 +108,12 @@ def _train(rank: int, model: Model, name: str, address: str, stem: str) -> dict[
         "names": sorted({p.spec.name for p in live}),
         "in_proj_pieces": sum(".mixer.in_proj." in p.spec.name for p in live),
     }
-    sender = RefitSender(source, rendezvous=address, rank=rank, world_size=TRAIN_WORLD,
-                         plugins=_plugins(model.config), options=RefitOptions(timeout_s=90, bucket_bytes=1 << 20))
-    sender.setup()
+    pm, options = _plugins(model.config), RefitOptions(timeout_s=90, bucket_bytes=1 << 20)
+    sender = RefitSender(source, rendezvous=address, rank=rank, world_size=TRAIN_WORLD, plugins=pm, options=options)
+    live_plan = sender.setup().fingerprint
+    planned = plan_from_metadata(pm, model.config, "megatron", layout, REFERENCE_BACKEND, ParallelLayout(),
+                                 options=options).schedule.fingerprint
+    checks["plan_equals_refit_plan"] = live_plan == planned
     for step in STEPS:
         if step > 1:
             next_step(chunks)

@@ -48,3 +48,4 @@ def test_pieces_are_views_of_parameters_and_metadata_layout_matches(results, lay
     for rank, result in enumerate(train):
         assert result[layout]["views_share_parameter_memory"], f"train rank {rank}"
         assert result[layout]["metadata_layout_equal"], f"train rank {rank}: refit plan layout differs"
+        assert result[layout]["plan_equals_refit_plan"], f"train rank {rank}: live fingerprint != refit plan's"

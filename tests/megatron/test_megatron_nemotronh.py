@@ -46,6 +46,7 @@ def test_pieces_are_views_of_parameters_and_metadata_layout_matches(results, lay
     for rank, result in enumerate(train):
         assert result[layout]["views_share_parameter_memory"], f"train rank {rank}"
         assert result[layout]["metadata_layout_equal"], f"train rank {rank}: refit plan layout differs"
+        assert result[layout]["plan_equals_refit_plan"], f"train rank {rank}: live fingerprint != refit plan's"
     # TP 2 splits each of in_proj's z, x, B, C, dt sections: 5 pieces per Mamba layer and rank, else 1
     per_layer = 5 if layout == "tp2" else 1
     mamba_layers = CONFIG["hybrid_override_pattern"].count("M")

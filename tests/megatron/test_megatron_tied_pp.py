@@ -36,6 +36,7 @@ def test_two_refits_of_a_tied_model_land_bitwise(results, layout):
     for rank, result in enumerate(train):
         assert result[layout]["views_share_parameter_memory"], f"train rank {rank}"
         assert result[layout]["metadata_layout_equal"], f"train rank {rank}: refit plan layout differs"
+        assert result[layout]["plan_equals_refit_plan"], f"train rank {rank}: live fingerprint != refit plan's"
         assert "lm_head.weight" not in result[layout]["names"]
     if layout == "pp2":
         assert "model.embed_tokens.weight" in train[0][layout]["names"]
