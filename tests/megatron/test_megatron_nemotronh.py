@@ -82,6 +82,14 @@ def test_tp2_in_proj_pieces_place_each_section_per_rank():
                [(start + rank * size // 2, size // 2) for start, size in zip(starts, sizes)]
 
 
+def test_older_config_spellings_give_the_same_inventory():
+    from refit_megatron.checkpoint import hf_specs
+
+    old = {k: v for k, v in CONFIG.items() if k not in ("n_groups", "conv_kernel")}
+    old.update(mamba_n_groups=CONFIG["n_groups"], mamba_d_conv=CONFIG["conv_kernel"], mamba_conv_bias=True)
+    assert hf_specs(old) == hf_specs(CONFIG)
+
+
 def test_layer_types_list_reads_like_the_pattern():
     from refit_megatron.hybrid import hybrid_pattern
 

@@ -21,7 +21,7 @@ from refit_core.models import checkpoint_specs, config_dtype
 from refit_core import PluginError
 
 from .families import family_of
-from .hybrid import ATTENTION, MAMBA, MLP, hybrid_pattern
+from .hybrid import ATTENTION, MAMBA, MLP, hybrid_pattern, mamba_setting
 
 
 def in_checkpoint_order(config: dict[str, Any], pieces: list[SourcePiece]) -> list[SourcePiece]:
@@ -150,7 +150,7 @@ def _nemotron_h(config: dict[str, Any]) -> list[TensorSpec]:
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     m_heads = config["mamba_num_heads"]
-    inner, bc = m_heads * config["mamba_head_dim"], config["n_groups"] * config["ssm_state_size"]
+    inner, bc = m_heads * config["mamba_head_dim"], mamba_setting(config, "n_groups") * config["ssm_state_size"]
     conv = inner + 2 * bc
     specs = [TensorSpec("backbone.embeddings.weight", (vocab, hidden), dtype)]
     for layer, symbol in enumerate(hybrid_pattern(config)):
@@ -159,8 +159,8 @@ def _nemotron_h(config: dict[str, Any]) -> list[TensorSpec]:
         m = f"{p}.mixer"
         if symbol == MAMBA:
             specs += [TensorSpec(f"{m}.in_proj.weight", (2 * inner + 2 * bc + m_heads, hidden), dtype),
-                      TensorSpec(f"{m}.conv1d.weight", (conv, 1, config.get("conv_kernel", 4)), dtype)]
-            if config.get("use_conv_bias", True):
+                      TensorSpec(f"{m}.conv1d.weight", (conv, 1, mamba_setting(config, "conv_kernel", 4)), dtype)]
+            if mamba_setting(config, "use_conv_bias", True):
                 specs.append(TensorSpec(f"{m}.conv1d.bias", (conv,), dtype))
             specs += [TensorSpec(f"{m}.{n}", (m_heads,), dtype) for n in ("A_log", "D", "dt_bias")]
             specs += [TensorSpec(f"{m}.norm.weight", (inner,), dtype),

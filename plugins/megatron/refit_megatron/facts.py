@@ -10,6 +10,7 @@ from typing import Any
 from refit_core import PluginError
 
 from .families import Family, Rule, family_of
+from .hybrid import mamba_setting
 from .rules import Attention, Mamba
 
 
@@ -40,7 +41,8 @@ class ModelFacts:
             if mtp:
                 raise PluginError("NemotronH MTP layers are not mapped by refit-plugin-megatron")
             heads = config["mamba_num_heads"]
-            mamba = Mamba(heads * config["mamba_head_dim"], config["n_groups"], config["ssm_state_size"], heads)
+            mamba = Mamba(heads * config["mamba_head_dim"], mamba_setting(config, "n_groups"),
+                          config["ssm_state_size"], heads)
         return cls(family, attention, config["vocab_size"], family.num_experts(config), family.num_layers(config),
                    mtp, bool(config.get("tie_word_embeddings")), mamba)
 

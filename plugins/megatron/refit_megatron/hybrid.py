@@ -39,3 +39,18 @@ def hybrid_pattern(config: dict[str, Any]) -> str:
     if layers is not None and layers != len(pattern):
         raise PluginError(f"hybrid pattern {pattern!r} has {len(pattern)} layers, num_hidden_layers says {layers}")
     return str(pattern)
+
+
+_ALIASES = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias"}
+"""Older NemotronH configs spell some Mamba settings with a ``mamba_`` prefix (transformers reads both)."""
+
+
+def mamba_setting(config: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A Mamba setting of a NemotronH config under its name or its older alias; ``default`` when neither is
+    given (None: a PluginError naming the setting)."""
+    for name in (key, _ALIASES.get(key)):
+        if name is not None and config.get(name) is not None:
+            return config[name]
+    if default is None:
+        raise PluginError(f"the NemotronH config has no {key!r}")
+    return default
