@@ -149,6 +149,13 @@ def to_hf(mg: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torc
             hf["model.norm.weight"] = tensor
             continue
         parts = key.split(".")
+        if parts[0] == "mtp":  # MTP layer k is HF layer num_hidden_layers + k
+            layer = config["num_hidden_layers"] + int(parts[2])
+            if parts[3] != "transformer_layer":
+                own = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "shared_head.norm"}
+                hf[f"model.layers.{layer}.{own[parts[3]]}.weight"] = tensor
+                continue
+            parts = ["decoder", "layers", str(layer), *parts[4:]]
         assert parts[:2] == ["decoder", "layers"], key
         p = f"model.layers.{parts[2]}"
         rest = ".".join(parts[3:])

@@ -1,8 +1,10 @@
 """HF checkpoint inventories (names and shapes) of the families the core does not list itself.
 
 ``hf_specs(config)`` lists per-expert checkpoint tensors; the core's ``checkpoint_specs`` covers
-Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral, this module adds Qwen2-MoE and DeepSeek-V3 (MLA with
-or without q-LoRA, shared experts, the router's score-correction bias, MTP layers).
+Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral, this module adds Qwen2-MoE, DeepSeek-V3 (MLA with
+or without q-LoRA, shared experts, the router's score-correction bias, MTP layers) and NemotronH
+(hybrid Mamba / attention / MLP / MoE layers under ``backbone.``; the tests check it against
+transformers' own inventory).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import torch
 from refit_core import SourcePiece, TensorSpec
 from refit_core.models import checkpoint_specs, config_dtype
 
+from refit_core import PluginError
+
 from .families import family_of
+from .hybrid import ATTENTION, MAMBA, MLP, hybrid_pattern, mamba_setting
 
 
 def in_checkpoint_order(config: dict[str, Any], pieces: list[SourcePiece]) -> list[SourcePiece]:
@@ -49,6 +54,8 @@ def _specs(config_json: str) -> dict[str, TensorSpec]:
         specs = _deepseek_v3(config)
     elif family.name == "qwen2_moe":
         specs = _qwen2_moe(config)
+    elif family.name == "nemotron_h":
+        specs = _nemotron_h(config)
     else:
         specs = checkpoint_specs(config, grouped=False)
     return {s.name: s for s in specs}
@@ -129,3 +136,56 @@ def _qwen2_moe(config: dict[str, Any]) -> list[TensorSpec]:
             continue
         specs.append(spec)
     return specs
+
+
+def _nemotron_h(config: dict[str, Any]) -> list[TensorSpec]:
+    """NemotronH's checkpoint: ``backbone.embeddings``, one mixer per pattern symbol, ``backbone.norm_f``."""
+    unsupported = [k for k in ("use_bias", "mamba_proj_bias", "mlp_bias", "attention_bias", "moe_latent_size")
+                   if config.get(k)]
+    if unsupported:
+        raise PluginError(f"NemotronH with {unsupported} is not mapped by refit-plugin-megatron "
+                          "(megatron-core's MambaMixer has no biases; latent MoE projections are not mapped)")
+    dtype = config_dtype(config)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    m_heads = config["mamba_num_heads"]
+    inner, bc = m_heads * config["mamba_head_dim"], mamba_setting(config, "n_groups") * config["ssm_state_size"]
+    conv = inner + 2 * bc
+    specs = [TensorSpec("backbone.embeddings.weight", (vocab, hidden), dtype)]
+    for layer, symbol in enumerate(hybrid_pattern(config)):
+        p = f"backbone.layers.{layer}"
+        specs.append(TensorSpec(f"{p}.norm.weight", (hidden,), dtype))
+        m = f"{p}.mixer"
+        if symbol == MAMBA:
+            specs += [TensorSpec(f"{m}.in_proj.weight", (2 * inner + 2 * bc + m_heads, hidden), dtype),
+                      TensorSpec(f"{m}.conv1d.weight", (conv, 1, mamba_setting(config, "conv_kernel", 4)), dtype)]
+            if mamba_setting(config, "use_conv_bias", True):
+                specs.append(TensorSpec(f"{m}.conv1d.bias", (conv,), dtype))
+            specs += [TensorSpec(f"{m}.{n}", (m_heads,), dtype) for n in ("A_log", "D", "dt_bias")]
+            specs += [TensorSpec(f"{m}.norm.weight", (inner,), dtype),
+                      TensorSpec(f"{m}.out_proj.weight", (hidden, inner), dtype)]
+        elif symbol == ATTENTION:
+            specs += [TensorSpec(f"{m}.q_proj.weight", (heads * head_dim, hidden), dtype),
+                      TensorSpec(f"{m}.k_proj.weight", (kv * head_dim, hidden), dtype),
+                      TensorSpec(f"{m}.v_proj.weight", (kv * head_dim, hidden), dtype),
+                      TensorSpec(f"{m}.o_proj.weight", (hidden, heads * head_dim), dtype)]
+        elif symbol == MLP:
+            specs += _up_down(m, config["intermediate_size"], hidden, dtype)
+        else:  # MoE
+            experts = config["n_routed_experts"]
+            specs += [TensorSpec(f"{m}.gate.weight", (experts, hidden), dtype),
+                      TensorSpec(f"{m}.gate.e_score_correction_bias", (experts,), torch.float32)]
+            for e in range(experts):
+                specs += _up_down(f"{m}.experts.{e}", config["moe_intermediate_size"], hidden, dtype)
+            specs += _up_down(f"{m}.shared_experts", config["moe_shared_expert_intermediate_size"], hidden, dtype)
+    specs.append(TensorSpec("backbone.norm_f.weight", (hidden,), dtype))
+    if not config.get("tie_word_embeddings"):
+        specs.append(TensorSpec("lm_head.weight", (vocab, hidden), dtype))
+    return specs
+
+
+def _up_down(prefix: str, inter: int, hidden: int, dtype: torch.dtype) -> list[TensorSpec]:
+    """A squared-ReLU MLP without a gate (NemotronH's MLP layers, experts and shared experts)."""
+    return [TensorSpec(f"{prefix}.up_proj.weight", (inter, hidden), dtype),
+            TensorSpec(f"{prefix}.down_proj.weight", (hidden, inter), dtype)]

@@ -10,6 +10,9 @@ needs none of them. What each does:
   is mocked (set False, ``TELinear`` replaced by a class nothing is an instance of).
 * legacy ``GroupedMLP`` refuses to build without the CUDA-only ``grouped_gemm`` package, which it
   needs only for its forward: the build-time assertion is lifted (a forward still fails clearly).
+* with PP > 1, a tied output layer or an MTP layer makes the last stage hold a copy of the
+  embedding, which ``LanguageModule.setup_embeddings_and_output_layer`` moves ``.cuda()`` before
+  all-reducing it from the first stage: on CPU that move is skipped (the all-reduce runs over gloo).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def patch_for_cpu() -> None:
     if _applied or torch.cuda.is_available():
         return
     _applied = True
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker = _CpuRngTracker()
@@ -67,6 +70,23 @@ def patch_for_cpu() -> None:
     from megatron.core.transformer.moe import grouped_gemm_util
 
     grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    _patch_embedding_sync()
+
+
+def _patch_embedding_sync() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_cpu(self: Any) -> None:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor  # type: ignore[method-assign]
+        try:
+            original(self)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
 
 
 def _patch_mla(mla: Any) -> None:

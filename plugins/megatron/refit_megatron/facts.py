@@ -7,13 +7,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from refit_core import PluginError
+
 from .families import Family, Rule, family_of
-from .rules import Attention
+from .hybrid import mamba_setting
+from .rules import Attention, Mamba
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """A HF config's family, attention shape, vocabulary and expert count."""
+    """A HF config's family, attention (and Mamba mixer) shape, vocabulary and expert count."""
 
     family: Family
     attention: Attention | None
@@ -22,6 +25,7 @@ class ModelFacts:
     layers: int
     mtp_layers: int
     tied: bool
+    mamba: Mamba | None = None
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> ModelFacts:
@@ -31,13 +35,20 @@ class ModelFacts:
             heads = config["num_attention_heads"]
             attention = Attention(heads, config.get("num_key_value_heads") or heads,
                                   config.get("head_dim") or config["hidden_size"] // heads)
-        return cls(family, attention, config["vocab_size"], family.num_experts(config),
-                   config["num_hidden_layers"], int(config.get("num_nextn_predict_layers") or 0),
-                   bool(config.get("tie_word_embeddings")))
+        mtp = int(config.get("num_nextn_predict_layers") or 0)
+        mamba = None
+        if family.hybrid:
+            if mtp:
+                raise PluginError("NemotronH MTP layers are not mapped by refit-plugin-megatron")
+            heads = config["mamba_num_heads"]
+            mamba = Mamba(heads * config["mamba_head_dim"], mamba_setting(config, "n_groups"),
+                          config["ssm_state_size"], heads)
+        return cls(family, attention, config["vocab_size"], family.num_experts(config), family.num_layers(config),
+                   mtp, bool(config.get("tie_word_embeddings")), mamba)
 
-
-def layer_prefix(layer: int) -> str:
-    return f"model.layers.{layer}."
+    def layer_prefix(self, layer: int) -> str:
+        """The HF name prefix of global layer ``layer`` (``model.layers.3.``, NemotronH's ``backbone.layers.3.``)."""
+        return f"{self.family.layer_prefix}{layer}."
 
 
 @functools.cache

@@ -17,6 +17,9 @@ from typing import Any
 
 from refit_core import PluginError
 
+from .hybrid import MAMBA, MLP, MOE, hybrid_pattern
+from .hybrid import ATTENTION as HYBRID_ATTENTION
+
 
 class Kind(Enum):
     """How one megatron parameter holds HF tensors."""
@@ -33,6 +36,11 @@ class Kind(Enum):
     """Legacy ``GroupedMLP.weight1``: ``view(E_local, hidden, 2 * ffn / etp)``, all local experts."""
     GROUPED_DOWN = "grouped_down"
     """Legacy ``GroupedMLP.weight2``: ``view(E_local, ffn / etp, hidden)``, all local experts."""
+    MAMBA_IN_PROJ = "mamba_in_proj"
+    """``MambaMixer.in_proj``: rows ``[z; x; B; C; dt]``, each section split over TP on its own, so
+    TP rank r holds ``[z_r; x_r; B_r; C_r; dt_r]`` (not a plain row split of the HF tensor)."""
+    MAMBA_CONV = "mamba_conv"
+    """``MambaMixer.conv1d`` weight / bias: channels ``[x; B; C]``, each section split over TP on its own."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,13 @@ MTP = {  # relative to mtp.layers.{k}. / model.layers.{num_hidden_layers + k}.
 
 @dataclass(frozen=True)
 class Family:
-    """An architecture family: its HF architectures, attention flavour and mapping tables."""
+    """An architecture family: its HF architectures, attention flavour and mapping tables.
+
+    A hybrid family (``hybrid`` not empty, NemotronH) picks each layer's table by the layer's
+    symbol in the config's pattern (:func:`~refit_megatron.hybrid.hybrid_pattern`) instead of
+    ``dense`` / ``moe``. ``top`` maps the embedding, final norm and output layer; ``layer_prefix``
+    is the HF name of the layer list.
+    """
 
     name: str
     architectures: tuple[str, ...]
@@ -146,11 +160,19 @@ class Family:
     qk_norm: bool = False
     qkv_bias: bool = False
     mla: bool = False
+    hybrid: dict[str, dict[str, Rule]] = field(default_factory=dict)
+    top: dict[str, Rule] = field(default_factory=lambda: TOP)
+    layer_prefix: str = "model.layers."
 
     def num_experts(self, config: dict[str, Any]) -> int:
         return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
+    def num_layers(self, config: dict[str, Any]) -> int:
+        return len(hybrid_pattern(config)) if self.hybrid else int(config["num_hidden_layers"])
+
     def is_moe_layer(self, config: dict[str, Any], layer: int) -> bool:
+        if self.hybrid:
+            return hybrid_pattern(config)[layer] == MOE
         if not self.moe or not self.num_experts(config):
             return False
         if "first_k_dense_replace" in config:
@@ -168,8 +190,57 @@ class Family:
         return int(config.get("shared_expert_intermediate_size") or 0)
 
     def layer_rules(self, config: dict[str, Any], layer: int) -> dict[str, Rule]:
+        if self.hybrid:
+            return self.hybrid[hybrid_pattern(config)[layer]]
         return self.moe if self.is_moe_layer(config, layer) else self.dense
 
+
+MAMBA_LAYER = {  # a NemotronH Mamba layer: the mixer and the layer's norm (TE fuses it into in_proj)
+    "norm.weight": copy("norm.weight"),
+    "mixer.in_proj.layer_norm_weight": copy("norm.weight", te=True),
+    "mixer.in_proj.weight": Rule(Kind.MAMBA_IN_PROJ, ("mixer.in_proj.weight",), 0),
+    "mixer.conv1d.weight": Rule(Kind.MAMBA_CONV, ("mixer.conv1d.weight",), 0),
+    "mixer.conv1d.bias": Rule(Kind.MAMBA_CONV, ("mixer.conv1d.bias",), 0),
+    "mixer.A_log": copy("mixer.A_log", 0),
+    "mixer.D": copy("mixer.D", 0),
+    "mixer.dt_bias": copy("mixer.dt_bias", 0),
+    "mixer.norm.weight": copy("mixer.norm.weight", 0),  # gated RMSNorm, groups never straddle TP ranks
+    "mixer.out_proj.weight": copy("mixer.out_proj.weight", 1),
+}
+
+
+NEMOTRON_H = {  # one table per layer symbol, names relative to decoder.layers.{i}. / backbone.layers.{i}.
+    MAMBA: MAMBA_LAYER,
+    HYBRID_ATTENTION: {
+        "input_layernorm.weight": copy("norm.weight"),
+        "self_attention.linear_qkv.layer_norm_weight": copy("norm.weight", te=True),
+        "self_attention.linear_qkv.weight": qkv(*(f"mixer.{p}_proj.weight" for p in "qkv")),
+        "self_attention.linear_proj.weight": copy("mixer.o_proj.weight", 1),
+    },
+    MLP: {  # squared-ReLU MLP, no gate: linear_fc1 is up_proj alone
+        "pre_mlp_layernorm.weight": copy("norm.weight"),
+        "mlp.linear_fc1.layer_norm_weight": copy("norm.weight", te=True),
+        "mlp.linear_fc1.weight": copy("mixer.up_proj.weight", 0),
+        "mlp.linear_fc2.weight": copy("mixer.down_proj.weight", 1),
+    },
+    MOE: {  # non-gated experts and shared experts, sigmoid router with expert bias
+        "pre_mlp_layernorm.weight": copy("norm.weight"),
+        "mlp.router.weight": copy("mixer.gate.weight"),
+        "mlp.router.expert_bias": copy("mixer.gate.e_score_correction_bias", buffer=True),
+        "mlp.experts.local_experts.{i}.linear_fc1.weight": copy("mixer.experts.{e}.up_proj.weight", 0),
+        "mlp.experts.local_experts.{i}.linear_fc2.weight": copy("mixer.experts.{e}.down_proj.weight", 1),
+        "mlp.experts.linear_fc1.weight{i}": copy("mixer.experts.{e}.up_proj.weight", 0, te=True),
+        "mlp.experts.linear_fc2.weight{i}": copy("mixer.experts.{e}.down_proj.weight", 1, te=True),
+        "mlp.shared_experts.linear_fc1.weight": copy("mixer.shared_experts.up_proj.weight", 0),
+        "mlp.shared_experts.linear_fc2.weight": copy("mixer.shared_experts.down_proj.weight", 1),
+    },
+}
+
+NEMOTRON_H_TOP = {  # megatron-core's MambaModel
+    "embedding.word_embeddings.weight": Rule(Kind.VOCAB, ("backbone.embeddings.weight",), 0),
+    "decoder.final_norm.weight": copy("backbone.norm_f.weight"),
+    "output_layer.weight": Rule(Kind.VOCAB, ("lm_head.weight",), 0),
+}
 
 _QWEN3_MOE = {**ATTENTION, **moe_block("mlp", "gate_proj", "up_proj", "down_proj")}
 _DEEPSEEK_DENSE = {**MLA_ATTENTION, **DENSE_MLP}
@@ -185,6 +256,8 @@ FAMILIES = [
            {**ATTENTION, **moe_block("block_sparse_moe", "w1", "w3", "w2")}),
     Family("deepseek_v3", ("DeepseekV3ForCausalLM",), _DEEPSEEK_DENSE,
            {**MLA_ATTENTION, **moe_block("mlp", "gate_proj", "up_proj", "down_proj"), **SHARED_EXPERTS}, mla=True),
+    Family("nemotron_h", ("NemotronHForCausalLM",), {}, hybrid=NEMOTRON_H, top=NEMOTRON_H_TOP,
+           layer_prefix="backbone.layers."),
 ]
 
 

@@ -21,8 +21,8 @@ from refit_core.models import config_dtype
 
 from .build import padded_vocab
 from .checkpoint import hf_specs, in_checkpoint_order
-from .facts import ModelFacts, layer_prefix
-from .families import MTP, TOP, Kind, Rule
+from .facts import ModelFacts
+from .families import MTP, Kind, Rule
 from .rules import Param, Split, pieces_of
 
 
@@ -61,6 +61,9 @@ def layout_pieces(config: dict[str, Any], layout: ParallelLayout, rank: int) -> 
     stages = layout.pp * layout.vpp
     if facts.layers % stages:
         raise PluginError(f"{facts.layers} layers do not split evenly over pp {layout.pp} x vpp {layout.vpp}")
+    if facts.family.hybrid and layout.vpp > 1:
+        raise PluginError("megatron-core's MambaStack (hybrid NemotronH) has no virtual pipeline parallelism; "
+                          "use vpp=1")
     if facts.experts % layout.ep:
         raise PluginError(f"{facts.experts} experts do not split over ep {layout.ep}")
     per_chunk = facts.layers // stages
@@ -68,17 +71,23 @@ def layout_pieces(config: dict[str, Any], layout: ParallelLayout, rank: int) -> 
     pieces: list[SourcePiece] = []
     for vp in range(layout.vpp):
         stage = vp * layout.pp + where.pp
+        top = facts.family.top
         if stage == 0:
-            pieces += maker.top("embedding.word_embeddings.weight")
+            pieces += maker.top(EMBEDDING)
         for layer in range(stage * per_chunk, (stage + 1) * per_chunk):
             pieces += maker.layer(config, layer)
         if stage == stages - 1:
             for k in range(facts.mtp_layers):
                 pieces += maker.mtp(config, facts.layers + k)
-            pieces += maker.top("decoder.final_layernorm.weight")
+            for name in top:
+                if name not in (EMBEDDING, OUTPUT):
+                    pieces += maker.top(name)  # the final norm
             if not facts.tied:
-                pieces += maker.top("output_layer.weight")
+                pieces += maker.top(OUTPUT)
     return in_checkpoint_order(config, pieces)
+
+
+EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
 class _Maker:
@@ -92,13 +101,14 @@ class _Maker:
         self.local_experts = facts.experts // layout.ep if facts.experts else 0
 
     def top(self, name: str) -> list[SourcePiece]:
-        return self._pieces(name, TOP[name], TOP[name].hf, self.tp)
+        rule = self.facts.family.top[name]
+        return self._pieces(name, rule, rule.hf, self.tp)
 
     def layer(self, config: dict[str, Any], layer: int) -> list[SourcePiece]:
-        return self._rules(self.facts.family.layer_rules(config, layer), layer_prefix(layer))
+        return self._rules(self.facts.family.layer_rules(config, layer), self.facts.layer_prefix(layer))
 
     def mtp(self, config: dict[str, Any], layer: int) -> list[SourcePiece]:
-        prefix = layer_prefix(layer)
+        prefix = self.facts.layer_prefix(layer)
         return self._rules(MTP, prefix) + self._rules(self.facts.family.layer_rules(config, layer), prefix)
 
     def _rules(self, rules: dict[str, Rule], prefix: str) -> list[SourcePiece]:
@@ -123,7 +133,7 @@ class _Maker:
         shape = self._local_shape(rule, hf, split)
         dtype = torch.float32 if rule.buffer else self.dtype
         return pieces_of(rule, Param(name, shape, dtype, hf), split, attention=self.facts.attention,
-                         vocab=self.facts.vocab)
+                         vocab=self.facts.vocab, mamba=self.facts.mamba)
 
     def _local_shape(self, rule: Rule, hf: tuple[str, ...], split: Split) -> tuple[int, ...]:
         shapes = [self.inventory[n].shape for n in hf]

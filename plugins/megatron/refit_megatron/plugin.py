@@ -22,7 +22,8 @@ BACKEND = "megatron"
 def refit_register_backends(register: Any) -> None:
     from .demo import DEFAULT_TRAIN_LAYOUT, demo_train
 
-    register(Backend(BACKEND, {TRAIN}, description="megatron-core GPTModel trainers (TP, PP, VPP, EP, expert-TP, DP)",
+    register(Backend(BACKEND, frozenset({TRAIN}),
+                     description="megatron-core GPTModel / MambaModel trainers (TP, PP, VPP, EP, expert-TP, DP)",
                      demo_train=demo_train, demo_train_layout=DEFAULT_TRAIN_LAYOUT, priority=5))
 
 

@@ -35,6 +35,22 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class Mamba:
+    """What a Mamba mixer's fused parameters need: ``inner`` (heads x head dim), ``groups`` x ``state``
+    (the rows of B and of C) and the SSM ``heads``."""
+
+    inner: int
+    groups: int
+    state: int
+    heads: int
+
+    def sections(self, kind: Kind) -> tuple[int, ...]:
+        """The global sizes of the fused sections: ``[z, x, B, C, dt]`` (in_proj) or ``[x, B, C]`` (conv1d)."""
+        bc = self.groups * self.state
+        return (self.inner, self.inner, bc, bc, self.heads) if kind is Kind.MAMBA_IN_PROJ else (self.inner, bc, bc)
+
+
+@dataclass(frozen=True)
 class Param:
     """A megatron parameter on this rank: its name (for errors), local shape, dtype, and memory
     (None from metadata). ``hf`` are the rule's HF names with layer and expert filled in."""
@@ -56,14 +72,19 @@ def _piece(name: str, shape: tuple[int, ...], dtype: torch.dtype, offsets: tuple
 
 
 def pieces_of(rule: Rule, param: Param, split: Split, *, attention: Attention | None = None,
-              vocab: int | None = None, experts: tuple[int, int] | None = None) -> list[SourcePiece]:
+              vocab: int | None = None, experts: tuple[int, int] | None = None,
+              mamba: Mamba | None = None) -> list[SourcePiece]:
     """The pieces of ``param`` under ``rule``.
 
     ``attention`` is needed for :attr:`Kind.QKV`, ``vocab`` (the HF vocabulary) for
     :attr:`Kind.VOCAB`, ``experts`` ``(first global expert, total experts)`` for the legacy grouped
-    kinds.
+    kinds, ``mamba`` for the Mamba mixer's fused kinds.
     """
     kind = rule.kind
+    if kind in (Kind.MAMBA_IN_PROJ, Kind.MAMBA_CONV):
+        if mamba is None:
+            raise PluginError(f"{param.name}: a Mamba mixer parameter needs the mixer's shape")
+        return _sections(param, split, mamba, kind)
     if kind is Kind.COPY:
         return [_copy(param, split)]
     if kind is Kind.GLU:
@@ -129,6 +150,30 @@ def _qkv(param: Param, split: Split, attn: Attention) -> list[SourcePiece]:
             view = _view(param.local, lambda t, a=lo - start, n=hi_clip - lo: t.narrow(0, a, n))
             out.append(_piece(name, (hf_heads * attn.head_dim, *rest), param.dtype, (hf_row, *zeros), view,
                               (hi_clip - lo, *rest)))
+    return out
+
+
+def _sections(param: Param, split: Split, mamba: Mamba, kind: Kind) -> list[SourcePiece]:
+    """Sections concatenated on dim 0 and split over TP each on its own: rank r holds
+    ``[s0_r; s1_r; ...]`` of the HF tensor ``[s0; s1; ...]``; one piece per section."""
+    sizes = mamba.sections(kind)
+    rows, *rest = param.shape
+    if mamba.heads % split.size or mamba.groups % split.size:
+        raise PluginError(f"{param.name}: {mamba.heads} Mamba heads and {mamba.groups} groups must divide over "
+                          f"TP {split.size}")
+    if rows * split.size != sum(sizes):
+        raise PluginError(f"{param.name}: {rows} rows x TP {split.size} != the sections {list(sizes)} "
+                          f"({sum(sizes)} rows)")
+    zeros = (0,) * len(rest)
+    if split.size == 1:  # the whole tensor, one piece
+        return [_piece(param.hf[0], (rows, *rest), param.dtype, (0, *zeros), param.local, param.shape)]
+    out, local, start = [], 0, 0
+    for size in sizes:
+        part = size // split.size
+        view = _view(param.local, lambda t, a=local, n=part: t.narrow(0, a, n))
+        out.append(_piece(param.hf[0], (sum(sizes), *rest), param.dtype, (start + split.rank * part, *zeros), view,
+                          (part, *rest)))
+        local, start = local + part, start + size
     return out
 
 

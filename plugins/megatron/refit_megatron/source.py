@@ -20,22 +20,25 @@ import torch
 from refit_core import PluginError, SourcePiece
 
 from .checkpoint import in_checkpoint_order
-from .facts import ModelFacts, layer_prefix, match
-from .families import MTP, TOP, Kind, Rule
+from .facts import ModelFacts, match
+from .families import MTP, Kind, Rule
 from .rules import GroupedParam, Param, Split, pieces_of
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.(.+)$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_ROW_FUSED = (Kind.QKV, Kind.GLU, Kind.VOCAB, Kind.MAMBA_IN_PROJ, Kind.MAMBA_CONV)
+"""Kinds whose fused rows TP splits on dim 0 (column parallel, or Mamba's per-channel tensors)."""
 
 
 @dataclass
 class MegatronSource:
     """A trainer's megatron-core model as a refit source: ``RefitSender(MegatronSource(model, hf_config))``.
 
-    ``model`` is a ``GPTModel``, or the list of model chunks of virtual pipeline parallelism, bare
-    or wrapped (megatron's DDP, ``Float16Module``). ``hf_config`` is the HF ``config.json`` (a dict)
-    of the checkpoint the model corresponds to: it names the tensors and gives the real vocabulary.
+    ``model`` is a ``GPTModel`` (or a hybrid ``MambaModel``), or the list of model chunks of virtual
+    pipeline parallelism, bare or wrapped (megatron's DDP, ``Float16Module``). ``hf_config`` is the HF
+    ``config.json`` (a dict) of the checkpoint the model corresponds to: it names the tensors and gives
+    the real vocabulary.
     """
 
     model: Any
@@ -47,25 +50,27 @@ class MegatronSource:
 
 
 def model_chunks(model: Any) -> list[torch.nn.Module]:
-    """The bare ``GPTModel`` chunks inside ``model`` (a model, a list of chunks, wrappers)."""
+    """The bare ``GPTModel`` / ``MambaModel`` chunks inside ``model`` (a model, a list of chunks, wrappers)."""
     items = list(model) if isinstance(model, (list, tuple)) else [model]
     chunks = []
     for item in items:
         seen = 0
-        while not _is_gpt(item) and isinstance(getattr(item, "module", None), torch.nn.Module) and seen < 8:
+        while not _is_model(item) and isinstance(getattr(item, "module", None), torch.nn.Module) and seen < 8:
             item, seen = item.module, seen + 1
-        if not _is_gpt(item):
-            raise PluginError(f"{type(item).__qualname__} is not a megatron-core GPTModel (or a wrapper of one)")
+        if not _is_model(item):
+            raise PluginError(f"{type(item).__qualname__} is not a megatron-core GPTModel or MambaModel "
+                              "(or a wrapper of one)")
         chunks.append(item)
     return chunks
 
 
-def _is_gpt(module: Any) -> bool:
+def _is_model(module: Any) -> bool:
     try:
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.mamba import MambaModel
     except ImportError:  # pragma: no cover - megatron-core is installed beside the plugin
         return False
-    return isinstance(module, GPTModel)
+    return isinstance(module, (GPTModel, MambaModel))
 
 
 @dataclass(frozen=True)
@@ -119,17 +124,19 @@ def _place(facts: ModelFacts, config: dict[str, Any], chunk: Any, name: str
     found = _LAYER.match(name)
     if found:
         layer = chunk.decoder.layers[int(found.group(1))].layer_number - 1
-        return _with(match(family.layer_rules(config, layer), found.group(2)), layer_prefix(layer))
+        return _with(match(family.layer_rules(config, layer), found.group(2)), facts.layer_prefix(layer))
     found = _MTP_LAYER.match(name)
     if found:
         layer = facts.layers + int(found.group(1))
-        return _with(match(family.layer_rules(config, layer), found.group(2)), layer_prefix(layer))
+        return _with(match(family.layer_rules(config, layer), found.group(2)), facts.layer_prefix(layer))
     found = _MTP.match(name)
     if found:
-        return _with(match(MTP, found.group(2)), layer_prefix(facts.layers + int(found.group(1))))
+        return _with(match(MTP, found.group(2)), facts.layer_prefix(facts.layers + int(found.group(1))))
     if name == "output_layer.weight" and (facts.tied or getattr(chunk, "share_embeddings_and_output_weights", False)):
         return None, "", None  # the last stage's copy of the tied embedding: the first stage sends it
-    return _with(match(TOP, name), "")
+    if name.startswith("embedding.") and not getattr(chunk, "pre_process", True):
+        return None, "", None  # the MTP stage's copy of the embedding (PP > 1): the first stage sends it
+    return _with(match(family.top, name), "")
 
 
 def _with(found: tuple[Rule, int | None] | None, prefix: str) -> tuple[Rule, str, int | None] | None:
@@ -143,7 +150,7 @@ def _param_pieces(facts: ModelFacts, rule: Rule, name: str, tensor: torch.Tensor
     split = Split()
     if getattr(tensor, "tensor_model_parallel", False) and group.size > 1:
         split = Split(group.size, group.rank, int(getattr(tensor, "partition_dim", 0)))
-    if rule.kind in (Kind.QKV, Kind.GLU, Kind.VOCAB) and split.dim not in (None, 0):
+    if rule.kind in _ROW_FUSED and split.dim not in (None, 0):
         raise PluginError(f"{name}: expected a split on dim 0 (column parallel), found dim {split.dim}")
     hf = tuple(prefix + n for n in rule.hf)
     experts_per_rank = facts.experts // max(ranks.ep_size, 1)
@@ -154,7 +161,7 @@ def _param_pieces(facts: ModelFacts, rule: Rule, name: str, tensor: torch.Tensor
         param: Param = GroupedParam(name, tuple(view.shape), view.dtype, hf, view, experts=experts_per_rank)
         return pieces_of(rule, param, split, experts=(ranks.ep_rank * experts_per_rank, facts.experts))
     param = Param(name, tuple(view.shape), view.dtype, hf, view)
-    return pieces_of(rule, param, split, attention=facts.attention, vocab=facts.vocab)
+    return pieces_of(rule, param, split, attention=facts.attention, vocab=facts.vocab, mamba=facts.mamba)
 
 
 def tensor_names(pieces: Sequence[SourcePiece]) -> list[str]:

@@ -18,6 +18,7 @@ def load_hf_weights(source: MegatronSource, state_dict: dict[str, torch.Tensor])
     """
     written = 0
     for piece in live_pieces(source):
+        assert piece.view is not None  # live pieces always carry their view
         piece.view.copy_(reference_region(piece, state_dict))
         written += piece.box.numel
     return written

@@ -1,0 +1,51 @@
+"""DeepSeek-V3 with one MTP layer: a real megatron-core ``GPTModel`` with ``mtp_num_layers=1`` (2 gloo
+ranks, local spec) refit into the kit's reference engine, TP 2, PP 2 (the MTP layer on the last
+stage) and EP 2 (its experts split too), two steps bit for bit against megatron's own
+``sharded_state_dict()`` converted by the test's routine (``megatron_ranks.to_hf``, ``engine_ranks.py``).
+transformers' DeepSeek-V3 drops MTP weights, so the FSDP2 destination of ``test_megatron_refit.py``
+cannot hold them; the reference engine holds every tensor of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("refit_megatron")
+
+from engine_ranks import ENGINE_MODELS, GEN_WORLD, TRAIN_WORLD, engine_ranks
+
+from refit_core.launch import free_port, spawn
+
+LAYOUTS = ["tp2", "pp2", "ep2"]
+MTP_LAYER = f"model.layers.{ENGINE_MODELS['mla-mtp'].config['num_hidden_layers']}."
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    pytest.importorskip("megatron.core")
+    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()),
+                str(tmp_path_factory.mktemp("mtp")), "mla-mtp", LAYOUTS, timeout_s=900)
+    return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_refits_with_the_mtp_layer_land_bitwise(results, layout):
+    train, gen = results
+    for step in (1, 2):
+        checks = gen[0][layout]
+        assert checks[f"version_{step}"] == step
+        assert checks[f"reference_names_{step}"] == [], "engine and reference list different tensors"
+        assert checks[f"differences_{step}"] == [], f"step {step}"
+    sent = {n for r in train for n in r[layout]["names"] if n.startswith(MTP_LAYER)}
+    for part in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn.kv_b_proj", "mlp.experts.3.up_proj",
+                 "mlp.shared_experts.down_proj", "mlp.gate.e_score_correction_bias"):
+        assert any(n.startswith(MTP_LAYER + part) for n in sent), part
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pieces_are_views_of_parameters_and_metadata_layout_matches(results, layout):
+    train, _ = results
+    for rank, result in enumerate(train):
+        assert result[layout]["views_share_parameter_memory"], f"train rank {rank}"
+        assert result[layout]["metadata_layout_equal"], f"train rank {rank}: refit plan layout differs"
+        assert result[layout]["plan_equals_refit_plan"], f"train rank {rank}: live fingerprint != refit plan's"

@@ -1,0 +1,43 @@
+"""Tied embeddings with PP 2 (and TP 2 x PP 1 for contrast): a real megatron-core ``GPTModel`` (Qwen3,
+``share_embeddings_and_output_weights``, 2 gloo ranks) refit into the kit's reference engine, two steps
+bit for bit. Under PP 2 the last stage holds a synchronized copy of the embedding as its output layer;
+only the first stage sends ``embed_tokens`` and no ``lm_head`` travels (the checkpoint has none).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("refit_megatron")
+
+from engine_ranks import GEN_WORLD, TRAIN_WORLD, engine_ranks
+
+from refit_core.launch import free_port, spawn
+
+LAYOUTS = ["pp2", "tp2"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    pytest.importorskip("megatron.core")
+    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()),
+                str(tmp_path_factory.mktemp("tied")), "dense-tied", LAYOUTS, timeout_s=900)
+    return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_refits_of_a_tied_model_land_bitwise(results, layout):
+    train, gen = results
+    for step in (1, 2):
+        checks = gen[0][layout]
+        assert checks[f"version_{step}"] == step
+        assert checks[f"reference_names_{step}"] == [], "engine and reference list different tensors"
+        assert checks[f"differences_{step}"] == [], f"step {step}"
+    for rank, result in enumerate(train):
+        assert result[layout]["views_share_parameter_memory"], f"train rank {rank}"
+        assert result[layout]["metadata_layout_equal"], f"train rank {rank}: refit plan layout differs"
+        assert result[layout]["plan_equals_refit_plan"], f"train rank {rank}: live fingerprint != refit plan's"
+        assert "lm_head.weight" not in result[layout]["names"]
+    if layout == "pp2":
+        assert "model.embed_tokens.weight" in train[0][layout]["names"]
+        assert "model.embed_tokens.weight" not in train[1][layout]["names"], "the last stage's copy travels"
