@@ -89,7 +89,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+def mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
     mine, theirs = _params(model), _params(reference)
     return sorted(n for n in set(mine) | set(theirs)
                   if n not in mine or n not in theirs or not torch.equal(mine[n], theirs[n]))
@@ -123,14 +123,14 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: l
         checks["live_equals_metadata_layout"] = live_boxes == sorted(
             (p.spec.name, p.spec.shape, p.box) for p in predicted.pieces if p.spec.name not in loader_names)
         checks["loader_path"] = [s.name for s in live.loader]
-        checks["differs_before"] = bool(_mismatches(model, reference))
+        checks["differs_before"] = bool(mismatches(model, reference))
         for step in STEPS:
             ticket = RefitTicket(rendezvous=f"127.0.0.1:{port}", world_size=world, version=step, timeout_s=120)
             checks[f"session_{step}"] = session.update(ticket.serialized(), str(step))
             checks[f"error_{step}"] = worker.last_error(model)
             with torch.no_grad():
                 reference.load_weights(iter(reference_state_dict(config, SEED, step).items()))
-            checks[f"mismatch_{step}"] = _mismatches(model, reference)
+            checks[f"mismatch_{step}"] = mismatches(model, reference)
         checks["versions"] = session.versions
         checks["flushes"] = session.flushes
         out[case] = checks

@@ -31,6 +31,7 @@ class ModelState:
     loader: tuple[str, ...] = ()
     plan: ModelPlan | None = None
     storages: tuple[int, ...] | None = None
+    padded: bool = False
     updating: bool = False
     version: int | None = None
 
