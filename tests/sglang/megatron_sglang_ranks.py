@@ -8,7 +8,8 @@ Ground truth never comes from refit: train rank 0 assembles megatron's own ``sha
 (global shapes and offsets of every local tensor) into HF tensors with the Megatron tests' own
 converter (``tests/megatron/megatron_ranks.py``: ``local_shards``, ``assemble``, ``to_hf``), and a
 second SGLang model on every gen rank loads them through SGLang's own ``load_weights``; every
-parameter of the refitted model must equal it bit for bit. Step 2 changes every megatron parameter.
+parameter of the refitted model must equal it bit for bit, and SGLang's own forward of it
+(``sglang_forward.py``) must give HF transformers' logits. Step 2 changes every megatron parameter.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 
-from megatron_ranks import assemble, local_shards, next_step, to_hf  # noqa: E402
-from sglang_ranks import STEPS, SglangSession, mismatches  # noqa: E402
+from megatron_ranks import MODELS as MEGATRON_MODELS
+from megatron_ranks import assemble, local_shards, next_step, to_hf
+from sglang_ranks import STEPS, SglangSession, mismatches
 
-from refit_core import ParallelLayout  # noqa: E402
-from refit_core.models import PRESETS  # noqa: E402
+from refit_core import ParallelLayout
+from refit_core.models import PRESETS
 
 torch.set_num_threads(1)
 
@@ -36,7 +38,15 @@ torch.set_num_threads(1)
 MODELS: dict[str, dict[str, Any]] = {
     preset: dict(PRESETS[preset], vocab_size=500) for preset in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
 }
-TRAIN_LAYOUTS = {"tiny-llama": "tp=2", "tiny-qwen3": "tp=2", "tiny-qwen3-moe": "tp=2,ep=2"}
+# DeepSeek-V3 as the Megatron tests build it (MLA, q-LoRA, a dense first layer, 4 routed experts +
+# a shared one, sigmoid router with expert bias), with what SGLang and transformers also read:
+# the router method of the real checkpoints' config.json, head_dim = the rope part (transformers'
+# rotary size), non-interleaved rope (megatron's).
+DEEPSEEK = dict(MEGATRON_MODELS["mla"], head_dim=32, topk_method="noaux_tc", scoring_func="sigmoid")
+MODELS["tiny-deepseek-v3"] = DEEPSEEK
+MODELS["tiny-deepseek-v3-no-q-lora"] = dict(DEEPSEEK, q_lora_rank=None)
+TRAIN_LAYOUTS = {"tiny-llama": "tp=2", "tiny-qwen3": "tp=2", "tiny-qwen3-moe": "tp=2,ep=2",
+                 "tiny-deepseek-v3": "tp=2,ep=2", "tiny-deepseek-v3-no-q-lora": "tp=2,ep=2"}
 """The megatron layout of the 2 train ranks per model (MoE: experts split over 2 EP ranks too)."""
 
 
@@ -95,13 +105,14 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], models: li
     compared after each step with a second one loaded by SGLang's ``load_weights``."""
     from refit_sglang import worker
     from refit_sglang.ticket import RefitTicket
-    from sglang_cpu import build_model, init_sglang
+    from sglang_cpu import build_model, hf_config, init_sglang
+    from sglang_forward import compare_logits
 
     init_sglang(rank, world, dist_port)
     out: dict[str, Any] = {}
     for model, port in zip(models, ports):
-        overrides = {"vocab_size": MODELS[model]["vocab_size"]}
-        live, reference = build_model(model, **overrides), build_model(model, **overrides)
+        config = MODELS[model]
+        live, reference = build_model(config), build_model(config)
         session = SglangSession(live, rank)
         checks: dict[str, Any] = {"differs_before": bool(mismatches(live, reference))}
         for step in STEPS:
@@ -112,6 +123,7 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], models: li
             with torch.no_grad():
                 reference.load_weights(iter(hf.items()))
             checks[f"mismatch_{step}"] = mismatches(live, reference)
+            checks[f"logits_{step}"] = compare_logits(live, hf_config(config), hf)
         checks["versions"] = session.versions
         out[model] = checks
         worker.close(live)

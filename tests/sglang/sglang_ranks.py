@@ -9,7 +9,8 @@ loader, exactly as a scheduler does for ``begin_weight_update`` / ``update_weigh
 SGLang's own), the scheduler's weight-version record and cache flush (no engine runs here).
 
 Ground truth never comes from refit: a second SGLang model on every gen rank loads the same HF
-weights through SGLang's own ``load_weights``, and every parameter must equal it bit for bit.
+weights through SGLang's own ``load_weights``, and every parameter must equal it bit for bit; then
+SGLang's own forward of the refitted model (``sglang_forward.py``) is compared with HF transformers'.
 """
 
 from __future__ import annotations
@@ -85,8 +86,19 @@ class SglangSession:
         return out
 
 
+POST_LOAD_TENSORS = ("w_kc", "w_vc")
+"""Tensors SGLang's ``post_load_weights`` derives as plain attributes (DeepSeek's MLA absorbs
+``kv_b_proj`` into them): compared too."""
+
+
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters()}
+    tensors = {n: p.detach() for n, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        for attr in POST_LOAD_TENSORS:
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}.{attr}"] = value.detach()
+    return tensors
 
 
 def mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
@@ -102,7 +114,8 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: l
     from refit_sglang import attach, worker
     from refit_sglang.layout import destination_layout
     from refit_sglang.ticket import RefitTicket
-    from sglang_cpu import build_model, init_sglang
+    from sglang_cpu import build_model, hf_config, init_sglang
+    from sglang_forward import compare_logits
 
     from refit_core import get_plugin_manager
 
@@ -131,12 +144,16 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: l
             with torch.no_grad():
                 reference.load_weights(iter(reference_state_dict(config, SEED, step).items()))
             checks[f"mismatch_{step}"] = mismatches(model, reference)
+            weights = reference_state_dict(config, SEED, step)
+            checks[f"logits_{step}"] = compare_logits(model, hf_config(preset), weights)
         checks["versions"] = session.versions
         checks["flushes"] = session.flushes
         out[case] = checks
         worker.close(model)
     if mismatch_port is not None:
         model = build_model("tiny-llama")
+        with torch.no_grad():  # what it serves (SGLang allocates parameters uninitialized)
+            model.load_weights(iter(reference_state_dict(dict(PRESETS["tiny-llama"]), SEED, 0).items()))
         before = {n: p.clone() for n, p in _params(model).items()}
         session = SglangSession(model, rank)
         ticket = RefitTicket(rendezvous=f"127.0.0.1:{mismatch_port}", world_size=world, version=1, timeout_s=60)

@@ -4,7 +4,8 @@ Two megatron-core ranks over gloo (refit's Megatron plugin; TP 2, and TP 2 x EP 
 refit the TP workers of one SGLang "engine" (its parallel state over gloo, its model classes, its
 scheduler-side weight-update session running refit's custom loader) twice; after each step every
 SGLang parameter must equal, bit for bit, what SGLang's own ``load_weights`` makes of the HF
-tensors megatron's own ``sharded_state_dict()`` describes (see ``megatron_sglang_ranks.py``).
+tensors megatron's own ``sharded_state_dict()`` describes (see ``megatron_sglang_ranks.py``), and
+SGLang's own forward of the refitted model must give HF transformers' logits for those tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scr
 pytest.importorskip("megatron.core", reason="megatron-core is installed in .venv-sglang by setup-sglang-env.sh")
 
 from megatron_sglang_ranks import MODELS, STEPS, refit_ranks
+from sglang_forward import LOGITS_TOLERANCE
 
 from refit_core.launch import spawn
 
@@ -59,6 +61,8 @@ def test_two_megatron_refits_equal_sglang_load_weights_bitwise(runs, layout: str
             assert all(ok for _, ok, _ in checks[f"session_{step}"]), checks[f"session_{step}"]
             assert checks[f"error_{step}"] is None, checks[f"error_{step}"]
             assert checks[f"mismatch_{step}"] == [], f"gen rank {rank} step {step}: {checks[f'mismatch_{step}']}"
+            logits = checks[f"logits_{step}"]
+            assert logits["rel_diff"] < LOGITS_TOLERANCE and logits["same_argmax"], f"step {step}: {logits}"
         assert checks["versions"] == [str(s) for s in STEPS]
     for rank, sent in enumerate(train):
         assert all(sent[model][s] > 0 for s in STEPS), f"megatron rank {rank} sent nothing"
