@@ -104,6 +104,9 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], models: li
     """One SGLang TP worker: per model, a fresh SGLang model refitted twice through SGLang's session,
     compared after each step with a second one loaded by SGLang's ``load_weights``."""
     from refit_sglang import worker
+    from refit_sglang.layout import destination_layout
+
+    from refit_core import get_plugin_manager
     from refit_sglang.ticket import RefitTicket
     from sglang_cpu import build_model, hf_config, init_sglang
     from sglang_forward import compare_logits
@@ -115,6 +118,11 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], models: li
         live, reference = build_model(config), build_model(config)
         session = SglangSession(live, rank)
         checks: dict[str, Any] = {"differs_before": bool(mismatches(live, reference))}
+        traced = get_plugin_manager().destination_map(live)
+        predicted = destination_layout(config, ParallelLayout(tp=world), rank)
+        checks["loader_path"] = [s.name for s in traced.loader]
+        boxes = [sorted((p.spec.name, p.spec.shape, p.box) for p in m.pieces) for m in (traced, predicted)]
+        checks["live_equals_metadata_layout"] = boxes[0] == boxes[1]
         for step in STEPS:
             ticket = RefitTicket(rendezvous=f"127.0.0.1:{port}", world_size=world, version=step, timeout_s=240)
             checks[f"session_{step}"] = session.update(ticket.serialized(), str(step))

@@ -66,3 +66,15 @@ def test_two_megatron_refits_equal_sglang_load_weights_bitwise(runs, layout: str
         assert checks["versions"] == [str(s) for s in STEPS]
     for rank, sent in enumerate(train):
         assert all(sent[model][s] > 0 for s in STEPS), f"megatron rank {rank} sent nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(ENGINES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fast_path_everywhere_and_live_pieces_equal_metadata_layout(runs, layout: str, model: str) -> None:
+    """Every tensor (DeepSeek's fused ``q_a_proj`` / ``kv_a_proj_with_mqa`` included) is written in
+    place, and the traced map equals ``refit plan``'s metadata-only SGLang layout, rank by rank."""
+    _, gen = runs(layout)
+    for result in gen:
+        assert result[model]["loader_path"] == []
+        assert result[model]["live_equals_metadata_layout"]
