@@ -10,8 +10,13 @@ meta tensor, and a dispatch mode records each ``copy_`` (which region of which H
 which region of which engine tensor, read off the views' storage offsets and strides) and each
 constant ``fill_`` (padding). No byte is allocated or moved; the live model is restored afterwards.
 
-A write whose source is not a plain box of an HF tensor, or any other mutation of a traced tensor,
-is recorded as *opaque*: its module then takes the loader path (see :mod:`refit_core.loadplan`).
+A loader that concatenates HF tensors (``torch.cat``: SGLang fuses DeepSeek's ``q_a_proj`` and
+``kv_a_proj_with_mqa`` into one ``fused_qkv_a_proj_with_mqa`` so) is traced through: the
+concatenation's pieces are remembered (a :class:`Concat`), and a copy from it is recorded as one
+write per HF tensor it spans. A write whose source is not a plain box of HF tensors, or any other
+mutation of a traced tensor, is recorded as *opaque*, credited to every HF tensor the source was
+built from that the tracer can see: its module then takes the loader path (see
+:mod:`refit_core.loadplan`), with every such tensor.
 Engine plugins (vLLM, SGLang) supply the swap (which tensors, in which format) and share the rest.
 """
 
@@ -33,6 +38,7 @@ log = logging.getLogger("refit")
 aten = torch.ops.aten
 _COPY_OPS = {aten.copy_.default}
 _FILL_OPS = {aten.fill_.Scalar, aten.zero_.default}
+_CAT_OPS = {aten.cat.default}
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,8 @@ class TensorSwap:
     keep checkpoint format, such as SGLang's unquantized layers); an engine that re-lays tensors
     out after loading overrides :meth:`_swap_module` (vLLM rebuilds them from its reload metadata).
     Tensors shared between modules (tied embeddings) stay shared: the later owner is an alias.
+    Tensors a traced loader sets as plain module attributes (SGLang's DeepSeek ``post_load_weights``
+    derives ``w_kc`` / ``w_vc`` so, from meta tensors during a trace) are put back as they were.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -188,8 +196,12 @@ class TensorSwap:
         self.meta_of: dict[tuple[str, str], torch.Tensor] = {}
         self.aliases: dict[tuple[str, str], tuple[str, str]] = {}
         self._shared: dict[int, tuple[torch.Tensor, tuple[str, str]]] = {}
+        self._attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = []
 
     def __enter__(self) -> Self:
+        self._attributes = [(module, {k: v for k, v in vars(module).items()
+                                      if v is None or isinstance(v, torch.Tensor)})
+                            for module in self.model.modules()]
         try:
             for mod_name, module in self.model.named_modules():
                 live_params, live_buffers = dict(module._parameters), dict(module._buffers)
@@ -237,16 +249,55 @@ class TensorSwap:
             module._buffers.clear()
             module._buffers.update(buffers)
         self.saved.clear()
+        for module, before in self._attributes:
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and (name not in before or before[name] is not value):
+                    if name in before:
+                        setattr(module, name, before[name])
+                    else:
+                        delattr(module, name)
+        self._attributes.clear()
+
+
+@dataclass(frozen=True)
+class ConcatPart:
+    """One input of a :class:`Concat`: ``view`` (a box of HF tensor ``hf_name``) at ``start`` along the
+    concatenated dimension."""
+
+    hf_name: str
+    root: torch.Tensor
+    view: torch.Tensor
+    start: int
+
+
+@dataclass(frozen=True)
+class Concat:
+    """A tensor a loader made by concatenating views of HF tensors along ``dim`` (contiguous, ``shape``).
+
+    ``result`` is that tensor, held so its storage (the recorder's key for it) is not reused.
+    """
+
+    dim: int
+    shape: tuple[int, ...]
+    parts: tuple[ConcatPart, ...]
+    result: torch.Tensor
+
+    @property
+    def names(self) -> list[str]:
+        return [p.hf_name for p in self.parts]
 
 
 class TraceRecorder(TorchDispatchMode):
-    """Records copies from HF meta tensors into swapped meta targets."""
+    """Records copies from HF meta tensors (or concatenations of them) into swapped meta targets."""
 
     def __init__(self, swap: TensorSwap, trace: Trace) -> None:
         super().__init__()
         self.swap = swap
         self.trace = trace
         self.sources: dict[int, tuple[str, torch.Tensor]] = {}
+        self.concats: dict[int, Concat] = {}
+        self.derived: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        """Storage of a computed tensor (held, so the key is not reused) -> the HF tensors it came from."""
         self.current: str | None = None
 
     def source(self, spec: TensorSpec) -> torch.Tensor:
@@ -271,12 +322,59 @@ class TraceRecorder(TorchDispatchMode):
                 key = self._target(arg)
                 if key is not None:
                     self._opaque(key, f"{func} writes into it")
+        else:
+            out = func(*args, **kwargs)
+            if func in _CAT_OPS:
+                self._on_cat(out, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            self._derive(out, (*args, *kwargs.values()))
+            return out
         return func(*args, **kwargs)
 
-    def _opaque(self, key: tuple[str, str], why: str) -> None:
+    def _names_of(self, tensor: Any) -> frozenset[str]:
+        """The HF tensors ``tensor`` is a view of, or was computed from."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "meta":
+            return frozenset()
+        key = storage_key(tensor)
+        if key in self.sources:
+            return frozenset({self.sources[key][0]})
+        if key in self.concats:
+            return frozenset(self.concats[key].names)
+        return self.derived[key][1] if key in self.derived else frozenset()
+
+    def _derive(self, out: Any, inputs: tuple) -> None:
+        """Remember which HF tensors a computed ``out`` came from (credited if it is written somewhere)."""
+        names = frozenset().union(*(self._names_of(t) for arg in inputs
+                                    for t in (arg if isinstance(arg, (list, tuple)) else (arg,))))
+        if not names:
+            return
+        for tensor in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                key = storage_key(tensor)
+                if key not in self.sources and key not in self.concats:
+                    self.derived[key] = (tensor, names)
+
+    def _opaque(self, key: tuple[str, str], why: str, names: Iterable[str] = ()) -> None:
+        """Mark ``key`` as written by something not a box copy, credited to ``names`` (default: the
+        HF tensor being loaded)."""
         self.trace.opaque.setdefault(key, why)
-        if self.current is not None:
-            self.trace.touched.setdefault(self.current, set()).add(key)
+        for name in list(names) or ([self.current] if self.current is not None else []):
+            self.trace.touched.setdefault(name, set()).add(key)
+
+    def _on_cat(self, out: torch.Tensor, inputs: list[Any], dim: int) -> None:
+        """Remember ``out`` as a :class:`Concat` when every input is a box of an HF tensor."""
+        if not isinstance(out, torch.Tensor) or out.device.type != "meta" or not out.is_contiguous():
+            return
+        dim = dim % out.dim() if out.dim() else 0
+        parts, start = [], 0
+        for tensor in inputs:
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != out.dim():
+                return
+            found = self.sources.get(storage_key(tensor)) if tensor.device.type == "meta" else None
+            if found is None:
+                return
+            parts.append(ConcatPart(found[0], found[1], tensor, start))
+            start += tensor.shape[dim]
+        self.concats[storage_key(out)] = Concat(dim, tuple(out.shape), tuple(parts), out)
 
     def _on_fill(self, dst: torch.Tensor, value: float) -> None:
         key = self._target(dst)
@@ -298,11 +396,44 @@ class TraceRecorder(TorchDispatchMode):
         if not isinstance(src, torch.Tensor) or src.device.type != "meta":
             self._opaque(key, "a copy from a non-checkpoint tensor")
             return
+        concat = self.concats.get(storage_key(src))
+        if concat is not None:
+            self._on_concat_copy(key, dst, src, concat)
+            return
         found = self.sources.get(storage_key(src))
         if found is None:
-            self._opaque(key, "a copy from a computed tensor (not a view of a checkpoint tensor)")
+            self._opaque(key, "a copy from a computed tensor (not a view of a checkpoint tensor)",
+                         sorted(self._names_of(src)))
             return
-        hf_name, root = found
+        self._record(key, dst, src, *found)
+
+    def _on_concat_copy(self, key: tuple[str, str], dst: torch.Tensor, src: torch.Tensor, concat: Concat) -> None:
+        """A copy from (a box of) a concatenation: one write per HF tensor it spans."""
+        for name in concat.names:
+            self.trace.touched.setdefault(name, set()).add(key)
+        placed = view_as_box(concat.shape, contiguous_strides(concat.shape), int(src.storage_offset()),
+                             tuple(src.shape), tuple(src.stride()))
+        if placed is None or src.dim() != len(concat.shape) or tuple(dst.shape) != tuple(src.shape):
+            self._opaque(key, f"a copy from a concatenation of {', '.join(concat.names)} that is not a box of it",
+                         concat.names)
+            return
+        box, dims = placed
+        free = iter(d for d in range(len(concat.shape)) if d not in dims)
+        order = [d if d >= 0 else next(free) for d in dims]  # view dim i walks concatenation dim order[i]
+        axis = order.index(concat.dim)
+        lo, hi = box.offsets[concat.dim], box.ends[concat.dim]
+        for part in concat.parts:
+            start, end = max(lo, part.start), min(hi, part.start + part.view.shape[concat.dim])
+            if start >= end:
+                continue
+            index = [slice(o, e) for o, e in zip(box.offsets, box.ends)]
+            index[concat.dim] = slice(start - part.start, end - part.start)
+            piece = part.view[tuple(index)].permute(order)
+            self._record(key, dst.narrow(axis, start - lo, end - start), piece, part.hf_name, part.root)
+
+    def _record(self, key: tuple[str, str], dst: torch.Tensor, src: torch.Tensor, hf_name: str,
+                root: torch.Tensor) -> None:
+        """A copy of ``src`` (a view of HF tensor ``hf_name``, whose base is ``root``) into ``dst``."""
         self.current = hf_name
         self.trace.touched.setdefault(hf_name, set()).add(key)
         if dst.dtype != src.dtype:

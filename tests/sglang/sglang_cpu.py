@@ -59,15 +59,16 @@ def init_sglang(rank: int, world: int, port: int) -> None:
     initialize_model_parallel(backend="gloo")
 
 
-def hf_config(preset: str, **overrides: Any) -> Any:
+def hf_config(preset: str | dict[str, Any], **overrides: Any) -> Any:
+    """The transformers config of a preset name or a ``config.json`` dict."""
     from transformers import AutoConfig
 
-    values = dict(PRESETS[preset], **overrides)
+    values = dict(PRESETS[preset] if isinstance(preset, str) else preset, **overrides)
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def build_model(preset: str, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
-    """The SGLang model class for ``preset`` (random init, on CPU) in ``dtype``."""
+def build_model(preset: str | dict[str, Any], dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
+    """The SGLang model class for ``preset`` (a name or a config dict; random init, on CPU) in ``dtype``."""
     from sglang.srt.models.registry import ModelRegistry
 
     config = hf_config(preset, **overrides)

@@ -9,7 +9,8 @@ loader, exactly as a scheduler does for ``begin_weight_update`` / ``update_weigh
 SGLang's own), the scheduler's weight-version record and cache flush (no engine runs here).
 
 Ground truth never comes from refit: a second SGLang model on every gen rank loads the same HF
-weights through SGLang's own ``load_weights``, and every parameter must equal it bit for bit.
+weights through SGLang's own ``load_weights``, and every parameter must equal it bit for bit; then
+SGLang's own forward of the refitted model (``sglang_forward.py``) is compared with HF transformers'.
 """
 
 from __future__ import annotations
@@ -85,11 +86,22 @@ class SglangSession:
         return out
 
 
+POST_LOAD_TENSORS = ("w_kc", "w_vc")
+"""Tensors SGLang's ``post_load_weights`` derives as plain attributes (DeepSeek's MLA absorbs
+``kv_b_proj`` into them): compared too."""
+
+
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters()}
+    tensors = {n: p.detach() for n, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        for attr in POST_LOAD_TENSORS:
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}.{attr}"] = value.detach()
+    return tensors
 
 
-def _mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+def mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
     mine, theirs = _params(model), _params(reference)
     return sorted(n for n in set(mine) | set(theirs)
                   if n not in mine or n not in theirs or not torch.equal(mine[n], theirs[n]))
@@ -102,7 +114,8 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: l
     from refit_sglang import attach, worker
     from refit_sglang.layout import destination_layout
     from refit_sglang.ticket import RefitTicket
-    from sglang_cpu import build_model, init_sglang
+    from sglang_cpu import build_model, hf_config, init_sglang
+    from sglang_forward import compare_logits
 
     from refit_core import get_plugin_manager
 
@@ -123,20 +136,24 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: l
         checks["live_equals_metadata_layout"] = live_boxes == sorted(
             (p.spec.name, p.spec.shape, p.box) for p in predicted.pieces if p.spec.name not in loader_names)
         checks["loader_path"] = [s.name for s in live.loader]
-        checks["differs_before"] = bool(_mismatches(model, reference))
+        checks["differs_before"] = bool(mismatches(model, reference))
         for step in STEPS:
             ticket = RefitTicket(rendezvous=f"127.0.0.1:{port}", world_size=world, version=step, timeout_s=120)
             checks[f"session_{step}"] = session.update(ticket.serialized(), str(step))
             checks[f"error_{step}"] = worker.last_error(model)
             with torch.no_grad():
                 reference.load_weights(iter(reference_state_dict(config, SEED, step).items()))
-            checks[f"mismatch_{step}"] = _mismatches(model, reference)
+            checks[f"mismatch_{step}"] = mismatches(model, reference)
+            weights = reference_state_dict(config, SEED, step)
+            checks[f"logits_{step}"] = compare_logits(model, hf_config(preset), weights)
         checks["versions"] = session.versions
         checks["flushes"] = session.flushes
         out[case] = checks
         worker.close(model)
     if mismatch_port is not None:
         model = build_model("tiny-llama")
+        with torch.no_grad():  # what it serves (SGLang allocates parameters uninitialized)
+            model.load_weights(iter(reference_state_dict(dict(PRESETS["tiny-llama"]), SEED, 0).items()))
         before = {n: p.clone() for n, p in _params(model).items()}
         session = SglangSession(model, rank)
         ticket = RefitTicket(rendezvous=f"127.0.0.1:{mismatch_port}", world_size=world, version=1, timeout_s=60)

@@ -5,8 +5,9 @@ SGLang "engine" (SGLang's parallel state over gloo, its model classes, its sched
 ``SchedulerWeightUpdaterManager`` and model-runner ``WeightUpdater`` running refit's custom loader:
 see ``sglang_ranks.py`` for the thin stand-ins around them). Per model, two refits with different
 weights; after each, every SGLang parameter must equal, bit for bit, what SGLang's own
-``load_weights`` makes of the same HF weights. Not run here: a real SGLang engine (CUDA-only), its
-HTTP server, and SGLang's forward on CPU (its attention backends are CUDA kernels), so no logits.
+``load_weights`` makes of the same HF weights, and SGLang's own forward of the refitted model (one
+prefill batch, its ``torch_native`` attention backend: ``sglang_forward.py``) must give HF
+transformers' next-token logits. Not run here: a real SGLang engine (CUDA-only) and its HTTP server.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scripts/setup-sglang-env.sh && "
                     ".venv-sglang/bin/python -m pytest tests/sglang")
 
+from sglang_forward import LOGITS_TOLERANCE
 from sglang_ranks import LOADER_SUFFIX, STEPS, refit_ranks
 
 from refit_core.launch import free_port, spawn
@@ -59,6 +61,8 @@ def test_two_refits_equal_sglang_load_weights_bitwise(runs, layout: str, preset:
             assert all(ok for _, ok, _ in checks[f"session_{step}"]), checks[f"session_{step}"]
             assert checks[f"error_{step}"] is None, checks[f"error_{step}"]
             assert checks[f"mismatch_{step}"] == [], f"gen rank {rank} step {step}: {checks[f'mismatch_{step}']}"
+            logits = checks[f"logits_{step}"]
+            assert logits["rel_diff"] < LOGITS_TOLERANCE and logits["same_argmax"], f"step {step}: {logits}"
         assert checks["versions"] == [str(s) for s in STEPS]
         assert checks["flushes"] == len(STEPS)
     for rank, sent in enumerate(train):

@@ -50,7 +50,9 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
 @hookimpl
 def refit_begin_update(model: Any) -> bool | None:
     """True when SGLang re-materialized a fast-path tensor since its views were handed out (then
-    its padding is rewritten and refit asks for the views again), False when they stay valid."""
+    refit asks for the views again), False when they stay valid. The padding SGLang's loaders
+    write (zeroed vocab rows) is written before the first update and after every re-materialization:
+    a model whose weights never went through ``load_weights`` may hold anything there."""
     state = state_of(model)
     if state is None:
         return None
@@ -60,8 +62,9 @@ def refit_begin_update(model: Any) -> bool | None:
 
     plan = planned(model, state)
     moved = storages(model, plan) != state.storages
-    if moved:
+    if moved or not state.padded:
         write_padding(model, plan)
+        state.padded = True
     state.updating = True
     return moved
 

@@ -23,14 +23,16 @@ class ModelState:
     ``specs``: the HF checkpoint tensors the model is refitted from (per-expert names); ``loader``:
     regular expressions of HF names forced onto the loader path; ``storages``: the data pointers
     of the fast-path tensors when their views were last handed out (a change means SGLang
-    re-materialized them, so refit must ask for the views again); ``version``: the last weight
-    version that landed.
+    re-materialized them, so refit must ask for the views again); ``padded``: whether the padding
+    SGLang's loaders write (zeroed vocabulary rows) is written in the current storages;
+    ``version``: the last weight version that landed.
     """
 
     specs: list[TensorSpec]
     loader: tuple[str, ...] = ()
     plan: ModelPlan | None = None
     storages: tuple[int, ...] | None = None
+    padded: bool = False
     updating: bool = False
     version: int | None = None
 
