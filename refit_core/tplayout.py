@@ -7,14 +7,12 @@ Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3) by the same Megatron-style rules, which 
   ``tp_rank // (tp / kv_heads)`` when tp exceeds the KV-head count), o/down row-parallel (their
   biases replicated); a fused ``qkv_proj`` / ``gate_up_proj`` checkpoint tensor (Phi-3) gives each
   rank its q, k, v (gate, up) rows as separate boxes;
-- MLA (DeepSeek-V2/V3, Kimi-K2): ``q_b_proj`` / ``kv_b_proj`` are column-parallel by heads, the
-  down-projections ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their norms replicated (vLLM's and
-  SGLang's ``DeepseekV2Attention``); a multi-token-prediction layer (index ``num_hidden_layers``) is
-  not part of the engine's main model;
+- MLA (DeepSeek-V2/V3, Kimi-K2): ``q_b_proj`` / ``kv_b_proj`` (``q_proj`` without q-LoRA) are
+  column-parallel by heads, the down-projections ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their
+  norms replicated (vLLM's and SGLang's ``DeepseekV2Attention``); a multi-token-prediction layer
+  (index ``num_hidden_layers``) is not part of the engine's main model;
 - ``embed_tokens`` / ``lm_head`` are vocab-parallel over the vocabulary padded to a multiple of
   ``vocab_padding`` (each rank holds rows ``[r * V_pad / tp, min((r + 1) * V_pad / tp, V))``);
-- DeepSeek's latent attention (MLA): ``q_b_proj`` / ``kv_b_proj`` (``q_proj`` without q-LoRA) are
-  column-parallel by rows, ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their norms replicated;
 - MoE experts: whole experts in contiguous blocks of ``E / ep`` per expert-parallel rank, each block
   tensor-parallel over ``moe_tp`` ranks (w1/w3 by rows, w2 by columns); routers and norms replicated;
 - pipeline stages own a layer range; the first stage owns ``embed_tokens`` (the last one too when
@@ -133,8 +131,6 @@ def decoder_pieces(config: dict[str, Any], rank: EngineRank) -> list[Destination
             q_size, kv_size = heads * hd, kv_heads * hd
             for base, rows in ((0, q_rows), (q_size, kv_rows), (q_size + kv_size, kv_rows)):
                 add(spec, _rows((base + rows[0], base + rows[1]), shape))
-        elif leaf in ("q_b_proj", "kv_b_proj"):  # MLA's up-projections: column-parallel by heads
-            add(spec, _rows(split_range(shape[0], tp, tp_i, name, engine), shape))
         elif leaf in ("gate_proj", "up_proj"):
             add(spec, _rows(split_range(shape[0], tp, tp_i, name, engine), shape))
         elif leaf == "gate_up_proj":  # a checkpoint that stores [gate; up] fused (Phi-3)
