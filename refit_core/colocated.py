@@ -44,8 +44,10 @@ import torch.distributed as dist
 
 from .copies import CopyCounts, CopyProgram
 from .errors import RefitError, TransferError
-from .lanes import EventFence, Lane, current_work, lane_for
+from .lanes import EventFence, Lane, StreamLane, current_work, lane_for
+from .options import StridedCopy
 from .schedule import Message, Segment
+from .steptrace import StepTrace
 from .transport.base import Fence
 from .transport.mailbox import Mailbox
 from .transport.memory import (
@@ -107,7 +109,7 @@ class ColocatedSender:
     """A train rank's colocated pairs: exports its memory once, then posts a header per step."""
 
     def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
-                 device: torch.device, fingerprint: str, timeout_s: float) -> None:
+                 device: torch.device, fingerprint: str, timeout_s: float, trace: bool = False) -> None:
         self.messages = messages
         self.channel = _Channel(store, timeout_s)
         self.rank = rank
@@ -117,6 +119,9 @@ class ColocatedSender:
         self.timeout_s = timeout_s
         self.step = 0
         self.nbytes = sum(m.nbytes for msgs in messages.values() for m in msgs)
+        self._tracing = trace
+        self.trace: StepTrace | None = None
+        """This step's :class:`~refit_core.steptrace.StepTrace` (with ``trace=True``; else None)."""
         self._mailboxes: dict[int, Mailbox] = {}
         self._storages: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, data_ptr, nbytes
         self._owners: list[str] = []  # a tensor name per exported storage, for errors
@@ -158,6 +163,14 @@ class ColocatedSender:
             self.channel.put(f"{_pair(self.rank, peer)}/exports", raw)
             self.channel.put(f"{_pair(self.rank, peer)}/control", {**control, "mailbox": asdict(mailbox)})
 
+    def mark(self, name: str) -> None:
+        """Record host mark ``name`` of this step (``start`` begins a new trace); no-op unless tracing."""
+        if self._tracing:
+            if name == "start":
+                self.trace = StepTrace()
+            if self.trace is not None:
+                self.trace.mark(name)
+
     def check(self) -> str | None:
         """None if every exported storage is still where it was; else what changed."""
         for (storage, ptr, nbytes), owner in zip(self._storages, self._owners):
@@ -169,10 +182,12 @@ class ColocatedSender:
 
     def post(self, version: int, error: str | None = None) -> None:
         """Tell every colocated peer that this step's weights are ready (or why they are not)."""
+        self.mark("checked")
         if self._event is not None and error is None:
             self._event.event.record(torch.cuda.current_stream(self.device))
         for mailbox in self._mailboxes.values():
             mailbox.post(self.step, version, self._fingerprint_word, error)
+        self.mark("posted")
         if error is not None:  # the step ends here, on both sides
             self.step += 1
 
@@ -183,6 +198,7 @@ class ColocatedSender:
             error = mailbox.wait_done(step)
             if error:
                 raise TransferError(f"colocated gen rank {peer} failed step {step}: {error}")
+        self.mark("done_seen")
 
     def close(self) -> None:
         self._storages, self._event, self._mailboxes = [], None, {}
@@ -192,7 +208,8 @@ class ColocatedReceiver:
     """A gen rank's colocated pairs: opens the trainers' memory once, copies out of it every step."""
 
     def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
-                 device: torch.device, fingerprint: str, timeout_s: float) -> None:
+                 device: torch.device, fingerprint: str, timeout_s: float,
+                 strided: StridedCopy = StridedCopy.KERNEL, trace: bool = False) -> None:
         self.messages = messages
         self.channel = _Channel(store, timeout_s)
         self.rank = rank
@@ -202,6 +219,11 @@ class ColocatedReceiver:
         self.timeout_s = timeout_s
         self.step = 0
         self.nbytes = sum(m.nbytes for msgs in messages.values() for m in msgs)
+        self.strided = strided
+        self._tracing = trace
+        self.trace: StepTrace | None = None
+        """This step's :class:`~refit_core.steptrace.StepTrace` (with ``trace=True``; else None)."""
+        self._device_marks: tuple[torch.cuda.Event, list[tuple[str, torch.cuda.Event]]] | None = None
         self._mailboxes: dict[int, Mailbox] = {}
         self.lane: Lane = lane_for(device, "colocated copies")
         self._sources: dict[int, dict[int, torch.Tensor]] = {}  # peer -> piece -> view of its memory
@@ -259,10 +281,13 @@ class ColocatedReceiver:
             for m in self.messages[peer]:
                 for src, dst in zip(m.src_segments, m.dst_segments):
                     pairs.append((dst.box.slice_of(views[dst.piece]), self._source(peer, src)))
-        self._program = CopyProgram(pairs)
+        self._program = CopyProgram(pairs, strided=self.strided)
 
     def start(self, version_hint: int = -1) -> int:
         """Wait for every peer's header, check it, start the copies; returns the weight version."""
+        trace = self.trace = StepTrace() if self._tracing else None
+        if trace is not None:
+            trace.mark("start")
         versions = set()
         step = self.step
         for peer, mailbox in self._mailboxes.items():
@@ -286,10 +311,23 @@ class ColocatedReceiver:
                        "every train rank must call send() with the same version")
             self._publish_done(message)
             raise TransferError(message)
+        if trace is not None:
+            trace.mark("ready_seen")
+            trace.mark("enqueue_begin")
         after = [current_work(self.device, "the engine's pending work"),
                  *(EventFence(event, "the trainer's step") for event in self._events.values())]
-        if self._program is not None and self._program.counts.launches:
-            self._pending = self.lane.run(self._program.run, after=after)
+        program = self._program
+        if program is not None and program.counts.launches:
+            if trace is not None and isinstance(self.lane, StreamLane):
+                queued = torch.cuda.Event(enable_timing=True)
+                queued.record(self.lane.stream)  # before the stream's waits: when queueing began
+                marks: list[tuple[str, torch.cuda.Event]] = []
+                self._device_marks = (queued, marks)
+                self._pending = self.lane.run(lambda: marks.extend(program.run_timed()), after=after)
+            else:
+                self._pending = self.lane.run(program.run, after=after)
+        if trace is not None:
+            trace.mark("enqueued")
         return versions.pop() if versions else version_hint
 
     def finish(self, error: str | None = None) -> None:
@@ -302,7 +340,14 @@ class ColocatedReceiver:
             raise
         finally:
             self._pending = None
+        trace, device_marks, self._device_marks = self.trace, self._device_marks, None
+        if trace is not None:
+            trace.mark("gpu_done_seen")
         self._publish_done(error)
+        if trace is not None:
+            trace.mark("done_posted")
+            if device_marks is not None and error is None:
+                trace.device_phases(*device_marks)
 
     def _publish_done(self, error: str | None) -> None:
         for mailbox in self._mailboxes.values():
