@@ -417,8 +417,13 @@ class RefitSender(_Endpoint):
         try:
             if isinstance(colocated, ColocatedSender):
                 colocated.mark("start")
-                problem = self._moved_sources(colocated)
-                colocated.post(version, problem)
+                if self.settings is not None and self.settings.overlap_check:  # the engine copies meanwhile
+                    colocated.post(version, verdict=True)
+                    problem = self._moved_sources(colocated)
+                    colocated.post_verdict(problem)
+                else:
+                    problem = self._moved_sources(colocated)
+                    colocated.post(version, problem)
                 if problem is not None:
                     raise TransferError(f"train rank {self.rank}: {problem}")
             stats = executor.run(version) if executor is not None else None

@@ -8,13 +8,16 @@ rendezvous store; the gen rank opens them once. Every step then runs:
 1. train rank (:meth:`ColocatedSender.post`): check that the exported memory is still the parameters'
    memory, record an interprocess CUDA event after the trainer's queued work, post a *ready* header
    (step, version, plan fingerprint, error) in each colocated peer's mailbox (one page of host shared
-   memory per pair, :mod:`refit_core.transport.mailbox`: no network, no store per step);
+   memory per pair, :mod:`refit_core.transport.mailbox`: no network, no store per step); with
+   ``RefitOptions(overlap_check=True)`` the header comes first, marked "verdict follows", and the
+   check's verdict after it (the engine copies meanwhile and fails the step, torn, on a bad verdict);
 2. gen rank (:meth:`ColocatedReceiver.start` / :meth:`~ColocatedReceiver.finish`): wait for every
    peer's header and check it, then copy every segment from the trainer's view straight into the
    engine's view (casting where the plan casts) as a :class:`~refit_core.copies.CopyProgram` resolved
    at bind time: neighbours merged, equal blocks stacked into one strided copy, small copies batched
-   into multi-tensor launches; ordered after the trainer's event and the engine's queued work; wait
-   for it, publish *done*;
+   into multi-tensor launches (large strided copies as ``RefitOptions.strided_copies`` says); ordered
+   after the trainer's event and the engine's queued work; wait for it (and any verdict), publish
+   *done*;
 3. train rank (:meth:`ColocatedSender.wait`): wait for every peer's *done* before ``send`` returns.
 
 No staging memory on either side, casts included: one read and one write of every byte, which is
@@ -180,15 +183,26 @@ class ColocatedSender:
                         "reads it directly: keep parameters in place between setup() and close())")
         return None
 
-    def post(self, version: int, error: str | None = None) -> None:
-        """Tell every colocated peer that this step's weights are ready (or why they are not)."""
-        self.mark("checked")
+    def post(self, version: int, error: str | None = None, verdict: bool = False) -> None:
+        """Tell every colocated peer that this step's weights are ready (or why they are not); with
+        ``verdict``, the check of the trainer's memory runs after this and :meth:`post_verdict`
+        follows (the engine copies meanwhile, and fails the step if the verdict is an error)."""
+        if not verdict:
+            self.mark("checked")
         if self._event is not None and error is None:
             self._event.event.record(torch.cuda.current_stream(self.device))
         for mailbox in self._mailboxes.values():
-            mailbox.post(self.step, version, self._fingerprint_word, error)
+            mailbox.post(self.step, version, self._fingerprint_word, error, verdict)
         self.mark("posted")
         if error is not None:  # the step ends here, on both sides
+            self.step += 1
+
+    def post_verdict(self, error: str | None) -> None:
+        """The check of this step (posted with ``verdict=True``): None if the memory is unchanged."""
+        self.mark("checked")
+        for mailbox in self._mailboxes.values():
+            mailbox.post_verdict(self.step, error)
+        if error is not None:  # the engines fail this step at its end
             self.step += 1
 
     def wait(self) -> None:
@@ -224,6 +238,7 @@ class ColocatedReceiver:
         self.trace: StepTrace | None = None
         """This step's :class:`~refit_core.steptrace.StepTrace` (with ``trace=True``; else None)."""
         self._device_marks: tuple[torch.cuda.Event, list[tuple[str, torch.cuda.Event]]] | None = None
+        self._verdicts: list[int] = []  # peers whose check of this step follows their ready signal
         self._mailboxes: dict[int, Mailbox] = {}
         self.lane: Lane = lane_for(device, "colocated copies")
         self._sources: dict[int, dict[int, torch.Tensor]] = {}  # peer -> piece -> view of its memory
@@ -290,9 +305,10 @@ class ColocatedReceiver:
             trace.mark("start")
         versions = set()
         step = self.step
+        self._verdicts = []
         for peer, mailbox in self._mailboxes.items():
             try:
-                version, fingerprint, error = mailbox.wait_ready(step)
+                version, fingerprint, error, verdict = mailbox.wait_ready(step)
             except TransferError as exc:
                 self._publish_done(str(exc))
                 raise
@@ -306,6 +322,8 @@ class ColocatedReceiver:
                 self._publish_done(message)
                 raise TransferError(message)
             versions.add(version)
+            if verdict:
+                self._verdicts.append(peer)
         if len(versions) > 1:
             message = (f"train ranks sent different weight versions {sorted(versions)} in one step: "
                        "every train rank must call send() with the same version")
@@ -335,6 +353,12 @@ class ColocatedReceiver:
         try:
             if self._pending is not None and error is None:
                 self._pending.synchronize(self.timeout_s)
+            if error is None:
+                for peer in self._verdicts:
+                    problem = self._mailboxes[peer].wait_verdict(self.step)
+                    if problem:
+                        raise TransferError(f"train rank {peer} failed colocated step {self.step} after the "
+                                            f"copies had started: {problem}")
         except Exception as exc:
             self._publish_done(str(exc))
             raise

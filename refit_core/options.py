@@ -298,6 +298,10 @@ class RefitOptions(_Settings):
 
     - ``strided_copies``: :class:`StridedCopy`: how a colocated gen rank moves large strided copies
       (a local setting; ``kernel`` by default).
+    - ``overlap_check``: a colocated train rank signals *ready* first and checks that its parameters
+      are still the memory shared at setup while the engine copies (off by default: the check runs
+      first). A failed check still fails the step on both sides with the same error, but the engine's
+      weights are then torn (``needs_refit``) instead of unchanged. A train-side local setting.
     - ``step_trace``: record where each colocated step's time goes (host timestamps on both sides,
       CUDA events around the receiver's copies), read back as ``colocated_trace`` (a local setting,
       off by default: a few timestamps and events per step when on).
@@ -320,6 +324,7 @@ class RefitOptions(_Settings):
     secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
     strided_copies: StridedCopy = _setting(StridedCopy.KERNEL, StridedCopy, local=True)
     step_trace: bool = _setting(False, bool, local=True)
+    overlap_check: bool = _setting(False, bool, local=True)
 
     def __post_init__(self) -> None:
         self._coerce()

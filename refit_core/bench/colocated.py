@@ -20,13 +20,16 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
 - ``refit``: :class:`~refit_core.RefitSender` / :class:`~refit_core.RefitReceiver`, whose same-device
   pair copies straight out of the trainer's memory (CUDA IPC; shared memory on CPU).
   ``refit:VARIANT`` runs it with ``RefitOptions(strided_copies=VARIANT)`` (a
-  :class:`~refit_core.options.StridedCopy`: how the engine moves its large strided copies).
+  :class:`~refit_core.options.StridedCopy`: how the engine moves its large strided copies);
+  ``refit:VARIANT+overlap`` also with ``overlap_check=True`` (the trainer checks its memory while the
+  engine copies).
 
 ``--breakdown`` traces every timed refit step (``RefitOptions(step_trace=True)``) and prints, per
 refit method, the median of each phase of :func:`refit_core.steptrace.breakdown`: the trainer's
 check, the ready signal, the engine's queueing, the device time of each launch group, and the tail.
 ``--variants`` (for deciding the default :class:`~refit_core.options.StridedCopy`) runs the copy bound
-and every ``refit:VARIANT`` side by side in one run (each bitwise checked), with ``--breakdown``.
+and every ``refit:VARIANT`` plus ``refit:kernel+overlap`` side by side in one run (each bitwise
+checked), with ``--breakdown``.
 
 Every method's last step is checked bitwise on the engine (weights poisoned with NaN before it).
 Extra memory is each process's peak allocation above its model during the method's setup and steps
@@ -60,8 +63,9 @@ from .methods import hf_tensors, scatter
 
 GiB = 1 << 30
 METHODS = ("copy-bound", "ping-pong", "refit")
-VARIANTS = tuple(f"refit:{v.value}" for v in StridedCopy)
-"""``refit`` with each way of moving strided copies (``--variants``)."""
+VARIANTS = (*(f"refit:{v.value}" for v in StridedCopy), f"refit:{StridedCopy.KERNEL.value}+overlap")
+"""``refit`` with each way of moving strided copies, and with the trainer's check overlapping the
+engine's copies (``--variants``)."""
 TRAINERS = {"": layouts.MegatronStyleModel, "sequential": layouts.MegatronSequentialStyleModel}
 """Trainer layouts by model-entry suffix (``NAME:sequential``)."""
 
@@ -246,10 +250,11 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         out["shared_bytes"] = runner.shared_bytes if train else 0
         out["fills"] = len(runner.buckets)
     else:
-        variant = StridedCopy(name.partition(":")[2] or StridedCopy.KERNEL)
+        variant, _, overlap = name.partition(":")[2].partition("+")
         options = RefitOptions(timeout_s=job["timeout_s"],
                                colocate=Colocation.AUTO if device.type == "cuda" else Colocation.SHARED,
-                               strided_copies=variant, step_trace=job.get("breakdown", False))
+                               strided_copies=StridedCopy(variant or StridedCopy.KERNEL),
+                               overlap_check=overlap == "overlap", step_trace=job.get("breakdown", False))
         cls = RefitSender if train else RefitReceiver
         endpoint = cls(model, rendezvous=job["refit_address"], rank=0, world_size=1, options=options)
         endpoint.setup()
