@@ -49,14 +49,19 @@ class StepTrace:
 def breakdown(train: StepTrace, gen: StepTrace) -> dict[str, float]:
     """One step of a colocated pair split into phases, in milliseconds (the two traces of one step).
 
-    ``check``: the trainer's work before *ready* (the moved-parameter check); ``post``: writing it;
+    ``check``: the trainer's moved-parameter check (before *ready*, or after it with ``overlap_check``,
+    then off the critical path); ``post``: writing *ready*;
     ``signal``: *ready* written -> the engine has read and checked it; ``enqueue``: the engine's host
     time queueing its copies; ``device_wait``/``device_<group>``: device time (CUDA); ``tail``: the
     copies' end (estimated: queueing began + device wait + copies) -> the engine saw it (``observe``)
     -> the trainer read *done* (``ack``); ``after``: the trainer's own work after *done*; ``total``.
     """
     t, g = train.marks, gen.marks
-    ms = {"total": t["end"] - t["start"], "check": t["checked"] - t["start"], "post": t["posted"] - t["checked"],
+    if t["checked"] <= t["posted"]:  # the check, then *ready*
+        check, post = t["checked"] - t["start"], t["posted"] - t["checked"]
+    else:  # overlap_check: *ready* first, the check while the engine copies
+        check, post = t["checked"] - t["posted"], t["posted"] - t["start"]
+    ms = {"total": t["end"] - t["start"], "check": check, "post": post,
           "signal": g["ready_seen"] - t["posted"], "enqueue": g["enqueued"] - g["ready_seen"],
           "ack": t["done_seen"] - g["gpu_done_seen"], "after": t["end"] - t["done_seen"]}
     out = {k: 1000 * v for k, v in ms.items()}

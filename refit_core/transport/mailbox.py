@@ -96,8 +96,9 @@ class Mailbox:
         if int(self.words[_READY]) != step + 1:
             return -1, -1, (f"{self.peer} is at colocated step {int(self.words[_READY]) - 1}, this rank at "
                             f"{step}: the two sides' steps diverged"), False
-        return (int(self.words[_VERSION]), int(self.words[_FINGERPRINT]), self._read_text(_SEND_TEXT, _SEND_ERROR),
-                bool(int(self.words[_PENDING])))
+        if int(self.words[_PENDING]):  # the error area is the verdict's now: read it in wait_verdict only
+            return int(self.words[_VERSION]), int(self.words[_FINGERPRINT]), None, True
+        return int(self.words[_VERSION]), int(self.words[_FINGERPRINT]), self._read_text(_SEND_TEXT, _SEND_ERROR), False
 
     def wait_verdict(self, step: int) -> str | None:
         """Block until the trainer's verdict on step ``step``; its error, if its check failed."""
