@@ -193,6 +193,11 @@ def blocks(dst: torch.Tensor, src: torch.Tensor, min_bytes: int = 0) -> list[Pai
     return out
 
 
+MAX_PITCH = (1 << 31) - 1
+"""The largest pitch ``cudaMemcpy2DAsync`` is sure to take (``cudaDevAttrMaxPitch`` on current GPUs);
+wider stacks keep the strided kernel."""
+
+
 @dataclass(frozen=True)
 class Pitched:
     """A stacked copy as ``height`` contiguous blocks of ``width`` bytes, ``dst_pitch`` / ``src_pitch``
@@ -217,6 +222,8 @@ def pitched(dst: torch.Tensor, src: torch.Tensor) -> Pitched | None:
     width = _nbytes(dst[0])
     dst_pitch, src_pitch = dst.stride(0) * size, src.stride(0) * size
     if dst.shape[0] > 1 and (dst_pitch < width or src_pitch < width):
+        return None
+    if max(dst_pitch, src_pitch, width) > MAX_PITCH:
         return None
     return Pitched(dst.data_ptr(), src.data_ptr(), max(dst_pitch, width), max(src_pitch, width), width,
                    dst.shape[0])

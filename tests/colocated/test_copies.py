@@ -193,3 +193,10 @@ def test_pitched_describes_a_stack_of_contiguous_blocks():
     assert shape.src == src[0, 4].data_ptr() and shape.dst == dst.data_ptr()
     assert pitched(torch.zeros(4, 2, 4, dtype=torch.bfloat16), src[:, :2, :4]) is None  # blocks not contiguous
     assert pitched(dst, src[:, 4:].float()) is None  # a cast is not a memcpy
+
+
+def test_pitched_refuses_pitches_beyond_what_a_2d_memcpy_takes():
+    meta = torch.empty(0, dtype=torch.uint8, device="meta")  # views' geometry only: no memory
+    src = meta.as_strided((2, 16), (16, 1))
+    assert pitched(meta.as_strided((2, 16), (1 << 31, 1)), src) is None
+    assert pitched(meta.as_strided((2, 16), (32, 1)), src) is not None
