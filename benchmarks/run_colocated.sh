@@ -7,9 +7,14 @@
 # Results: $OUT/colocated-<machine>-<date>.{json,md} and colocated-<machine>-sequential-<date>.{json,md},
 # <machine> from the GPUs (nvidia-h200 on one H200; set MACHINE to override). Takes ~2-4 minutes; only
 # GPU 0 is used.
+# VARIANTS=1: instead, one run that decides how the engine moves its strided copies: the Llama-3-8B
+# shape (VARIANT_MODELS to change) with the copy bound and refit once per StridedCopy variant (kernel,
+# blocks, foreach, memcpy2d), each bitwise checked, with --breakdown (where each step's time goes):
+# $OUT/colocated-<machine>-variants-<date>.{json,md}. ~1-2 minutes.
 #
 #   OUT=/somewhere bash benchmarks/run_colocated.sh
 #   STEPS=colocated OUT=/somewhere bash benchmarks/run_gpu.sh     # the same, through the GPU script
+#   VARIANTS=1 STEPS=colocated OUT=/somewhere bash benchmarks/run_gpu.sh   # the strided-copy variants only
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -18,11 +23,16 @@ source benchmarks/machine.sh
 MACHINE=${MACHINE:-$(machine_name)}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests/example_plugin:$PYTHONPATH PYTHONUNBUFFERED=1
-run() {  # run SUFFIX MODELS: one benchmark run, its results in $OUT/colocated-$MACHINE[-SUFFIX]-<date>
+run() {  # run SUFFIX MODELS [ARGS...]: one benchmark run, its results in $OUT/colocated-$MACHINE[-SUFFIX]-<date>
+  local suffix=$1 models=$2; shift 2
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m refit_core.bench.colocated \
-    --models "$2" --device cuda --iters ${ITERS:-5} --warmup 1 \
-    --timeout-s 150 --machine "$MACHINE" --out "$OUT/colocated-$MACHINE$1-$(date -u +%F)"
+    --models "$models" --device cuda --iters ${ITERS:-5} --warmup 1 \
+    --timeout-s 150 --machine "$MACHINE" --out "$OUT/colocated-$MACHINE$suffix-$(date -u +%F)" "$@"
 }
+if [[ -n "${VARIANTS:-}" ]]; then
+  run "-variants" "${VARIANT_MODELS:-llama-3-8b-shape}" --variants
+  exit $?
+fi
 run "" "${COLOCATED_MODELS:-llama-3-8b-shape,qwen3-30b-a3b-shape}"; rc=$?
 # the trainer with one parameter per expert (Megatron's SequentialMLP: 12,288 source tensors of 3-6 MB
 # into the engine's stacked w13 / w2), in a run of its own so the main table never waits on it

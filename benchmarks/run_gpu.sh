@@ -9,7 +9,8 @@
 #   5. `refit demo --train dtensor --gen dtensor --device cuda` (FSDP2/DTensor over NCCL, verified).
 #   6. colocated: the trainer and the engine as two processes on GPU 0 (CUDA IPC), Llama-3-8B and
 #      Qwen3-30B-A3B shapes (and Qwen3 with one trainer parameter per expert): copy bound, ping-pong
-#      baseline, refit (benchmarks/run_colocated.sh; one GPU is enough).
+#      baseline, refit (benchmarks/run_colocated.sh; one GPU is enough). VARIANTS=1: instead, the Llama
+#      shape once per StridedCopy variant and with overlap_check, with a per-phase breakdown (~2 min).
 #   7. megatron: a Llama-3-8B-shaped megatron-core model through refit-plugin-megatron vs the wire
 #      (benchmarks/megatron_gpu.sh; needs .whl/megatron_core-*.whl from benchmarks/fetch_gpu_wheels.sh).
 #   8. timeline (not in the default STEPS): `refit bench --timeline` on the Llama-3-8B shape, GPU 0 -> GPU 1:

@@ -20,6 +20,7 @@ from .auth import JobCredentials
 from .backend import GEN, TRAIN
 from .env import with_overrides
 from .colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
+from .steptrace import StepTrace
 from .copies import CopyCounts
 from .errors import PlanError, RefitError, TransferError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
@@ -269,6 +270,12 @@ class _Endpoint:
         return getattr(self._colocated, "copies", 0)
 
     @property
+    def colocated_trace(self) -> StepTrace | None:
+        """The last step's colocated :class:`~refit_core.steptrace.StepTrace` (with
+        ``RefitOptions(step_trace=True)`` and colocated pairs; else None)."""
+        return getattr(self._colocated, "trace", None)
+
+    @property
     def colocated_counts(self) -> CopyCounts | None:
         """What a gen rank's colocated copies look like after batching (None if it has none)."""
         return self._colocated.counts if isinstance(self._colocated, ColocatedReceiver) else None
@@ -400,7 +407,8 @@ class RefitSender(_Endpoint):
                                           **self._network_executor_args(schedule, settings))
         if colocated:
             self._colocated = ColocatedSender(by_peer(colocated, lambda m: m.dst), self._require_rendezvous().store,
-                                              self.rank, self.device, schedule.fingerprint, settings.timeout_s)
+                                              self.rank, self.device, schedule.fingerprint, settings.timeout_s,
+                                              trace=settings.step_trace)
 
     def setup(self) -> Schedule:
         schedule = super().setup()
@@ -446,8 +454,14 @@ class RefitSender(_Endpoint):
         assert executor is None or isinstance(executor, SendExecutor)
         try:
             if isinstance(colocated, ColocatedSender):
-                problem = self._moved_sources(colocated)
-                colocated.post(version, problem)
+                colocated.mark("start")
+                if self.settings is not None and self.settings.overlap_check:  # the engine copies meanwhile
+                    colocated.post(version, verdict=True)
+                    problem = self._moved_sources(colocated)
+                    colocated.post_verdict(problem)
+                else:
+                    problem = self._moved_sources(colocated)
+                    colocated.post(version, problem)
                 if problem is not None:
                     raise TransferError(f"train rank {self.rank}: {problem}")
             stats = executor.run(version) if executor is not None else None
@@ -456,6 +470,8 @@ class RefitSender(_Endpoint):
             stats = _combined(stats, version, colocated, start)
             if self._mode is UpdateMode.STAGED:
                 self._await_landing(step)
+            if isinstance(colocated, ColocatedSender):
+                colocated.mark("end")
         except Exception as exc:
             self._break(str(exc))
             if isinstance(exc, RefitError):
@@ -497,7 +513,8 @@ class RefitReceiver(_Endpoint):
             self._make_relay_executors(self.relay, schedule, settings)
         if colocated:
             receiver = ColocatedReceiver(by_peer(colocated, lambda m: m.src), self._require_rendezvous().store,
-                                         self.rank, self.device, schedule.fingerprint, settings.timeout_s)
+                                         self.rank, self.device, schedule.fingerprint, settings.timeout_s,
+                                         strided=settings.strided_copies, trace=settings.step_trace)
             receiver.open()
             self._colocated = receiver
 

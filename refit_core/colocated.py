@@ -8,13 +8,16 @@ rendezvous store; the gen rank opens them once. Every step then runs:
 1. train rank (:meth:`ColocatedSender.post`): check that the exported memory is still the parameters'
    memory, record an interprocess CUDA event after the trainer's queued work, post a *ready* header
    (step, version, plan fingerprint, error) in each colocated peer's mailbox (one page of host shared
-   memory per pair, :mod:`refit_core.transport.mailbox`: no network, no store per step);
+   memory per pair, :mod:`refit_core.transport.mailbox`: no network, no store per step); with
+   ``RefitOptions(overlap_check=True)`` the header comes first, marked "verdict follows", and the
+   check's verdict after it (the engine copies meanwhile and fails the step, torn, on a bad verdict);
 2. gen rank (:meth:`ColocatedReceiver.start` / :meth:`~ColocatedReceiver.finish`): wait for every
    peer's header and check it, then copy every segment from the trainer's view straight into the
    engine's view (casting where the plan casts) as a :class:`~refit_core.copies.CopyProgram` resolved
    at bind time: neighbours merged, equal blocks stacked into one strided copy, small copies batched
-   into multi-tensor launches; ordered after the trainer's event and the engine's queued work; wait
-   for it, publish *done*;
+   into multi-tensor launches (large strided copies as ``RefitOptions.strided_copies`` says); ordered
+   after the trainer's event and the engine's queued work; wait for it (and any verdict), publish
+   *done*;
 3. train rank (:meth:`ColocatedSender.wait`): wait for every peer's *done* before ``send`` returns.
 
 No staging memory on either side, casts included: one read and one write of every byte, which is
@@ -44,8 +47,10 @@ import torch.distributed as dist
 
 from .copies import CopyCounts, CopyProgram
 from .errors import RefitError, TransferError
-from .lanes import EventFence, Lane, current_work, lane_for
+from .lanes import EventFence, Lane, StreamLane, current_work, lane_for
+from .options import StridedCopy
 from .schedule import Message, Segment
+from .steptrace import StepTrace
 from .transport.base import Fence
 from .transport.mailbox import Mailbox
 from .transport.memory import (
@@ -107,7 +112,7 @@ class ColocatedSender:
     """A train rank's colocated pairs: exports its memory once, then posts a header per step."""
 
     def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
-                 device: torch.device, fingerprint: str, timeout_s: float) -> None:
+                 device: torch.device, fingerprint: str, timeout_s: float, trace: bool = False) -> None:
         self.messages = messages
         self.channel = _Channel(store, timeout_s)
         self.rank = rank
@@ -117,6 +122,9 @@ class ColocatedSender:
         self.timeout_s = timeout_s
         self.step = 0
         self.nbytes = sum(m.nbytes for msgs in messages.values() for m in msgs)
+        self._tracing = trace
+        self.trace: StepTrace | None = None
+        """This step's :class:`~refit_core.steptrace.StepTrace` (with ``trace=True``; else None)."""
         self._mailboxes: dict[int, Mailbox] = {}
         self._storages: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, data_ptr, nbytes
         self._owners: list[str] = []  # a tensor name per exported storage, for errors
@@ -158,6 +166,14 @@ class ColocatedSender:
             self.channel.put(f"{_pair(self.rank, peer)}/exports", raw)
             self.channel.put(f"{_pair(self.rank, peer)}/control", {**control, "mailbox": asdict(mailbox)})
 
+    def mark(self, name: str) -> None:
+        """Record host mark ``name`` of this step (``start`` begins a new trace); no-op unless tracing."""
+        if self._tracing:
+            if name == "start":
+                self.trace = StepTrace()
+            if self.trace is not None:
+                self.trace.mark(name)
+
     def check(self) -> str | None:
         """None if every exported storage is still where it was; else what changed."""
         for (storage, ptr, nbytes), owner in zip(self._storages, self._owners):
@@ -167,13 +183,26 @@ class ColocatedSender:
                         "reads it directly: keep parameters in place between setup() and close())")
         return None
 
-    def post(self, version: int, error: str | None = None) -> None:
-        """Tell every colocated peer that this step's weights are ready (or why they are not)."""
+    def post(self, version: int, error: str | None = None, verdict: bool = False) -> None:
+        """Tell every colocated peer that this step's weights are ready (or why they are not); with
+        ``verdict``, the check of the trainer's memory runs after this and :meth:`post_verdict`
+        follows (the engine copies meanwhile, and fails the step if the verdict is an error)."""
+        if not verdict:
+            self.mark("checked")
         if self._event is not None and error is None:
             self._event.event.record(torch.cuda.current_stream(self.device))
         for mailbox in self._mailboxes.values():
-            mailbox.post(self.step, version, self._fingerprint_word, error)
+            mailbox.post(self.step, version, self._fingerprint_word, error, verdict)
+        self.mark("posted")
         if error is not None:  # the step ends here, on both sides
+            self.step += 1
+
+    def post_verdict(self, error: str | None) -> None:
+        """The check of this step (posted with ``verdict=True``): None if the memory is unchanged."""
+        self.mark("checked")
+        for mailbox in self._mailboxes.values():
+            mailbox.post_verdict(self.step, error)
+        if error is not None:  # the engines fail this step at its end
             self.step += 1
 
     def wait(self) -> None:
@@ -183,6 +212,7 @@ class ColocatedSender:
             error = mailbox.wait_done(step)
             if error:
                 raise TransferError(f"colocated gen rank {peer} failed step {step}: {error}")
+        self.mark("done_seen")
 
     def close(self) -> None:
         self._storages, self._event, self._mailboxes = [], None, {}
@@ -192,7 +222,8 @@ class ColocatedReceiver:
     """A gen rank's colocated pairs: opens the trainers' memory once, copies out of it every step."""
 
     def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
-                 device: torch.device, fingerprint: str, timeout_s: float) -> None:
+                 device: torch.device, fingerprint: str, timeout_s: float,
+                 strided: StridedCopy = StridedCopy.KERNEL, trace: bool = False) -> None:
         self.messages = messages
         self.channel = _Channel(store, timeout_s)
         self.rank = rank
@@ -202,6 +233,12 @@ class ColocatedReceiver:
         self.timeout_s = timeout_s
         self.step = 0
         self.nbytes = sum(m.nbytes for msgs in messages.values() for m in msgs)
+        self.strided = strided
+        self._tracing = trace
+        self.trace: StepTrace | None = None
+        """This step's :class:`~refit_core.steptrace.StepTrace` (with ``trace=True``; else None)."""
+        self._device_marks: tuple[torch.cuda.Event, list[tuple[str, torch.cuda.Event]]] | None = None
+        self._verdicts: list[int] = []  # peers whose check of this step follows their ready signal
         self._mailboxes: dict[int, Mailbox] = {}
         self.lane: Lane = lane_for(device, "colocated copies")
         self._sources: dict[int, dict[int, torch.Tensor]] = {}  # peer -> piece -> view of its memory
@@ -259,15 +296,19 @@ class ColocatedReceiver:
             for m in self.messages[peer]:
                 for src, dst in zip(m.src_segments, m.dst_segments):
                     pairs.append((dst.box.slice_of(views[dst.piece]), self._source(peer, src)))
-        self._program = CopyProgram(pairs)
+        self._program = CopyProgram(pairs, strided=self.strided)
 
     def start(self, version_hint: int = -1) -> int:
         """Wait for every peer's header, check it, start the copies; returns the weight version."""
+        trace = self.trace = StepTrace() if self._tracing else None
+        if trace is not None:
+            trace.mark("start")
         versions = set()
         step = self.step
+        self._verdicts = []
         for peer, mailbox in self._mailboxes.items():
             try:
-                version, fingerprint, error = mailbox.wait_ready(step)
+                version, fingerprint, error, verdict = mailbox.wait_ready(step)
             except TransferError as exc:
                 self._publish_done(str(exc))
                 raise
@@ -281,15 +322,30 @@ class ColocatedReceiver:
                 self._publish_done(message)
                 raise TransferError(message)
             versions.add(version)
+            if verdict:
+                self._verdicts.append(peer)
         if len(versions) > 1:
             message = (f"train ranks sent different weight versions {sorted(versions)} in one step: "
                        "every train rank must call send() with the same version")
             self._publish_done(message)
             raise TransferError(message)
+        if trace is not None:
+            trace.mark("ready_seen")
+            trace.mark("enqueue_begin")
         after = [current_work(self.device, "the engine's pending work"),
                  *(EventFence(event, "the trainer's step") for event in self._events.values())]
-        if self._program is not None and self._program.counts.launches:
-            self._pending = self.lane.run(self._program.run, after=after)
+        program = self._program
+        if program is not None and program.counts.launches:
+            if trace is not None and isinstance(self.lane, StreamLane):
+                queued = torch.cuda.Event(enable_timing=True)
+                queued.record(self.lane.stream)  # before the stream's waits: when queueing began
+                marks: list[tuple[str, torch.cuda.Event]] = []
+                self._device_marks = (queued, marks)
+                self._pending = self.lane.run(lambda: marks.extend(program.run_timed()), after=after)
+            else:
+                self._pending = self.lane.run(program.run, after=after)
+        if trace is not None:
+            trace.mark("enqueued")
         return versions.pop() if versions else version_hint
 
     def finish(self, error: str | None = None) -> None:
@@ -297,12 +353,25 @@ class ColocatedReceiver:
         try:
             if self._pending is not None and error is None:
                 self._pending.synchronize(self.timeout_s)
+            if error is None:
+                for peer in self._verdicts:
+                    problem = self._mailboxes[peer].wait_verdict(self.step)
+                    if problem:
+                        raise TransferError(f"train rank {peer} failed colocated step {self.step} after the "
+                                            f"copies had started: {problem}")
         except Exception as exc:
             self._publish_done(str(exc))
             raise
         finally:
             self._pending = None
+        trace, device_marks, self._device_marks = self.trace, self._device_marks, None
+        if trace is not None:
+            trace.mark("gpu_done_seen")
         self._publish_done(error)
+        if trace is not None:
+            trace.mark("done_posted")
+            if device_marks is not None and error is None:
+                trace.device_phases(*device_marks)
 
     def _publish_done(self, error: str | None) -> None:
         for mailbox in self._mailboxes.values():

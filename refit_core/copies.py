@@ -11,10 +11,12 @@ once, at bind time, into the fewest launches that move exactly the same bytes:
    ``linear_qkv`` into vLLM's ``[Q; K; V]``: one copy each per layer).
 2. :func:`widen` moves a same-dtype copy as the same bytes in the widest integer words both views
    allow (a strided bf16 copy then moves 8 bytes per element instead of 2; integers copy bit for bit).
-3. Copies of at least ``batch_below`` bytes run one by one, largest first (contiguous ones are a
-   plain device memcpy); smaller ones run as one ``torch._foreach_copy_`` per dtype pair, contiguous
-   and strided apart (a list of dense equal-stride pairs takes torch's single-kernel multi-tensor
-   route on CUDA: a model's many small experts and norms cost a few launches, not thousands).
+3. Copies of at least ``batch_below`` bytes run one by one, largest first: contiguous ones (a plain
+   device memcpy) first, then strided ones, moved as :class:`StridedCopy` says (one strided kernel,
+   one memcpy per block, the blocks in one multi-tensor copy, or one 2-D memcpy); smaller ones run
+   as one ``torch._foreach_copy_`` per dtype pair, contiguous and strided apart (a list of dense
+   equal-stride pairs takes torch's single-kernel multi-tensor route on CUDA: a model's many small
+   experts and norms cost a few launches, not thousands).
 
 Casts (a destination dtype other than the source's) are copies too: ``copy_`` reads the source dtype
 and writes the destination's, so they need no staging either.
@@ -22,10 +24,16 @@ and writes the destination's, so they need no staging either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import functools
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .options import StridedCopy
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, source view), equal shapes
 
@@ -164,6 +172,63 @@ def widen(dst: torch.Tensor, src: torch.Tensor) -> Pair:
     return dst, src
 
 
+MIN_BLOCK_BYTES = 1 << 20
+"""Blocks smaller than this stay inside one strided copy (``blocks`` / ``foreach`` variants)."""
+
+
+def blocks(dst: torch.Tensor, src: torch.Tensor, min_bytes: int = 0) -> list[Pair] | None:
+    """A copy split along its leading dimensions into pairs that are contiguous on both sides
+    (exactly the same bytes), or None if that needs blocks smaller than ``min_bytes`` (or a split
+    below the last dimension)."""
+    if dst.is_contiguous() and src.is_contiguous():
+        return [(dst, src)]
+    if dst.dim() < 2 or dst.shape[0] == 0 or _nbytes(dst[0]) < max(min_bytes, 1):
+        return None
+    out: list[Pair] = []
+    for i in range(dst.shape[0]):
+        part = blocks(dst[i], src[i], min_bytes)
+        if part is None:
+            return None
+        out += part
+    return out
+
+
+MAX_PITCH = (1 << 31) - 1
+"""The largest pitch ``cudaMemcpy2DAsync`` is sure to take (``cudaDevAttrMaxPitch`` on current GPUs);
+wider stacks keep the strided kernel."""
+
+
+@dataclass(frozen=True)
+class Pitched:
+    """A stacked copy as ``height`` contiguous blocks of ``width`` bytes, ``dst_pitch`` / ``src_pitch``
+    bytes apart (the arguments of ``cudaMemcpy2DAsync``)."""
+
+    dst: int
+    src: int
+    dst_pitch: int
+    src_pitch: int
+    width: int
+    height: int
+
+
+def pitched(dst: torch.Tensor, src: torch.Tensor) -> Pitched | None:
+    """``(dst, src)`` as a :class:`Pitched` copy if both are ``[n, ...]`` stacks of contiguous blocks at
+    positive distances (same dtype); else None."""
+    if dst.dtype != src.dtype or dst.dim() < 2 or dst.shape[0] < 1:
+        return None
+    if not (dst[0].is_contiguous() and src[0].is_contiguous()):
+        return None
+    size = dst.element_size()
+    width = _nbytes(dst[0])
+    dst_pitch, src_pitch = dst.stride(0) * size, src.stride(0) * size
+    if dst.shape[0] > 1 and (dst_pitch < width or src_pitch < width):
+        return None
+    if max(dst_pitch, src_pitch, width) > MAX_PITCH:
+        return None
+    return Pitched(dst.data_ptr(), src.data_ptr(), max(dst_pitch, width), max(src_pitch, width), width,
+                   dst.shape[0])
+
+
 @dataclass(frozen=True)
 class CopyCounts:
     """What a :class:`CopyProgram` runs per step."""
@@ -180,47 +245,151 @@ class CopyCounts:
     """Copies of views that are not contiguous (one strided kernel each, or inside a batch)."""
     widened: int
     """Copies moved as wider integer words than their dtype."""
+    strided_bytes: int = 0
+    """Bytes of the large (unbatched) strided copies: what :class:`StridedCopy` chooses how to move."""
+
+
+CATEGORIES = ("contiguous", "strided", "batched")
+"""A program's launch groups, in the order they run: large contiguous copies (device memcpys, largest
+first, so the device is busy at once), large strided copies (as :class:`StridedCopy` says), batches."""
 
 
 class CopyProgram:
     """Copies resolved once (:func:`coalesce`, :func:`widen`), run every step with few launches.
 
     ``run()`` queues every copy on the current stream (CUDA) or copies synchronously (CPU); the
-    caller orders it after the work it depends on and waits for it.
+    caller orders it after the work it depends on and waits for it. ``strided`` picks how large
+    non-contiguous copies move (:class:`StridedCopy`); every choice moves exactly the same bytes.
     """
 
-    def __init__(self, pairs: Sequence[Pair], batch_below: int = BATCH_BELOW) -> None:
+    def __init__(self, pairs: Sequence[Pair], batch_below: int = BATCH_BELOW,
+                 strided: StridedCopy = StridedCopy.KERNEL, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
         for dst, src in pairs:
             if dst.shape != src.shape:
                 raise ValueError(f"a copy from shape {tuple(src.shape)} into shape {tuple(dst.shape)}")
+        self.strided = StridedCopy(strided)
         merged = coalesce(pairs)
-        singles: list[Pair] = []
+        dense_singles: list[Pair] = []
+        strided_singles: list[Pair] = []
         batches: dict[tuple[torch.dtype, torch.dtype, bool], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        widened = strided = 0
+        widened = strided_count = 0
         for dst, src in merged:
             wide_dst, wide_src = widen(dst, src)
             widened += wide_dst.dtype != dst.dtype
             dense = wide_dst.is_contiguous() and wide_src.is_contiguous()
-            strided += not dense
+            strided_count += not dense
             if _nbytes(wide_dst) >= batch_below:
-                singles.append((wide_dst, wide_src))
+                (dense_singles if dense else strided_singles).append((wide_dst, wide_src))
             else:
                 dsts, srcs = batches.setdefault((wide_dst.dtype, wide_src.dtype, dense), ([], []))
                 dsts.append(wide_dst)
                 srcs.append(wide_src)
-        singles.sort(key=lambda p: _nbytes(p[0]), reverse=True)  # the device is busy at once
-        self._singles = singles
-        self._batches = list(batches.values())
+        dense_singles.sort(key=lambda p: _nbytes(p[0]), reverse=True)  # the device is busy at once
+        strided_singles.sort(key=lambda p: _nbytes(p[0]), reverse=True)
+        self._groups: dict[str, list[Callable[[], None]]] = {
+            "contiguous": [_copy(d, s) for d, s in dense_singles],
+            "strided": self._strided_launches(strided_singles, min_block_bytes),
+            "batched": [_foreach(d, s) for d, s in batches.values()],
+        }
         self.counts = CopyCounts(segments=len(pairs), copies=len(merged),
-                                 launches=len(singles) + len(self._batches),
-                                 batched=sum(len(d) for d, _ in self._batches), strided=strided, widened=widened)
+                                 launches=sum(len(g) for g in self._groups.values()),
+                                 batched=sum(len(d) for d, _ in batches.values()), strided=strided_count,
+                                 widened=widened, strided_bytes=sum(_nbytes(d) for d, _ in strided_singles))
+
+    def _strided_launches(self, pairs: list[Pair], min_block_bytes: int) -> list[Callable[[], None]]:
+        """The launches of the large strided copies, as :attr:`strided` says (kernel where it cannot)."""
+        launches: list[Callable[[], None]] = []
+        gathered: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for dst, src in pairs:
+            if self.strided is StridedCopy.MEMCPY2D and dst.device.type == "cuda":
+                shape = pitched(dst, src)
+                if shape is not None:
+                    launches.append(_memcpy2d(shape, dst.device))
+                    continue
+            split = (blocks(dst, src, min_block_bytes)
+                     if self.strided in (StridedCopy.BLOCKS, StridedCopy.FOREACH) else None)
+            if split is None:
+                launches.append(_copy(dst, src))
+            elif self.strided is StridedCopy.BLOCKS:
+                launches += [_copy(d, s) for d, s in split]
+            else:
+                dsts, srcs = gathered.setdefault((dst.dtype, src.dtype), ([], []))
+                dsts += [d for d, _ in split]
+                srcs += [s for _, s in split]
+        return launches + [_foreach(d, s) for d, s in gathered.values()]
 
     def run(self) -> None:
         """Queue (CUDA) or run (CPU) every copy once."""
-        for dst, src in self._singles:
-            dst.copy_(src)
-        for dsts, srcs in self._batches:
-            torch._foreach_copy_(dsts, srcs)
+        for group in self._groups.values():
+            for launch in group:
+                launch()
+
+    def run_timed(self) -> list[tuple[str, torch.cuda.Event]]:
+        """:meth:`run` with a CUDA timing event recorded on the current stream before the first
+        launch and after each group of :data:`CATEGORIES`: ``[("begin", e), (category, e), ...]``
+        (the device time of a category is the time from the previous event to its own)."""
+        marks = [("begin", _event())]
+        for name, group in self._groups.items():
+            for launch in group:
+                launch()
+            marks.append((name, _event()))
+        return marks
 
 
-__all__ = ["BATCH_BELOW", "CopyCounts", "CopyProgram", "coalesce", "widen"]
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    def launch() -> None:
+        dst.copy_(src)
+    return launch
+
+
+def _foreach(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Callable[[], None]:
+    def launch() -> None:
+        torch._foreach_copy_(dsts, srcs)
+    return launch
+
+
+def _memcpy2d(shape: Pitched, device: torch.device) -> Callable[[], None]:
+    copy = cuda_memcpy2d()
+
+    def launch() -> None:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        status = copy(shape.dst, shape.dst_pitch, shape.src, shape.src_pitch, shape.width, shape.height,
+                      _DEVICE_TO_DEVICE, stream)
+        if status:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status} "
+                               f"({shape.height} blocks of {shape.width} bytes)")
+    return launch
+
+
+_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
+
+
+@functools.cache
+def cuda_memcpy2d() -> Any:
+    """``cudaMemcpy2DAsync`` of the CUDA runtime torch has loaded (found in this process's mappings, so
+    the same runtime and context as torch's); RuntimeError naming what is missing."""
+    path = None
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.rsplit(None, 1)[-1]
+            if "libcudart" in os.path.basename(name):
+                path = name
+                break
+    if path is None:
+        raise RuntimeError("StridedCopy.MEMCPY2D needs the CUDA runtime library (libcudart) that torch "
+                           "loads; none is loaded in this process")
+    function = ctypes.CDLL(path).cudaMemcpy2DAsync
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                         ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return function
+
+
+__all__ = ["BATCH_BELOW", "CATEGORIES", "MIN_BLOCK_BYTES", "CopyCounts", "CopyProgram", "Pitched", "StridedCopy",
+           "blocks", "coalesce", "pitched", "widen"]

@@ -215,6 +215,25 @@ def _nested(kind: type) -> Any:
     return field(default_factory=kind, metadata={"kind": kind, "local": False})
 
 
+class StridedCopy(StrEnum):
+    """How a :class:`CopyProgram` moves a large copy whose views are not contiguous (a stack of equal
+    blocks at constant distances: Megatron's per-group ``q`` / ``k`` / ``v`` rows into vLLM's ``[Q; K; V]``).
+
+    A gen rank's own choice (a local setting): every variant moves the same bytes. Which is fastest
+    is a property of the device, measured side by side by ``python -m refit_core.bench.colocated
+    --variants`` (:mod:`refit_core.copies`)."""
+
+    KERNEL = "kernel"
+    """One strided ``copy_`` per stacked copy (torch's elementwise copy kernel, non-contiguous)."""
+    BLOCKS = "blocks"
+    """One contiguous ``copy_`` (a device memcpy) per block of at least ``min_block_bytes``; more launches."""
+    FOREACH = "foreach"
+    """Every large strided copy's contiguous blocks in one ``torch._foreach_copy_`` per dtype."""
+    MEMCPY2D = "memcpy2d"
+    """One ``cudaMemcpy2DAsync`` (blocks of ``width`` bytes at two pitches) per stacked copy whose
+    blocks are contiguous (CUDA only; elsewhere, and for other layouts, as ``kernel``)."""
+
+
 @_tracks_explicit
 @dataclass(frozen=True)
 class MessageOptions(_Settings):
@@ -308,6 +327,16 @@ class RefitOptions(_Settings):
       the ``REFIT_JOB`` / ``REFIT_SECRET`` environment variables, else ``"refit"`` and none). Every
       rank proves both (HMAC) before it may read or write the rendezvous; the secret is never sent.
 
+    - ``strided_copies``: :class:`StridedCopy`: how a colocated gen rank moves large strided copies
+      (a local setting; ``kernel`` by default).
+    - ``overlap_check``: a colocated train rank signals *ready* first and checks that its parameters
+      are still the memory shared at setup while the engine copies (off by default: the check runs
+      first). A failed check still fails the step on both sides with the same error, but the engine's
+      weights are then torn (``needs_refit``) instead of unchanged. A train-side local setting.
+    - ``step_trace``: record where each colocated step's time goes (host timestamps on both sides,
+      CUDA events around the receiver's copies), read back as ``colocated_trace`` (a local setting,
+      off by default: a few timestamps and events per step when on).
+
     Strings and dicts are accepted where enums and nested options are expected
     (``RefitOptions(cast="strict", messages={"zero_copy": False})``).
     """
@@ -325,6 +354,9 @@ class RefitOptions(_Settings):
     job: str | None = _setting(None, str, local=True)
     secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
     relay: RelayOptions = _nested(RelayOptions)
+    strided_copies: StridedCopy = _setting(StridedCopy.KERNEL, StridedCopy, local=True)
+    step_trace: bool = _setting(False, bool, local=True)
+    overlap_check: bool = _setting(False, bool, local=True)
 
     def __post_init__(self) -> None:
         self._coerce()
@@ -414,4 +446,4 @@ def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, An
     return result
 
 __all__ = ["ALIGN", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
-           "RelayOptions", "TransportKind", "UpdateMode", "align"]
+           "RelayOptions", "StridedCopy", "TransportKind", "UpdateMode", "align"]

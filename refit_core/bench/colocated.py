@@ -19,6 +19,17 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
   once at setup (generous to the baseline).
 - ``refit``: :class:`~refit_core.RefitSender` / :class:`~refit_core.RefitReceiver`, whose same-device
   pair copies straight out of the trainer's memory (CUDA IPC; shared memory on CPU).
+  ``refit:VARIANT`` runs it with ``RefitOptions(strided_copies=VARIANT)`` (a
+  :class:`~refit_core.options.StridedCopy`: how the engine moves its large strided copies);
+  ``refit:VARIANT+overlap`` also with ``overlap_check=True`` (the trainer checks its memory while the
+  engine copies).
+
+``--breakdown`` traces every timed refit step (``RefitOptions(step_trace=True)``) and prints, per
+refit method, the median of each phase of :func:`refit_core.steptrace.breakdown`: the trainer's
+check, the ready signal, the engine's queueing, the device time of each launch group, and the tail.
+``--variants`` (for deciding the default :class:`~refit_core.options.StridedCopy`) runs the copy bound
+and every ``refit:VARIANT`` plus ``refit:kernel+overlap`` side by side in one run (each bitwise
+checked), with ``--breakdown``.
 
 Every method's last step is checked bitwise on the engine (weights poisoned with NaN before it).
 Extra memory is each process's peak allocation above its model during the method's setup and steps
@@ -32,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 from datetime import timedelta
@@ -43,13 +55,17 @@ import torch.distributed as dist
 
 from ..launch import free_port, spawn
 from ..models import load_config
-from ..options import Colocation
+from ..options import Colocation, StridedCopy
+from ..steptrace import StepTrace, breakdown
 from ..transport.memory import SharedStorage, export_storage, open_storage
 from . import layouts
 from .methods import hf_tensors, scatter
 
 GiB = 1 << 30
 METHODS = ("copy-bound", "ping-pong", "refit")
+VARIANTS = (*(f"refit:{v.value}" for v in StridedCopy), f"refit:{StridedCopy.KERNEL.value}+overlap")
+"""``refit`` with each way of moving strided copies, and with the trainer's check overlapping the
+engine's copies (``--variants``)."""
 TRAINERS = {"": layouts.MegatronStyleModel, "sequential": layouts.MegatronSequentialStyleModel}
 """Trainer layouts by model-entry suffix (``NAME:sequential``)."""
 
@@ -226,6 +242,7 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
     base = _allocated(device)
     _reset_peak(device)
     stats: list[Any] = []  # refit's StepStats (its own account of staged bytes)
+    traces: list[dict[str, Any]] = []  # with --breakdown: each step's StepTrace, as a dict
     start = time.perf_counter()
     if name == "ping-pong":
         runner = PingPong(model, sync, device, train)
@@ -233,17 +250,25 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         out["shared_bytes"] = runner.shared_bytes if train else 0
         out["fills"] = len(runner.buckets)
     else:
+        variant, _, overlap = name.partition(":")[2].partition("+")
         options = RefitOptions(timeout_s=job["timeout_s"],
-                               colocate=Colocation.AUTO if device.type == "cuda" else Colocation.SHARED)
+                               colocate=Colocation.AUTO if device.type == "cuda" else Colocation.SHARED,
+                               strided_copies=StridedCopy(variant or StridedCopy.KERNEL),
+                               overlap_check=overlap == "overlap", step_trace=job.get("breakdown", False))
         cls = RefitSender if train else RefitReceiver
         endpoint = cls(model, rendezvous=job["refit_address"], rank=0, world_size=1, options=options)
         endpoint.setup()
         links = sorted({link.value for link in endpoint.links.values()})
         out["links"] = links
-        if isinstance(endpoint, RefitSender):
-            step = lambda: stats.append(endpoint.send(version=sync.rounds))  # noqa: E731
-        else:
-            step = lambda: stats.append(endpoint.receive())  # noqa: E731
+
+        def step() -> None:
+            if isinstance(endpoint, RefitSender):
+                stats.append(endpoint.send(version=sync.rounds))
+            else:
+                stats.append(endpoint.receive())
+            trace = endpoint.colocated_trace
+            if trace is not None:
+                traces.append({"marks": dict(trace.marks), "gpu_ms": dict(trace.gpu_ms)})
     out["setup_s"] = time.perf_counter() - start
     peaks = [_peak(device)]  # setup: buffers a method allocates once (ping-pong's pair, refit's own)
     times = []
@@ -259,13 +284,15 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         times.append(seconds)
         peaks.append(peak)
     out["seconds"] = times[warmup:]
+    if traces:
+        out["traces"] = traces[warmup:]
     out["peak_extra_bytes"] = max(0, max(peaks) - base)
     if stats:
         out["staging_bytes"] = max(s.staging_bytes for s in stats)
     if not train:
         bad = model.mismatches(seed=seed_base + warmup + iters - 1)
         out["checks"] = ["bitwise ok"] if not bad else [f"{len(bad)} pieces differ, e.g. {bad[:3]}"]
-    if name == "refit":
+    if name.startswith("refit"):
         if not train:  # copy launches per step after batching (bound at the first step)
             out["copies"] = endpoint.colocated_copies
             counts = endpoint.colocated_counts
@@ -334,7 +361,48 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "staging_bytes": {"trainer": t.get("staging_bytes"), "engine": g.get("staging_bytes")},
                          "info": {k: g[k] for k in ("links", "copies", "copy_counts", "fills", "measured_bytes")
                                   if k in g}})
+            if "traces" in t and "traces" in g:
+                rows[-1]["breakdown_ms"] = _breakdown(t["traces"], g["traces"])
     return rows
+
+
+def _breakdown(train: list[dict[str, Any]], gen: list[dict[str, Any]]) -> dict[str, float]:
+    """The median of each phase of :func:`~refit_core.steptrace.breakdown` over the timed steps."""
+    steps = [breakdown(StepTrace(t["marks"], t["gpu_ms"]), StepTrace(g["marks"], g["gpu_ms"]))
+             for t, g in zip(train, gen)]
+    return {key: _median([s[key] for s in steps]) for key in steps[0]} if steps else {}
+
+
+BREAKDOWN_NOTE = """
+Breakdown columns (ms, medians; `refit_core.steptrace.breakdown`): `total` the trainer's `send`;
+`check` its moved-parameter check; `post` writing *ready*; `signal` *ready* written -> the engine read
+and checked it; `enqueue` the engine's host time queueing its copies; `device_wait` device time from
+queueing to the stream passing its events; `device_contiguous` / `device_strided` / `device_batched`
+each launch group's device time, `device_copies` their sum; `observe` copies' end -> the engine saw it;
+`ack` the engine saw it -> the trainer read *done*; `tail` copies' end -> the trainer read *done*;
+`after` the trainer's work after that. `strided MB`: bytes the large strided copies move.
+"""
+
+PHASES = ("total", "check", "post", "signal", "enqueue", "device_wait", "device_contiguous", "device_strided",
+          "device_batched", "device_copies", "observe", "ack", "tail", "after")
+"""The breakdown table's columns (ms; ``device_*`` on CUDA only)."""
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> str:
+    """The median phases of every traced refit row, one line each (ms)."""
+    traced = [r for r in rows if r.get("breakdown_ms")]
+    if not traced:
+        return ""
+    columns = [p for p in PHASES if any(p in r["breakdown_ms"] for r in traced)]
+    lines = ["| model | method | " + " | ".join(columns) + " | launches | strided MB |",
+             "|---|---|" + "---|" * len(columns) + "---|---|"]
+    for r in traced:
+        b = r["breakdown_ms"]
+        counts = r["info"].get("copy_counts") or {}
+        cells = " | ".join(f"{b[c]:.3f}" if c in b else "-" for c in columns)
+        lines.append(f"| {r['model']} | {r['method']} | {cells} | {r['info'].get('copies', '-')} | "
+                     f"{counts.get('strided_bytes', 0) / 1e6:.0f} |")
+    return "\n".join(lines)
 
 
 def _memory(peak: int, row: dict[str, Any]) -> str:
@@ -370,7 +438,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=180.0)
     parser.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
     parser.add_argument("--machine", default="")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="trace every timed refit step and print where its time goes")
+    parser.add_argument("--variants", action="store_true",
+                        help="methods: copy-bound and refit:VARIANT for every StridedCopy, with --breakdown")
     return parser.parse_args(argv)
+
+
+def _available(methods: list[str], device: str) -> list[str]:
+    """``methods`` without the variants this machine cannot run (said on stderr)."""
+    if f"refit:{StridedCopy.MEMCPY2D.value}" in methods and device.startswith("cuda"):
+        from ..copies import cuda_memcpy2d
+
+        try:
+            cuda_memcpy2d()
+        except (RuntimeError, OSError, AttributeError) as exc:
+            print(f"skipping refit:{StridedCopy.MEMCPY2D.value}: {exc}", file=sys.stderr, flush=True)
+            return [m for m in methods if m != f"refit:{StridedCopy.MEMCPY2D.value}"]
+    return methods
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,13 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     for entry in models:
         _model_entry(entry)
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(METHODS))
+    methods = ["copy-bound", *VARIANTS] if args.variants else [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS) - set(VARIANTS))
     if unknown:
-        raise SystemExit(f"unknown methods {unknown}: choose from {list(METHODS)}")
+        raise SystemExit(f"unknown methods {unknown}: choose from {list(METHODS + VARIANTS)}")
     device = "cuda:0" if args.device == "cuda" else args.device
+    methods = _available(methods, device)
     job = {"models": models, "methods": methods, "device": device, "iters": args.iters, "warmup": args.warmup,
            "bound_bytes": int(args.bound_gib * GiB), "timeout_s": args.timeout_s,
+           "breakdown": args.breakdown or args.variants,
            "sync_address": f"127.0.0.1:{free_port()}",
            "refit_addresses": [f"127.0.0.1:{free_port()}" for _ in range(len(models) * len(methods))]}
     start = time.perf_counter()
@@ -395,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
               "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "iters": args.iters, "seconds": time.perf_counter() - start, "rows": rows}
     text = table(rows)
+    phases = breakdown_table(rows)
+    if phases:
+        text += "\n\nWhere a refit step's time goes (median ms over the timed steps):\n\n" + phases
     print(text, flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -407,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                     "trainer's includes the buffers it shares with the engine); on CPU, the bytes refit "
                     "reports staged. `of copy bound`: the measured one-copy time of the same bytes "
                     "divided by the method's step. `launches`: copy calls per step (refit) or buffer "
-                    "fills (ping-pong).\n")
+                    "fills (ping-pong).\n" + (BREAKDOWN_NOTE if phases else ""))
     ok = all(r["checks"] in (["bitwise ok"], ["-"]) for r in rows)
     return 0 if ok else 1
 

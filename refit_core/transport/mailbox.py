@@ -8,8 +8,10 @@ train rank's reason reaches its engine even if the train rank has exited, and ev
 rendezvous store).
 
 Layout (int64 words, then two UTF-8 message areas): ``[0]`` ready sequence (step + 1), ``[1]``
-version, ``[2]`` plan fingerprint, ``[3]`` sender error length; ``[8]`` done sequence, ``[9]``
-receiver error length. A writer fills payload words first and the sequence word last; x86 keeps
+version, ``[2]`` plan fingerprint, ``[3]`` sender error length, ``[4]`` 1 if a verdict follows the
+ready signal (the trainer checks its memory while the engine already copies), ``[5]`` verdict
+sequence (step + 1; its error in the sender's area); ``[8]`` done sequence, ``[9]`` receiver error
+length. A writer fills payload words first and the sequence word last; x86 keeps
 stores in order, and each read or write is a separate native call. Only plain integers and UTF-8
 text are read back, never pickled objects.
 """
@@ -23,7 +25,7 @@ import torch
 from ..errors import TransferError
 
 PAGE = 4096
-_READY, _VERSION, _FINGERPRINT, _SEND_ERROR = 0, 1, 2, 3
+_READY, _VERSION, _FINGERPRINT, _SEND_ERROR, _PENDING, _VERDICT = 0, 1, 2, 3, 4, 5
 _DONE, _RECV_ERROR = 8, 9
 _SEND_TEXT, _RECV_TEXT, _TEXT_BYTES = 128, 128 + 1984, 1984
 
@@ -66,12 +68,19 @@ class Mailbox:
 
     # -- the train rank --------------------------------------------------------------------------
 
-    def post(self, step: int, version: int, fingerprint: int, error: str | None) -> None:
-        """Step ``step``'s weights are ready as ``version`` (or, with ``error``, will not be)."""
+    def post(self, step: int, version: int, fingerprint: int, error: str | None, verdict: bool = False) -> None:
+        """Step ``step``'s weights are ready as ``version`` (or, with ``error``, will not be); with
+        ``verdict``, :meth:`post_verdict` follows (the engine must wait for it before its *done*)."""
         self.words[_VERSION] = version
         self.words[_FINGERPRINT] = fingerprint
         self._write_text(_SEND_TEXT, _SEND_ERROR, error)
+        self.words[_PENDING] = int(verdict)
         self.words[_READY] = step + 1
+
+    def post_verdict(self, step: int, error: str | None) -> None:
+        """The trainer's check of step ``step`` (posted with ``verdict=True``): None if it passed."""
+        self._write_text(_SEND_TEXT, _SEND_ERROR, error)
+        self.words[_VERDICT] = step + 1
 
     def wait_done(self, step: int) -> str | None:
         """Block until the engine finished step ``step``; its error, if it failed."""
@@ -80,13 +89,21 @@ class Mailbox:
 
     # -- the gen rank ----------------------------------------------------------------------------
 
-    def wait_ready(self, step: int) -> tuple[int, int, str | None]:
-        """Block until the trainer posted step ``step``: ``(version, fingerprint, error)``."""
+    def wait_ready(self, step: int) -> tuple[int, int, str | None, bool]:
+        """Block until the trainer posted step ``step``: ``(version, fingerprint, error, verdict
+        follows)``."""
         self._await(_READY, step + 1, f"{self.peer}'s colocated step {step}")
         if int(self.words[_READY]) != step + 1:
             return -1, -1, (f"{self.peer} is at colocated step {int(self.words[_READY]) - 1}, this rank at "
-                            f"{step}: the two sides' steps diverged")
-        return int(self.words[_VERSION]), int(self.words[_FINGERPRINT]), self._read_text(_SEND_TEXT, _SEND_ERROR)
+                            f"{step}: the two sides' steps diverged"), False
+        if int(self.words[_PENDING]):  # the error area is the verdict's now: read it in wait_verdict only
+            return int(self.words[_VERSION]), int(self.words[_FINGERPRINT]), None, True
+        return int(self.words[_VERSION]), int(self.words[_FINGERPRINT]), self._read_text(_SEND_TEXT, _SEND_ERROR), False
+
+    def wait_verdict(self, step: int) -> str | None:
+        """Block until the trainer's verdict on step ``step``; its error, if its check failed."""
+        self._await(_VERDICT, step + 1, f"{self.peer}'s check of colocated step {step}")
+        return self._read_text(_SEND_TEXT, _SEND_ERROR)
 
     def done(self, step: int, error: str | None) -> None:
         self._write_text(_RECV_TEXT, _RECV_ERROR, error)

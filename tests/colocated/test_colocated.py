@@ -30,9 +30,10 @@ def _addresses() -> tuple[str, str]:
     return f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
 
 
-def _bench(model: str, train: int, hosts: list[str], steps: int = 3, fault: str | None = None, fault_rank: int = 0):
+def _bench(model: str, train: int, hosts: list[str], steps: int = 3, fault: str | None = None, fault_rank: int = 0,
+           options: dict | None = None):
     return spawn(bench_ranks, len(hosts), _addresses(), model, train, hosts, steps,
-                 {**SHARED, "timeout_s": 10 if fault else 20}, fault, fault_rank, timeout_s=240)
+                 {**SHARED, "timeout_s": 10 if fault else 20, **(options or {})}, fault, fault_rank, timeout_s=240)
 
 
 def _check_landed(results: list, steps: int) -> None:
@@ -155,6 +156,24 @@ def test_a_trainer_that_frees_or_replaces_a_shared_parameter_gets_a_clear_error(
     assert "train rank 1 failed colocated step 1" in gen0[2]
     assert isinstance(train0, dict) or train0[1] == "TransferError", train0  # its gloo peer stopped
     assert time.monotonic() - start < 200
+
+
+def test_a_check_that_overlaps_the_copies_still_fails_the_step_and_says_torn():
+    """``overlap_check``: train rank 1 posts *ready* before checking its memory; the replaced parameter
+    is still found, both sides fail step 1 naming it, and the engine reports its weights torn. The
+    steps before it land bitwise."""
+    expected = "source tensor model.layers.0.self_attn.o_proj.weight[0:128, 64:128] now lives at a different address"
+    results = _bench("tiny-llama", 2, ["A", "B", "B"], steps=2, fault="realloc", fault_rank=1,
+                     options={"overlap_check": True, "strided_copies": "foreach"})
+    _, train1, gen0 = results
+    assert train1[:2] == ("error", "TransferError") and expected in train1[2], train1
+    assert gen0[:2] == ("error", "StepFailedError") and expected in gen0[2], gen0
+    assert "train rank 1 failed colocated step 1 after the copies had started" in gen0[2]
+    assert "partly written (torn)" in gen0[2], gen0
+
+
+def test_an_overlapping_check_lands_every_step_bitwise():
+    _check_landed(_bench("tiny-llama", 1, ["A", "A"], steps=3, options={"overlap_check": True}), 3)
 
 
 def test_equal_blocks_at_constant_distances_become_one_strided_copy():

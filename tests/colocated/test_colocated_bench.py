@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from refit_core.bench.colocated import main
+from refit_core.steptrace import StepTrace, breakdown
 
 
 def test_colocated_benchmark_runs_every_method_bitwise_and_reports_ratios(tmp_path, capsys):
@@ -33,3 +34,40 @@ def test_colocated_benchmark_runs_every_method_bitwise_and_reports_ratios(tmp_pa
     text = open(prefix + ".md").read()
     assert "| tiny-qwen3-moe | refit |" in text and "0.00 GiB staged" in text
     assert "of copy bound" in capsys.readouterr().out
+
+
+def test_variants_run_side_by_side_bitwise_with_a_breakdown_of_each_step(tmp_path, capsys):
+    """``--variants``: the copy bound and refit once per StridedCopy in one run, each checked bitwise,
+    each with the median phases of its traced steps (host marks of both processes on one clock)."""
+    prefix = str(tmp_path / "variants")
+    rc = main(["--device", "cpu", "--models", "tiny-llama", "--variants", "--iters", "2", "--warmup", "0",
+               "--timeout-s", "60", "--bound-gib", "0.001", "--out", prefix])
+    report = json.loads(open(prefix + ".json").read())
+    assert rc == 0, report
+    rows = {r["method"]: r for r in report["rows"]}
+    assert list(rows) == ["copy-bound", "refit:kernel", "refit:blocks", "refit:foreach", "refit:memcpy2d",
+                          "refit:kernel+overlap"]
+    for method, row in rows.items():
+        if method == "copy-bound":
+            assert "breakdown_ms" not in row
+            continue
+        assert row["checks"] == ["bitwise ok"], (method, row)
+        b = row["breakdown_ms"]
+        phases = ("check", "post", "signal", "enqueue", "observe", "ack", "after")
+        assert all(b[p] >= 0 for p in phases), b  # one monotonic clock in both processes
+        assert b["total"] >= b["check"] + b["post"] and b["total"] <= row["ms"] * 1.01 + 1, (b, row["ms"])
+        assert not any(k.startswith("device_") for k in b)  # device phases: CUDA only
+    out = capsys.readouterr().out
+    assert "Where a refit step's time goes" in out and "| tiny-llama | refit:foreach |" in out
+    assert "Breakdown columns" in open(prefix + ".md").read()
+
+
+def test_breakdown_splits_a_step_into_phases():
+    train = StepTrace({"start": 1.0, "checked": 1.001, "posted": 1.0011, "done_seen": 1.010, "end": 1.0101})
+    gen = StepTrace({"start": 0.999, "ready_seen": 1.0012, "enqueue_begin": 1.0012, "enqueued": 1.0022,
+                     "gpu_done_seen": 1.0098, "done_posted": 1.0099},
+                    {"wait": 0.1, "contiguous": 6.0, "strided": 1.5, "batched": 0.1, "copies": 7.6})
+    b = breakdown(train, gen)
+    assert round(b["total"], 3) == 10.1 and round(b["check"], 3) == 1.0 and round(b["signal"], 3) == 0.1
+    assert round(b["enqueue"], 3) == 1.0 and b["device_strided"] == 1.5 and b["device_copies"] == 7.6
+    assert round(b["observe"], 3) == 0.9 and round(b["tail"], 3) == 1.1 and round(b["ack"], 3) == 0.2

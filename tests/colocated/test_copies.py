@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from refit_core.copies import CopyProgram, coalesce, widen
+from refit_core.copies import CopyProgram, blocks, coalesce, pitched, widen
+from refit_core.options import StridedCopy
 
 
 def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -129,3 +130,73 @@ def test_random_layouts_land_exactly_as_plain_copies(seed):
 def test_a_copy_between_different_shapes_is_refused():
     with pytest.raises(ValueError, match=r"a copy from shape \(4,\) into shape \(2, 2\)"):
         CopyProgram([(torch.zeros(2, 2), torch.zeros(4))])
+
+
+def _qkv_pairs(dtype: torch.dtype, seed: int):
+    """Megatron's ``linear_qkv`` (per query group ``[q; k; v]``) into vLLM's ``[Q; K; V]``, NaN payloads
+    and all: three stacks of equal blocks at constant distances."""
+    groups, q, kv, hidden = 4, 8, 2, 16
+    qkv = _random_bits((groups, q + 2 * kv, hidden), dtype, seed)
+    out = torch.zeros(groups * (q + 2 * kv), hidden, dtype=dtype)
+    Q, K = groups * q, groups * kv
+    pairs = []
+    for g in range(groups):
+        pairs += [(out[g * q:(g + 1) * q], qkv[g, :q]), (out[Q + g * kv:Q + (g + 1) * kv], qkv[g, q:q + kv]),
+                  (out[Q + K + g * kv:Q + K + (g + 1) * kv], qkv[g, q + kv:])]
+    return out, pairs
+
+
+@pytest.mark.parametrize("strided", list(StridedCopy))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_every_strided_variant_moves_the_same_bits(strided, dtype):
+    """Each :class:`StridedCopy` moves exactly the bytes of one plain ``copy_`` per pair (random bit
+    patterns: NaNs with payloads, negative zeros), large strided copies included (``batch_below=1``)."""
+    out, pairs = _qkv_pairs(dtype, seed=7)
+    expected = _expected(out, pairs, _same_view)
+    assert torch.isnan(expected.float()).any()  # the test data holds NaN bit patterns
+    program = CopyProgram(pairs, batch_below=1, strided=strided, min_block_bytes=1)
+    program.run()
+    assert torch.equal(_bits(out), _bits(expected))
+    assert program.counts.strided == 3 and program.counts.strided_bytes == out.numel() * dtype.itemsize
+    launches = {StridedCopy.KERNEL: 3, StridedCopy.BLOCKS: 12, StridedCopy.FOREACH: 1, StridedCopy.MEMCPY2D: 3}
+    assert program.counts.launches == launches[strided]  # memcpy2d: CUDA only, a strided kernel on CPU
+
+
+@pytest.mark.parametrize("strided", [StridedCopy.BLOCKS, StridedCopy.FOREACH])
+def test_blocks_below_the_minimum_stay_one_strided_copy(strided):
+    out, pairs = _qkv_pairs(torch.bfloat16, seed=8)
+    program = CopyProgram(pairs, batch_below=1, strided=strided, min_block_bytes=1 << 20)
+    assert program.counts.launches == 3  # 256-byte blocks: not worth a launch (or a foreach entry) each
+    program.run()
+    assert torch.equal(_bits(out), _bits(_expected(torch.zeros_like(out), pairs, _same_view)))
+
+
+def test_blocks_split_a_copy_into_contiguous_pairs_or_refuse():
+    src = torch.arange(4 * 6 * 8, dtype=torch.float32).view(4, 6, 8)
+    dst = torch.zeros(4, 3, 8)
+    split = blocks(dst, src[:, :3])
+    assert split is not None and len(split) == 4
+    assert all(d.is_contiguous() and s.is_contiguous() and d.shape == (3, 8) for d, s in split)
+    assert blocks(dst, src[:, :3], min_bytes=3 * 8 * 4 + 1) is None  # 96-byte blocks: below the minimum
+    assert blocks(torch.zeros(4, 6, 4), src[:, :, :4]) is not None  # rows of 16 bytes: split to rows
+    assert blocks(torch.zeros(6), src[0, :, 0]) is None  # single elements at a stride: no contiguous block
+    whole = torch.zeros(4, 6, 8)
+    assert blocks(whole, src) == [(whole, src)]
+
+
+def test_pitched_describes_a_stack_of_contiguous_blocks():
+    src = torch.zeros(4, 6, 8, dtype=torch.bfloat16)
+    dst = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    shape = pitched(dst, src[:, 4:])
+    assert shape is not None
+    assert (shape.width, shape.height, shape.dst_pitch, shape.src_pitch) == (32, 4, 32, 96)
+    assert shape.src == src[0, 4].data_ptr() and shape.dst == dst.data_ptr()
+    assert pitched(torch.zeros(4, 2, 4, dtype=torch.bfloat16), src[:, :2, :4]) is None  # blocks not contiguous
+    assert pitched(dst, src[:, 4:].float()) is None  # a cast is not a memcpy
+
+
+def test_pitched_refuses_pitches_beyond_what_a_2d_memcpy_takes():
+    meta = torch.empty(0, dtype=torch.uint8, device="meta")  # views' geometry only: no memory
+    src = meta.as_strided((2, 16), (16, 1))
+    assert pitched(meta.as_strided((2, 16), (1 << 31, 1)), src) is None
+    assert pitched(meta.as_strided((2, 16), (32, 1)), src) is not None

@@ -138,3 +138,18 @@ def test_gen_side_adopts_the_train_sides_settings_and_refits_bitwise():
     assert gen["fingerprint"] == train["fingerprint"]
     assert gen["version"] == 7 and gen["mismatches"] == []
     assert gen["direct"] == 0 and 0 < gen["staging"] <= 2 * 1024  # zero-copy off, bucket and buffers adopted
+
+
+def test_colocated_settings_are_each_ranks_own_and_typed():
+    """``strided_copies``, ``overlap_check`` and ``step_trace`` change no byte that travels: a rank keeps
+    its own value whatever the train side published, and they stay out of the plan's fingerprint."""
+    from refit_core.options import StridedCopy
+
+    mine = RefitOptions(strided_copies="memcpy2d", overlap_check=True, step_trace=True)
+    assert mine.strided_copies is StridedCopy.MEMCPY2D
+    adopted = mine.agree_with(RefitOptions(num_buffers=2), "gen rank 1")
+    assert (adopted.strided_copies, adopted.overlap_check, adopted.step_trace, adopted.num_buffers) == (
+        StridedCopy.MEMCPY2D, True, True, 2)
+    assert mine.resolved("cpu").digest() == RefitOptions().resolved("cpu").digest()
+    with pytest.raises(OptionError, match="strided_copies"):
+        RefitOptions(strided_copies="diagonal")

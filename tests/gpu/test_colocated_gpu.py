@@ -109,3 +109,30 @@ def test_colocated_tp2_trainer_and_engine_mix_cuda_ipc_and_nccl_in_one_step(tmp_
     (row,) = report["models"][0]["rows"]
     assert row["checks"] == ["bitwise ok"]
     assert row["info"]["links"] == ["cuda-ipc", "network"]
+
+
+@pytest.mark.parametrize("strided", ["kernel", "blocks", "foreach", "memcpy2d"])
+def test_every_strided_variant_is_bitwise_on_the_gpu(strided):
+    """The copy program's strided variants on CUDA (``memcpy2d`` is ``cudaMemcpy2DAsync`` only here):
+    Megatron's per-group ``[q; k; v]`` rows into ``[Q; K; V]``, every bit pattern, NaNs included."""
+    from refit_core.copies import CopyProgram
+    from refit_core.options import StridedCopy
+
+    groups, q, kv, hidden = 8, 512, 128, 4096
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    numel = groups * (q + 2 * kv) * hidden
+    qkv = torch.randint(0, 1 << 15, (numel,), dtype=torch.int16, device="cuda", generator=gen)
+    qkv = qkv.view(torch.bfloat16).view(groups, q + 2 * kv, hidden)
+    out = torch.zeros(groups * (q + 2 * kv), hidden, dtype=torch.bfloat16, device="cuda")
+    Q, K = groups * q, groups * kv
+    pairs = []
+    for g in range(groups):
+        pairs += [(out[g * q:(g + 1) * q], qkv[g, :q]), (out[Q + g * kv:Q + (g + 1) * kv], qkv[g, q:q + kv]),
+                  (out[Q + K + g * kv:Q + K + (g + 1) * kv], qkv[g, q + kv:])]
+    expected = torch.cat([qkv[:, :q].reshape(-1, hidden), qkv[:, q:q + kv].reshape(-1, hidden),
+                          qkv[:, q + kv:].reshape(-1, hidden)])
+    program = CopyProgram(pairs, strided=StridedCopy(strided))
+    program.run()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert program.counts.strided == 3
