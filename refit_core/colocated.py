@@ -223,7 +223,7 @@ class ColocatedReceiver:
 
     def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
                  device: torch.device, fingerprint: str, timeout_s: float,
-                 strided: StridedCopy = StridedCopy.KERNEL, trace: bool = False) -> None:
+                 strided: StridedCopy = StridedCopy.FOREACH, trace: bool = False) -> None:
         self.messages = messages
         self.channel = _Channel(store, timeout_s)
         self.rank = rank

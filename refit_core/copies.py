@@ -263,7 +263,7 @@ class CopyProgram:
     """
 
     def __init__(self, pairs: Sequence[Pair], batch_below: int = BATCH_BELOW,
-                 strided: StridedCopy = StridedCopy.KERNEL, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
+                 strided: StridedCopy = StridedCopy.FOREACH, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
         for dst, src in pairs:
             if dst.shape != src.shape:
                 raise ValueError(f"a copy from shape {tuple(src.shape)} into shape {tuple(dst.shape)}")

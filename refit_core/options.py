@@ -328,7 +328,8 @@ class RefitOptions(_Settings):
       rank proves both (HMAC) before it may read or write the rendezvous; the secret is never sent.
 
     - ``strided_copies``: :class:`StridedCopy`: how a colocated gen rank moves large strided copies
-      (a local setting; ``kernel`` by default).
+      (a local setting; ``foreach`` by default, the fastest on an H200:
+      ``benchmarks/results/colocated-nvidia-h200-variants-2026-11-23.md``).
     - ``overlap_check``: a colocated train rank signals *ready* first and checks that its parameters
       are still the memory shared at setup while the engine copies (off by default: the check runs
       first). A failed check still fails the step on both sides with the same error, but the engine's
@@ -354,7 +355,7 @@ class RefitOptions(_Settings):
     job: str | None = _setting(None, str, local=True)
     secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
     relay: RelayOptions = _nested(RelayOptions)
-    strided_copies: StridedCopy = _setting(StridedCopy.KERNEL, StridedCopy, local=True)
+    strided_copies: StridedCopy = _setting(StridedCopy.FOREACH, StridedCopy, local=True)
     step_trace: bool = _setting(False, bool, local=True)
     overlap_check: bool = _setting(False, bool, local=True)
 

@@ -28,8 +28,8 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
 refit method, the median of each phase of :func:`refit_core.steptrace.breakdown`: the trainer's
 check, the ready signal, the engine's queueing, the device time of each launch group, and the tail.
 ``--variants`` (for deciding the default :class:`~refit_core.options.StridedCopy`) runs the copy bound
-and every ``refit:VARIANT`` plus ``refit:kernel+overlap`` side by side in one run (each bitwise
-checked), with ``--breakdown``.
+and every ``refit:VARIANT`` plus ``refit:kernel+overlap`` and ``refit:foreach+overlap`` side by side
+in one run (each bitwise checked), with ``--breakdown``.
 
 Every method's last step is checked bitwise on the engine (weights poisoned with NaN before it).
 Extra memory is each process's peak allocation above its model during the method's setup and steps
@@ -63,7 +63,8 @@ from .methods import hf_tensors, scatter
 
 GiB = 1 << 30
 METHODS = ("copy-bound", "ping-pong", "refit")
-VARIANTS = (*(f"refit:{v.value}" for v in StridedCopy), f"refit:{StridedCopy.KERNEL.value}+overlap")
+VARIANTS = (*(f"refit:{v.value}" for v in StridedCopy),
+            *(f"refit:{v.value}+overlap" for v in (StridedCopy.KERNEL, StridedCopy.FOREACH)))
 """``refit`` with each way of moving strided copies, and with the trainer's check overlapping the
 engine's copies (``--variants``)."""
 TRAINERS = {"": layouts.MegatronStyleModel, "sequential": layouts.MegatronSequentialStyleModel}
@@ -253,7 +254,7 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         variant, _, overlap = name.partition(":")[2].partition("+")
         options = RefitOptions(timeout_s=job["timeout_s"],
                                colocate=Colocation.AUTO if device.type == "cuda" else Colocation.SHARED,
-                               strided_copies=StridedCopy(variant or StridedCopy.KERNEL),
+                               strided_copies=StridedCopy(variant or RefitOptions().strided_copies),
                                overlap_check=overlap == "overlap", step_trace=job.get("breakdown", False))
         cls = RefitSender if train else RefitReceiver
         endpoint = cls(model, rendezvous=job["refit_address"], rank=0, world_size=1, options=options)
