@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from .backend import GEN
 from .errors import RefitError
 from .layout import parse_backend_layout
 from .models import PRESETS, load_config, model_inventory
@@ -78,7 +79,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     plan = DemoPlan(train, gen, args.model,
                     args.train_layout if args.train_layout is not None else train.demo_train_layout,
                     args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout,
-                    args.steps, args.device or default_device(), colocate=args.colocate)
+                    args.steps, args.device or default_device(), colocate=args.colocate, quantize=args.quantize)
+    if args.quantize and args.quantize not in gen.demo_quantize:
+        raise RefitError(f"--quantize {args.quantize}: the {gen.name} backend's demo cannot hold quantized "
+                         f"weights (backends that can: {', '.join(b.name for b in pm.backends(GEN) if args.quantize in b.demo_quantize) or 'none'})")
     if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None and not plan.colocate:
         plan = fit_to_gpus(plan)
     inventory = model_inventory(plan.model)  # a bad model is an error here, before anything starts
@@ -152,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a real RL loop instead: GRPO on a tiny policy (Ray actors, FSDP2 -> vLLM), refit "
                            "after every step, reward and generation-KL table and plot (needs refit-core[ray])")
     demo.add_argument("--plot", default="refit-rl-loop.png", help="with --loop: where to write the PNG")
+    demo.add_argument("--quantize", choices=("fp8",), help="fp8: the gen side holds block-FP8 (128 x 128) linear "
+                      "weights, quantized by refit and checked against the reference quantizer")
     demo.set_defaults(func=cmd_demo)
 
     check = sub.add_parser("check-plugin", help="run the conformance kit's model-free checks on an installed plugin")

@@ -13,7 +13,9 @@ rendezvous store; the gen rank opens them once. Every step then runs:
    peer's header and check it, then one batched ``torch._foreach_copy_`` of all the pair's segments
    from the trainer's views into the engine's views (casting where the plan casts; neighbouring
    segments that are neighbours in memory on both sides merged into one copy), ordered after the
-   trainer's event and the engine's queued work; wait for it, publish *done*;
+   trainer's event and the engine's queued work (segments the plan quantizes on the sender, FP8
+   destinations, are quantized by the gen rank straight from the trainer's memory after the copies,
+   :mod:`refit_core.quant`); wait for it, publish *done*;
 3. train rank (:meth:`ColocatedSender.wait`): wait for every peer's *done* before ``send`` returns.
 
 No staging memory: one read and one write of every byte, which is the bound of any copy. The same
@@ -34,12 +36,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from .errors import RefitError, TransferError
 from .lanes import EventFence, Lane, current_work, lane_for
+from .quant.fast import default_quantizer
+from .quant.spec import Quantization
 from .schedule import Message, Segment
 from .transport.base import Fence
 from .transport.mailbox import Mailbox
@@ -265,6 +270,7 @@ class ColocatedReceiver:
         self._opened: list[torch.UntypedStorage] = []
         self._events: dict[int, torch.cuda.Event] = {}
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._quantized: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Quantization]] = []
         self._pending: Fence | None = None
         self.copies = 0
 
@@ -299,14 +305,28 @@ class ColocatedReceiver:
         return seg.box.slice_of(view)
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
-        """Resolve every segment to (engine view, trainer view); merge memory neighbours."""
+        """Resolve every segment to (engine view, trainer view); merge memory neighbours.
+
+        A segment the plan quantizes on the sender (its source segment carries ``scales``; the
+        receiver's side has two segments, values then scales) is quantized here instead, straight
+        from the trainer's memory into the engine's FP8 values and scales, after the copies.
+        """
         pairs = []
+        quantized = []
         for peer in self.peers:
             for m in self.messages[peer]:
-                for src, dst in zip(m.src_segments, m.dst_segments):
-                    pairs.append((dst.box.slice_of(views[dst.piece]), self._source(peer, src)))
+                targets = iter(m.dst_segments)
+                for src in m.src_segments:
+                    dst = next(targets)
+                    source, target = self._source(peer, src), dst.box.slice_of(views[dst.piece])
+                    if src.scales is None:
+                        pairs.append((target, source))
+                    else:
+                        scale = next(targets)
+                        quantized.append((source, target, scale.box.slice_of(views[scale.piece]), src.scales.quant))
         self._copies = coalesce(pairs)
-        self.copies = len(self._copies)
+        self._quantized = quantized
+        self.copies = len(self._copies) + len(quantized)
 
     def start(self, version_hint: int = -1) -> int:
         """Wait for every peer's header, check it, start the copies; returns the weight version."""
@@ -335,10 +355,8 @@ class ColocatedReceiver:
             raise TransferError(message)
         after = [current_work(self.device, "the engine's pending work"),
                  *(EventFence(event, "the trainer's step") for event in self._events.values())]
-        copies = self._copies
-        if copies:
-            dst, src = [d for d, _ in copies], [s for _, s in copies]
-            self._pending = self.lane.run(lambda: torch._foreach_copy_(dst, src), after=after)
+        if self._copies or self._quantized:
+            self._pending = self.lane.run(partial(_copy_and_quantize, self._copies, self._quantized), after=after)
         return versions.pop() if versions else version_hint
 
     def finish(self, error: str | None = None) -> None:
@@ -360,6 +378,17 @@ class ColocatedReceiver:
 
     def close(self) -> None:
         self._copies, self._sources, self._opened, self._events, self._mailboxes = [], {}, [], {}, {}
+        self._quantized = []
+
+
+def _copy_and_quantize(copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                       quantized: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Quantization]]) -> None:
+    """One step of a gen rank's colocated part: the batched copies, then the sender-side quantizations."""
+    if copies:
+        torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
+    quantizer = default_quantizer()
+    for source, values, scales, quant in quantized:
+        quantizer.quantize_into(source, values, scales, quant)
 
 
 def split_rounds(rounds: list[list[Message]], network: Callable[[Message], bool]

@@ -30,27 +30,58 @@ import hashlib
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .options import ALIGN, MessageMode, MessageOptions, align
 from .planner import Transfer
+from .quant.spec import Quantization, QuantSite
 from .spec import Box, dtype_size
 
 
 @dataclass(frozen=True)
+class SegmentScales:
+    """A sender segment that quantizes: its scales travel at byte ``offset`` of the message."""
+
+    quant: Quantization
+    offset: int
+
+    def shape(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return self.quant.scale_shape(sizes)
+
+
+@dataclass(frozen=True)
 class Segment:
-    """``box`` of local piece ``piece`` travels at byte ``offset`` of its message, as ``dtype``."""
+    """``box`` of local piece ``piece`` travels at byte ``offset`` of its message, as ``dtype``.
+
+    ``scales`` is set on a sender's segment that is quantized in the pack step: ``dtype`` is then
+    the FP8 dtype of the values, and the scales of the box's blocks follow at ``scales.offset``
+    (the receiver sees two plain segments: the values, and the scales into the scale piece).
+    """
 
     piece: int
     box: Box
     offset: int
     dtype: torch.dtype
+    scales: SegmentScales | None = None
 
     @property
     def nbytes(self) -> int:
         return self.box.numel * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class ReceiverQuantization:
+    """Gen rank ``dst`` quantizes its piece ``piece`` (received in high precision) into itself and
+    the scale piece ``scale_piece`` after every step's bytes landed."""
+
+    dst: int
+    piece: int
+    scale_piece: int
+    quant: Quantization
+    dtype: torch.dtype
+    """The high-precision dtype the piece's bytes arrive in (the source's)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +119,11 @@ class Schedule:
     rounds: list[list[Message]]
     fingerprint: str
     summary: ScheduleSummary
+    receiver_quantizations: tuple[ReceiverQuantization, ...] = ()
+
+    def receiver_quantizations_of(self, rank: int) -> list[ReceiverQuantization]:
+        """The pieces gen rank ``rank`` quantizes itself (see :mod:`refit_core.quant.rules`)."""
+        return [q for q in self.receiver_quantizations if q.dst == rank]
 
     def rounds_of_source(self, rank: int) -> list[list[Message]]:
         """This train rank's messages, round by round (rounds it has no part in are skipped)."""
@@ -99,21 +135,25 @@ class Schedule:
         return [msgs for msgs in picked if msgs]
 
 
-def _chunks(box: Box, max_numel: int) -> Iterator[Box]:
-    """Sub-boxes of ``box`` (relative offsets) of at most ``max_numel`` elements, in memory order."""
+def _chunks(box: Box, max_numel: int, block: tuple[int, ...] | None = None) -> Iterator[Box]:
+    """Sub-boxes of ``box`` (relative offsets) of at most ``max_numel`` elements, in memory order,
+    cut only at multiples of ``block`` (quantization blocks; default: anywhere)."""
     if box.numel <= max_numel:
         yield box
         return
-    dim = next(d for d, s in enumerate(box.sizes) if s > 1)
-    inner = math.prod(box.sizes[dim + 1:])
+    block = block or (1,) * box.ndim
+    dim = next((d for d, (s, b) in enumerate(zip(box.sizes, block)) if s > b), None)
+    if dim is None:
+        raise ValueError(f"a bucket of {max_numel} elements is smaller than one quantization block {block}")
+    inner = math.prod(box.sizes[dim + 1:]) * block[dim]
     if inner <= max_numel:
-        step = max_numel // inner
+        step = max_numel // inner * block[dim]
         for start in range(0, box.sizes[dim], step):
             size = min(step, box.sizes[dim] - start)
             yield _narrow(box, dim, start, size)
     else:
-        for index in range(box.sizes[dim]):
-            yield from _chunks(_narrow(box, dim, index, 1), max_numel)
+        for start in range(0, box.sizes[dim], block[dim]):
+            yield from _chunks(_narrow(box, dim, start, min(block[dim], box.sizes[dim] - start)), max_numel, block)
 
 
 def _narrow(box: Box, dim: int, start: int, size: int) -> Box:
@@ -125,13 +165,21 @@ def _narrow(box: Box, dim: int, start: int, size: int) -> Box:
 
 
 def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
-    """Paired (src, dst) sub-boxes of a transfer, each at most ``max_bytes``."""
+    """Paired (src, dst) sub-boxes of a transfer, each at most ``max_bytes``.
+
+    A transfer quantized on the sender is cut on block boundaries, at most half the bucket of
+    values each so that the values, their scales and the alignment gap fit.
+    """
+    block = None
     max_numel = max(1, max_bytes // dtype_size(t.dtype))
+    if _quantized_on_sender(t):
+        block = t.quantize.quant.block
+        max_numel = max(1, max_bytes // 2)
     if t.src_box.numel <= max_numel:
         yield t.src_box, t.dst_box
         return
     origin = Box((0,) * t.src_box.ndim, t.src_box.sizes)
-    for part in _chunks(origin, max_numel):
+    for part in _chunks(origin, max_numel, block):
         yield (Box(tuple(a + b for a, b in zip(t.src_box.offsets, part.offsets)), part.sizes),
                Box(tuple(a + b for a, b in zip(t.dst_box.offsets, part.offsets)), part.sizes))
 
@@ -149,13 +197,27 @@ class _MessageBuilder:
 
     def add(self, t: Transfer, src_box: Box, dst_box: Box) -> None:
         nbytes = src_box.numel * dtype_size(t.dtype)
+        quantized = _quantized_on_sender(t)
+        if quantized:  # values, then (aligned) the scales of their blocks
+            quant = t.quantize.quant
+            scale_box = quant.scale_box(dst_box)
+            values = nbytes
+            nbytes = align(values) + scale_box.numel * dtype_size(quant.scale_dtype)
         offset = align(self.used)
         if self.src_segs and offset + nbytes > self.bucket_bytes:
             self.close()
             offset = 0
+        if offset + nbytes > self.bucket_bytes:
+            raise ValueError(f"{t.name}: a {nbytes}-byte segment does not fit the {self.bucket_bytes}-byte bucket")
         self.pair = (t.src, t.dst)
-        self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))
-        self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
+        if quantized:
+            scales_at = offset + align(values)
+            self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype, SegmentScales(quant, scales_at)))
+            self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
+            self.dst_segs.append(Segment(t.quantize.scale_piece, scale_box, scales_at, quant.scale_dtype))
+        else:
+            self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))
+            self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
         self.used = offset + nbytes
 
     def close(self) -> None:
@@ -181,10 +243,16 @@ class _Unit:
     parts: list[_Part]
 
 
+def _quantized_on_sender(t: Transfer) -> bool:
+    return t.quantize is not None and t.quantize.site is QuantSite.SENDER
+
+
 def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
     """What sibling grouped-expert transfers of one layer share (None for other tensors)."""
     if t.name not in expert_groups or t.src_box.ndim < 2 or t.src_box.sizes[0] < 2:
         return None
+    if _quantized_on_sender(t) and t.quantize.quant.block[0] != 1:
+        return None  # one expert would split a block
     return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
 
 
@@ -231,7 +299,7 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
         for p in unit.parts:
             t = p.transfer
             whole = p.src is t.src_box and p.dst is t.dst_box
-            part = t if whole else Transfer(t.name, t.src, t.src_piece, p.src, t.dst, t.dst_piece, p.dst, t.dtype)
+            part = t if whole else replace(t, src_box=p.src, dst_box=p.dst)
             for src_box, dst_box in _split_transfer(part, bucket_bytes):
                 builder.add(t, src_box, dst_box)
         if builder is not shared:
@@ -289,12 +357,23 @@ def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bu
         by_pair[(t.src, t.dst)].append(t)
     per_pair = {pair: _messages(ts, bucket_bytes, formation, groups) for pair, ts in by_pair.items()}
     rounds = _place_in_rounds(per_pair, bucket_bytes)
+    quantizing = _receiver_quantizations(transfers)
     return Schedule(num_src, num_dst, bucket_bytes, rounds,
-                    fingerprint(num_src, num_dst, bucket_bytes, rounds, agreed_settings), summarize(rounds))
+                    fingerprint(num_src, num_dst, bucket_bytes, rounds, agreed_settings, quantizing),
+                    summarize(rounds), quantizing)
+
+
+def _receiver_quantizations(transfers: Sequence[Transfer]) -> tuple[ReceiverQuantization, ...]:
+    seen: dict[tuple[int, int], ReceiverQuantization] = {}
+    for t in transfers:
+        if t.quantize is not None and t.quantize.site is QuantSite.RECEIVER:
+            seen.setdefault((t.dst, t.dst_piece), ReceiverQuantization(
+                t.dst, t.dst_piece, t.quantize.scale_piece, t.quantize.quant, t.dtype))
+    return tuple(seen[k] for k in sorted(seen))
 
 
 def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[Sequence[Message]],
-                agreed_settings: str = "") -> str:
+                agreed_settings: str = "", receiver_quantizations: Sequence[ReceiverQuantization] = ()) -> str:
     """A digest of everything both sides must agree on: ranks, settings, every segment."""
     h = hashlib.sha256(f"{num_src}/{num_dst}/{bucket_bytes}/{agreed_settings}".encode())
     text: dict[object, str] = {}  # the same tuples and dtypes recur: format each once
@@ -307,10 +386,17 @@ def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[
     for r, msgs in enumerate(rounds):
         for m in msgs:
             parts = [f"|{r}:{m.src}>{m.dst}:{m.nbytes}"]
-            for s, d in zip(m.src_segments, m.dst_segments):
+            targets = iter(m.dst_segments)
+            for s in m.src_segments:
+                d = next(targets)
                 parts.append(f";{s.piece}{shown(s.box.offsets)}{shown(s.box.sizes)}>{d.piece}"
                              f"{shown(d.box.offsets)}@{s.offset}{shown(s.dtype)}")
+                if s.scales is not None:  # quantized on the sender: the scales' segment follows
+                    q, scale = s.scales, next(targets)
+                    parts.append(f"q{q.quant.block}{q.quant.dtype}@{q.offset}>{scale.piece}{shown(scale.box.offsets)}")
             h.update("".join(parts).encode())  # sha256 of a concatenation: as if fed piece by piece
+    for rq in receiver_quantizations:
+        h.update(f"|rq{rq.dst}:{rq.piece}:{rq.scale_piece}{rq.quant.block}{rq.quant.dtype}{rq.dtype}".encode())
     return h.hexdigest()[:16]
 
 
