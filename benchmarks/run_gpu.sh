@@ -10,15 +10,17 @@
 #      Qwen3-30B-A3B shapes: copy bound, ping-pong baseline, refit (benchmarks/run_colocated.sh).
 #   7. megatron: a Llama-3-8B-shaped megatron-core model through refit-plugin-megatron vs the wire
 #      (benchmarks/megatron_gpu.sh; needs .whl/megatron_core-*.whl from benchmarks/fetch_gpu_wheels.sh).
+#   8. FP8 destinations (`fp8`): BF16 Megatron-style source -> block-FP8 vLLM-style destination, side
+#      by side with BF16 refit and BF16 refit + quantize-after (refit_core/bench/fp8.py).
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
-#   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo
+#   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo fp8
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
-STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated megatron"}
+STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated megatron fp8"}
 MACHINE=${MACHINE:-nvidia-h200-x2}
 DATE=$(date -u +%F)
 PY=${PY:-python3}
@@ -110,5 +112,16 @@ fi
 if step megatron; then
   OUT="$OUT" PY="$PY" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"
   echo "megatron exit: $?" | tee -a "$LOG"
+fi
+fp8_bench() {
+  # Llama-3-8B and Qwen3-30B-A3B shapes, each into BF16 (wire, refit) and block-FP8 128 x 128 (wire over the
+  # FP8 bytes, refit quantizing on the sender, BF16 refit + quantize-after), every byte checked.
+  local cmd="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --fp8-block 128,128 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
+  limit ${FP8_TIMEOUT:-240} $PY -m refit_core.bench ${cmd#refit bench } --timeout-s 150 \
+    --command "$cmd" --out "$OUT/h200x2-fp8-$DATE" 2>&1 | tee -a "$LOG"
+  echo "fp8 exit: $?" | tee -a "$LOG"
+}
+if step fp8; then
+  fp8_bench
 fi
 echo "== done at $(date -u +%T)" | tee -a "$LOG"

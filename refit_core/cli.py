@@ -81,8 +81,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout,
                     args.steps, args.device or default_device(), colocate=args.colocate, quantize=args.quantize)
     if args.quantize and args.quantize not in gen.demo_quantize:
+        able = ", ".join(b.name for b in pm.backends(GEN) if args.quantize in b.demo_quantize) or "none"
         raise RefitError(f"--quantize {args.quantize}: the {gen.name} backend's demo cannot hold quantized "
-                         f"weights (backends that can: {', '.join(b.name for b in pm.backends(GEN) if args.quantize in b.demo_quantize) or 'none'})")
+                         f"weights (backends that can: {able})")
     if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None and not plan.colocate:
         plan = fit_to_gpus(plan)
     inventory = model_inventory(plan.model)  # a bad model is an error here, before anything starts

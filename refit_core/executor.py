@@ -302,6 +302,22 @@ class SendExecutor(_RoundRunner):
     def _segments(self, m: Message) -> tuple[Segment, ...]:
         return m.src_segments
 
+    def bind(self, views: list[torch.Tensor]) -> None:
+        super().bind(views)
+        self._warm_up_quantizer()
+
+    def _warm_up_quantizer(self) -> None:
+        """Quantize one segment of every kind once at setup, so a compiled quantizer compiles here
+        and not inside the first step (where the peers would wait for it)."""
+        seen = set()
+        for plan in self.plans:
+            for seg, view in zip(plan.segments, plan.views):
+                key = (seg.quant, view.dtype, view.ndim)
+                if seg.quant is None or key in seen:
+                    continue
+                seen.add(key)
+                self.quantizer.quantize(view, seg.quant)
+
     def run(self, version: int) -> StepStats:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s

@@ -76,7 +76,8 @@ class Quantizer:
                              "two dims may hold blocks larger than 1")
         bn, bk = quant.block[-2:]
         kernel = self._pick(x.device)
-        args = (_as_3d(x) if x.ndim <= 3 else x.reshape(-1, *x.shape[-2:]), _as_3d(values), _as_3d(scales), bn, bk, quant.fp8_max)
+        source = _as_3d(x) if x.ndim <= 3 else x.reshape(-1, *x.shape[-2:])
+        args = (source, _as_3d(values), _as_3d(scales), bn, bk, quant.fp8_max)
         if kernel is quantize_3d:
             quantize_3d(*args)
             return

@@ -40,7 +40,8 @@ def fp8_refit_rank(rank: int, world: int, address: str, job: dict[str, Any]) -> 
     out: dict[str, Any] = {"side": "train" if train else "gen", "bytes": schedule.summary.bytes, "mismatches": []}
     my_rounds = schedule.rounds_of_source(rank) if train else schedule.rounds_of_destination(rank - job["train_tp"])
     segments = [s for msgs in my_rounds for m in msgs for s in (m.src_segments if train else m.dst_segments)]
-    out["sender_quantized"] = sorted({_short(model, s.piece) for s in segments if s.scales is not None}) if train else []
+    quantized = {_short(model, s.piece) for s in segments if s.scales is not None}
+    out["sender_quantized"] = sorted(quantized) if train else []
     if not train:
         local = rank - job["train_tp"]
         out["receiver_quantized"] = sorted({_short(model, q.piece) for q in schedule.receiver_quantizations_of(local)})
