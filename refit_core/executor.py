@@ -312,8 +312,10 @@ class SendExecutor(_RoundRunner):
         seen = set()
         for plan in self.plans:
             for seg, view in zip(plan.segments, plan.views):
-                key = (seg.quant, view.dtype, view.ndim)
-                if seg.quant is None or key in seen:
+                if seg.quant is None:
+                    continue
+                key = (seg.quant.block, seg.quant.dtype, view.dtype, view.ndim)
+                if key in seen:
                     continue
                 seen.add(key)
                 self.quantizer.quantize(view, seg.quant)

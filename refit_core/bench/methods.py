@@ -335,8 +335,8 @@ class RefitQuantizeAfter(Refit):
         self.copies = [(p.view, hp[(p.spec.name, p.box)]) for p in fp8.pieces
                        if p.spec.quant is None and (p.spec.name, p.box) in hp]
         self.info["receiver_bf16_copy_bytes"] = self.info["bytes_moved"] = self.staging.nbytes
-        kinds = {(quant, source.ndim): source for source, _, _, quant in self.work}
-        for (quant, _), source in kinds.items():  # compile here, not inside a timed step
+        kinds = {(quant.block, quant.dtype, source.ndim): (source, quant) for source, _, _, quant in self.work}
+        for source, quant in kinds.values():  # compile here, not inside a timed step
             self.quantizer.quantize(source, quant)
         return self.staging
 

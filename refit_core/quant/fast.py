@@ -51,6 +51,18 @@ def quantize_3d(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bn:
     scales.copy_(scale)
 
 
+RECOMPILES = 64
+"""Compiled variants the quantizer may need (2-D / 3-D boxes, padded blocks, stride patterns):
+dynamo's default limit of 8 would silently fall back to eager on a large model."""
+
+
+def _allow_recompiles(limit: int) -> None:
+    config = torch._dynamo.config
+    for knob in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(config, knob):
+            setattr(config, knob, max(getattr(config, knob), limit))
+
+
 class Quantizer:
     """Quantizes high-precision boxes into FP8 values and scales.
 
@@ -65,6 +77,8 @@ class Quantizer:
     def _pick(self, device: torch.device) -> Kernel:
         if self._kernel is None:
             wanted = self.compiled if self.compiled is not None else device.type == "cuda"
+            if wanted:
+                _allow_recompiles(RECOMPILES)
             self._kernel = torch.compile(quantize_3d, dynamic=True) if wanted else quantize_3d
         return self._kernel
 
