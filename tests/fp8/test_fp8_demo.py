@@ -11,11 +11,12 @@ import pytest
 
 @pytest.mark.slow
 def test_demo_quantize_fp8_verifies_against_the_reference_quantizer():
-    out = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "dtensor",
-                          "--gen-layout", "", "--quantize", "fp8", "--steps", "2"],
+    """The gen backend (dtensor, the one whose demo can hold FP8) and its single-rank layout are picked."""
+    out = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--quantize", "fp8"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "14 block-FP8 (128, 128) weights checked against the reference quantizer" in out.stdout
+    assert "-> dtensor(single, fp8)" in out.stdout
     assert out.stdout.strip().splitlines()[-1].endswith("verified OK")
 
 
