@@ -61,7 +61,8 @@ class DestinationMap:
     tensors that are received into fresh buffers and handed to the engine's own loader
     (``refit_load_weights``), for what the fast path cannot write directly (layouts the plugin
     does not know, engines that repack on load). Quantized (FP8) tensors may be on either path: their
-    specs carry a :class:`~refit_core.quant.Quantization`. A plugin must put complete fused groups on the loader path (q, k and v together).
+    specs carry a :class:`~refit_core.quant.Quantization`. A plugin must put complete fused groups on
+    the loader path (q, k and v together).
     """
 
     pieces: list[DestinationPiece]

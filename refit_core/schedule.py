@@ -36,7 +36,7 @@ import torch
 
 from .options import ALIGN, MessageMode, MessageOptions, align
 from .planner import Transfer
-from .quant.spec import Quantization, QuantSite
+from .quant.spec import Quantization, QuantizeStep, QuantSite
 from .spec import Box, dtype_size
 
 
@@ -172,8 +172,9 @@ def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
     """
     block = None
     max_numel = max(1, max_bytes // dtype_size(t.dtype))
-    if _quantized_on_sender(t):
-        block = t.quantize.quant.block
+    step = _sender_step(t)
+    if step is not None:
+        block = step.quant.block
         max_numel = max(1, max_bytes // 2)
     if t.src_box.numel <= max_numel:
         yield t.src_box, t.dst_box
@@ -197,9 +198,9 @@ class _MessageBuilder:
 
     def add(self, t: Transfer, src_box: Box, dst_box: Box) -> None:
         nbytes = src_box.numel * dtype_size(t.dtype)
-        quantized = _quantized_on_sender(t)
-        if quantized:  # values, then (aligned) the scales of their blocks
-            quant = t.quantize.quant
+        step = _sender_step(t)
+        if step is not None:  # values, then (aligned) the scales of their blocks
+            quant = step.quant
             scale_box = quant.scale_box(dst_box)
             values = nbytes
             nbytes = align(values) + scale_box.numel * dtype_size(quant.scale_dtype)
@@ -210,11 +211,11 @@ class _MessageBuilder:
         if offset + nbytes > self.bucket_bytes:
             raise ValueError(f"{t.name}: a {nbytes}-byte segment does not fit the {self.bucket_bytes}-byte bucket")
         self.pair = (t.src, t.dst)
-        if quantized:
+        if step is not None:
             scales_at = offset + align(values)
             self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype, SegmentScales(quant, scales_at)))
             self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
-            self.dst_segs.append(Segment(t.quantize.scale_piece, scale_box, scales_at, quant.scale_dtype))
+            self.dst_segs.append(Segment(step.scale_piece, scale_box, scales_at, quant.scale_dtype))
         else:
             self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))
             self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
@@ -243,15 +244,17 @@ class _Unit:
     parts: list[_Part]
 
 
-def _quantized_on_sender(t: Transfer) -> bool:
-    return t.quantize is not None and t.quantize.site is QuantSite.SENDER
+def _sender_step(t: Transfer) -> QuantizeStep | None:
+    """``t``'s quantization if it happens on the sender (in the pack step), else None."""
+    return t.quantize if t.quantize is not None and t.quantize.site is QuantSite.SENDER else None
 
 
 def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
     """What sibling grouped-expert transfers of one layer share (None for other tensors)."""
     if t.name not in expert_groups or t.src_box.ndim < 2 or t.src_box.sizes[0] < 2:
         return None
-    if _quantized_on_sender(t) and t.quantize.quant.block[0] != 1:
+    step = _sender_step(t)
+    if step is not None and step.quant.block[0] != 1:
         return None  # one expert would split a block
     return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
 

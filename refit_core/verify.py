@@ -48,9 +48,11 @@ def quantized_reference(reference: Mapping[str, torch.Tensor], pieces: Sequence[
     out = dict(reference)
     specs = {p.spec.name: p.spec for p in pieces if p.spec.quant is not None}
     for name, spec in specs.items():
+        quant = spec.quant
+        assert quant is not None
         full = Piece(TensorSpec(name, spec.shape, torch.float32), Box.full(spec.shape))
-        values, scales = reference_quantize(reference_region(full, reference), spec.quant)
-        out[name], out[spec.quant.scale_name] = values, scales
+        values, scales = reference_quantize(reference_region(full, reference), quant)
+        out[name], out[quant.scale_name] = values, scales
     return out
 
 

@@ -41,10 +41,11 @@ def fp8_comparison(bf16: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
     fp8_refit, fp8_wire = rows[("fp8", "refit")], rows[("fp8", "wire")]
     if fp8_refit and fp8_wire:
         out["fp8_refit_ratio_to_wire"] = fp8_wire["time_s"] / fp8_refit["time_s"]
-    if fp8_refit and rows[("bf16", "refit")]:
-        out["fp8_speedup_vs_bf16_refit"] = rows[("bf16", "refit")]["time_s"] / fp8_refit["time_s"]
-    if fp8_refit and rows[("fp8", QUANTIZE_AFTER)]:
-        out["fp8_speedup_vs_quantize_after"] = rows[("fp8", QUANTIZE_AFTER)]["time_s"] / fp8_refit["time_s"]
+    bf16_refit, quantize_after = rows[("bf16", "refit")], rows[("fp8", QUANTIZE_AFTER)]
+    if fp8_refit and bf16_refit:
+        out["fp8_speedup_vs_bf16_refit"] = bf16_refit["time_s"] / fp8_refit["time_s"]
+    if fp8_refit and quantize_after:
+        out["fp8_speedup_vs_quantize_after"] = quantize_after["time_s"] / fp8_refit["time_s"]
     return out
 
 

@@ -352,7 +352,8 @@ class RefitQuantizeAfter(Refit):
 
     def close(self) -> None:
         super().close()
-        self.staging = self.work = self.copies = None
+        self.work, self.copies = [], []
+        self.__dict__.pop("staging", None)  # the BF16 copy of the engine's layout
 
 
 class RefitStaged(Refit):

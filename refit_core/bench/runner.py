@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     if fp8_block:
         report["fp8"] = []
     for model in args.models.split(","):
-        runs = [(methods, None)]
+        runs: list[tuple[list[str], tuple[int, ...] | None]] = [(methods, None)]
         if fp8_block:
             runs.append((fp8_methods(methods), fp8_block))
         summaries = []
