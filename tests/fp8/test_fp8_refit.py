@@ -87,3 +87,14 @@ def test_mismatched_quantization_fails_at_setup_on_every_rank():
     assert all("error" in r for r in results)
     assert all("FP8 dtype problem" in r["error"] and "blocks (1, 32, 32)" not in r["error"]
                and "blocks (32, 32)" in r["error"] and "blocks (64, 64)" in r["error"] for r in results)
+
+
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+def test_colocated_pairs_quantize_from_the_trainers_memory(block):
+    """``colocate=shared``: the CPU pair reads the trainer's memory (no messages); the segments the plan
+    quantizes on the sender are quantized by the gen rank straight from it, the others on the receiver
+    after the copies, every weight and scale bitwise equal to the reference quantizer's."""
+    results = run("tiny-llama", block=block, options={"colocate": "shared"})
+    gen = _gen(results)
+    assert gen and all(r["mismatches"] == [] and r["version"] == 1 for r in gen), results
+    assert results[0]["sender_quantized"]
