@@ -499,6 +499,7 @@ class RefitReceiver(_Endpoint):
         self._require_step()
         step, self._steps = self._steps, self._steps + 1
         touched: set[int] = set()
+        self._quantizing.begin_step()
         if isinstance(self._executor, ReceiveExecutor):
             self._executor.touched = set()  # this step's, also if binding fails before it runs
         loader_weights: list[tuple[str, torch.Tensor]] = []
@@ -560,6 +561,7 @@ class RefitReceiver(_Endpoint):
         if isinstance(executor, ReceiveExecutor):
             touched |= executor.touched
             executor.discard()
+        touched = self._quantizing.torn(touched)  # receiver-quantized pieces land in stand-ins first
         if self._mode is UpdateMode.STAGED and not voted and self._rdv is not None:
             try:
                 self._rdv.publish(self._landing_keys(step)[self.rank], {"ok": False, "reason": str(exc)[:500]})
