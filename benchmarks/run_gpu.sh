@@ -115,9 +115,29 @@ if step megatron; then
 fi
 fp8_bench() {
   # Llama-3-8B and Qwen3-30B-A3B shapes, each into BF16 (wire, refit) and block-FP8 128 x 128 (wire over the
-  # FP8 bytes, refit quantizing on the sender, BF16 refit + quantize-after), every byte checked.
+  # FP8 bytes, refit quantizing on the sender, BF16 refit + quantize-after), every byte checked. Four
+  # runs (two per model) and the quantizer's compilation: run this step alone (STEPS=fp8).
+  # Preflight: what the FP8 bench imports (refit's bench and quantizer; needed) and what it runs better
+  # with (triton compiles the quantizer, else it runs eagerly; nccl4py, else torch's NCCL), and two
+  # GPUs: named before any rank starts.
+  $PY - <<'EOF' 2>&1 | tee -a "$LOG" || { echo "fp8 exit: preflight failed" | tee -a "$LOG"; return 1; }
+import importlib, torch
+def missing(names):
+    out = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            out.append(f"{name} ({type(exc).__name__}: {exc})")
+    return out
+needed = missing(["refit_core.bench.runner", "refit_core.bench.fp8", "refit_core.quant.fast"])
+optional = missing(["triton", "nccl.core"])
+print("fp8 preflight: torch", torch.__version__, "gpus", torch.cuda.device_count(), "float8", torch.float8_e4m3fn,
+      "missing:", needed or "none", "optional missing:", optional or "none")
+raise SystemExit(1 if needed or torch.cuda.device_count() < 2 else 0)
+EOF
   local cmd="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --fp8-block 128,128 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
-  limit ${FP8_TIMEOUT:-240} $PY -m refit_core.bench ${cmd#refit bench } --timeout-s 150 \
+  limit ${FP8_TIMEOUT:-540} $PY -m refit_core.bench ${cmd#refit bench } --timeout-s 150 \
     --command "$cmd" --out "$OUT/h200x2-fp8-$DATE" 2>&1 | tee -a "$LOG"
   echo "fp8 exit: $?" | tee -a "$LOG"
 }
