@@ -40,7 +40,7 @@ from ..models import checkpoint_specs, config_dtype, head_dim, num_experts
 from ..pieces import DestinationMap, DestinationPiece, SourcePiece
 from ..plugins import PluginManager, get_plugin_manager, hookimpl
 from ..quant.fast import Quantizer
-from ..quant.spec import Quantization
+from ..quant.spec import BLOCK_SCALE_SUFFIX, Quantization
 from ..spec import Box, TensorSpec
 
 Quantize = Callable[[torch.Tensor, Quantization], tuple[torch.Tensor, torch.Tensor]]
@@ -50,7 +50,7 @@ QUANTIZED_SUFFIXES = ("_proj.weight",)
 
 def scale_name(hf_name: str) -> str:
     """``...q_proj.weight`` -> ``...q_proj.weight_scale_inv`` (block-FP8 checkpoints' scale names)."""
-    return hf_name + "_scale_inv"
+    return hf_name + BLOCK_SCALE_SUFFIX
 
 
 def fp8_specs(specs: dict[str, TensorSpec], block: tuple[int, int]) -> dict[str, TensorSpec]:

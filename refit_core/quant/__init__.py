@@ -7,6 +7,6 @@
 - :mod:`.receiver`: receiver-side quantization after the high-precision bytes landed.
 """
 
-from .spec import QuantScheme, Quantization, QuantSite, QuantizeStep
+from .spec import BLOCK_SCALE_SUFFIX, FP8_DTYPES, QuantScheme, Quantization, QuantSite, QuantizeStep
 
-__all__ = ["QuantScheme", "QuantSite", "Quantization", "QuantizeStep"]
+__all__ = ["BLOCK_SCALE_SUFFIX", "FP8_DTYPES", "QuantScheme", "QuantSite", "Quantization", "QuantizeStep"]

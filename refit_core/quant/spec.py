@@ -25,6 +25,9 @@ from ..spec import Box, TensorSpec
 EPS = 1e-10
 """Smallest amax a scale is computed from (an all-zero block gets a tiny scale, never a division by 0)."""
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+BLOCK_SCALE_SUFFIX = "_scale_inv"
+"""A block-FP8 checkpoint's scale tensor of ``X.weight`` is ``X.weight_scale_inv`` (DeepSeek-V3, Qwen3-FP8,
+vLLM, SGLang and transformers' ``FP8Linear`` alike)."""
 
 
 class QuantScheme(Enum):

@@ -18,10 +18,7 @@ import torch
 
 from refit_core import TensorSpec
 from refit_core.loadtrace import trace_loads
-from refit_core.quant import Quantization
-
-SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from refit_core.quant import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
 
 
 def holds_fp8(model: torch.nn.Module) -> bool:
@@ -48,6 +45,6 @@ def block_fp8_specs(model: torch.nn.Module, specs: list[TensorSpec]) -> list[Ten
             out.append(spec)
             continue
         dtype = trace.targets[fp8[0]].dtype
-        quant = Quantization.block_fp8(spec.name + SCALE_SUFFIX, block, dtype=dtype)
+        quant = Quantization.block_fp8(spec.name + BLOCK_SCALE_SUFFIX, block, dtype=dtype)
         out += [TensorSpec(spec.name, spec.shape, dtype, quant), quant.scale_spec(spec.shape)]
     return out

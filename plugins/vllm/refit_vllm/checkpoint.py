@@ -12,16 +12,13 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from refit_core import RefitError, TensorSpec
 from refit_core.inventory import safetensors_specs
-from refit_core.quant import Quantization
+from refit_core.quant import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
 
 log = logging.getLogger("refit.vllm")
 
 
-SCALE_SUFFIX = "_scale_inv"
 
 
 def block_fp8_specs(specs: list[TensorSpec], quant_config: dict[str, Any] | None) -> list[TensorSpec]:
@@ -34,8 +31,8 @@ def block_fp8_specs(specs: list[TensorSpec], quant_config: dict[str, Any] | None
     names = {s.name for s in specs}
     out = []
     for spec in specs:
-        scale = spec.name + SCALE_SUFFIX
-        if spec.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and scale in names and len(spec.shape) == 2:
+        scale = spec.name + BLOCK_SCALE_SUFFIX
+        if spec.dtype in FP8_DTYPES and scale in names and len(spec.shape) == 2:
             quant = Quantization.block_fp8(scale, tuple(block), dtype=spec.dtype)
             spec = TensorSpec(spec.name, spec.shape, spec.dtype, quant)
         out.append(spec)
