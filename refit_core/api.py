@@ -109,9 +109,9 @@ class _Endpoint:
         self.sizes = {}
         try:
             pieces = self._local_pieces()
-            for p in pieces:
+            for p in pieces:  # a gen rank's views may be placeholders until its first bind
                 if p.view is not None:
-                    check_view(p.spec, p.box, p.view, destination=False)
+                    check_view(p.spec, p.box, p.view, destination=False, placeholder=self.side == GEN)
             self.device = _device_of(pieces)
             settings, metas = self._exchange_metadata(pieces)
             schedule = self._plan(settings, metas)
