@@ -17,17 +17,19 @@
 #      the pack / transfer / unpack lanes of one step as a PNG (CUDA events), with the setup breakdown.
 #   9. relay (not in the default STEPS; needs 4 GPUs, nvidia-h200-x4): 1 train rank on GPU 0 -> 3 engine
 #      replicas on GPUs 1-3, direct fanout vs relay (the trainer feeds one replica, that one the next two).
+#  10. FP8 destinations (`fp8`): BF16 Megatron-style source -> block-FP8 vLLM-style destination, side
+#      by side with BF16 refit and BF16 refit + quantize-after (refit_core/bench/fp8.py).
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
 #   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo
-#                                                        # colocated megatron
+#                                                        # colocated megatron fp8
 #   STEPS="env timeline" bash benchmarks/run_gpu.sh       # steps outside the default list: timeline, relay (4 GPUs)
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
-STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated megatron"}
+STEPS=${STEPS:-"env bench tests reshard reshard-dp demo colocated megatron fp8"}
 source benchmarks/machine.sh
 MACHINE=${MACHINE:-$(machine_name)}  # nvidia-h200-x2 on two H200s, nvidia-h200 on one
 DATE=$(date -u +%F)
@@ -132,5 +134,36 @@ fi
 if step megatron; then
   OUT="$OUT" PY="$PY" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"
   echo "megatron exit: $?" | tee -a "$LOG"
+fi
+fp8_bench() {
+  # Llama-3-8B and Qwen3-30B-A3B shapes, each into BF16 (wire, refit) and block-FP8 128 x 128 (wire over the
+  # FP8 bytes, refit quantizing on the sender, BF16 refit + quantize-after), every byte checked. Four
+  # runs (two per model) and the quantizer's compilation: run this step alone (STEPS=fp8).
+  # Preflight: what the FP8 bench imports (refit's bench and quantizer; needed) and what it runs better
+  # with (triton compiles the quantizer, else it runs eagerly; nccl4py, else torch's NCCL), and two
+  # GPUs: named before any rank starts.
+  $PY - <<'EOF' 2>&1 | tee -a "$LOG" || { echo "fp8 exit: preflight failed" | tee -a "$LOG"; return 1; }
+import importlib, torch
+def missing(names):
+    out = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            out.append(f"{name} ({type(exc).__name__}: {exc})")
+    return out
+needed = missing(["refit_core.bench.runner", "refit_core.bench.fp8", "refit_core.quant.fast"])
+optional = missing(["triton", "nccl.core"])
+print("fp8 preflight: torch", torch.__version__, "gpus", torch.cuda.device_count(), "float8", torch.float8_e4m3fn,
+      "missing:", needed or "none", "optional missing:", optional or "none")
+raise SystemExit(1 if needed or torch.cuda.device_count() < 2 else 0)
+EOF
+  local cmd="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --fp8-block 128,128 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
+  limit ${FP8_TIMEOUT:-540} $PY -m refit_core.bench ${cmd#refit bench } --timeout-s 150 \
+    --command "$cmd" --out "$OUT/h200x2-fp8-$DATE" 2>&1 | tee -a "$LOG"
+  echo "fp8 exit: $?" | tee -a "$LOG"
+}
+if step fp8; then
+  fp8_bench
 fi
 echo "== done at $(date -u +%T)" | tee -a "$LOG"

@@ -30,6 +30,7 @@ from .gcpause import gc_paused
 from .options import RefitOptions, UpdateMode
 from .pieces import DestinationPiece, Piece, PieceMeta
 from .plugins import PluginManager, get_plugin_manager
+from .quant.receiver import ReceiverQuantizer
 from .relay import RelayPlan, plan_with_relay
 from .rendezvous import Rendezvous
 from .schedule import Message, Schedule
@@ -121,9 +122,9 @@ class _Endpoint:
         try:
             began = time.perf_counter()
             pieces = self._local_pieces()
-            for p in pieces:
+            for p in pieces:  # a gen rank's views may be placeholders until its first bind
                 if p.view is not None:
-                    check_view(p.spec, p.box, p.view, destination=False, bound=False)
+                    check_view(p.spec, p.box, p.view, destination=False, placeholder=self.side == GEN)
             self.device = _device_of(pieces)
             self._phases["pieces"] = time.perf_counter() - began
             began = time.perf_counter()
@@ -317,22 +318,27 @@ class _Endpoint:
         writes = self.side == GEN
         for p in grouped:
             check_view(p.spec, p.box, p.view, destination=writes)
-        views = [p.view for p in grouped]
+        engine = [p.view for p in grouped if p.view is not None]
         if writes:
-            check_no_overlap([p.spec.name for p in grouped], views)  # type: ignore[arg-type]
+            check_no_overlap([p.spec.name for p in grouped], engine)
         self._bound_names = [p.spec.name for p in grouped]
+        views = self._bound_views(engine)
         if isinstance(self._colocated, ColocatedSender) and not self._colocated_bound:
             # first: on CPU, exporting moves the storages into shared memory (in place)
-            self._colocated.export(views, self._bound_names)  # type: ignore[arg-type]
+            self._colocated.export(views, self._bound_names)
             self._colocated_bound = True
         elif isinstance(self._colocated, ColocatedReceiver):
-            self._colocated.bind(views)  # type: ignore[arg-type]
+            self._colocated.bind(views)
         if self._executor is not None:
-            self._executor.bind(views)  # type: ignore[arg-type]
+            self._executor.bind(views)
         if self._relay_out is not None:
-            self._relay_out.bind(views)  # type: ignore[arg-type]
+            self._relay_out.bind(views)
         if self._bind_s is None:
             self._bind_s = time.perf_counter() - began
+
+    def _bound_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The views the executors read or write, in place of the pieces' own (default: those)."""
+        return views
 
     def _require_step(self) -> None:
         self._require_setup()
@@ -495,6 +501,8 @@ class RefitReceiver(_Endpoint):
         self._loader: list[TensorSpec] = []
         """The logical tensors of the loader path (received whole, handed to ``refit_load_weights``)."""
         self._bound = False
+        self._quantizing = ReceiverQuantizer(())
+        """This rank's receiver-side quantizations (set at setup from the schedule)."""
 
     def _local_pieces(self) -> list[Piece]:
         """The destination map's pieces, then one whole piece per loader tensor (recorded in ``_loader``)."""
@@ -504,6 +512,7 @@ class RefitReceiver(_Endpoint):
         return [*mapping.pieces, *loader]
 
     def _make_executors(self, schedule: Schedule, settings: RefitOptions) -> None:
+        self._quantizing = ReceiverQuantizer(schedule.receiver_quantizations_of(self.rank))
         network, colocated = split_rounds(schedule.rounds_of_destination(self.rank), self._is_network)
         if network:
             assert self.transport is not None
@@ -533,6 +542,9 @@ class RefitReceiver(_Endpoint):
         if outgoing:
             self._relay_out = SendExecutor(outgoing, self.transport, offset,
                                            **self._network_executor_args(schedule, settings))
+
+    def _bound_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._quantizing.bind(views)  # receiver-quantized pieces land in high precision first
 
     def _bind_step(self) -> list[tuple[str, torch.Tensor]]:
         """(Re)bind destination views for this step; returns the fresh loader-path tensors."""
@@ -574,6 +586,7 @@ class RefitReceiver(_Endpoint):
         self._require_step()
         step, self._steps = self._steps, self._steps + 1
         touched: set[int] = set()
+        self._quantizing.begin_step()
         if isinstance(self._executor, ReceiveExecutor):
             self._executor.touched = set()  # this step's, also if binding fails before it runs
         loader_weights: list[tuple[str, torch.Tensor]] = []
@@ -589,6 +602,7 @@ class RefitReceiver(_Endpoint):
                 self._await_landing(step)
                 if isinstance(self._executor, ReceiveExecutor):
                     self._executor.commit()
+            self._quantizing.finish()
             if loader_weights:
                 touched.update(range(len(self._bound_names) - len(loader_weights), len(self._bound_names)))
                 self.plugins.load_weights(self.model, self._experts.ungrouped(loader_weights))
@@ -629,6 +643,7 @@ class RefitReceiver(_Endpoint):
         if isinstance(executor, ReceiveExecutor):
             touched |= executor.touched
             executor.discard()
+        touched = self._quantizing.torn(touched)  # receiver-quantized pieces land in stand-ins first
         if self._mode is UpdateMode.STAGED and not voted and self._rdv is not None:
             try:
                 self._rdv.publish(self._landing_keys(step)[self.rank], {"ok": False, "reason": str(exc)[:500]})

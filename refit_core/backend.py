@@ -25,6 +25,8 @@ class Backend:
     (``"fsdp=2"``); ``priority`` orders backends when ``refit demo`` picks the best installed pair.
     ``rl_train_actor`` / ``rl_gen_actor`` are ``"module:Class"`` import paths of the Ray actor classes
     ``refit demo --loop`` uses (:mod:`refit_core.demo.rl_loop` states their methods); empty: none.
+    ``demo_quantize`` lists the quantized destinations its gen demo can hold (``"fp8"``: block-FP8
+    linear weights, for ``refit demo --quantize fp8``).
     """
 
     name: str
@@ -37,9 +39,11 @@ class Backend:
     priority: int = 0
     rl_train_actor: str = ""
     rl_gen_actor: str = ""
+    demo_quantize: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sides", frozenset(self.sides))
+        object.__setattr__(self, "demo_quantize", frozenset(self.demo_quantize))
         unknown = self.sides - {TRAIN, GEN}
         if unknown or not self.sides:
             raise ValueError(f"backend {self.name!r}: sides must be within {{'train', 'gen'}}")

@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Any
 
+from .backend import GEN
 from .errors import RefitError
 from .layout import parse_backend_layout
 from .models import PRESETS, load_config, model_inventory
@@ -124,11 +125,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                     steps=args.steps if args.steps != 2 else LoopSettings.steps,
                                     device=args.device or "cpu", plot=args.plot), args.train, args.gen)
     pm = get_plugin_manager()
-    train, gen = pick_pair(pm, args.train, args.gen)
+    able = [b for b in pm.backends(GEN) if args.quantize in b.demo_quantize and b.demo_gen]
+    gen_name = args.gen
+    if args.quantize and gen_name is None and able:  # the best backend that can hold quantized weights
+        gen_name = max(able, key=lambda b: b.priority).name
+    train, gen = pick_pair(pm, args.train, gen_name)
+    gen_layout = args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout
+    if args.quantize and args.gen_layout is None:
+        gen_layout = ""  # one rank holding whole 128 x 128 blocks (a tiny model's TP shards would split them)
     plan = DemoPlan(train, gen, args.model,
                     args.train_layout if args.train_layout is not None else train.demo_train_layout,
-                    args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout,
-                    args.steps, args.device or default_device(), colocate=args.colocate)
+                    gen_layout, args.steps, args.device or default_device(), colocate=args.colocate,
+                    quantize=args.quantize)
+    if args.quantize and args.quantize not in gen.demo_quantize:
+        raise RefitError(f"--quantize {args.quantize}: the {gen.name} backend's demo cannot hold quantized "
+                         f"weights (backends that can: {', '.join(b.name for b in able) or 'none'})")
     if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None and not plan.colocate:
         plan = fit_to_gpus(plan)
     inventory = model_inventory(plan.model)  # a bad model is an error here, before anything starts
@@ -206,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a real RL loop instead: GRPO on a tiny policy (Ray actors, FSDP2 -> vLLM), refit "
                            "after every step, reward and generation-KL table and plot (needs refit-core[ray])")
     demo.add_argument("--plot", default="refit-rl-loop.png", help="with --loop: where to write the PNG")
+    demo.add_argument("--quantize", choices=("fp8",), help="fp8: the gen side holds block-FP8 (128 x 128) linear "
+                      "weights, quantized by refit and checked against the reference quantizer")
     demo.set_defaults(func=cmd_demo)
 
     check = sub.add_parser("check-plugin", help="run the conformance kit's model-free checks on an installed plugin")

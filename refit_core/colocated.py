@@ -16,8 +16,9 @@ rendezvous store; the gen rank opens them once. Every step then runs:
    engine's view (casting where the plan casts) as a :class:`~refit_core.copies.CopyProgram` resolved
    at bind time: neighbours merged, equal blocks stacked into one strided copy, small copies batched
    into multi-tensor launches (large strided copies as ``RefitOptions.strided_copies`` says); ordered
-   after the trainer's event and the engine's queued work; wait for it (and any verdict), publish
-   *done*;
+   after the trainer's event and the engine's queued work (segments the plan quantizes on the sender,
+   FP8 destinations, are quantized by the gen rank straight from the trainer's memory after the
+   copies, :mod:`refit_core.quant`); wait for it (and any verdict), publish *done*;
 3. train rank (:meth:`ColocatedSender.wait`): wait for every peer's *done* before ``send`` returns.
 
 No staging memory on either side, casts included: one read and one write of every byte, which is
@@ -41,6 +42,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,8 @@ from .copies import CopyCounts, CopyProgram
 from .errors import RefitError, TransferError
 from .lanes import EventFence, Lane, StreamLane, current_work, lane_for
 from .options import StridedCopy
+from .quant.fast import default_quantizer
+from .quant.spec import Quantization
 from .schedule import Message, Segment
 from .steptrace import StepTrace
 from .transport.base import Fence
@@ -245,6 +249,7 @@ class ColocatedReceiver:
         self._opened: list[torch.UntypedStorage] = []
         self._events: dict[int, torch.cuda.Event] = {}
         self._program: CopyProgram | None = None
+        self._quantized: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Quantization]] = []
         self._pending: Fence | None = None
         self.pieces = frozenset(seg.piece for msgs in messages.values() for m in msgs for seg in m.dst_segments)
         """The bound destination pieces these pairs write (in place, every step)."""
@@ -256,8 +261,8 @@ class ColocatedReceiver:
 
     @property
     def copies(self) -> int:
-        """Copy launches per step (after :meth:`bind`; 0 before)."""
-        return self._program.counts.launches if self._program is not None else 0
+        """Copy launches per step, quantizations included (after :meth:`bind`; 0 before)."""
+        return (self._program.counts.launches if self._program is not None else 0) + len(self._quantized)
 
     @property
     def peers(self) -> list[int]:
@@ -290,13 +295,27 @@ class ColocatedReceiver:
         return seg.box.slice_of(view)
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
-        """Resolve every segment to (engine view, trainer view), then into a :class:`CopyProgram`."""
+        """Resolve every segment to (engine view, trainer view), then into a :class:`CopyProgram`.
+
+        A segment the plan quantizes on the sender (its source segment carries ``scales``; the
+        receiver's side has two segments, values then scales) is quantized here instead, straight
+        from the trainer's memory into the engine's FP8 values and scales, after the copies.
+        """
         pairs = []
+        quantized = []
         for peer in self.peers:
             for m in self.messages[peer]:
-                for src, dst in zip(m.src_segments, m.dst_segments):
-                    pairs.append((dst.box.slice_of(views[dst.piece]), self._source(peer, src)))
+                targets = iter(m.dst_segments)
+                for src in m.src_segments:
+                    dst = next(targets)
+                    source, target = self._source(peer, src), dst.box.slice_of(views[dst.piece])
+                    if src.scales is None:
+                        pairs.append((target, source))
+                    else:
+                        scale = next(targets)
+                        quantized.append((source, target, scale.box.slice_of(views[scale.piece]), src.scales.quant))
         self._program = CopyProgram(pairs, strided=self.strided)
+        self._quantized = quantized
 
     def start(self, version_hint: int = -1) -> int:
         """Wait for every peer's header, check it, start the copies; returns the weight version."""
@@ -334,16 +353,16 @@ class ColocatedReceiver:
             trace.mark("enqueue_begin")
         after = [current_work(self.device, "the engine's pending work"),
                  *(EventFence(event, "the trainer's step") for event in self._events.values())]
-        program = self._program
-        if program is not None and program.counts.launches:
+        program, quantized = self._program, self._quantized
+        if (program is not None and program.counts.launches) or quantized:
             if trace is not None and isinstance(self.lane, StreamLane):
                 queued = torch.cuda.Event(enable_timing=True)
                 queued.record(self.lane.stream)  # before the stream's waits: when queueing began
                 marks: list[tuple[str, torch.cuda.Event]] = []
                 self._device_marks = (queued, marks)
-                self._pending = self.lane.run(lambda: marks.extend(program.run_timed()), after=after)
+                self._pending = self.lane.run(partial(_copy_and_quantize, program, quantized, marks), after=after)
             else:
-                self._pending = self.lane.run(program.run, after=after)
+                self._pending = self.lane.run(partial(_copy_and_quantize, program, quantized), after=after)
         if trace is not None:
             trace.mark("enqueued")
         return versions.pop() if versions else version_hint
@@ -380,6 +399,23 @@ class ColocatedReceiver:
 
     def close(self) -> None:
         self._program, self._sources, self._opened, self._events, self._mailboxes = None, {}, [], {}, {}
+        self._quantized = []
+
+
+def _copy_and_quantize(program: CopyProgram | None,
+                       quantized: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Quantization]],
+                       marks: list[tuple[str, torch.cuda.Event]] | None = None) -> None:
+    """One step of a gen rank's colocated part: the copy program (timed into ``marks`` if given),
+    then the sender-side quantizations."""
+    if program is not None:
+        if marks is None:
+            program.run()
+        else:
+            marks.extend(program.run_timed())
+    if quantized:
+        quantizer = default_quantizer()
+        for source, values, scales, quant in quantized:
+            quantizer.quantize_into(source, values, scales, quant)
 
 
 def split_rounds(rounds: list[list[Message]], network: Callable[[Message], bool]

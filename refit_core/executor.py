@@ -30,6 +30,8 @@ from .errors import TransferError
 from .failures import UpdateMode
 from .lanes import Lane, current_work, lane_for
 from .options import align
+from .quant.fast import Quantizer, default_quantizer
+from .quant.spec import Quantization
 from .schedule import Message, Segment
 from .spec import contiguous_strides, dtype_size
 from .timeline import Mark, Phase, StepTimeline, Timeline
@@ -62,6 +64,9 @@ class StagedSegment:
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
     offset: int
+    quant: Quantization | None = None
+    """Set on a sender segment quantized in the pack step: its scales sit at ``scales_offset``."""
+    scales_offset: int = 0
 
 
 def _buffer_views(buffer: torch.Tensor, segments: Sequence[StagedSegment]) -> list[torch.Tensor]:
@@ -74,6 +79,21 @@ def _buffer_views(buffer: torch.Tensor, segments: Sequence[StagedSegment]) -> li
             flat = typed[seg.dtype] = buffer.view(seg.dtype)
         views.append(flat.as_strided(seg.sizes, seg.strides, seg.offset // dtype_size(seg.dtype)))
     return views
+
+
+def _pack(buffer: torch.Tensor, segments: Sequence[StagedSegment], sources: Sequence[torch.Tensor],
+          quantizer: Quantizer) -> None:
+    """Copy (casting) every source into its segment of ``buffer``; quantize the quantized ones."""
+    targets = _buffer_views(buffer, segments)
+    plain = [(t, s) for t, s, seg in zip(targets, sources, segments) if seg.quant is None]
+    if plain:
+        torch._foreach_copy_([t for t, _ in plain], [s for _, s in plain])
+    for target, source, seg in zip(targets, sources, segments):
+        if seg.quant is not None:
+            shape = seg.quant.scale_shape(seg.sizes)
+            scales = buffer.view(seg.quant.scale_dtype).as_strided(
+                shape, contiguous_strides(shape), seg.scales_offset // dtype_size(seg.quant.scale_dtype))
+            quantizer.quantize_into(source, target, scales, seg.quant)
 
 
 def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nbytes: int, *,
@@ -229,8 +249,7 @@ class _RoundRunner:
                 base = plan.staged_bytes
                 plan.posts.append(Post(peer, m.nbytes, staging_offset=base))
                 plan.staged_bytes = align(base + m.nbytes)
-                plan.segments.extend(StagedSegment(seg.dtype, seg.box.sizes, contiguous_strides(seg.box.sizes),
-                                                   base + seg.offset) for seg in segs)
+                plan.segments.extend(_staged(seg, base) for seg in segs)
                 plan.views.extend(seg_views)
                 plan.staged_pieces.update(seg.piece for seg in segs)
             plans.append(plan)
@@ -295,16 +314,43 @@ class _RoundRunner:
                          len(buffers) * self.buffer_bytes, self.direct_bytes)
 
 
+def _staged(seg: Segment, base: int) -> StagedSegment:
+    sizes = seg.box.sizes
+    if seg.scales is None:
+        return StagedSegment(seg.dtype, sizes, contiguous_strides(sizes), base + seg.offset)
+    return StagedSegment(seg.dtype, sizes, contiguous_strides(sizes), base + seg.offset, seg.scales.quant,
+                         base + seg.scales.offset)
+
+
 class SendExecutor(_RoundRunner):
-    """Runs a train rank's rounds: pack (staged messages only), send."""
+    """Runs a train rank's rounds: pack (staged messages only; quantizing where the plan says), send."""
 
     gaps_allowed = True
+    quantizer: Quantizer = default_quantizer()
 
     def _peer(self, m: Message) -> int:
         return m.dst
 
     def _segments(self, m: Message) -> tuple[Segment, ...]:
         return m.src_segments
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        super().bind(views)
+        self._warm_up_quantizer()
+
+    def _warm_up_quantizer(self) -> None:
+        """Quantize one segment of every kind once at setup, so a compiled quantizer compiles here
+        and not inside the first step (where the peers would wait for it)."""
+        seen = set()
+        for plan in self.plans:
+            for seg, view in zip(plan.segments, plan.views):
+                if seg.quant is None:
+                    continue
+                key = (seg.quant.block, seg.quant.dtype, view.dtype, view.ndim)
+                if key in seen:
+                    continue
+                seen.add(key)
+                self.quantizer.quantize(view, seg.quant)
 
     def run(self, version: int) -> StepStats:
         start = time.perf_counter()
@@ -323,10 +369,8 @@ class SendExecutor(_RoundRunner):
                 slot = staged % len(buffers)
                 staged += 1
                 buffer = buffers[slot]
-                targets = _buffer_views(buffer, plan.segments)
-                sources = plan.views
                 self._settle(free[slot], deadline)
-                after.append(self.lane.run(partial(torch._foreach_copy_, targets, sources),
+                after.append(self.lane.run(partial(_pack, buffer, plan.segments, plan.views, self.quantizer),
                                            after=[ready, free[slot]], mark=self._mark(Phase.PACK, index)))
             fence = self._exchange(plan.pairs(buffer), [], after or [ready], index)
             pending.append(fence)

@@ -79,7 +79,11 @@ def group_meta(meta: PieceMeta, namer: ExpertNamer, counts: dict[str, int]) -> P
         return meta
     if expert.group not in counts:
         raise PlanError(f"expert tensor {meta.spec.name} has no group count")
-    spec = TensorSpec(expert.group, (counts[expert.group], *meta.spec.shape), meta.spec.dtype)
+    quant = meta.spec.quant
+    if quant is not None:  # the scales are stacked the same way: [E, ...] under their grouped name
+        scale = namer(quant.scale_name)
+        quant = quant.stacked(scale.group if scale is not None else quant.scale_name)
+    spec = TensorSpec(expert.group, (counts[expert.group], *meta.spec.shape), meta.spec.dtype, quant)
     box = Box((expert.index, *meta.box.offsets), (1, *meta.box.sizes))
     return PieceMeta(spec, box)
 

@@ -250,5 +250,9 @@ def _loader_specs(specs: list[TensorSpec], namer: Callable[[str], ExpertName | N
             out.append(spec)
         elif expert.group not in seen:
             seen.add(expert.group)
-            out.append(TensorSpec(expert.group, (counts[expert.group], *spec.shape), spec.dtype))
+            quant = spec.quant
+            if quant is not None:  # stacked scales under their grouped name
+                scale = namer(quant.scale_name)
+                quant = quant.stacked(scale.group if scale is not None else quant.scale_name)
+            out.append(TensorSpec(expert.group, (counts[expert.group], *spec.shape), spec.dtype, quant))
     return out

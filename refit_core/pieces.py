@@ -59,8 +59,10 @@ class DestinationMap:
 
     ``pieces`` land directly in engine memory (the fast path). ``loader`` lists whole logical
     tensors that are received into fresh buffers and handed to the engine's own loader
-    (``refit_load_weights``), for what the fast path cannot write directly (quantized or unknown
-    parameters). A plugin must put complete fused groups on the loader path (q, k and v together).
+    (``refit_load_weights``), for what the fast path cannot write directly (layouts the plugin
+    does not know, engines that repack on load). Quantized (FP8) tensors may be on either path: their
+    specs carry a :class:`~refit_core.quant.Quantization`. A plugin must put complete fused groups on
+    the loader path (q, k and v together).
     """
 
     pieces: list[DestinationPiece]

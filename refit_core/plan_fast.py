@@ -26,7 +26,8 @@ import torch
 from .errors import PlanError
 from .options import CastPolicy
 from .pieces import PieceMeta
-from .planner import Transfer, _check_destinations, _Holder, _source_regions, _split_rows, check_specs
+from .planner import (Transfer, _check_destinations, _Holder, _source_regions, _split_rows, check_specs,
+                      plan_transfers)
 from .spec import Box, TensorSpec, dtype_size
 
 
@@ -127,7 +128,8 @@ def _new_transfer(name: str, src: int, src_piece: int, src_box: Box, dst: int, d
     """A :class:`Transfer` from known-good fields, without the frozen dataclass' per-field setattr."""
     t = object.__new__(Transfer)
     object.__setattr__(t, "__dict__", {"name": name, "src": src, "src_piece": src_piece, "src_box": src_box,
-                                       "dst": dst, "dst_piece": dst_piece, "dst_box": dst_box, "dtype": dtype})
+                                       "dst": dst, "dst_piece": dst_piece, "dst_box": dst_box, "dtype": dtype,
+                                       "quantize": None})
     return t
 
 
@@ -135,7 +137,14 @@ def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Seq
                         cast: CastPolicy | str = CastPolicy.CAST, allow_unused_sources: bool = False,
                         balance_split_bytes: int = 1 << 20,
                         distance: Callable[[int, int], int] | None = None) -> list[Transfer]:
-    """:func:`refit_core.planner.plan_transfers`' result (same arguments, same transfers), in seconds at scale."""
+    """:func:`refit_core.planner.plan_transfers`' result (same arguments, same transfers), in seconds at scale.
+
+    Plans with quantized destinations (FP8, :mod:`refit_core.quant`) are made by the reference
+    planner itself: their block-aligned slabs and quantization sites have no fast path yet.
+    """
+    if any(meta.spec.quant is not None for metas in dst_ranks for meta in metas):
+        return plan_transfers(src_ranks, dst_ranks, cast=cast, allow_unused_sources=allow_unused_sources,
+                              balance_split_bytes=balance_split_bytes, distance=distance)
     src_by_name = _side("train", src_ranks)
     dst_by_name = _side("gen", dst_ranks)
     check_specs({n: t.spec for n, t in src_by_name.items()}, {n: t.spec for n, t in dst_by_name.items()},

@@ -18,6 +18,8 @@ from .boxindex import BoxIndex, first_overlap
 from .errors import PlanError
 from .options import CastPolicy
 from .pieces import PieceMeta
+from .quant.rules import assign_sites, computed_scales, quantization_rules
+from .quant.spec import QuantizeStep, QuantSite
 from .spec import Box, TensorSpec, dtype_size
 
 _MAX_LISTED = 5
@@ -28,7 +30,9 @@ class Transfer:
     """One region moving from a train rank to a gen rank.
 
     Boxes are relative to the source and destination pieces; both have the same sizes.
-    ``dtype`` is the wire dtype (the destination's: the sender casts).
+    ``dtype`` is the wire dtype (the destination's: the sender casts; for a tensor quantized on the
+    receiver, the source's). ``quantize`` is set for a quantized destination fed by high-precision
+    weights (None: a plain copy or cast).
     """
 
     name: str
@@ -39,10 +43,14 @@ class Transfer:
     dst_piece: int
     dst_box: Box
     dtype: torch.dtype
+    quantize: QuantizeStep | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.src_box.numel * dtype_size(self.dtype)
+        values = self.src_box.numel * dtype_size(self.dtype)
+        if self.quantize is not None and self.quantize.site is QuantSite.SENDER:
+            return values + self.quantize.quant.scale_nbytes(self.dst_box.sizes)
+        return values
 
 
 def _listing(items: Sequence[str]) -> str:
@@ -75,9 +83,9 @@ def check_specs(src: dict[str, TensorSpec], dst: dict[str, TensorSpec], *, cast:
               if src[n].shape != d.shape]
     if shapes:
         raise PlanError(f"shape mismatch in {len(shapes)} tensor(s): {_listing(shapes)}")
-    if cast == CastPolicy.STRICT:
+    if cast == CastPolicy.STRICT:  # a quantized destination asks for its conversion itself
         dtypes = [f"{n}: source {src[n].dtype} vs destination {d.dtype}" for n, d in dst.items()
-                  if src[n].dtype != d.dtype]
+                  if src[n].dtype != d.dtype and d.quant is None]
         if dtypes:
             raise PlanError(f"dtype mismatch in {len(dtypes)} tensor(s) under cast policy 'strict': "
                             f"{_listing(dtypes)}")
@@ -140,11 +148,11 @@ def _check_destinations(name: str, pieces: list[_Holder]) -> None:
             raise PlanError(f"{name}: destination boxes {pair[0]} and {pair[1]} overlap on gen rank {rank}")
 
 
-def _split_rows(box: Box, parts: int) -> list[Box]:
-    """Cut a box into up to ``parts`` slabs along its first dimension."""
+def _split_rows(box: Box, parts: int, align: int = 1) -> list[Box]:
+    """Cut a box into up to ``parts`` slabs along its first dimension, at multiples of ``align`` rows."""
     rows = box.sizes[0]
-    parts = max(1, min(parts, rows))
-    cuts = [rows * i // parts for i in range(parts + 1)]
+    parts = max(1, min(parts, rows // align))
+    cuts = [rows * i // parts // align * align for i in range(parts)] + [rows]
     return [Box((box.offsets[0] + a, *box.offsets[1:]), (b - a, *box.sizes[1:]))
             for a, b in zip(cuts, cuts[1:]) if b > a]
 
@@ -164,7 +172,10 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     """
     src_specs = _specs_by_name("train", src_ranks)
     dst_specs = _specs_by_name("gen", dst_ranks)
-    check_specs(src_specs, dst_specs, cast=cast, allow_unused_sources=allow_unused_sources)
+    rules = quantization_rules(src_specs, dst_specs)
+    computed = computed_scales(rules)  # scale tensors refit computes: no source, no transfers
+    check_specs(src_specs, {n: s for n, s in dst_specs.items() if n not in computed}, cast=cast,
+                allow_unused_sources=allow_unused_sources)
 
     src_by_name = _holders_by_name(src_ranks)
     dst_by_name = _holders_by_name(dst_ranks)
@@ -173,15 +184,19 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     for name, dst_pieces in dst_by_name.items():
         dst_pieces = [p for p in dst_pieces if p.box.numel]
         _check_destinations(name, dst_pieces)
+        if name in computed:
+            continue
         regions, index = _source_regions(name, src_by_name[name])
         item = dtype_size(dst_specs[name].dtype)
+        rows = rules[name].quant.block[0] if name in rules and rules[name].quantize else 1
         for dst in dst_pieces:
             covered = 0
             for i, common in index.overlapping(dst.box):
                 region = regions[i]
                 covered += common.numel
                 big = common.numel * item >= balance_split_bytes
-                slabs = _split_rows(common, len(region.holders)) if big and len(region.holders) > 1 else [common]
+                slabs = (_split_rows(common, len(region.holders), rows) if big and len(region.holders) > 1
+                         else [common])
                 pending.extend(_Pending(name, dst, slab, region, slab.numel * item) for slab in slabs)
             if covered != dst.box.numel:
                 raise PlanError(f"{name}: {dst.box.numel - covered} of {dst.box.numel} elements of box "
@@ -206,7 +221,7 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
         src = chosen[i]
         transfers.append(Transfer(p.name, src.rank, src.piece, p.region.relative_to(p.source.box),
                                   p.dst.rank, p.dst.piece, p.region.relative_to(p.dst.box), dst_specs[p.name].dtype))
-    return transfers
+    return assign_sites(transfers, rules, dst_ranks, dst_specs) if rules else transfers
 
 
 def _holders_by_name(ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, list[_Holder]]:

@@ -132,6 +132,10 @@ def plan_relay(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]], 
     """
     if not options.active:
         return None
+    quantized = sorted({m.spec.name for metas in gen_metas for m in metas if m.spec.quant is not None})
+    if quantized:
+        raise PlanError(f"relay: quantized destinations ({', '.join(quantized[:3])}"
+                        f"{', ...' if len(quantized) > 3 else ''}) cannot be relayed yet; run without relay")
     size = _check_replicas(gen_metas, options.replicas)
     waves = plan_waves(options.replicas, options.direct, options.fanout)
     rounds: list[list[Message]] = []

@@ -36,17 +36,35 @@ import torch
 
 from .options import ALIGN, MessageMode, MessageOptions, align
 from .planner import Transfer
+from .quant.spec import Quantization, QuantizeStep, QuantSite
 from .spec import Box, dtype_size
 
 
 @dataclass(frozen=True)
+class SegmentScales:
+    """A sender segment that quantizes: its scales travel at byte ``offset`` of the message."""
+
+    quant: Quantization
+    offset: int
+
+    def shape(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return self.quant.scale_shape(sizes)
+
+
+@dataclass(frozen=True)
 class Segment:
-    """``box`` of local piece ``piece`` travels at byte ``offset`` of its message, as ``dtype``."""
+    """``box`` of local piece ``piece`` travels at byte ``offset`` of its message, as ``dtype``.
+
+    ``scales`` is set on a sender's segment that is quantized in the pack step: ``dtype`` is then
+    the FP8 dtype of the values, and the scales of the box's blocks follow at ``scales.offset``
+    (the receiver sees two plain segments: the values, and the scales into the scale piece).
+    """
 
     piece: int
     box: Box
     offset: int
     dtype: torch.dtype
+    scales: SegmentScales | None = None
 
     @property
     def nbytes(self) -> int:
@@ -57,8 +75,22 @@ def _segment(piece: int, box: Box, offset: int, dtype: torch.dtype) -> Segment:
     """A :class:`Segment` from known-good fields, without the frozen dataclass' per-field setattr
     (schedules at scale hold a million of them)."""
     segment = object.__new__(Segment)
-    object.__setattr__(segment, "__dict__", {"piece": piece, "box": box, "offset": offset, "dtype": dtype})
+    object.__setattr__(segment, "__dict__", {"piece": piece, "box": box, "offset": offset, "dtype": dtype,
+                                             "scales": None})
     return segment
+
+
+@dataclass(frozen=True)
+class ReceiverQuantization:
+    """Gen rank ``dst`` quantizes its piece ``piece`` (received in high precision) into itself and
+    the scale piece ``scale_piece`` after every step's bytes landed."""
+
+    dst: int
+    piece: int
+    scale_piece: int
+    quant: Quantization
+    dtype: torch.dtype
+    """The high-precision dtype the piece's bytes arrive in (the source's)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +128,11 @@ class Schedule:
     rounds: list[list[Message]]
     fingerprint: str
     summary: ScheduleSummary
+    receiver_quantizations: tuple[ReceiverQuantization, ...] = ()
+
+    def receiver_quantizations_of(self, rank: int) -> list[ReceiverQuantization]:
+        """The pieces gen rank ``rank`` quantizes itself (see :mod:`refit_core.quant.rules`)."""
+        return [q for q in self.receiver_quantizations if q.dst == rank]
 
     def rounds_of_source(self, rank: int) -> list[list[Message]]:
         """This train rank's messages, round by round (rounds it has no part in are skipped)."""
@@ -107,21 +144,25 @@ class Schedule:
         return [msgs for msgs in picked if msgs]
 
 
-def _chunks(box: Box, max_numel: int) -> Iterator[Box]:
-    """Sub-boxes of ``box`` (relative offsets) of at most ``max_numel`` elements, in memory order."""
+def _chunks(box: Box, max_numel: int, block: tuple[int, ...] | None = None) -> Iterator[Box]:
+    """Sub-boxes of ``box`` (relative offsets) of at most ``max_numel`` elements, in memory order,
+    cut only at multiples of ``block`` (quantization blocks; default: anywhere)."""
     if box.numel <= max_numel:
         yield box
         return
-    dim = next(d for d, s in enumerate(box.sizes) if s > 1)
-    inner = math.prod(box.sizes[dim + 1:])
+    block = block or (1,) * box.ndim
+    dim = next((d for d, (s, b) in enumerate(zip(box.sizes, block)) if s > b), None)
+    if dim is None:
+        raise ValueError(f"a bucket of {max_numel} elements is smaller than one quantization block {block}")
+    inner = math.prod(box.sizes[dim + 1:]) * block[dim]
     if inner <= max_numel:
-        step = max_numel // inner
+        step = max_numel // inner * block[dim]
         for start in range(0, box.sizes[dim], step):
             size = min(step, box.sizes[dim] - start)
             yield _narrow(box, dim, start, size)
     else:
-        for index in range(box.sizes[dim]):
-            yield from _chunks(_narrow(box, dim, index, 1), max_numel)
+        for start in range(0, box.sizes[dim], block[dim]):
+            yield from _chunks(_narrow(box, dim, start, min(block[dim], box.sizes[dim] - start)), max_numel, block)
 
 
 def _narrow(box: Box, dim: int, start: int, size: int) -> Box:
@@ -133,13 +174,22 @@ def _narrow(box: Box, dim: int, start: int, size: int) -> Box:
 
 
 def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
-    """Paired (src, dst) sub-boxes of a transfer, each at most ``max_bytes``."""
+    """Paired (src, dst) sub-boxes of a transfer, each at most ``max_bytes``.
+
+    A transfer quantized on the sender is cut on block boundaries, at most half the bucket of
+    values each so that the values, their scales and the alignment gap fit.
+    """
+    block = None
     max_numel = max(1, max_bytes // dtype_size(t.dtype))
+    step = _sender_step(t)
+    if step is not None:
+        block = step.quant.block
+        max_numel = max(1, max_bytes // 2)
     if t.src_box.numel <= max_numel:
         yield t.src_box, t.dst_box
         return
     origin = Box((0,) * t.src_box.ndim, t.src_box.sizes)
-    for part in _chunks(origin, max_numel):
+    for part in _chunks(origin, max_numel, block):
         yield (Box(tuple(a + b for a, b in zip(t.src_box.offsets, part.offsets)), part.sizes),
                Box(tuple(a + b for a, b in zip(t.dst_box.offsets, part.offsets)), part.sizes))
 
@@ -156,14 +206,29 @@ class _MessageBuilder:
         self.pair = (0, 0)
 
     def add(self, t: Transfer, src_box: Box, dst_box: Box, nbytes: int) -> None:
-        """Append ``src_box`` -> ``dst_box`` of ``t`` (``nbytes`` on the wire)."""
+        """Append ``src_box`` -> ``dst_box`` of ``t`` (``nbytes`` of values on the wire; a transfer
+        quantized on the sender adds the scales of its blocks after them)."""
+        step = _sender_step(t)
+        values = nbytes
+        if step is not None:  # values, then (aligned) the scales of their blocks
+            scale_box = step.quant.scale_box(dst_box)
+            nbytes = align(values) + scale_box.numel * dtype_size(step.quant.scale_dtype)
         offset = -(-self.used // ALIGN) * ALIGN  # align(), inlined: a million calls at scale
         if offset + nbytes > self.bucket_bytes and self.src_segs:
             self.close()
             offset = 0
+        if offset + nbytes > self.bucket_bytes:
+            raise ValueError(f"{t.name}: a {nbytes}-byte segment does not fit the {self.bucket_bytes}-byte bucket")
         self.pair = (t.src, t.dst)
-        self.src_segs.append(_segment(t.src_piece, src_box, offset, t.dtype))
-        self.dst_segs.append(_segment(t.dst_piece, dst_box, offset, t.dtype))
+        if step is not None:
+            quant = step.quant
+            scales_at = offset + align(values)
+            self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype, SegmentScales(quant, scales_at)))
+            self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
+            self.dst_segs.append(Segment(step.scale_piece, scale_box, scales_at, quant.scale_dtype))
+        else:
+            self.src_segs.append(_segment(t.src_piece, src_box, offset, t.dtype))
+            self.dst_segs.append(_segment(t.dst_piece, dst_box, offset, t.dtype))
         self.used = offset + nbytes
 
     def close(self) -> None:
@@ -175,13 +240,21 @@ class _MessageBuilder:
 def _narrowed(t: Transfer, expert: int) -> Transfer:
     """Expert ``expert`` (dim 0) of a grouped-expert transfer."""
     return Transfer(t.name, t.src, t.src_piece, _narrow(t.src_box, 0, expert, 1), t.dst, t.dst_piece,
-                    _narrow(t.dst_box, 0, expert, 1), t.dtype)
+                    _narrow(t.dst_box, 0, expert, 1), t.dtype, t.quantize)
+
+
+def _sender_step(t: Transfer) -> QuantizeStep | None:
+    """``t``'s quantization if it happens on the sender (in the pack step), else None."""
+    return t.quantize if t.quantize is not None and t.quantize.site is QuantSite.SENDER else None
 
 
 def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
     """What sibling grouped-expert transfers of one layer share (None for other tensors)."""
     if t.name not in expert_groups or t.src_box.ndim < 2 or t.src_box.sizes[0] < 2:
         return None
+    step = _sender_step(t)
+    if step is not None and step.quant.block[0] != 1:
+        return None  # one expert would split a block
     return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
 
 
@@ -228,7 +301,7 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
         else:
             builder = _MessageBuilder(bucket_bytes, messages) if sum(sizes) >= formation.direct_min_bytes else shared
         for t, nbytes in zip(parts, sizes):
-            if nbytes <= bucket_bytes:  # what _split_transfer would yield whole, without building it
+            if nbytes <= bucket_bytes and t.quantize is None:  # what _split_transfer would yield whole
                 builder.add(t, t.src_box, t.dst_box, nbytes)
             else:
                 for src_box, dst_box in _split_transfer(t, bucket_bytes):
@@ -288,12 +361,23 @@ def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bu
         by_pair[(t.src, t.dst)].append(t)
     per_pair = {pair: _messages(ts, bucket_bytes, formation, groups) for pair, ts in by_pair.items()}
     rounds = _place_in_rounds(per_pair, bucket_bytes)
+    quantizing = _receiver_quantizations(transfers)
     return Schedule(num_src, num_dst, bucket_bytes, rounds,
-                    fingerprint(num_src, num_dst, bucket_bytes, rounds, agreed_settings), summarize(rounds))
+                    fingerprint(num_src, num_dst, bucket_bytes, rounds, agreed_settings, quantizing),
+                    summarize(rounds), quantizing)
+
+
+def _receiver_quantizations(transfers: Sequence[Transfer]) -> tuple[ReceiverQuantization, ...]:
+    seen: dict[tuple[int, int], ReceiverQuantization] = {}
+    for t in transfers:
+        if t.quantize is not None and t.quantize.site is QuantSite.RECEIVER:
+            seen.setdefault((t.dst, t.dst_piece), ReceiverQuantization(
+                t.dst, t.dst_piece, t.quantize.scale_piece, t.quantize.quant, t.dtype))
+    return tuple(seen[k] for k in sorted(seen))
 
 
 def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[Sequence[Message]],
-                agreed_settings: str = "") -> str:
+                agreed_settings: str = "", receiver_quantizations: Sequence[ReceiverQuantization] = ()) -> str:
     """A digest of everything both sides must agree on: ranks, settings, every segment."""
     h = hashlib.sha256(f"{num_src}/{num_dst}/{bucket_bytes}/{agreed_settings}".encode())
     text: dict[object, str] = {}  # the same tuples and dtypes recur: format each once
@@ -306,10 +390,17 @@ def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[
     for r, msgs in enumerate(rounds):
         for m in msgs:
             parts = [f"|{r}:{m.src}>{m.dst}:{m.nbytes}"]
-            for s, d in zip(m.src_segments, m.dst_segments):
+            targets = iter(m.dst_segments)
+            for s in m.src_segments:
+                d = next(targets)
                 parts.append(f";{s.piece}{shown(s.box.offsets)}{shown(s.box.sizes)}>{d.piece}"
                              f"{shown(d.box.offsets)}@{s.offset}{shown(s.dtype)}")
+                if s.scales is not None:  # quantized on the sender: the scales' segment follows
+                    q, scale = s.scales, next(targets)
+                    parts.append(f"q{q.quant.block}{q.quant.dtype}@{q.offset}>{scale.piece}{shown(scale.box.offsets)}")
             h.update("".join(parts).encode())  # sha256 of a concatenation: as if fed piece by piece
+    for rq in receiver_quantizations:
+        h.update(f"|rq{rq.dst}:{rq.piece}:{rq.scale_piece}{rq.quant.block}{rq.quant.dtype}{rq.dtype}".encode())
     return h.hexdigest()[:16]
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .quant.spec import Quantization
 
 
 @dataclass(frozen=True)
@@ -15,14 +19,24 @@ class TensorSpec:
 
     Grouped MoE experts are one logical tensor: ``model.layers.0.mlp.experts.gate_proj.weight``
     of shape ``[E, I, H]`` stands for the checkpoint's ``...experts.{e}.gate_proj.weight``.
+
+    ``quant`` is set on a destination tensor that holds quantized (FP8) values: ``dtype`` is then
+    the FP8 dtype and ``quant.scale_name`` names the tensor holding its scales (see
+    :mod:`refit_core.quant`); None means the tensor holds plain values.
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    quant: Quantization | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if self.quant is not None:
+            if self.quant.dtype != self.dtype:
+                raise ValueError(f"{self.name}: dtype {self.dtype} differs from its quantization's "
+                                 f"{self.quant.dtype}")
+            self.quant.scale_shape(self.shape)  # the block fits the tensor's rank
 
     @property
     def numel(self) -> int:

@@ -22,12 +22,12 @@ class ViewError(RefitError):
     """A local view does not match its piece, or destination views overlap."""
 
 
-def check_view(spec: TensorSpec, box: Box, view: object, *, destination: bool, bound: bool = True) -> None:
+def check_view(spec: TensorSpec, box: Box, view: object, *, destination: bool, placeholder: bool = False) -> None:
     """One view against its piece: a tensor of ``box.sizes`` and ``spec.dtype``, writable if a destination.
 
-    ``bound=False`` (at setup) checks only what planning reads: name, shape and dtype. A plugin may then
-    hand out placeholders for memory that exists only during an update (the vLLM plugin's reload mode
-    expands one element); their memory is checked when the real views are bound, before any byte moves.
+    ``placeholder``: a gen rank's setup-time view, which the hookspec allows to be a placeholder (right
+    shape, dtype and device, not writable, e.g. an expanded scalar): only shape and dtype are checked;
+    the views bound for a step get the full check.
     """
     if not isinstance(spec.name, str):
         raise ViewError(f"a piece's tensor name {spec.name!r:.60} is not a string")
@@ -39,7 +39,7 @@ def check_view(spec: TensorSpec, box: Box, view: object, *, destination: bool, b
     if view.dtype != spec.dtype:
         raise ViewError(f"{spec.name}: view dtype {view.dtype} != spec dtype {spec.dtype} "
                         "(the view changed after the piece was built?)")
-    if not bound:
+    if placeholder:
         return
     if any(st == 0 and n > 1 for st, n in zip(view.stride(), view.shape)):
         raise ViewError(f"{spec.name}: view has a stride-0 dimension (strides {view.stride()}): several "

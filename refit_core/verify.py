@@ -9,7 +9,8 @@ import torch
 from .errors import RefitError
 from .experts import ExpertNaming
 from .pieces import Piece
-from .spec import Box
+from .quant.reference import reference_quantize
+from .spec import Box, TensorSpec
 
 
 def reference_region(piece: Piece, reference: Mapping[str, torch.Tensor],
@@ -41,6 +42,22 @@ def reference_region(piece: Piece, reference: Mapping[str, torch.Tensor],
     return Box((0, *box.offsets[1:]), box.sizes).slice_of(stacked).to(piece.spec.dtype)
 
 
+def quantized_reference(reference: Mapping[str, torch.Tensor], pieces: Sequence[Piece]
+                        ) -> dict[str, torch.Tensor]:
+    """``reference`` plus, for every quantized tensor among ``pieces``, its values and scales as the
+    reference quantizer (:func:`refit_core.quant.reference.reference_quantize`) makes them from the
+    high-precision reference (grouped experts are stacked first)."""
+    out = dict(reference)
+    specs = {p.spec.name: p.spec for p in pieces if p.spec.quant is not None}
+    for name, spec in specs.items():
+        quant = spec.quant
+        assert quant is not None
+        full = Piece(TensorSpec(name, spec.shape, torch.float32), Box.full(spec.shape))
+        values, scales = reference_quantize(reference_region(full, reference), quant)
+        out[name], out[quant.scale_name] = values, scales
+    return out
+
+
 def mismatches(pieces: Sequence[Piece], reference: Mapping[str, torch.Tensor],
                naming: ExpertNaming | None = None) -> list[str]:
     """Names and boxes of every piece whose view differs from the reference, bit for bit."""
@@ -49,6 +66,9 @@ def mismatches(pieces: Sequence[Piece], reference: Mapping[str, torch.Tensor],
         if piece.view is None:
             continue
         expected = reference_region(piece, reference, naming)
-        if not torch.equal(piece.view.cpu(), expected.cpu()):
+        view = piece.view.cpu()
+        if view.element_size() == 1:  # FP8: compare bits (NaN != NaN, and torch.equal may not know the dtype)
+            view, expected = view.view(torch.uint8), expected.contiguous().view(torch.uint8)
+        if not torch.equal(view, expected.cpu()):
             bad.append(f"{piece.spec.name}{piece.box}")
     return bad

@@ -18,11 +18,20 @@ parameters being neighbours in memory), and describe their memory as HF-space bo
 Weights are random and deterministic per HF tensor (:func:`reference`), drawn on the device, so the
 receiving side checks every byte by drawing them again. Register the hooks with
 :func:`register` (``refit bench`` does, in code; this is not an installed plugin).
+
+With ``fp8_block=(bn, bk)`` a model holds its linear layers' weights (q/k/v/o, gate/up/down, the
+experts) as block-FP8, the layout of vLLM's and SGLang's block-FP8 layers: e4m3 values in the same
+fused parameters, and beside each an fp32 ``weight_scale_inv`` parameter holding the scales of each
+fused part's blocks, part after part along the rows (``[q blocks; k blocks; v blocks]``,
+``[gate blocks; up blocks]`` per expert). Embeddings, norms, the router and ``lm_head`` stay in the
+config's dtype. An FP8 destination is filled by refit's quantization; an FP8 *source* (a trainer
+holding FP8 weights and scales) is filled with the reference quantization of its values.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +40,31 @@ from ..backend import GEN, TRAIN, Backend
 from ..models import checkpoint_specs, config_dtype, head_dim, num_experts
 from ..pieces import DestinationMap, DestinationPiece, SourcePiece
 from ..plugins import PluginManager, get_plugin_manager, hookimpl
+from ..quant.fast import Quantizer
+from ..quant.spec import BLOCK_SCALE_SUFFIX, Quantization
 from ..spec import Box, TensorSpec
+
+Quantize = Callable[[torch.Tensor, Quantization], tuple[torch.Tensor, torch.Tensor]]
+QUANTIZED_SUFFIXES = ("_proj.weight",)
+"""HF tensors an FP8 model holds quantized (the attention and MLP linear layers, experts included)."""
+
+
+def scale_name(hf_name: str) -> str:
+    """``...q_proj.weight`` -> ``...q_proj.weight_scale_inv`` (block-FP8 checkpoints' scale names)."""
+    return hf_name + BLOCK_SCALE_SUFFIX
+
+
+def fp8_specs(specs: dict[str, TensorSpec], block: tuple[int, int]) -> dict[str, TensorSpec]:
+    """``specs`` with every linear weight block-FP8 (and its scale tensor added)."""
+    out: dict[str, TensorSpec] = {}
+    for name, spec in specs.items():
+        if not name.endswith(QUANTIZED_SUFFIXES):
+            out[name] = spec
+            continue
+        quant = Quantization.block_fp8(scale_name(name), block, experts=".experts." in name)
+        out[name] = TensorSpec(name, spec.shape, quant.dtype, quant)
+        out[quant.scale_name] = quant.scale_spec(spec.shape)
+    return out
 
 
 def reference(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor:
@@ -47,17 +80,22 @@ class _FlatModel:
 
     side = ""
 
-    def __init__(self, config: dict[str, Any], *, tp: int, rank: int, device: torch.device | str) -> None:
+    def __init__(self, config: dict[str, Any], *, tp: int, rank: int, device: torch.device | str,
+                 fp8_block: tuple[int, int] | None = None) -> None:
         self.config = config
         self.tp, self.rank = tp, rank
         self.device = torch.device(device)
         self.dtype = config_dtype(config)
-        self.specs = {s.name: s for s in checkpoint_specs(config, grouped=True)}
+        self.hp_specs = {s.name: s for s in checkpoint_specs(config, grouped=True)}
+        self.specs = dict(self.hp_specs)
         self.params: dict[str, torch.Tensor] = {}
         self.pieces: list = []
         self.version = -1
         self._declare()
         self._pieces()
+        if fp8_block:  # the parameters that hold linear weights become FP8, with scales beside them
+            self.specs = fp8_specs(self.hp_specs, fp8_block)
+            self._quantize_params()
 
     # -- declaration helpers ---------------------------------------------------------------------
 
@@ -73,6 +111,44 @@ class _FlatModel:
     def _piece(self, hf: str, offsets: tuple[int, ...], view: torch.Tensor) -> None:
         cls = SourcePiece if self.side == TRAIN else DestinationPiece
         self.pieces.append(cls(self.specs[hf], Box(offsets, tuple(view.shape)), view))
+
+    # -- FP8 -----------------------------------------------------------------------------------
+
+    def _quantize_params(self) -> None:
+        hp_pieces, self.pieces = self.pieces, []
+        owners = {p.untyped_storage().data_ptr(): n for n, p in self.params.items()}
+        quantized = {owners[p.view.untyped_storage().data_ptr()] for p in hp_pieces
+                     if self.specs[p.spec.name].quant is not None}
+        for name in quantized:
+            self.params[name] = torch.empty(self.params[name].shape, dtype=torch.float8_e4m3fn, device=self.device)
+        self._pieces()
+        owners = {p.untyped_storage().data_ptr(): n for n, p in self.params.items()}
+        by_param: dict[str, list] = {}
+        for piece in self.pieces:
+            if piece.spec.quant is not None:
+                by_param.setdefault(owners[piece.view.untyped_storage().data_ptr()], []).append(piece)
+        for name, pieces in by_param.items():
+            self._add_scales(name, pieces)
+
+    def _add_scales(self, name: str, pieces: list) -> None:
+        """An fp32 scale parameter for FP8 parameter ``name``: its parts' block rows one after another."""
+        cls = SourcePiece if self.side == TRAIN else DestinationPiece
+        param = self.params[name]
+
+        def first_row(piece) -> int:
+            return (piece.view.storage_offset() // param.stride(-2)) % param.shape[-2]
+
+        placed, rows = [], 0
+        for piece in sorted(pieces, key=first_row):
+            box = piece.spec.quant.scale_box(piece.box)
+            placed.append((piece, box, rows))
+            rows += box.sizes[-2]
+        cols = -(-param.shape[-1] // pieces[0].spec.quant.block[-1])
+        scales = torch.empty((*param.shape[:-2], rows, cols), dtype=torch.float32, device=self.device)
+        self.params[scale_name(name)] = scales
+        for piece, box, first in placed:
+            view = scales.narrow(-2, first, box.sizes[-2])
+            self.pieces.append(cls(self.specs[piece.spec.quant.scale_name], box, view))
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +189,27 @@ class _FlatModel:
         for piece in self.pieces:
             out.setdefault(piece.spec.name, []).append(piece)
         return out
+
+    def expected(self, seed: int, quantize: Quantize | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor)`` of every tensor this rank holds, as it must hold it: quantized
+        tensors and their scales by ``quantize`` (default: refit's eager quantizer) of the values."""
+        quantize = quantize or Quantizer(compiled=False).quantize
+        names = self.by_name()
+        scale_names = {spec.quant.scale_name for spec in self.specs.values() if spec.quant is not None}
+        for name, spec in self.specs.items():
+            if name in scale_names:
+                continue  # yielded with the values it scales
+            if spec.quant is not None:
+                hp = reference(self.hp_specs[name], seed, self.device)
+                values, scales = quantize(hp, spec.quant)
+                del hp
+                if name in names:
+                    yield name, values
+                if spec.quant.scale_name in names:
+                    yield spec.quant.scale_name, scales
+                del values, scales
+            elif name in names:
+                yield name, reference(spec, seed, self.device)
 
 
 class MegatronStyleModel(_FlatModel):
@@ -189,10 +286,10 @@ class MegatronStyleModel(_FlatModel):
 
     def fill(self, seed: int) -> None:
         """Write this rank's part of every HF tensor's benchmark values into the parameters."""
+        by_name = self.by_name()
         with torch.no_grad():
-            for name, pieces in self.by_name().items():
-                full = reference(self.specs[name], seed, self.device)
-                for piece in pieces:
+            for name, full in self.expected(seed):
+                for piece in by_name[name]:
                     piece.view.copy_(piece.box.slice_of(full))
                 del full
 
@@ -281,18 +378,27 @@ class VllmStyleModel(_FlatModel):
     def poison(self) -> None:
         """Overwrite every weight with NaN, so a byte that was not written fails the check."""
         for param in self.params.values():
-            param.fill_(float("nan"))
+            param.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype refit moves
 
-    def mismatches(self, seed: int) -> list[str]:
-        """Every piece whose memory differs (bitwise) from the benchmark's values."""
+    def mismatches(self, seed: int, quantize: Quantize | None = None) -> list[str]:
+        """Every piece whose memory differs (bitwise) from the benchmark's values (FP8 tensors and
+        scales: from ``quantize``, default refit's eager quantizer, of the high-precision values)."""
         bad = []
-        for name, pieces in self.by_name().items():
-            full = reference(self.specs[name], seed, self.device)
-            for piece in pieces:
-                if not torch.equal(piece.view, piece.box.slice_of(full)):
+        by_name = self.by_name()
+        for name, full in self.expected(seed, quantize):
+            for piece in by_name[name]:
+                if not _bitwise_equal(piece.view, piece.box.slice_of(full)):
                     bad.append(f"{name}{piece.box}")
             del full
         return bad
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 # -- the hooks ------------------------------------------------------------------------------------

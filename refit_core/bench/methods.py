@@ -8,6 +8,9 @@
   1 GiB, two in flight on two streams, broadcast, and unpacked tensor by tensor into the engine's
   layout (``packed_broadcast_producer`` / ``packed_broadcast_consumer``).
 - ``refit``: :class:`~refit_core.RefitSender` / :class:`~refit_core.RefitReceiver` with a plan made once.
+- ``refit-quantize-after`` (FP8 destinations only; the baseline of sender-side quantization): refit
+  lands BF16 in a BF16 copy of the engine's layout, then the engine quantizes every FP8 weight from
+  it (refit's own quantizer, compiled on CUDA) into its FP8 parameters and scales.
 
 Each method has ``setup()`` (not timed), ``step(i)`` (timed) and ``close()``. The baselines are
 written generously: the name-to-memory mapping of every HF tensor is computed once at setup, where
@@ -265,10 +268,10 @@ class Refit(Method):
         options = options.overridden(self.settings) if self.settings else options
         endpoint: RefitSender | RefitReceiver
         if c.is_train:
-            endpoint = RefitSender(c.model, rendezvous=c.refit_address(self.name), rank=c.side_rank,
+            endpoint = RefitSender(self.endpoint_model(), rendezvous=c.refit_address(self.name), rank=c.side_rank,
                                    world_size=c.side_size, options=options, plugins=c.plugins)
         else:
-            endpoint = RefitReceiver(c.model, rendezvous=c.refit_address(self.name), rank=c.side_rank,
+            endpoint = RefitReceiver(self.endpoint_model(), rendezvous=c.refit_address(self.name), rank=c.side_rank,
                                      world_size=c.side_size, options=options, plugins=c.plugins)
         self.endpoint = endpoint
         self.schedule = endpoint.setup()
@@ -282,6 +285,10 @@ class Refit(Method):
         self.info.update(messages=summary.messages, segments=summary.segments, rounds=summary.rounds,
                          transport=str(getattr(transport, "backend", transport.kind if transport else "")),
                          transport_mode=getattr(transport, "mode", ""))
+
+    def endpoint_model(self) -> Any:
+        """The model refit reads (train) or writes (gen): the benchmark's own by default."""
+        return self.ctx.model
 
     def _executor_info(self) -> None:
         side = "send" if self.ctx.is_train else "recv"
@@ -323,6 +330,52 @@ class Refit(Method):
         self.endpoint.close()
 
 
+class RefitQuantizeAfter(Refit):
+    """Baseline for FP8 destinations: refit BF16 into a BF16 copy of the engine's layout, then quantize."""
+
+    name = "refit-quantize-after"
+
+    def endpoint_model(self) -> Any:
+        c = self.ctx
+        if c.is_train:
+            return c.model
+        from ..quant.fast import default_quantizer
+        from .layouts import VllmStyleModel
+
+        fp8 = c.model
+        if not any(p.spec.quant is not None for p in fp8.pieces):
+            raise ValueError(f"{self.name} needs a block-FP8 destination (refit bench --fp8-block)")
+        self.staging = VllmStyleModel(fp8.config, tp=fp8.tp, rank=fp8.rank, device=fp8.device)
+        self.quantizer = default_quantizer()
+        hp = {(p.spec.name, p.box): p.view for p in self.staging.pieces}
+        scales = {(p.spec.name, p.box): p.view for p in fp8.pieces}
+        self.work = [(hp[(p.spec.name, p.box)], p.view,
+                      scales[(p.spec.quant.scale_name, p.spec.quant.scale_box(p.box))], p.spec.quant)
+                     for p in fp8.pieces if p.spec.quant is not None]
+        self.copies = [(p.view, hp[(p.spec.name, p.box)]) for p in fp8.pieces
+                       if p.spec.quant is None and (p.spec.name, p.box) in hp]
+        self.info["receiver_bf16_copy_bytes"] = self.info["bytes_moved"] = self.staging.nbytes
+        kinds = {(quant.block, quant.dtype, source.ndim): (source, quant) for source, _, _, quant in self.work}
+        for source, quant in kinds.values():  # compile here, not inside a timed step
+            self.quantizer.quantize(source, quant)
+        return self.staging
+
+    def step(self, index: int) -> None:
+        super().step(index)
+        if self.ctx.is_train:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([d for d, _ in self.copies], [s for _, s in self.copies])
+            for source, values, scales, quant in self.work:
+                self.quantizer.quantize_into(source, values, scales, quant)
+        self.ctx.model.version = index
+
+    def close(self) -> None:
+        super().close()
+        self.work, self.copies = [], []
+        self.__dict__.pop("staging", None)  # the BF16 copy of the engine's layout
+
+
 class RefitStaged(Refit):
     """refit with every message staged through the buffers (no zero-copy): for comparison."""
 
@@ -330,7 +383,8 @@ class RefitStaged(Refit):
     settings = {"messages.zero_copy": False}
 
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (Wire, PerTensor, Packed, Refit, RefitStaged)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (Wire, PerTensor, Packed, Refit, RefitStaged,
+                                                         RefitQuantizeAfter)}
 
 
 def _size(text: str) -> int:

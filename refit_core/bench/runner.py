@@ -31,6 +31,7 @@ from ..env import values_of
 from ..launch import free_port, spawn
 from ..models import PRESETS, checkpoint_specs, load_config
 from ..plugins import PluginManager
+from .fp8 import fp8_comparison, fp8_methods, fp8_table
 from .layouts import MegatronStyleModel, VllmStyleModel, register
 from .methods import METHODS, method_class, open_bench_comm
 
@@ -127,8 +128,12 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     seed = job["seed"]
     is_train = me["side"] == "train"
     start = time.perf_counter()
-    cls = MegatronStyleModel if is_train else VllmStyleModel
-    model: Any = cls(config, tp=me["tp"], rank=me["tp_rank"], device=device)
+    model: Any
+    if is_train:
+        model = MegatronStyleModel(config, tp=me["tp"], rank=me["tp_rank"], device=device)
+    else:
+        fp8_block = tuple(job["fp8_block"]) if job.get("fp8_block") else None
+        model = VllmStyleModel(config, tp=me["tp"], rank=me["tp_rank"], device=device, fp8_block=fp8_block)
     if is_train:
         model.fill(seed)
     else:
@@ -264,6 +269,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeline", metavar="PNG", default=None,
                    help="record the first refit method's last step (pack / transfer / unpack per lane) on every "
                         "rank and draw it into PNG (one file per model: MODEL is added to the name after the first)")
+    p.add_argument("--fp8-block", default=None, metavar="BN,BK",
+                   help="also run every model into a block-FP8 destination (e.g. 128,128): BF16 refit, FP8 "
+                        "refit and refit-quantize-after side by side (refit_core.bench.fp8)")
     return p.parse_args(argv)
 
 
@@ -304,10 +312,11 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
         e0 = entries[0]
         timed = e0["times_s"][e0["warmup"]:]
         t = _median(timed)
+        info = {k: v for e in entries for k, v in e["info"].items()}
         moved = e0["info"].get("wire_bytes", results[0]["model_bytes"]) if _is_baseline(name) else received
+        moved = info.get("bytes_moved", moved)
         row = {"method": name, "time_s": t, "times_s": timed, "bytes": moved, "gbps": moved / t / 1e9,
-               "checks": sorted({e.get("check") for e in entries if e.get("check")}),
-               "info": {k: v for e in entries for k, v in e["info"].items()}}
+               "checks": sorted({e.get("check") for e in entries if e.get("check")}), "info": info}
         for side, sel in (("sender", results[:n_train]), ("receiver", gen)):
             peaks = [r["methods"][name].get("peak_extra_bytes") for r in sel]
             afters = [r["methods"][name].get("after_extra_bytes") for r in sel]
@@ -430,26 +439,42 @@ def main(argv: list[str] | None = None) -> int:
         "models": [],
     }
     ok = True
+    fp8_block = tuple(int(b) for b in args.fp8_block.split(",")) if args.fp8_block else None
+    if fp8_block:
+        report["fp8"] = []
     for model in args.models.split(","):
-        job = {"model": model, "ranks": ranks, "num_train": args.train_tp, "methods": methods,
-               "port": free_port(), "ports": {m: free_port() for m in methods}, "seed": args.seed,
-               "bucket_bytes": args.bucket_mib * MiB if args.bucket_mib else None, "num_buffers": args.buffers,
-               "warmup": args.warmup, "iters": args.iters, "min_iters": args.min_iters,
-               "budget_s": args.budget_s, "timeout_s": args.timeout_s, "timeline": bool(args.timeline)}
-        started = time.perf_counter()
-        results = spawn(_worker, len(ranks), job, env=SAFE_ENV, timeout_s=args.timeout_s * 4)
-        summary = _summarize(model, job, results)
-        summary["wall_s"] = time.perf_counter() - started
-        summary["ranks"] = results
-        report["models"].append(summary)
-        print(_table(summary), flush=True)
-        if args.timeline:
-            path = _timeline_path(args.timeline, model, first=not report["models"][:-1])
-            print(f"timeline: {_draw_timeline(job, results, path, model)}", flush=True)
-        print(flush=True)
-        for row in summary["rows"]:
-            if any(("ok" not in c) for c in row["checks"]) or (row["method"] != "wire" and not row["checks"]):
-                ok = False
+        runs: list[tuple[list[str], tuple[int, ...] | None]] = [(methods, None)]
+        if fp8_block:
+            runs.append((fp8_methods(methods), fp8_block))
+        summaries = []
+        for run_methods, block in runs:
+            job = {"model": model, "ranks": ranks, "num_train": args.train_tp, "methods": run_methods,
+                   "port": free_port(), "ports": {m: free_port() for m in run_methods}, "seed": args.seed,
+                   "bucket_bytes": args.bucket_mib * MiB if args.bucket_mib else None, "num_buffers": args.buffers,
+                   "warmup": args.warmup, "iters": args.iters, "min_iters": args.min_iters,
+                   "budget_s": args.budget_s, "timeout_s": args.timeout_s, "fp8_block": block,
+                   "timeline": bool(args.timeline) and block is None}
+            started = time.perf_counter()
+            results = spawn(_worker, len(ranks), job, env=SAFE_ENV, timeout_s=args.timeout_s * 4)
+            summary = _summarize(model, job, results)
+            summary["fp8_block"] = block
+            summary["wall_s"] = time.perf_counter() - started
+            summary["ranks"] = results
+            summaries.append(summary)
+            report["models"].append(summary)
+            print(_table(summary), flush=True)
+            if job["timeline"]:
+                path = _timeline_path(args.timeline, model, first=len(summaries) == 1 and not report["models"][:-1])
+                print(f"timeline: {_draw_timeline(job, results, path, model)}", flush=True)
+            print(flush=True)
+            for row in summary["rows"]:
+                if any(("ok" not in c) for c in row["checks"]) or (row["method"] != "wire" and not row["checks"]):
+                    ok = False
+        if fp8_block:
+            comparison = fp8_comparison(*summaries)
+            report["fp8"].append(comparison)
+            print(fp8_table([comparison]), flush=True)
+            print(flush=True)
         if args.out:  # after every model, so a later failure keeps what was measured
             _write(report, args.out)
     return 0 if ok else 1
@@ -487,7 +512,10 @@ def _write(report: dict[str, Any], prefix: str) -> None:
           f"Command: `{report['command']}`", "",
           f"Environment: {json.dumps(env)}", "",
           f"Settings: {json.dumps(report['settings'])}", ""]
+    if report.get("fp8"):
+        md += ["## FP8 destinations", "", fp8_table(report["fp8"]), ""]
     for summary in report["models"]:
-        md += ["## " + summary["model"], "", _table(summary), ""]
+        title = summary["model"] + (f" into block-FP8 {summary['fp8_block']}" if summary.get("fp8_block") else "")
+        md += ["## " + title, "", _table(summary), ""]
     with open(prefix + ".md", "w") as f:
         f.write("\n".join(md))

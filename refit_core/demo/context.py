@@ -103,6 +103,8 @@ class DemoContext:
     ``specs`` is the model's checkpoint inventory (``refit_core.models.model_inventory``), so the
     reference weights follow the model's own tensors. ``rendezvous`` is ``host:port``; the train
     side's rank 0 hosts it. ``progress`` takes the phase lines ``refit demo`` prints.
+    ``quantize`` is ``"fp8"`` when the gen side must hold block-FP8 linear weights (checked against
+    :func:`refit_core.verify.quantized_reference`), None for plain weights.
     """
 
     model: str
@@ -116,6 +118,7 @@ class DemoContext:
     options: dict[str, Any] = field(default_factory=dict)
     specs: tuple[TensorSpec, ...] = ()
     progress: ProgressLog = field(default_factory=lambda: ProgressLog("?"))
+    quantize: str | None = None
 
     def reference(self, step: int) -> dict[str, torch.Tensor]:
         """The HF state dict (checkpoint names) of weight version ``step``."""

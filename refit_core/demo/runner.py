@@ -44,6 +44,8 @@ class DemoPlan:
     colocate: bool = False
     """Train and gen ranks share devices: the gen side's ranks use the trainer's GPUs (CUDA IPC for
     same-GPU pairs) or, on CPU, same-host pairs go through shared memory."""
+    quantize: str | None = None
+    """``fp8``: the gen side holds block-FP8 weights (quantized by refit from the trainer's)."""
 
 
 def pick_pair(pm: PluginManager, train: str | None, gen: str | None) -> tuple[Backend, Backend]:
@@ -86,7 +88,8 @@ def _side_command(plan: DemoPlan, side: str, rendezvous: str, files: SideFiles, 
     return [sys.executable, "-m", "refit_core.demo.side", "--side", side, "--backend", backend.name,
             "--peer-backend", peer.name, "--model", plan.model, "--layout", layout,
             "--steps", str(plan.steps), "--rendezvous", rendezvous, "--device", plan.device,
-            "--options", json.dumps(options), "--report", files.report, "--events", events]
+            "--options", json.dumps(options), "--report", files.report, "--events", events,
+            *(["--quantize", plan.quantize] if plan.quantize else [])]
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,8 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 900.0, options: dict | None =
     size = f", {format_bytes(gen.bytes_per_step)}/step" if gen.bytes_per_step else ""
     where = f"{plan.device}, colocated" if plan.colocate else plan.device
     summary = (f"refit demo: {plan.train.name}({plan.train_layout or 'single'}) -> "
-               f"{plan.gen.name}({plan.gen_layout or 'single'}), {plan.model}, {plan.steps} steps on "
+               f"{plan.gen.name}({plan.gen_layout or 'single'}{', ' + plan.quantize if plan.quantize else ''}), "
+               f"{plan.model}, {plan.steps} steps on "
                f"{where}{size}{step}, {time.perf_counter() - start:.1f} s: "
                + ("verified OK" if ok else f"FAILED (logs: {log_dir})"))
     return DemoOutcome(ok, log_dir, summary)

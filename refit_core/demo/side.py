@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--options", default="{}", help="RefitOptions as JSON")
     parser.add_argument("--report", required=True, help="where to write the JSON report")
     parser.add_argument("--events", help="where to append progress events (default: print them)")
+    parser.add_argument("--quantize", default=None, help="fp8: the gen side holds block-FP8 weights")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"[{args.side}] %(message)s")
     logging.getLogger("refit").setLevel(logging.INFO)  # this program's output goes to the demo's log file
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         inventory = model_inventory(args.model)
         ctx = DemoContext(args.model, inventory.config, ParallelLayout.parse(args.layout), args.steps,
                           args.seed, args.rendezvous, args.device, args.peer_backend, json.loads(args.options),
-                          inventory.specs, ProgressLog(args.side, args.events))
+                          inventory.specs, ProgressLog(args.side, args.events), quantize=args.quantize)
         backend = get_plugin_manager().backend(args.backend, args.side)
         program = backend.demo_train if args.side == "train" else backend.demo_gen
         if program is None:

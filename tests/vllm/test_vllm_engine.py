@@ -120,7 +120,8 @@ def test_mismatched_model_fails_at_setup_and_engine_keeps_serving() -> None:
 def test_failed_step_keeps_previous_weights() -> None:
     """Trainers die after setup: update_weights fails, vLLM's reload is rolled back, old weights serve."""
     result = run_scenario("abort", model="tiny-qwen3-moe")
-    assert result["step_error"] is not None and "TransferError" in result["step_error"]
+    error = result["step_error"]  # a StepFailedError (a TransferError) that names nothing torn
+    assert error is not None and "StepFailedError" in error and "the engine's weights are unchanged" in error, error
     assert result["same_tokens_after"]
     assert result["engine_version"] == "default"
 

@@ -23,13 +23,16 @@ from refit_core import ParallelLayout, RefitOptions, RefitReceiver, RefitSender
 from refit_core.demo.context import DemoContext, DemoReport
 from refit_core.launch import free_port, spawn
 from refit_core.models import config_dtype
-from refit_core.verify import mismatches
+from refit_core.verify import mismatches, quantized_reference
 
+from .fp8 import to_block_fp8
 from .parallel import build_model, init_mesh, shard_model
 from .shards import load_hf_weights
 
 DEFAULT_TRAIN_LAYOUT = "fsdp=2"
 DEFAULT_GEN_LAYOUT = "tp=2"
+FP8_BLOCK = (128, 128)
+"""``refit demo --quantize fp8``: the blocks of vLLM's / DeepSeek-V3's block-FP8 checkpoints."""
 
 
 def _start(rank: int, world: int, port: int, device: str, gpu_offset: int) -> torch.device:
@@ -46,8 +49,11 @@ def _start(rank: int, world: int, port: int, device: str, gpu_offset: int) -> to
     return target
 
 
-def _model(ctx: DemoContext, layout: ParallelLayout, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def _model(ctx: DemoContext, layout: ParallelLayout, dtype: torch.dtype, device: torch.device,
+           fp8: bool = False) -> torch.nn.Module:
     model = build_model(ctx.config, dtype=dtype, device=device)
+    if fp8:
+        to_block_fp8(model, FP8_BLOCK)
     shard_model(model, layout, init_mesh(layout, device.type))
     return model
 
@@ -83,10 +89,11 @@ def _gen_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, p
     began = time.perf_counter()
     device = _start(rank, world, port, ctx.device, gpu_offset)
     dtype = config_dtype(ctx.config)
-    model = _model(ctx, layout, dtype, device)
+    fp8 = ctx.quantize == "fp8"
+    model = _model(ctx, layout, dtype, device, fp8)
     if rank == 0:
-        ctx.progress.built(f"dtensor policy, {_layout_name(layout)}, {str(dtype).removeprefix('torch.')}",
-                           time.perf_counter() - began)
+        held = f"{str(dtype).removeprefix('torch.')}" + (f", block-FP8 {FP8_BLOCK} linear weights" if fp8 else "")
+        ctx.progress.built(f"dtensor policy, {_layout_name(layout)}, {held}", time.perf_counter() - began)
     receiver = RefitReceiver(model, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
                              options=RefitOptions(**ctx.options))
     receiver.setup()
@@ -98,7 +105,8 @@ def _gen_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, p
         received = stats.bytes
         if stats.version != step:
             problems.append(f"step {step}: received version {stats.version}")
-        bad = mismatches(pieces, ctx.reference(step))
+        reference = ctx.reference(step)
+        bad = mismatches(pieces, quantized_reference(reference, pieces) if fp8 else reference)
         problems += [f"step {step}: {name} differs" for name in bad]
         totals = torch.tensor([float(stats.bytes), float(len(bad)), stats.seconds], dtype=torch.float64)
         summed = _all_reduce(totals[:2], dist.ReduceOp.SUM, device)
@@ -110,7 +118,8 @@ def _gen_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, p
     receiver.close()
     dist.destroy_process_group()
     return {"seconds": seconds, "bytes": received, "problems": problems,
-            "tensors": len({p.spec.name for p in pieces})}
+            "tensors": len({p.spec.name for p in pieces}),
+            "fp8_tensors": len({p.spec.name for p in pieces if p.spec.quant is not None})}
 
 
 def _all_reduce(values: torch.Tensor, op: Any, device: torch.device) -> torch.Tensor:
@@ -137,9 +146,12 @@ def demo_gen(ctx: DemoContext) -> DemoReport:
     results = spawn(_gen_rank, layout.world_size, ctx, layout, free_port(), gpu_offset)
     problems = [f"gen rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
     received = sum(r["bytes"] for r in results)
+    checked = ("every destination view equals the reference bit for bit after every step"
+               if ctx.quantize != "fp8" else
+               f"{results[0]['fp8_tensors']} block-FP8 {FP8_BLOCK} weights checked against the reference "
+               "quantizer, every view bit for bit after every step")
     lines = [f"dtensor policy received {ctx.steps} versions, {results[0]['tensors']} checkpoint tensors on "
-             "rank 0: " + ("every destination view equals the reference bit for bit after every step"
-                           if not problems else f"{len(problems)} MISMATCHES")]
+             "rank 0: " + (checked if not problems else f"{len(problems)} MISMATCHES")]
     lines += problems[:10]
     steps = [max(r["seconds"][i] for r in results) for i in range(ctx.steps)]
     return DemoReport(not problems, lines, bytes_per_step=received, seconds_per_step=steps)

@@ -37,7 +37,7 @@ def refit_register_backends(register: Any) -> None:
         BACKEND, {TRAIN, GEN},
         description="PyTorch DTensor / FSDP2 / tensor-parallel transformers models (source and destination)",
         demo_train=demo_train, demo_gen=demo_gen, demo_train_layout=DEFAULT_TRAIN_LAYOUT,
-        demo_gen_layout=DEFAULT_GEN_LAYOUT, priority=10,
+        demo_gen_layout=DEFAULT_GEN_LAYOUT, priority=10, demo_quantize={"fp8"},
         rl_train_actor="refit_dtensor.policy:FSDPPolicyActor",
     ))
 

@@ -15,7 +15,9 @@ import torch
 
 from refit_core import Box, PluginError, TensorSpec
 from refit_core.pieces import Piece
+from refit_core.quant import Quantization
 
+from .fp8 import quantization_of
 from .names import Naming, Target, named_parameters, unwrap
 from .placements import LocalBlock, tensor_blocks
 
@@ -43,10 +45,11 @@ def placements_of(targets: Sequence[Target], blocks: Sequence[LocalBlock]) -> It
 
 
 def param_pieces(kind: type[P], targets: Sequence[Target], dtype: torch.dtype, blocks: Sequence[LocalBlock],
-                 local: torch.Tensor | None) -> list[P]:
-    """The pieces of one parameter, given its blocks on this rank and its checkpoint targets."""
+                 local: torch.Tensor | None, quant: Quantization | None = None) -> list[P]:
+    """The pieces of one parameter, given its blocks on this rank and its checkpoint targets
+    (``quant``: the parameter holds quantized values, see :mod:`refit_dtensor.fp8`)."""
     pieces: list[P] = []
-    specs = [TensorSpec(target.name, target.shape, dtype) for target in targets]
+    specs = [TensorSpec(target.name, target.shape, dtype, quant) for target in targets]
     for placed in placements_of(targets, blocks):
         view = None
         if local is not None:
@@ -92,7 +95,8 @@ def model_pieces(model: Any, kind: type[P]) -> list[P]:
             if owners.setdefault(target.name, name) != name:
                 raise PluginError(f"parameters {owners[target.name]} and {name} both map to checkpoint "
                                   f"tensor {target.name}")
-        pieces.extend(param_pieces(kind, targets, param.dtype, blocks, local.detach()))
+        quant = quantization_of(hf, name, param)
+        pieces.extend(param_pieces(kind, targets, param.dtype, blocks, local.detach(), quant))
     return pieces
 
 

@@ -50,13 +50,14 @@ def is_sglang_model(model: Any) -> bool:
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     """The floating-point dtype SGLang keeps the model's weights in (what refit sends them as)."""
     for param in model.parameters():
-        if param.dtype.is_floating_point:
+        if param.dtype.is_floating_point and param.element_size() > 1:  # not a quantized (FP8) weight
             return param.dtype
     return torch.get_default_dtype()
 
 
 def config_specs(model: torch.nn.Module) -> list[TensorSpec]:
-    """The HF tensors of ``model``'s config (per-expert names), floating ones in the model's dtype."""
+    """The HF tensors of ``model``'s config (per-expert names), floating ones in the model's dtype
+    (those a block-FP8 model holds quantized as FP8 with their scales, :mod:`refit_sglang.fp8`)."""
     from refit_core.models import checkpoint_specs
 
     config = getattr(model, "config", None)
@@ -69,7 +70,10 @@ def config_specs(model: torch.nn.Module) -> list[TensorSpec]:
         raise RefitError(f"cannot list the HF tensors of SGLang model {type(model).__name__}: {exc}; "
                          "call refit_sglang.attach(model, specs=...) with its checkpoint tensors") from exc
     dtype = model_dtype(model)
-    return [TensorSpec(s.name, s.shape, dtype if s.dtype.is_floating_point else s.dtype) for s in specs]
+    specs = [TensorSpec(s.name, s.shape, dtype if s.dtype.is_floating_point else s.dtype) for s in specs]
+    from .fp8 import block_fp8_specs, holds_fp8
+
+    return block_fp8_specs(model, specs) if holds_fp8(model) else specs
 
 
 def attach(model: torch.nn.Module, *, specs: Sequence[TensorSpec] | None = None,

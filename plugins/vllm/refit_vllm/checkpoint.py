@@ -14,15 +14,37 @@ from typing import Any
 
 from refit_core import RefitError, TensorSpec
 from refit_core.inventory import safetensors_specs
+from refit_core.quant import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
 
 log = logging.getLogger("refit.vllm")
+
+
+
+
+def block_fp8_specs(specs: list[TensorSpec], quant_config: dict[str, Any] | None) -> list[TensorSpec]:
+    """``specs`` of a block-FP8 checkpoint (``quant_method: fp8`` with ``weight_block_size``, the
+    DeepSeek-V3 / Qwen3-FP8 format vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` load) with every
+    float8 tensor that has a ``<name>_scale_inv`` sibling marked as quantized; other specs unchanged."""
+    block = (quant_config or {}).get("weight_block_size")
+    if (quant_config or {}).get("quant_method") != "fp8" or not block:
+        return specs
+    names = {s.name for s in specs}
+    out = []
+    for spec in specs:
+        scale = spec.name + BLOCK_SCALE_SUFFIX
+        if spec.dtype in FP8_DTYPES and scale in names and len(spec.shape) == 2:
+            quant = Quantization.block_fp8(scale, tuple(block), dtype=spec.dtype)
+            spec = TensorSpec(spec.name, spec.shape, spec.dtype, quant)
+        out.append(spec)
+    return out
 
 
 def engine_checkpoint_specs(model_config: Any) -> list[TensorSpec]:
     """The HF tensors (per-expert names) behind ``model_config``, in the engine's weight dtype.
 
     Floating-point tensors are reported in the engine's dtype (what its parameters hold; the
-    sender casts); other dtypes are kept.
+    sender casts); other dtypes are kept, and so are a block-FP8 checkpoint's float8 weights (as
+    quantized tensors, see :func:`block_fp8_specs`) and their fp32 scales: refit quantizes into them.
     """
     dtype = model_config.dtype
     specs = None
@@ -39,4 +61,8 @@ def engine_checkpoint_specs(model_config: Any) -> list[TensorSpec]:
                              f"safetensors directory, and {exc}") from exc
         log.info("refit: %s has no local safetensors; using the %s inventory from its config",
                  model_config.model, config.get("architectures"))
-    return [TensorSpec(s.name, s.shape, dtype if s.dtype.is_floating_point else s.dtype) for s in specs]
+    quant_config = getattr(model_config.hf_config, "quantization_config", None)
+    specs = block_fp8_specs(specs, quant_config if isinstance(quant_config, dict) else None)
+    scales = {s.quant.scale_name for s in specs if s.quant is not None}
+    return [s if s.quant is not None or s.name in scales or not s.dtype.is_floating_point
+            else TensorSpec(s.name, s.shape, dtype) for s in specs]

@@ -1,0 +1,55 @@
+"""GPU tests of FP8 destinations: the compiled CUDA quantizer against the reference, bit for bit, and
+a 2-GPU NCCL refit into a block-FP8 destination through ``refit bench --fp8-block``.
+
+Skipped without CUDA (CI has none); ``benchmarks/run_gpu.sh`` runs them on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from refit_core.models import PRESETS
+from refit_core.quant.fast import Quantizer
+from refit_core.quant.reference import reference_quantize
+from refit_core.quant.spec import Quantization
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("quant,shape", [
+    (Quantization.block_fp8("s", (128, 128)), (640, 384)),
+    (Quantization.block_fp8("s", (128, 128)), (200, 130)),
+    (Quantization.block_fp8("s", (128, 128), experts=True), (4, 256, 256)),
+])
+def test_compiled_cuda_quantizer_matches_the_reference(quant, shape):
+    base = torch.randn(shape[0] * 2, *shape[1:], dtype=torch.bfloat16, device="cuda")
+    view = base[shape[0]:]  # a strided slice, as the sender reads fused parameters
+    values, scales = Quantizer(compiled=True).quantize(view, quant)
+    want_values, want_scales = reference_quantize(view, quant)
+    assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fp8_bench_on_two_gpus_is_bitwise(tmp_path):
+    from refit_core.bench import main
+
+    config = dict(PRESETS["tiny-qwen3-moe"], hidden_size=512, moe_intermediate_size=256, num_experts=16,
+                  head_dim=128, dtype="bfloat16")
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(config))
+    prefix = str(tmp_path / "out")
+    rc = main(["--models", f"tiny-llama,{path}", "--methods", "wire,refit", "--fp8-block", "128,128",
+               "--train-gpus", "0", "--gen-gpus", "1", "--warmup", "1", "--iters", "2", "--min-iters", "1",
+               "--out", prefix])
+    assert rc == 0
+    report = json.loads(open(prefix + ".json").read())
+    for comparison in report["fp8"]:
+        assert comparison["fp8_refit_checks"] == ["bitwise ok"], comparison
+        assert comparison["fp8_refit-quantize-after_checks"] == ["bitwise ok"], comparison
