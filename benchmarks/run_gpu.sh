@@ -93,7 +93,7 @@ if step bench; then
 fi
 
 if step tests; then
-  limit ${TESTS_TIMEOUT:-120} $PY -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -30 | tee -a "$LOG"
+  limit ${TESTS_TIMEOUT:-480} $PY -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -30 | tee -a "$LOG"
   echo "tests exit: $?" | tee -a "$LOG"
 fi
 
