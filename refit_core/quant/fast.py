@@ -3,7 +3,7 @@
 Same arithmetic as :mod:`.reference`, vectorized. A box is seen as ``[G, R, C]`` (leading dims
 flattened: their block size is 1) and viewed as ``[G, R/bn, bn, C/bk, bk]`` (zero-padded where a
 block is clipped): block maxima are one reduction, scales a few ops on the small block grid, values
-one multiply and cast written straight into the destination. On CUDA the whole function runs under
+one multiply and cast, then copied into the destination. On CUDA that function runs under
 ``torch.compile`` (one compile per block shape and dtype, dynamic in the tensor's shape and strides:
 an eager quantizer is slower than the wire); elsewhere, or when compiling fails, it runs eagerly.
 """
@@ -21,7 +21,7 @@ from .spec import Quantization
 
 log = logging.getLogger("refit.quant")
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], None]
+Kernel = Callable[[torch.Tensor, int, int, float, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -38,16 +38,26 @@ def _blocks(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return x.reshape(groups, (rows + pad_rows) // bn, bn, (cols + pad_cols) // bk, bk)
 
 
-def quantize_3d(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bn: int, bk: int,
-                fp8_max: float) -> None:
-    """Quantize ``x`` ``[G, R, C]`` into ``values`` (same shape, FP8) and ``scales`` ``[G, R/bn, C/bk]``."""
+def quantized_3d(x: torch.Tensor, bn: int, bk: int, fp8_max: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)`` of ``x`` ``[G, R, C]``: FP8 ``values`` of ``x``'s shape and ``scales``
+    ``[G, R/bn, C/bk]``. Pure (it writes no input), which is what ``torch.compile`` needs: the
+    destinations are often FP8 views of byte buffers, and inductor refuses to mutate a view of
+    another dtype."""
     blocks = _blocks(x, bn, bk)
     amax = blocks.abs().amax(dim=(2, 4)).float()
     scale, reciprocal = block_scale_and_reciprocal(amax, fp8_max)
-    quantized = (blocks.float() * reciprocal[:, :, None, :, None]).clamp(-fp8_max, fp8_max).to(values.dtype)
+    quantized = (blocks.float() * reciprocal[:, :, None, :, None]).clamp(-fp8_max, fp8_max).to(dtype)
     groups, n_rows, _, n_cols, _ = blocks.shape
-    quantized = quantized.reshape(groups, n_rows * bn, n_cols * bk)
-    values.copy_(quantized[:, :values.shape[1], :values.shape[2]])
+    return quantized.reshape(groups, n_rows * bn, n_cols * bk)[:, :x.shape[1], :x.shape[2]], scale
+
+
+def quantize_3d(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bn: int, bk: int,
+                fp8_max: float, kernel: Kernel | None = None) -> None:
+    """Quantize ``x`` ``[G, R, C]`` into ``values`` (same shape, FP8) and ``scales`` ``[G, R/bn, C/bk]``
+    with ``kernel`` (default: :func:`quantized_3d`, eagerly)."""
+    quantized, scale = (kernel or quantized_3d)(x, bn, bk, fp8_max, values.dtype)
+    values.copy_(quantized)
     scales.copy_(scale)
 
 
@@ -66,8 +76,9 @@ def _allow_recompiles(limit: int) -> None:
 class Quantizer:
     """Quantizes high-precision boxes into FP8 values and scales.
 
-    ``compiled``: True runs :func:`quantize_3d` under ``torch.compile``, False eagerly, None (the
-    default) compiles on CUDA only. A compile failure falls back to eager, once, with a warning.
+    ``compiled``: True runs :func:`quantized_3d` under ``torch.compile``, False eagerly, None (the
+    default) compiles on CUDA only; the results are then copied into the destinations. A compile
+    failure falls back to eager, once, with a warning.
     """
 
     def __init__(self, compiled: bool | None = None) -> None:
@@ -79,7 +90,7 @@ class Quantizer:
             wanted = self.compiled if self.compiled is not None else device.type == "cuda"
             if wanted:
                 _allow_recompiles(RECOMPILES)
-            self._kernel = torch.compile(quantize_3d, dynamic=True) if wanted else quantize_3d
+            self._kernel = torch.compile(quantized_3d, dynamic=True) if wanted else quantized_3d
         return self._kernel
 
     def quantize_into(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
@@ -92,15 +103,15 @@ class Quantizer:
         kernel = self._pick(x.device)
         source = _as_3d(x) if x.ndim <= 3 else x.reshape(-1, *x.shape[-2:])
         args = (source, _as_3d(values), _as_3d(scales), bn, bk, quant.fp8_max)
-        if kernel is quantize_3d:
+        if kernel is quantized_3d:
             quantize_3d(*args)
             return
         try:
-            kernel(*args)
+            quantize_3d(*args, kernel=kernel)
         except Exception as exc:  # noqa: BLE001 - any compiler problem: stay correct, run eagerly
             log.warning("refit: the compiled FP8 quantizer failed (%s: %s); running eagerly",
                         type(exc).__name__, exc)
-            self._kernel = quantize_3d
+            self._kernel = quantized_3d
             quantize_3d(*args)
 
     def quantize(self, x: torch.Tensor, quant: Quantization) -> tuple[torch.Tensor, torch.Tensor]:

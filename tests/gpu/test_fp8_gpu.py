@@ -36,6 +36,22 @@ def test_compiled_cuda_quantizer_matches_the_reference(quant, shape):
     assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
 
 
+def test_compiled_quantizer_writes_fp8_views_of_a_byte_buffer_without_falling_back():
+    """The sender's pack step quantizes into FP8 views of its uint8 staging buffer: inductor refuses
+    to mutate a view of another dtype, so the compiled function is pure and the copy is eager."""
+    quant = Quantization.block_fp8("s", (128, 128))
+    x = torch.randn(384, 256, dtype=torch.bfloat16, device="cuda")
+    buffer = torch.zeros(384 * 256 + 16 * 3 * 2 * 4, dtype=torch.uint8, device="cuda")
+    values = buffer[:384 * 256].view(quant.dtype).view(384, 256)
+    scales = buffer[384 * 256:384 * 256 + 3 * 2 * 4].view(torch.float32).view(3, 2)
+    quantizer = Quantizer(compiled=True)
+    quantizer.quantize_into(x, values, scales, quant)
+    want_values, want_scales = reference_quantize(x, quant)
+    assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
+    from refit_core.quant.fast import quantized_3d
+    assert quantizer._kernel is not quantized_3d, "the compiled quantizer fell back to eager"
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fp8_bench_on_two_gpus_is_bitwise(tmp_path):
     from refit_core.bench import main
