@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -45,6 +46,9 @@ def test_failed_demo_reports_the_error_and_leaves_no_process(tmp_path: Path) -> 
 
     control = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     try:
+        deadline = time.monotonic() + 10  # until the child has exec'd, /proc shows the parent's environment
+        while tagged_processes(tag) != [control.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert tagged_processes(tag) == [control.pid], "the leftover-process check cannot see processes"
     finally:
         control.kill()
