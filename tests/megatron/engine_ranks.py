@@ -77,6 +77,24 @@ def engine_ranks(rank: int, world: int, ports: tuple[int, int], tmp: str, model:
     return results
 
 
+def run_engine_ranks(tmp: str, model: str, layouts: list[str]) -> tuple[list[Any], list[Any]]:
+    """:func:`engine_ranks` on ``TRAIN_WORLD + GEN_WORLD`` fresh processes: (train results, gen results)."""
+    from refit_core.launch import free_port, spawn
+
+    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()), tmp, model, layouts,
+                timeout_s=900)
+    return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
+
+
+def assert_two_refits_landed(gen: list[Any], layout: str) -> None:
+    """Gen rank 0 saw versions 1 and 2 land bitwise on the reference, naming the same tensors."""
+    for step in (1, 2):
+        checks = gen[0][layout]
+        assert checks[f"version_{step}"] == step
+        assert checks[f"reference_names_{step}"] == [], "engine and reference list different tensors"
+        assert checks[f"differences_{step}"] == [], f"step {step}"
+
+
 def _plugins(config: dict[str, Any]) -> Any:
     from refit_megatron.checkpoint import hf_specs
 

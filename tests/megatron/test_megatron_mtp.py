@@ -12,9 +12,8 @@ import pytest
 
 pytest.importorskip("refit_megatron")
 
-from engine_ranks import ENGINE_MODELS, GEN_WORLD, TRAIN_WORLD, engine_ranks
+from engine_ranks import ENGINE_MODELS, assert_two_refits_landed, run_engine_ranks
 
-from refit_core.launch import free_port, spawn
 
 LAYOUTS = ["tp2", "pp2", "ep2"]
 MTP_LAYER = f"model.layers.{ENGINE_MODELS['mla-mtp'].config['num_hidden_layers']}."
@@ -23,19 +22,13 @@ MTP_LAYER = f"model.layers.{ENGINE_MODELS['mla-mtp'].config['num_hidden_layers']
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()),
-                str(tmp_path_factory.mktemp("mtp")), "mla-mtp", LAYOUTS, timeout_s=900)
-    return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
+    return run_engine_ranks(str(tmp_path_factory.mktemp("mtp")), "mla-mtp", LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_refits_with_the_mtp_layer_land_bitwise(results, layout):
     train, gen = results
-    for step in (1, 2):
-        checks = gen[0][layout]
-        assert checks[f"version_{step}"] == step
-        assert checks[f"reference_names_{step}"] == [], "engine and reference list different tensors"
-        assert checks[f"differences_{step}"] == [], f"step {step}"
+    assert_two_refits_landed(gen, layout)
     sent = {n for r in train for n in r[layout]["names"] if n.startswith(MTP_LAYER)}
     for part in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn.kv_b_proj", "mlp.experts.3.up_proj",
                  "mlp.shared_experts.down_proj", "mlp.gate.e_score_correction_bias"):

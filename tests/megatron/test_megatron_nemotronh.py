@@ -13,29 +13,22 @@ import pytest
 
 pytest.importorskip("refit_megatron")
 
-from engine_ranks import GEN_WORLD, LAYOUTS, TRAIN_WORLD, engine_ranks
+from engine_ranks import LAYOUTS, assert_two_refits_landed, run_engine_ranks
 from nemotronh_build import CONFIG
 
 from refit_core import ParallelLayout, PluginError
-from refit_core.launch import free_port, spawn
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()),
-                str(tmp_path_factory.mktemp("nemotronh")), "nemotronh", list(LAYOUTS), timeout_s=900)
-    return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
+    return run_engine_ranks(str(tmp_path_factory.mktemp("nemotronh")), "nemotronh", list(LAYOUTS))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_refits_land_bitwise_equal_to_megatrons_own_weights(results, layout):
     train, gen = results
-    for step in (1, 2):
-        checks = gen[0][layout]
-        assert checks[f"version_{step}"] == step
-        assert checks[f"reference_names_{step}"] == [], "engine and reference list different tensors"
-        assert checks[f"differences_{step}"] == [], f"step {step}"
+    assert_two_refits_landed(gen, layout)
     if layout == "tp1":
         assert all(r[layout]["sent_bytes_1"] > 0 for r in train), "both DP replicas share the sending"
 

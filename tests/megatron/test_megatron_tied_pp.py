@@ -10,9 +10,8 @@ import pytest
 
 pytest.importorskip("refit_megatron")
 
-from engine_ranks import GEN_WORLD, TRAIN_WORLD, engine_ranks
+from engine_ranks import assert_two_refits_landed, run_engine_ranks
 
-from refit_core.launch import free_port, spawn
 
 LAYOUTS = ["pp2", "tp2"]
 
@@ -20,19 +19,13 @@ LAYOUTS = ["pp2", "tp2"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()),
-                str(tmp_path_factory.mktemp("tied")), "dense-tied", LAYOUTS, timeout_s=900)
-    return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
+    return run_engine_ranks(str(tmp_path_factory.mktemp("tied")), "dense-tied", LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_refits_of_a_tied_model_land_bitwise(results, layout):
     train, gen = results
-    for step in (1, 2):
-        checks = gen[0][layout]
-        assert checks[f"version_{step}"] == step
-        assert checks[f"reference_names_{step}"] == [], "engine and reference list different tensors"
-        assert checks[f"differences_{step}"] == [], f"step {step}"
+    assert_two_refits_landed(gen, layout)
     for rank, result in enumerate(train):
         assert result[layout]["views_share_parameter_memory"], f"train rank {rank}"
         assert result[layout]["metadata_layout_equal"], f"train rank {rank}: refit plan layout differs"
