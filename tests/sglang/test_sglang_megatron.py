@@ -16,6 +16,7 @@ pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scr
                     ".venv-sglang/bin/python -m pytest tests/sglang")
 pytest.importorskip("megatron.core", reason="megatron-core is installed in .venv-sglang by setup-sglang-env.sh")
 
+from layout_runs import once_per_layout
 from megatron_sglang_ranks import MODELS, STEPS, refit_ranks
 from sglang_forward import LOGITS_TOLERANCE
 
@@ -30,23 +31,14 @@ ENGINES = {"megatron-tp2-to-sglang-tp1": 1, "megatron-tp2-to-sglang-tp2": 2}
 def runs(tmp_path_factory):
     from megatron_ranks import listen_port
 
-    done: dict[str, object] = {}
-
-    def run(layout: str):
-        if layout not in done:
-            tp = ENGINES[layout]
-            models = list(MODELS)
-            try:
-                results = spawn(refit_ranks, TRAIN_WORLD + tp, TRAIN_WORLD, [listen_port(), listen_port()],
-                                [listen_port() for _ in models], models, str(tmp_path_factory.mktemp(layout)),
-                                timeout_s=600)
-                done[layout] = (results[:TRAIN_WORLD], results[TRAIN_WORLD:])
-            except Exception as exc:  # noqa: BLE001 - every test of the layout reports it
-                done[layout] = exc
-        if isinstance(done[layout], Exception):
-            raise done[layout]
-        return done[layout]
-    return run
+    def launch(layout: str) -> tuple[list, list]:
+        tp = ENGINES[layout]
+        models = list(MODELS)
+        results = spawn(refit_ranks, TRAIN_WORLD + tp, TRAIN_WORLD, [listen_port(), listen_port()],
+                        [listen_port() for _ in models], models, str(tmp_path_factory.mktemp(layout)),
+                        timeout_s=600)
+        return results[:TRAIN_WORLD], results[TRAIN_WORLD:]
+    return once_per_layout(launch)
 
 
 @pytest.mark.slow

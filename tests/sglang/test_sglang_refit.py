@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scripts/setup-sglang-env.sh && "
                     ".venv-sglang/bin/python -m pytest tests/sglang")
 
+from layout_runs import once_per_layout
 from sglang_forward import LOGITS_TOLERANCE
 from sglang_ranks import LOADER_SUFFIX, STEPS, refit_ranks
 
@@ -31,22 +32,13 @@ LAYOUTS = {"fsdp2-to-sglang-tp1": (2, 1, True), "fsdp2-to-sglang-tp2": (2, 2, Fa
 
 @pytest.fixture(scope="module")
 def runs():
-    done: dict[str, object] = {}
-
-    def run(layout: str):
-        if layout not in done:
-            train, tp, mismatch = LAYOUTS[layout]
-            try:
-                results = spawn(refit_ranks, train + tp, train, [free_port(), free_port()],
-                                [free_port() for _ in CASES], CASES, free_port() if mismatch else None,
-                                timeout_s=500)
-                done[layout] = (results[:train], results[train:])
-            except Exception as exc:  # noqa: BLE001 - every test of the layout reports it
-                done[layout] = exc
-        if isinstance(done[layout], Exception):
-            raise done[layout]
-        return done[layout]
-    return run
+    def launch(layout: str) -> tuple[list, list]:
+        train, tp, mismatch = LAYOUTS[layout]
+        results = spawn(refit_ranks, train + tp, train, [free_port(), free_port()],
+                        [free_port() for _ in CASES], CASES, free_port() if mismatch else None,
+                        timeout_s=500)
+        return results[:train], results[train:]
+    return once_per_layout(launch)
 
 
 @pytest.mark.slow
