@@ -17,14 +17,16 @@
 #      the pack / transfer / unpack lanes of one step as a PNG (CUDA events), with the setup breakdown.
 #   9. relay (not in the default STEPS; needs 4 GPUs, nvidia-h200-x4): 1 train rank on GPU 0 -> 3 engine
 #      replicas on GPUs 1-3, direct fanout vs relay (the trainer feeds one replica, that one the next two).
-#  10. FP8 destinations (`fp8`): BF16 Megatron-style source -> block-FP8 vLLM-style destination, side
-#      by side with BF16 refit and BF16 refit + quantize-after (refit_core/bench/fp8.py).
+#  10. FP8 destinations (`fp8`): the quantizers alone (benchmarks/quantizer_speed.py), then BF16
+#      Megatron-style source -> block-FP8 vLLM-style destination, side by side with BF16 refit and BF16
+#      refit + quantize-after (refit_core/bench/fp8.py). FP8_TIMELINE=1 also draws each step's lanes.
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
 #   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo
 #                                                        # colocated megatron fp8
 #   STEPS="env timeline" bash benchmarks/run_gpu.sh       # steps outside the default list: timeline, relay (4 GPUs)
+#   STEPS="tests" GPU_TESTS=tests/gpu/test_fp8_gpu.py bash benchmarks/run_gpu.sh   # some GPU tests only
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -93,7 +95,7 @@ if step bench; then
 fi
 
 if step tests; then
-  limit ${TESTS_TIMEOUT:-480} $PY -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -30 | tee -a "$LOG"
+  limit ${TESTS_TIMEOUT:-480} $PY -m pytest ${GPU_TESTS:-tests/gpu} -q -x -p no:cacheprovider 2>&1 | tail -30 | tee -a "$LOG"
   echo "tests exit: $?" | tee -a "$LOG"
 fi
 
@@ -158,7 +160,10 @@ print("fp8 preflight: torch", torch.__version__, "gpus", torch.cuda.device_count
       "missing:", needed or "none", "optional missing:", optional or "none")
 raise SystemExit(1 if needed or torch.cuda.device_count() < 2 else 0)
 EOF
+  # the quantizers alone on GPU 0: copy bound, eager, compiled per tensor, batched Triton (refit's pack step)
+  limit 240 $PY benchmarks/quantizer_speed.py --out "$OUT/quantizer-speed-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
   local cmd="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --fp8-block 128,128 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
+  [ -n "${FP8_TIMELINE:-}" ] && cmd="$cmd --timeline $OUT/timeline-fp8-$MACHINE-$DATE.png"
   limit ${FP8_TIMEOUT:-540} $PY -m refit_core.bench ${cmd#refit bench } --timeout-s 150 \
     --command "$cmd" --out "$OUT/h200x2-fp8-$DATE" 2>&1 | tee -a "$LOG"
   echo "fp8 exit: $?" | tee -a "$LOG"

@@ -18,7 +18,6 @@ end. Refit's streams first wait for the work already queued on the caller's curr
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,10 +25,12 @@ from functools import partial
 
 import torch
 
+from .copies import StagingCopies
 from .errors import TransferError
 from .failures import UpdateMode
 from .lanes import Lane, current_work, lane_for
 from .options import align
+from .quant.batched import BoxToQuantize, QuantBatch, quantize_batch
 from .quant.fast import Quantizer, default_quantizer
 from .quant.spec import Quantization
 from .schedule import Message, Segment
@@ -81,19 +82,12 @@ def _buffer_views(buffer: torch.Tensor, segments: Sequence[StagedSegment]) -> li
     return views
 
 
-def _pack(buffer: torch.Tensor, segments: Sequence[StagedSegment], sources: Sequence[torch.Tensor],
-          quantizer: Quantizer) -> None:
-    """Copy (casting) every source into its segment of ``buffer``; quantize the quantized ones."""
-    targets = _buffer_views(buffer, segments)
-    plain = [(t, s) for t, s, seg in zip(targets, sources, segments) if seg.quant is None]
-    if plain:
-        torch._foreach_copy_([t for t, _ in plain], [s for _, s in plain])
-    for target, source, seg in zip(targets, sources, segments):
-        if seg.quant is not None:
-            shape = seg.quant.scale_shape(seg.sizes)
-            scales = buffer.view(seg.quant.scale_dtype).as_strided(
-                shape, contiguous_strides(shape), seg.scales_offset // dtype_size(seg.quant.scale_dtype))
-            quantizer.quantize_into(source, target, scales, seg.quant)
+def _pack(buffer: torch.Tensor, plan: RoundPlan) -> None:
+    """Copy (casting) every plain source into its segment of ``buffer``; quantize the quantized ones."""
+    if plan.copies is not None:
+        plan.copies.run(buffer)
+    if plan.quantization is not None:
+        plan.quantization.run(buffer)
 
 
 def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nbytes: int, *,
@@ -154,6 +148,10 @@ class RoundPlan:
     """Pieces this round's direct messages read or write (receives land in them as they arrive)."""
     staged_pieces: set[int] = field(default_factory=set)
     """Pieces this round's staged messages are unpacked into (or packed from)."""
+    quantization: QuantBatch | None = None
+    """A sender round's quantized segments, as one batch (None: nothing is quantized)."""
+    copies: StagingCopies | None = None
+    """The plain copies between ``views`` and the staging buffer (None: none, or not planned)."""
 
     def pairs(self, buffer: torch.Tensor | None) -> list[tuple[int, torch.Tensor]]:
         """``(peer, tensor)`` of every message for the transport; ``buffer`` is None when nothing is staged."""
@@ -167,6 +165,8 @@ class _RoundRunner:
     """State shared by both directions: rounds, peers, buffers, header checks."""
 
     gaps_allowed = False
+    packs = False
+    """Whether this side copies local views into staging buffers (the sender) or out of them."""
 
     def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int, *,
                  bucket_bytes: int, num_buffers: int, zero_copy: bool, fingerprint: str,
@@ -260,6 +260,17 @@ class _RoundRunner:
         self.plans = plans
         self.buffer_bytes = buffer_bytes
         self.direct_bytes = sum(post.nbytes for p in plans for post in p.posts if post.direct is not None)
+        if buffer_bytes and (self.packs or self.mode is UpdateMode.IN_PLACE):  # a staged receiver copies at commit
+            self._plan_copies(self.lane.allocate(buffer_bytes, self.device))
+
+    def _plan_copies(self, template: torch.Tensor) -> None:
+        """Each staged round's plain copies, coalesced and grouped once (``template``: any buffer)."""
+        for plan in self.plans:
+            plain = [(view, staged) for view, staged, seg in
+                     zip(plan.views, _buffer_views(template, plan.segments), plan.segments) if seg.quant is None]
+            if plain:
+                plan.copies = StagingCopies([v for v, _ in plain], [s for _, s in plain],
+                                            into_buffer=self.packs)
 
     def _settle(self, fence: Fence | None, deadline: float) -> None:
         """On the host path, wait for ``fence`` within the step's deadline (CUDA orders by events)."""
@@ -326,6 +337,7 @@ class SendExecutor(_RoundRunner):
     """Runs a train rank's rounds: pack (staged messages only; quantizing where the plan says), send."""
 
     gaps_allowed = True
+    packs = True
     quantizer: Quantizer = default_quantizer()
 
     def _peer(self, m: Message) -> int:
@@ -336,21 +348,18 @@ class SendExecutor(_RoundRunner):
 
     def bind(self, views: list[torch.Tensor]) -> None:
         super().bind(views)
+        for plan in self.plans:
+            plan.quantization = quantize_batch(
+                [BoxToQuantize(view, seg.quant, seg.offset, seg.scales_offset)
+                 for seg, view in zip(plan.segments, plan.views) if seg.quant is not None], self.quantizer)
         self._warm_up_quantizer()
 
     def _warm_up_quantizer(self) -> None:
-        """Quantize one segment of every kind once at setup, so a compiled quantizer compiles here
-        and not inside the first step (where the peers would wait for it)."""
-        seen = set()
+        """Compile the quantizer's kernels at setup, not inside the first step (where peers would wait)."""
+        warmed: set[object] = set()
         for plan in self.plans:
-            for seg, view in zip(plan.segments, plan.views):
-                if seg.quant is None:
-                    continue
-                key = (seg.quant.block, seg.quant.dtype, view.dtype, view.ndim)
-                if key in seen:
-                    continue
-                seen.add(key)
-                self.quantizer.quantize(view, seg.quant)
+            if plan.quantization is not None:
+                plan.quantization.warm_up(warmed)
 
     def run(self, version: int) -> StepStats:
         start = time.perf_counter()
@@ -370,7 +379,7 @@ class SendExecutor(_RoundRunner):
                 staged += 1
                 buffer = buffers[slot]
                 self._settle(free[slot], deadline)
-                after.append(self.lane.run(partial(_pack, buffer, plan.segments, plan.views, self.quantizer),
+                after.append(self.lane.run(partial(_pack, buffer, plan),
                                            after=[ready, free[slot]], mark=self._mark(Phase.PACK, index)))
             fence = self._exchange(plan.pairs(buffer), [], after or [ready], index)
             pending.append(fence)
@@ -423,10 +432,10 @@ class ReceiveExecutor(_RoundRunner):
             previous = free[slot]
             self._settle(previous, deadline)
             received = self._exchange([], plan.pairs(buffer), [ready] if previous is None else [ready, previous], index)
-            sources = _buffer_views(buffer, plan.segments)
             self._settle(received, deadline)
             self.touched |= plan.staged_pieces
-            unpacked = self.lane.run(partial(torch._foreach_copy_, plan.views, sources), after=[received],
+            assert plan.copies is not None
+            unpacked = self.lane.run(partial(plan.copies.run, buffer), after=[received],
                                      mark=self._mark(Phase.UNPACK, index))
             free[slot] = unpacked
             pending += [received, unpacked]

@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                    "bucket_bytes": args.bucket_mib * MiB if args.bucket_mib else None, "num_buffers": args.buffers,
                    "warmup": args.warmup, "iters": args.iters, "min_iters": args.min_iters,
                    "budget_s": args.budget_s, "timeout_s": args.timeout_s, "fp8_block": block,
-                   "timeline": bool(args.timeline) and block is None}
+                   "timeline": bool(args.timeline)}
             started = time.perf_counter()
             results = spawn(_worker, len(ranks), job, env=SAFE_ENV, timeout_s=args.timeout_s * 4)
             summary = _summarize(model, job, results)
@@ -464,8 +464,9 @@ def main(argv: list[str] | None = None) -> int:
             report["models"].append(summary)
             print(_table(summary), flush=True)
             if job["timeline"]:
-                path = _timeline_path(args.timeline, model, first=len(summaries) == 1 and not report["models"][:-1])
-                print(f"timeline: {_draw_timeline(job, results, path, model)}", flush=True)
+                label = model if block is None else f"{model}-fp8"
+                path = _timeline_path(args.timeline, label, first=len(summaries) == 1 and not report["models"][:-1])
+                print(f"timeline: {_draw_timeline(job, results, path, label)}", flush=True)
             print(flush=True)
             for row in summary["rows"]:
                 if any(("ok" not in c) for c in row["checks"]) or (row["method"] != "wire" and not row["checks"]):

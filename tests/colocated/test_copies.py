@@ -200,3 +200,39 @@ def test_pitched_refuses_pitches_beyond_what_a_2d_memcpy_takes():
     src = meta.as_strided((2, 16), (16, 1))
     assert pitched(meta.as_strided((2, 16), (1 << 31, 1)), src) is None
     assert pitched(meta.as_strided((2, 16), (32, 1)), src) is not None
+
+
+@pytest.mark.parametrize("into_buffer", [True, False], ids=["pack", "unpack"])
+def test_staging_copies_move_a_round_of_many_blocks_in_few_launches_into_any_buffer(into_buffer):
+    """A staged round of per-query-group ``k`` / ``v`` blocks (FP8 values and their fp32 scales, one
+    segment each): planned once against a template buffer, then run against other buffers of the same
+    layout, bit for bit as one copy per segment, in a few launches."""
+    from refit_core.copies import StagingCopies
+
+    groups, rows, cols = 8, 16, 64
+    k = _random_bits((groups * rows, cols), torch.float8_e4m3fn, 1)
+    v = _random_bits((groups * rows, cols), torch.float8_e4m3fn, 2)
+    scales = _random_bits((groups, 4), torch.float32, 3)
+    local, layout, offset = [], [], 0
+    for g in range(groups):  # the message interleaves k_g, v_g, scales_g
+        for tensor in (k[g * rows:(g + 1) * rows], v[g * rows:(g + 1) * rows], scales[g:g + 1]):
+            local.append(tensor)
+            layout.append((tensor.dtype, tuple(tensor.shape), offset))
+            offset += tensor.numel() * tensor.element_size()
+
+    def views_of(buffer):
+        return [buffer[o:o + torch.Size(s).numel() * d.itemsize].view(d).view(s) for d, s, o in layout]
+
+    template = torch.empty(offset, dtype=torch.uint8)
+    copies = StagingCopies(local, views_of(template), into_buffer=into_buffer)
+    assert copies.launches < len(local) // 4, copies.launches
+    buffer = _random_bits((offset,), torch.uint8, 4)
+    if into_buffer:
+        copies.run(buffer)
+        for view, staged in zip(local, views_of(buffer)):
+            assert torch.equal(_bits(staged), _bits(view))
+    else:
+        expected = [_bits(s).clone() for s in views_of(buffer)]
+        copies.run(buffer)
+        for view, want in zip(local, expected):
+            assert torch.equal(_bits(view), want)

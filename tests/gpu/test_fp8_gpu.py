@@ -7,14 +7,20 @@ Skipped without CUDA (CI has none); ``benchmarks/run_gpu.sh`` runs them on the G
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from refit_core.models import PRESETS
+from refit_core.quant.batched import Batches, BoxToQuantize, quantize_batch
 from refit_core.quant.fast import Quantizer
 from refit_core.quant.reference import reference_quantize
 from refit_core.quant.spec import Quantization
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fp8"))
+from batch_cases import batch_boxes, box_results, strided_targets
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -50,6 +56,36 @@ def test_compiled_quantizer_writes_fp8_views_of_a_byte_buffer_without_falling_ba
     assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
     from refit_core.quant.fast import quantized_3d
     assert quantizer._kernel is not quantized_3d, "the compiled quantizer fell back to eager"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batched_triton_quantizer_matches_the_reference_bitwise(dtype):
+    """The sender's pack step: every quantized box of a round in one launch per block size."""
+    boxes, nbytes = batch_boxes(lambda shape: torch.randn(shape, dtype=dtype, device="cuda") * 3)
+    batch = quantize_batch(boxes, Quantizer(compiled=False))
+    assert isinstance(batch, Batches) and {type(p).__name__ for p in batch.parts} == {"TritonBlockBatch"}
+    batch.warm_up(set())
+    buffer = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    batch.run(buffer)
+    for box in boxes:
+        values, scales = box_results(buffer, box)
+        want_values, want_scales = reference_quantize(box.source, box.quant)
+        assert torch.equal(_bits(values), _bits(want_values)), box.quant
+        assert torch.equal(_bits(scales), _bits(want_scales)), box.quant
+
+
+def test_batched_triton_quantizer_writes_slices_of_engine_tensors_bitwise():
+    """The quantize-after baseline quantizes into slices of fused FP8 parameters, by address."""
+    from refit_core.quant.triton_blocks import TritonBlockBatch, group_key
+
+    for source, values, scales, quant in strided_targets(
+            lambda shape: torch.randn(shape, dtype=torch.bfloat16, device="cuda")):
+        box = BoxToQuantize.into_tensors(source, values, scales, quant)
+        key = group_key(box)
+        assert key is not None
+        TritonBlockBatch([box], key).run_at_addresses()
+        want_values, want_scales = reference_quantize(source, quant)
+        assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

@@ -1,0 +1,131 @@
+"""Quantize every box of a staged message in one go: the sender's pack step for FP8 destinations.
+
+A round's quantized segments are known at bind time: their sources (views of the trainer's weights)
+and where their values and scales sit in the staging buffer. :func:`quantize_batch` turns them into
+a :class:`QuantBatch` once; each step then runs it into whichever staging buffer the round uses.
+
+On CUDA, block schemes whose block sizes are powers of two (block-FP8's 128 x 128) run as one
+Triton launch per (source dtype, FP8 dtype, block, alignment) group: one program per block, its segment found
+through a per-block index, so there is no per-segment Python or launch cost and the arithmetic is
+:mod:`.reference`'s exactly (fp64 scale division, fp32 multiply, round-to-nearest-even cast).
+Everything else (CPU, other schemes, no Triton) runs box by box through :class:`.fast.Quantizer`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .fast import Quantizer
+from .spec import Quantization
+
+
+@dataclass(frozen=True)
+class BoxToQuantize:
+    """One quantized segment of a staged message: its source box and where its bytes go."""
+
+    source: torch.Tensor
+    """The high-precision box (a view of a local weight), whole quantization blocks only."""
+    quant: Quantization
+    values_offset: int
+    """Byte offset of the FP8 values (the box's shape) in the staging buffer, or their address."""
+    scales_offset: int
+    """Byte offset of the scales (``quant.scale_shape``) in the staging buffer, or their address."""
+    values_strides: tuple[int, int] | None = None
+    """Element strides of the values seen as ``[G, R, C]`` along G and R (C's is 1); None: contiguous."""
+    scales_strides: tuple[int, int, int] | None = None
+    """Element strides of the scales seen as ``[G, R/bn, C/bk]``; None: contiguous."""
+
+    @classmethod
+    def into_tensors(cls, source: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                     quant: Quantization) -> BoxToQuantize:
+        """A box quantized straight into ``values`` and ``scales`` (2-D or 3-D, any strides but a
+        contiguous last dimension of ``values``); its offsets are addresses."""
+        if values.ndim not in (2, 3) or values.stride(-1) != 1:
+            raise ValueError(f"{quant.scale_name}: values of shape {tuple(values.shape)} and strides "
+                             f"{values.stride()} need 2 or 3 dims and a contiguous last one")
+        values_3d = values if values.ndim == 3 else values.unsqueeze(0)
+        scales_3d = scales if scales.ndim == 3 else scales.unsqueeze(0)
+        g, r, c = scales_3d.stride()
+        return cls(source, quant, values.data_ptr(), scales.data_ptr(), (values_3d.stride(0), values_3d.stride(1)),
+                   (g, r, c))
+
+
+class QuantBatch:
+    """Quantizes a fixed list of boxes into a staging buffer (any buffer of the round's layout)."""
+
+    def run(self, buffer: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def warm_up(self, warmed: set[object]) -> None:
+        """Compile what :meth:`run` needs (at setup, so that no step waits for a compiler), skipping
+        the kinds in ``warmed`` and adding its own."""
+
+
+class BoxByBox(QuantBatch):
+    """One :class:`.fast.Quantizer` call per box (CPU, and schemes the batched kernel does not take)."""
+
+    def __init__(self, boxes: Sequence[BoxToQuantize], quantizer: Quantizer) -> None:
+        self.boxes = list(boxes)
+        self.quantizer = quantizer
+
+    def run(self, buffer: torch.Tensor) -> None:
+        for box in self.boxes:
+            values = _typed(buffer, box.quant.dtype, tuple(box.source.shape), box.values_offset)
+            scales = _typed(buffer, box.quant.scale_dtype, box.quant.scale_shape(tuple(box.source.shape)),
+                            box.scales_offset)
+            self.quantizer.quantize_into(box.source, values, scales, box.quant)
+
+    def warm_up(self, warmed: set[object]) -> None:
+        for box in self.boxes:
+            key = (BoxByBox, box.quant.block, box.quant.dtype, box.source.dtype, box.source.ndim)
+            if key not in warmed:
+                warmed.add(key)
+                self.quantizer.quantize(box.source, box.quant)
+
+
+class Batches(QuantBatch):
+    """Several batches run one after the other."""
+
+    def __init__(self, parts: Sequence[QuantBatch]) -> None:
+        self.parts = list(parts)
+
+    def run(self, buffer: torch.Tensor) -> None:
+        for part in self.parts:
+            part.run(buffer)
+
+    def warm_up(self, warmed: set[object]) -> None:
+        for part in self.parts:
+            part.warm_up(warmed)
+
+
+def _typed(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return buffer.view(dtype).as_strided(shape, strides, offset // dtype.itemsize)
+
+
+def quantize_batch(boxes: Sequence[BoxToQuantize], quantizer: Quantizer) -> QuantBatch | None:
+    """The batch that quantizes ``boxes`` (None when there are none): batched kernels where they
+    apply, box by box for the rest."""
+    if not boxes:
+        return None
+    from . import triton_blocks  # imports Triton only when something is quantized
+
+    groups: dict[triton_blocks.GroupKey, list[BoxToQuantize]] = {}
+    rest = []
+    for box in boxes:
+        key = triton_blocks.group_key(box)
+        if key is None:
+            rest.append(box)
+        else:
+            groups.setdefault(key, []).append(box)
+    parts: list[QuantBatch] = [triton_blocks.TritonBlockBatch(members, key) for key, members in groups.items()]
+    if rest:
+        parts.append(BoxByBox(rest, quantizer))
+    return parts[0] if len(parts) == 1 else Batches(parts)
+
+
+__all__ = ["BoxToQuantize", "QuantBatch", "BoxByBox", "Batches", "quantize_batch"]
