@@ -52,9 +52,22 @@ class _Swap(TensorSwap):
                     store[name] = tensor
                     continue
                 meta = restore_layer_refs(meta_copy(tensor), module) if restored else meta_copy(tensor)
+                _unwrap_loader(meta)
                 store[name] = self.register(mod_name, name, live.get(name), meta, restored=restored,
                                             load_numel=int(get_tensor_load_numel(meta)))
         return True
+
+
+def _unwrap_loader(meta: torch.Tensor) -> None:
+    """Give a stand-in its model's own ``weight_loader``. vLLM's layerwise reload wraps the loaders of
+    the very tensors it keeps as reload metadata (``online_process_loader``, which only buffers) and
+    never unwraps them there, so after any reload a trace through them would record nothing."""
+    loader = getattr(meta, "weight_loader", None)
+    if loader is None or getattr(loader, "__name__", None) != "online_process_loader":
+        return
+    while getattr(loader, "__name__", None) == "online_process_loader":
+        loader = loader.__wrapped__
+    meta.weight_loader = loader
 
 
 @contextlib.contextmanager
