@@ -238,6 +238,18 @@ def refit_ranks(rank: int, world: int, ports: tuple[int, int], tmp: str, selecte
     return results
 
 
+def train_ranks(rank: int, world: int, port: int, tmp: str, model: str, layouts: list[str]) -> dict[str, Any]:
+    """Train ranks ``0..3`` alone, every layout of ``model`` in turn, for a gen side outside the spawn
+    (it reads each layout's rendezvous address from ``tmp``)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for layout_name in layouts:
+        address = _rendezvous(True, rank, os.path.join(tmp, f"{model}-{layout_name}.address"))
+        results[layout_name] = _train_case(rank, layout_name, model, address, tmp)
+    dist.destroy_process_group()
+    return results
+
+
 def listen_port() -> int:
     """A free port below the ephemeral range: megatron's many gloo connections take ephemeral
     ports as their local ends, so a port picked there may be gone by the time a store listens."""
