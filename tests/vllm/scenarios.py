@@ -223,6 +223,18 @@ def _load_weights_calls(worker: Any) -> int:
     return worker.model_runner.get_model()._refit_test_calls
 
 
+def _replanned_metas(worker: Any) -> list[Any]:
+    """The destination map a new refit session would plan now, after the engine took refit steps."""
+    from refit_vllm.state import attach, state_of
+
+    model = worker.model_runner.get_model()
+    plan = state_of(model).plan
+    attach(model, worker.vllm_config, loader=state_of(model).loader_patterns)
+    rows = worker.refit_destination_metas()
+    state_of(model).plan = plan
+    return rows
+
+
 def _plan_summary(worker: Any) -> dict[str, Any]:
     from refit_vllm.state import state_of
 
@@ -300,6 +312,8 @@ def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", load
             "output_versions": sorted({s.version for o in outputs for s in o.outputs[0].weight_versions or []}),
         })
     result["load_weights_calls_during_steps"] = llm.collective_rpc(_load_weights_calls)
+    replanned = llm.collective_rpc(_replanned_metas)
+    result["replanned_equal"] = [a == b for a, b in zip(replanned, llm.collective_rpc("refit_destination_metas"))]
     error = trainers.join()
     result["trainer_error"] = None if error is None else str(error)
     llm.llm_engine.engine_core.shutdown()

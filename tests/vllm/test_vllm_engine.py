@@ -64,6 +64,7 @@ def check_refits(result: dict[str, Any], tp: int, steps: tuple[int, ...] = (1, 2
         assert step["worker_versions"] == [k] * tp
         assert step["output_versions"] == [str(k)]
     assert all(result["layout_equal"]), "live destination map differs from the metadata-only layout"
+    assert all(result["replanned_equal"]), "after refit steps, a new session plans another destination map"
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2"])

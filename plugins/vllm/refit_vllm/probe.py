@@ -40,7 +40,8 @@ class _Swap(TensorSwap):
                 or any(v is not None for v in live_buffers.values())):
             return False
         # Checkpoint format, as vLLM's reload rebuilds it: the recorded tensors, plus the
-        # live ones reload never moves (``bias``; expert maps, which loaders only read).
+        # live ones reload never moves (``bias``; expert maps, which loaders only read; DeepSeek's
+        # ``e_score_correction_bias``, a parameter its loader writes in place, traced like ``bias``).
         for live, restore, store in ((live_params, restore_params, module._parameters),
                                      (live_buffers, restore_buffers, module._buffers)):
             store.clear()
@@ -48,13 +49,26 @@ class _Swap(TensorSwap):
             chosen = [(k, v, True) for k, v in restore.items() if k not in SKIP_TENSORS]
             chosen += [(k, v, False) for k, v in live.items() if v is not None and k in SKIP_TENSORS]
             for name, tensor, restored in chosen:
-                if name in SKIP_LOAD_TENSORS:
+                if name in SKIP_LOAD_TENSORS and store is module._buffers:
                     store[name] = tensor
                     continue
                 meta = restore_layer_refs(meta_copy(tensor), module) if restored else meta_copy(tensor)
+                _unwrap_loader(meta)
                 store[name] = self.register(mod_name, name, live.get(name), meta, restored=restored,
                                             load_numel=int(get_tensor_load_numel(meta)))
         return True
+
+
+def _unwrap_loader(meta: torch.Tensor) -> None:
+    """Give a stand-in its model's own ``weight_loader``. vLLM's layerwise reload wraps the loaders of
+    the very tensors it keeps as reload metadata (``online_process_loader``, which only buffers) and
+    never unwraps them there, so after any reload a trace through them would record nothing."""
+    loader = getattr(meta, "weight_loader", None)
+    if loader is None or getattr(loader, "__name__", None) != "online_process_loader":
+        return
+    while getattr(loader, "__name__", None) == "online_process_loader":
+        loader = loader.__wrapped__
+    meta.weight_loader = loader
 
 
 @contextlib.contextmanager
