@@ -16,7 +16,7 @@ from refit_core.errors import AuthenticationError, RendezvousError
 from refit_core.launch import free_port
 from refit_core.rendezvous import Rendezvous
 
-from fault_ranks import exit_during_setup_rank, setup_rank, transport_fails_rank
+from fault_ranks import exit_during_setup_rank, planner_dies_rank, setup_rank, tampered_plan_rank, transport_fails_rank
 from harness import ENV, Ranks
 
 HERE = Path(__file__).parent
@@ -222,3 +222,37 @@ def test_a_rank_that_dies_during_setup_is_named_within_seconds():
         ranks.close()
     assert result["error"] == "RendezvousError" and "gen rank 0 left the refit during setup" in result["message"]
     assert result["seconds"] < 30, result
+
+
+@pytest.mark.slow
+def test_a_plan_that_does_not_fit_a_ranks_pieces_fails_every_rank_before_any_collective():
+    address = f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        for r in range(3):
+            ranks.start(tampered_plan_rank if r == 2 else setup_rank, r, address, 1, 2, {"timeout_s": 60})
+        ranks.release()
+        results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
+    finally:
+        ranks.close()
+    for r in results.values():  # gen rank 1 refused its part; everyone hears why, naming the tensor
+        assert r["error"] == "PlanError", r
+        assert "gen rank 1: the plan was made for " in r["message"] and "torch.float16" in r["message"], r
+        assert r["seconds"] < 30, r
+
+
+@pytest.mark.slow
+def test_ranks_waiting_for_a_planner_that_died_get_a_named_error_within_seconds():
+    address = f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        ranks.start(planner_dies_rank, 0, address, 2, 2, {"timeout_s": 60})
+        for r in range(1, 4):
+            ranks.start(setup_rank, r, address, 2, 2, {"timeout_s": 60})
+        ranks.release()
+        results = ranks.wait_for([(r, "result") for r in range(1, 4)], timeout_s=120)
+    finally:
+        ranks.close()
+    for r in results.values():
+        assert r["error"] == "RendezvousError" and "train rank 0 hosts it" in r["message"], r
+        assert r["seconds"] < 30, r
