@@ -53,8 +53,10 @@ def _rank(rank: int, world: int, address: str, ready_dir: str, timeout_s: float)
     while len(os.listdir(ready_dir)) < world:
         time.sleep(0.01)
     began = time.perf_counter()
-    endpoint.setup()
+    schedule = endpoint.setup()
     setup_wall = time.perf_counter() - began
+    own = (schedule.rounds_of_source if train else schedule.rounds_of_destination)(local)
+    messages = [m for msgs in own for m in msgs]
     bad: list[str] = []
     if train:
         model.load(reference(0, 0))
@@ -66,7 +68,9 @@ def _rank(rank: int, world: int, address: str, ready_dir: str, timeout_s: float)
     endpoint.close()
     assert times is not None
     return {"rank": rank, "side": "train" if train else "gen", "setup_wall_s": setup_wall,
-            "times": times.to_json(), "mismatches": bad}
+            "times": times.to_json(), "mismatches": bad, "messages": len(messages),
+            "segments": sum(len(m.src_segments) for m in messages),
+            "peers": len({m.dst if train else m.src for m in messages})}
 
 
 def measure(world: int, timeout_s: float) -> dict[str, Any]:
@@ -87,20 +91,25 @@ def measure(world: int, timeout_s: float) -> dict[str, Any]:
             "planner_plan_s": planner["times"]["plan_s"], "planner_read_bytes": planner["times"]["metadata_bytes"],
             "other_plan_s_max": max(r["times"]["plan_s"] for r in others),
             "other_read_bytes_max": max(r["times"]["metadata_bytes"] for r in others),
-            "other_read_bytes_min": min(r["times"]["metadata_bytes"] for r in others), "wall_s": wall, "ranks": ranks}
+            "other_read_bytes_min": min(r["times"]["metadata_bytes"] for r in others),
+            "other_segments_max": max(r["segments"] for r in others),
+            "other_peers_max": max(r["peers"] for r in others),
+            "plan_segments": sum(r["segments"] for r in ranks if r["side"] == "train"), "wall_s": wall, "ranks": ranks}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| world | setup (slowest rank) | pieces | metadata | planner: plan | others: plan (wait + check) "
-             "| agree | transport | bind (gen: 1st step) | planner read | others read (max) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| agree | transport | bind (gen: 1st step) | planner read | others read (max) "
+             "| others' own segments / peers (max) | plan segments |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         s = row["slowest_phase_s"]
         phases = [s["pieces_s"], s["metadata_s"], row["planner_plan_s"], row["other_plan_s_max"], s["agree_s"],
                   s["transport_s"], s["bind_s"]]
         lines.append(f"| {row['world']} | {row['setup_s']:.2f} s | " + " | ".join(f"{v:.3f}" for v in phases)
                      + f" | {row['planner_read_bytes'] / 1024:.1f} KiB"
-                     + f" | {row['other_read_bytes_max'] / 1024:.1f} KiB |")
+                     + f" | {row['other_read_bytes_max'] / 1024:.1f} KiB"
+                     + f" | {row['other_segments_max']} / {row['other_peers_max']} | {row['plan_segments']} |")
     return "\n".join(lines)
 
 
