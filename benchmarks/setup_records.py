@@ -32,7 +32,6 @@ from refit_core.transport.placement import Link
 CASES = [
     ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2"),
     ("qwen3-30b-a3b-shape", "dtensor:fsdp=16,tp=8", "vllm:tp=8"),
-    ("qwen3-30b-a3b-shape", "dtensor:fsdp=32,tp=8", "vllm:tp=8,dp=4"),
 ]
 
 
