@@ -1,9 +1,9 @@
 """The public API: a :class:`RefitSender` on every train rank, a :class:`RefitReceiver` on every gen rank.
 
-Both sides call ``setup()`` once (metadata exchange through the rendezvous store, planning, agreement
-on the plan's fingerprint, transport creation), then every step the train side calls
-``send(version)`` and the gen side ``receive()``. The two sides are separate programs; train rank 0
-hosts the rendezvous store.
+Both sides call ``setup()`` once (metadata exchange through the rendezvous store, planning once on
+train rank 0, which publishes every other rank its own part of the plan, agreement on the plan's
+fingerprint, transport creation), then every step the train side calls ``send(version)`` and the gen
+side ``receive()``. The two sides are separate programs; train rank 0 hosts the rendezvous store.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ client (:class:`~refit_core.store.StoreClient`). Values are JSON (:mod:`refit_co
 pickle. A rank that fails during setup writes its error under ``error``; every other rank's waits
 (and gloo's or NCCL's rendezvous on the same store) stop at once with that message, and a rank whose
 connection closes (it died) stops them too, naming it, instead of letting them wait for their deadline.
+A wait holds a missing key's read open on the store (a quarter second at a time) rather than polling,
+and :meth:`Rendezvous.barrier` costs each rank O(1) requests whatever the world size.
 """
 
 from __future__ import annotations

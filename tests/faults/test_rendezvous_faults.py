@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from refit_core.auth import JobCredentials
-from refit_core.errors import AuthenticationError, RendezvousError
+from refit_core.errors import AuthenticationError, RefitError, RendezvousError
 from refit_core.launch import free_port
 from refit_core.rendezvous import Rendezvous
 
@@ -144,6 +144,27 @@ def test_a_rank_joining_twice_fails_the_setup_instead_of_mixing_two_jobs():
             first.wait(["meta/gen/0"], "gen metadata")
     finally:
         first.close()
+        host.close()
+
+
+def test_the_agreement_barrier_waits_for_every_rank_and_names_the_missing_ones_at_its_deadline():
+    port = free_port()
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=1)
+    gen = Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=1)
+    keys = ["fingerprint/train/0", "fingerprint/gen/0", "fingerprint/gen/1"]
+    try:
+        for rdv, key in ((host, keys[0]), (gen, keys[1])):
+            rdv.publish(key, "abc")
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (gen.barrier("agreed", 2, keys[:2], "agreement"), done.set()))
+        waiter.start()
+        host.barrier("agreed", 2, keys[:2], "agreement")  # both arrived: both pass
+        waiter.join(timeout=10)
+        assert done.is_set()
+        with pytest.raises(RefitError, match="waiting for agreement: gen rank 1 did not arrive"):
+            host.barrier("again", 2, keys, "agreement")  # gen rank 1 never publishes nor arrives
+    finally:
+        gen.close()
         host.close()
 
 
