@@ -3,9 +3,11 @@
 For each world size N, N processes (N/2 train ranks of ``ToyTrainer``, N/2 gen ranks of
 ``ToyEngine``, both from ``tests/example_plugin``) import everything, wait until all are ready,
 then run ``setup()`` and one verified step. Every rank reports its :class:`~refit_core.setuptime.SetupTimes`
-(pieces, metadata exchange, plan, fingerprint agreement, transport, bind) and the bytes of metadata
-it read from the rendezvous store. Printed: per world size, the slowest rank's total and each
-phase's slowest rank, and the largest download.
+(pieces, metadata exchange, plan, fingerprint agreement, transport, bind) and the bytes it read from
+the rendezvous store. Printed: per world size, the slowest rank's total and each phase's slowest rank;
+the planner's (train rank 0's) own planning time and download; and the largest download of any other
+rank (its part of the plan). The planner's time and every rank's bytes do not depend on how many cores
+the machine has; the wall-clock phases do.
 
     .venv/bin/python benchmarks/setup_scaling.py --worlds 2,4,8,16,32 --out benchmarks/results/setup-scaling-cpu
 
@@ -51,8 +53,10 @@ def _rank(rank: int, world: int, address: str, ready_dir: str, timeout_s: float)
     while len(os.listdir(ready_dir)) < world:
         time.sleep(0.01)
     began = time.perf_counter()
-    endpoint.setup()
+    schedule = endpoint.setup()
     setup_wall = time.perf_counter() - began
+    own = (schedule.rounds_of_source if train else schedule.rounds_of_destination)(local)
+    messages = [m for msgs in own for m in msgs]
     bad: list[str] = []
     if train:
         model.load(reference(0, 0))
@@ -64,7 +68,9 @@ def _rank(rank: int, world: int, address: str, ready_dir: str, timeout_s: float)
     endpoint.close()
     assert times is not None
     return {"rank": rank, "side": "train" if train else "gen", "setup_wall_s": setup_wall,
-            "times": times.to_json(), "mismatches": bad}
+            "times": times.to_json(), "mismatches": bad, "messages": len(messages),
+            "segments": sum(len(m.src_segments) for m in messages),
+            "peers": len({m.dst if train else m.src for m in messages})}
 
 
 def measure(world: int, timeout_s: float) -> dict[str, Any]:
@@ -78,21 +84,32 @@ def measure(world: int, timeout_s: float) -> dict[str, Any]:
     if bad:
         raise SystemExit(f"setup_scaling: world {world}: gen ranks {bad} got wrong bytes")
     slowest = {p: max(r["times"][p] or 0.0 for r in ranks) for p in PHASES}
+    (planner,) = [r for r in ranks if r["times"]["planner"]]
+    others = [r for r in ranks if not r["times"]["planner"]]
     return {"world": world, "setup_s": max(r["setup_wall_s"] for r in ranks),
             "setup_total_s": max(r["times"]["total_s"] for r in ranks), "slowest_phase_s": slowest,
-            "metadata_bytes_max": max(r["times"]["metadata_bytes"] for r in ranks),
-            "metadata_bytes_min": min(r["times"]["metadata_bytes"] for r in ranks), "wall_s": wall, "ranks": ranks}
+            "planner_plan_s": planner["times"]["plan_s"], "planner_read_bytes": planner["times"]["metadata_bytes"],
+            "other_plan_s_max": max(r["times"]["plan_s"] for r in others),
+            "other_read_bytes_max": max(r["times"]["metadata_bytes"] for r in others),
+            "other_read_bytes_min": min(r["times"]["metadata_bytes"] for r in others),
+            "other_segments_max": max(r["segments"] for r in others),
+            "other_peers_max": max(r["peers"] for r in others),
+            "plan_segments": sum(r["segments"] for r in ranks if r["side"] == "train"), "wall_s": wall, "ranks": ranks}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| world | setup (slowest rank) | pieces | metadata | plan | agree | transport | bind (gen: 1st step) "
-             "| metadata read per rank | per rank / world |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| world | setup (slowest rank) | pieces | metadata | planner: plan | others: plan (wait + check) "
+             "| agree | transport | bind (gen: 1st step) | planner read | others read (max) "
+             "| others' own segments / peers (max) | plan segments |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         s = row["slowest_phase_s"]
-        kib = row["metadata_bytes_max"] / 1024
-        lines.append(f"| {row['world']} | {row['setup_s']:.2f} s | " + " | ".join(f"{s[p]:.3f}" for p in PHASES)
-                     + f" | {kib:.1f} KiB | {kib / row['world']:.2f} KiB |")
+        phases = [s["pieces_s"], s["metadata_s"], row["planner_plan_s"], row["other_plan_s_max"], s["agree_s"],
+                  s["transport_s"], s["bind_s"]]
+        lines.append(f"| {row['world']} | {row['setup_s']:.2f} s | " + " | ".join(f"{v:.3f}" for v in phases)
+                     + f" | {row['planner_read_bytes'] / 1024:.1f} KiB"
+                     + f" | {row['other_read_bytes_max'] / 1024:.1f} KiB"
+                     + f" | {row['other_segments_max']} / {row['other_peers_max']} | {row['plan_segments']} |")
     return "\n".join(lines)
 
 

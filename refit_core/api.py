@@ -1,9 +1,9 @@
 """The public API: a :class:`RefitSender` on every train rank, a :class:`RefitReceiver` on every gen rank.
 
-Both sides call ``setup()`` once (metadata exchange through the rendezvous store, planning, agreement
-on the plan's fingerprint, transport creation), then every step the train side calls
-``send(version)`` and the gen side ``receive()``. The two sides are separate programs; train rank 0
-hosts the rendezvous store.
+Both sides call ``setup()`` once (metadata exchange through the rendezvous store, planning once on
+train rank 0, which publishes every other rank its own part of the plan, agreement on the plan's
+fingerprint, transport creation), then every step the train side calls ``send(version)`` and the gen
+side ``receive()``. The two sides are separate programs; train rank 0 hosts the rendezvous store.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import wire
+from . import rankplan, wire
 from .auth import JobCredentials
 from .backend import GEN, TRAIN
 from .env import with_overrides
@@ -24,7 +24,7 @@ from .steptrace import StepTrace
 from .copies import CopyCounts
 from .errors import PlanError, RefitError, TransferError
 from .executor import ReceiveExecutor, SendExecutor, StepStats
-from .experts import ExpertNaming, group_piece, group_side
+from .experts import ExpertNaming, group_meta, group_piece, group_side
 from .failures import StepFailedError, StepFailure
 from .gcpause import gc_paused
 from .options import RefitOptions, UpdateMode
@@ -86,7 +86,9 @@ class _Endpoint:
         self._executor: SendExecutor | ReceiveExecutor | None = None
         self.host_id = host_id
         self.links: dict[tuple[int, int], Link] = {}
-        """Every pair's link after setup (identical on every rank), see :mod:`refit_core.transport.placement`."""
+        """The links of this rank's pairs after setup (the planner, train rank 0: every pair's), see
+        :mod:`refit_core.transport.placement`."""
+        self._network = False  # whether the network transport opens: the planner's answer
         self._colocated: ColocatedSender | ColocatedReceiver | None = None
         self._colocated_bound = False
         self._bound_names: list[str] = []
@@ -107,9 +109,12 @@ class _Endpoint:
     def setup(self) -> Schedule:
         """Exchange metadata, plan, check agreement and open the transport. Collective over both sides.
 
-        Every wait has the deadline ``options.timeout_s``; a failure on any rank (including while the
-        transport opens) reaches every other rank at once. After a failed setup or step, calling
-        ``setup()`` again (same address) starts over: it closes what is left first.
+        Train rank 0 plans once and publishes each rank its own part (:mod:`refit_core.rankplan`):
+        the returned :class:`Schedule` holds the whole plan there, and this rank's own messages
+        elsewhere (fingerprint and summary are the whole plan's everywhere). Every wait has the deadline
+        ``options.timeout_s``; a failure on any rank (including while the transport opens) reaches
+        every other rank at once. After a failed setup or step, calling ``setup()`` again (same
+        address) starts over: it closes what is left first.
         """
         start = time.perf_counter()
         if self._rdv is not None or self.transport is not None:
@@ -130,10 +135,9 @@ class _Endpoint:
             began = time.perf_counter()
             settings, metas = self._exchange_metadata(pieces)
             self._phases["metadata"] = time.perf_counter() - began
-            schedule = self._plan(settings, metas)  # records "plan" and "agree"
+            schedule = self._plan(settings, pieces, metas)  # records "plan" and "agree"
             began = time.perf_counter()
-            # the same answer on every rank: relay pairs (gen -> gen) always use the network
-            if self.relay is not None or any(link is Link.NETWORK for link in self.links.values()):
+            if self._network:  # the planner's answer, the same on every rank (relay always uses it)
                 self.transport = self._open_transport(settings)
             self._phases["transport"] = time.perf_counter() - began
             self._downloaded = self._require_rendezvous().downloaded
@@ -163,13 +167,12 @@ class _Endpoint:
         if "transport" not in p:
             return None
         return SetupTimes(p["pieces"], p["metadata"], p["plan"], p["agree"], p["transport"], self._bind_s,
-                          self._downloaded)
+                          self._downloaded, self.plans)
 
     def _open_transport(self, settings: RefitOptions) -> Transport:
-        """Open the transport once every rank is ready to; a failure on any rank stops them all."""
+        """Open the transport (every rank passed the agreement barrier: all are ready to); a failure
+        on any rank stops them all."""
         rdv = self._require_rendezvous()
-        rdv.publish(f"open/{self.side}/{self.rank}", True)
-        rdv.wait(self._rank_keys("open"), "every rank to open the transport")
         try:
             return open_transport(settings.transport, rdv.store, self._global_rank(), sum(self.sizes.values()),
                                   self.device, settings.timeout_s, settings.nccl)
@@ -182,8 +185,15 @@ class _Endpoint:
     def _hosts_store(self) -> bool:
         return self.side == TRAIN and self.rank == 0
 
-    def _exchange_metadata(self, pieces: list[Piece]) -> tuple[RefitOptions, dict[str, list[list[PieceMeta]]]]:
-        """Publish this rank's piece metadata; return the agreed settings and everyone's metadata.
+    @property
+    def plans(self) -> bool:
+        """Whether this rank is the planner (train rank 0, the store's host): it alone reads every
+        rank's metadata and plans; every other rank reads only its own part of the plan."""
+        return self._hosts_store
+
+    def _exchange_metadata(self, pieces: list[Piece]) -> tuple[RefitOptions, dict[str, list[list[PieceMeta]]] | None]:
+        """Publish this rank's piece metadata and placement; return the agreed settings and, on the
+        planner only, every rank's metadata.
 
         The train side's rank 0 publishes its resolved options; every rank adopts them or, where it
         set a setting explicitly to another value, fails with a :class:`PlanError` naming it.
@@ -201,19 +211,48 @@ class _Endpoint:
         if not all(type(n) is int and 0 < n <= 1 << 20 for n in sizes):
             raise RefitError(f"the rendezvous holds invalid world sizes {sizes!r:.80}")
         self.sizes = dict(zip((TRAIN, GEN), sizes))
+        if not self.plans:
+            return settings, None
         metas = {side: [wire.metas_from_wire(m, f"{side} rank {r}") for r, m in enumerate(
                      rdv.wait([f"meta/{side}/{r}" for r in range(self.sizes[side])], f"{side} metadata"))]
                  for side in (TRAIN, GEN)}
         return settings, metas
 
-    def _plan(self, settings: RefitOptions, metas: dict[str, list[list[PieceMeta]]]) -> Schedule:
-        """Plan (identically on every rank) and check that every rank got the same fingerprint.
+    def _plan(self, settings: RefitOptions, pieces: list[Piece],
+              metas: dict[str, list[list[PieceMeta]]] | None) -> Schedule:
+        """The planner plans the whole refit and publishes every rank's part; every other rank reads
+        its own part (:mod:`refit_core.rankplan`). Each rank holds its part against its own pieces,
+        then all agree on the plan's fingerprint (a barrier) before any collective.
 
         With relay fanout the trainers feed only the first wave's replicas; the relay plan (waves,
         parents, relay messages) is hashed into the fingerprint with the settings."""
         began = time.perf_counter()
+        rdv = self._require_rendezvous()
+        if metas is not None:
+            plan, schedule = self._plan_for_all(settings, metas)
+        else:
+            (record,) = rdv.wait([f"plan/{self.side}/{self.rank}"],
+                                 f"{self.side} rank {self.rank}'s part of the plan from train rank 0")
+            plan = rankplan.from_wire(record, self.side, self.rank)
+            schedule, self.relay, self.links = plan.schedule(), plan.relay_plan(), plan.links
+        self._counts = plan.facts.counts[self.side]
+        self._experts.seen.update(plan.experts)
+        self._experts.learn([[p.meta for p in pieces]])
+        rankplan.check_against(plan, [group_meta(p.meta, self.plugins.expert_name, self._counts) for p in pieces])
+        self._network = plan.facts.network
+        self._phases["plan"] = time.perf_counter() - began
+        began = time.perf_counter()
+        rdv.publish(f"fingerprint/{self.side}/{self.rank}", plan.facts.fingerprint)
+        rdv.barrier("agreed", sum(self.sizes.values()), self._rank_keys("fingerprint"),
+                    f"every rank to agree on plan {plan.facts.fingerprint}")
+        self._phases["agree"] = time.perf_counter() - began
+        return schedule
+
+    def _plan_for_all(self, settings: RefitOptions,
+                      metas: dict[str, list[list[PieceMeta]]]) -> tuple[rankplan.RankPlan, Schedule]:
+        """The planner: plan once, publish every other rank's part; this rank's part and the whole schedule."""
+        rdv = self._require_rendezvous()
         grouped = {side: group_side(metas[side], self.plugins.expert_name) for side in (TRAIN, GEN)}
-        self._counts = grouped[self.side].counts
         for side in (TRAIN, GEN):
             self._experts.learn(metas[side])
         groups = set(grouped[GEN].counts) | set(grouped[TRAIN].counts)
@@ -221,19 +260,26 @@ class _Endpoint:
             schedule, self.relay = plan_with_relay(grouped[TRAIN].metas, grouped[GEN].metas, settings,
                                                    expert_groups=groups)
         self._assign_links(schedule, settings)
-        self._phases["plan"] = time.perf_counter() - began
-        began = time.perf_counter()
-        rdv = self._require_rendezvous()
-        rdv.publish(f"fingerprint/{self.side}/{self.rank}", schedule.fingerprint)
-        everyone = rdv.wait(self._rank_keys("fingerprint"), "every rank's plan fingerprint")
-        if any(fp != schedule.fingerprint for fp in everyone):
-            raise PlanError(f"ranks computed different plans (fingerprints {sorted(set(everyone))}); "
-                            "every rank must run the same refit version and options")
-        self._phases["agree"] = time.perf_counter() - began
-        return schedule
+        relay = self.relay
+        facts = rankplan.PlanFacts(
+            schedule.fingerprint, schedule.num_src, schedule.num_dst, schedule.bucket_bytes, schedule.summary,
+            relay is not None or any(link is Link.NETWORK for link in self.links.values()),
+            {side: grouped[side].counts for side in (TRAIN, GEN)},
+            None if relay is None else rankplan.RelayFacts(relay.replica_size, relay.waves, relay.wave_rounds,
+                                                           relay.schedule.fingerprint, relay.schedule.summary))
+        record = rankplan.facts_to_wire(facts)
+        mine = None
+        for part in rankplan.rank_plans(facts, schedule, relay, self.links,
+                                        {side: grouped[side].metas for side in (TRAIN, GEN)}, dict(self._experts.seen)):
+            if (part.side, part.rank) == (self.side, self.rank):
+                mine = part
+            else:
+                rdv.publish(f"plan/{part.side}/{part.rank}", rankplan.to_wire(part, record))
+        assert mine is not None
+        return mine, schedule
 
     def _assign_links(self, schedule: Schedule, settings: RefitOptions) -> None:
-        """Every pair's link (:mod:`~refit_core.transport.placement`), identical on every rank; a pair no
+        """Every pair's link (:mod:`~refit_core.transport.placement`), on the planner; a pair no
         transport can connect (same GPU, colocation off) is refused before any collective."""
         rdv = self._require_rendezvous()
         places = {side: [Placement.decode(text) for text in

@@ -6,6 +6,8 @@ client (:class:`~refit_core.store.StoreClient`). Values are JSON (:mod:`refit_co
 pickle. A rank that fails during setup writes its error under ``error``; every other rank's waits
 (and gloo's or NCCL's rendezvous on the same store) stop at once with that message, and a rank whose
 connection closes (it died) stops them too, naming it, instead of letting them wait for their deadline.
+A wait holds a missing key's read open on the store (a quarter second at a time) rather than polling,
+and :meth:`Rendezvous.barrier` costs each rank O(1) requests whatever the world size.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from . import wire
 from .auth import JobCredentials
 from .errors import AuthenticationError, PlanError, PluginError, RefitError, RendezvousError
-from .store import ERROR_KEY, Endpoint, StoreClient, StoreServer
+from .store import ERROR_KEY, WAIT_SLICE_S, Endpoint, StoreClient, StoreServer
 
 POLL_S = 0.02
 HANDSHAKE_S = 5.0
@@ -87,9 +89,11 @@ class Rendezvous:
         deadline = time.monotonic() + self.timeout_s
         values: dict[str, Any] = {}
         while True:
+            blocked = False  # the store held the first missing key's read open: no need to sleep
             for key in keys:
                 if key not in values:
-                    raw = self.client.try_get(key)
+                    raw = self.client.try_get(key, wait_s=0.0 if blocked else WAIT_SLICE_S)
+                    blocked = blocked or raw is None
                     if raw is not None:
                         self.downloaded += len(raw)
                         values[key] = wire.decode(raw, f"{what} ({key})")
@@ -100,7 +104,24 @@ class Rendezvous:
                 missing = [rank_name(k) for k in keys if k not in values]
                 raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
                                  f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} did not arrive")
-            time.sleep(POLL_S)
+            if not blocked:
+                time.sleep(POLL_S)
+
+    def barrier(self, name: str, count: int, arrived: list[str], what: str) -> None:
+        """Return once ``count`` ranks called ``barrier(name, ...)``: O(1) requests per rank (a counter,
+        then one key the last arrival sets). ``arrived`` are the keys the ranks published before
+        arriving; on timeout the error names the ranks whose key is missing."""
+        deadline = time.monotonic() + self.timeout_s
+        done = f"{name}/all"
+        if self.client.add(f"{name}/count", 1) >= count:
+            self.client.set(done, b"1")
+        while self.client.try_get(done, wait_s=WAIT_SLICE_S) is None:
+            self._check_failures()
+            if time.monotonic() > deadline:
+                missing = [rank_name(k) for k in arrived if not self.client.check([k])]
+                raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
+                                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} did not arrive")
+        self._check_failures()
 
     # -- failures -----------------------------------------------------------------------------
 

@@ -120,7 +120,8 @@ class ScheduleSummary:
 
 @dataclass(frozen=True)
 class Schedule:
-    """All rounds of a refit, identical on every rank, its fingerprint and its summary."""
+    """The rounds of a refit, its fingerprint and its summary. A live setup's planner (train rank 0)
+    holds every round; every other rank its own messages only (:mod:`refit_core.rankplan`)."""
 
     num_src: int
     num_dst: int

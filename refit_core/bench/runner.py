@@ -227,6 +227,15 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _setup_reads(s: dict[str, Any]) -> str:
+    """What setup read from the store: the planner (every rank's metadata) and any other rank (its part)."""
+    if s.get("planner_read_bytes") is None:  # this run's ranks did not include the planner's record
+        return f"metadata read per rank up to {s['metadata_bytes'] / 1024:.1f} KiB"
+    return (f"the planner (train rank 0) planned in {s['planner_plan_s']:.2f} s and read "
+            f"{s['planner_read_bytes'] / 1024:.1f} KiB, any other rank read up to "
+            f"{s['other_read_bytes'] / 1024:.1f} KiB")
+
+
 def _link_bytes(schedule: Any, job: dict[str, Any]) -> dict[str, int]:
     ranks = job["ranks"]
     first_gen = job["num_train"]
@@ -325,8 +334,13 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
         if "links" in e0:
             row["links"] = e0["links"]
         setups = [e["setup"] for e in entries if e.get("setup")]
-        if setups:  # the slowest rank per phase
-            row["setup"] = {k: max((s[k] or 0.0) for s in setups) for k in setups[0]}
+        if setups:  # the slowest rank per phase; what the planner (train rank 0) and the others read
+            row["setup"] = {k: max((s[k] or 0.0) for s in setups) for k in setups[0] if k != "planner"}
+            planner = [s for s in setups if s.get("planner")]
+            row["setup"]["planner_plan_s"] = planner[0]["plan_s"] if planner else None
+            row["setup"]["planner_read_bytes"] = planner[0]["metadata_bytes"] if planner else None
+            row["setup"]["other_read_bytes"] = max((s["metadata_bytes"] for s in setups if not s.get("planner")),
+                                                   default=0)
         rows.append(row)
     wire = next((r for r in rows if r["method"] == "wire"), None)
     for row in rows:
@@ -383,7 +397,7 @@ def _table(summary: dict[str, Any]) -> str:
             lines.append(f"{r['method']} setup (slowest rank per phase): {s['total_s']:.2f} s = pieces "
                          f"{s['pieces_s']:.2f} + metadata {s['metadata_s']:.2f} + plan {s['plan_s']:.2f} + agree "
                          f"{s['agree_s']:.2f} + transport {s['transport_s']:.2f} + bind {s['bind_s']:.2f} s; "
-                         f"metadata read per rank up to {s['metadata_bytes'] / 1024:.1f} KiB")
+                         + _setup_reads(s))
     infos = [f"{r['method']}: {r['info']}" for r in summary["rows"] if r["info"]]
     if infos:
         lines += ["", *infos]

@@ -25,4 +25,9 @@ def test_bench_smoke_on_cpu(tmp_path, monkeypatch):
         checks = {r["method"]: r["checks"] for r in model["rows"]}
         assert checks["wire"] == ["checksum ok"]
         assert all(checks[m] == ["bitwise ok"] for m in ("per-tensor", "packed", "refit", "refit-staged"))
-    assert open(prefix + ".md").read().startswith("# refit bench")
+    text = open(prefix + ".md").read()
+    assert text.startswith("# refit bench")
+    assert "refit setup (slowest rank per phase): " in text and "the planner (train rank 0) planned in " in text
+    for model in report["models"]:  # the planner read every rank's metadata, the other rank only its part
+        setup = next(r for r in model["rows"] if r["method"] == "refit")["setup"]
+        assert setup["planner_plan_s"] > 0 and setup["planner_read_bytes"] > 0 and setup["other_read_bytes"] > 0

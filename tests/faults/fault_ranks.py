@@ -179,3 +179,36 @@ def transport_fails_rank(rank: int, report, address: str, train: int, gen: int, 
         raise RuntimeError("injected: gloo could not create its context on this rank")
     api.open_transport = broken
     return setup_rank(rank, report, address, train, gen, options)
+
+
+def tampered_plan_rank(rank: int, report, address: str, train: int, gen: int, options: dict) -> dict:
+    """A rank whose part of the plan, as it reads it, names another dtype for its first piece (as if
+    the planner had planned for other pieces than this rank has): its check must fail the setup on
+    every rank before any collective, naming the tensor."""
+    import refit_core.api as api
+    import refit_core.rankplan as rankplan
+
+    real = rankplan.from_wire
+
+    def tampered(value, side, local):
+        plan = real(value, side, local)
+        index, meta = next(iter(plan.pieces.items()))
+        spec = dataclasses.replace(meta.spec, dtype=torch.float16)
+        return dataclasses.replace(plan, pieces={**plan.pieces, index: dataclasses.replace(meta, spec=spec)})
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("the transport opened although the plan was refused")
+
+    rankplan.from_wire = tampered
+    api.open_transport = no_collective
+    return setup_rank(rank, report, address, train, gen, options)
+
+
+def planner_dies_rank(rank: int, report, address: str, train: int, gen: int, options: dict) -> dict:
+    """Train rank 0 (the planner, hosting the store) dying (os._exit) while it plans."""
+    import refit_core.api as api
+
+    def dies(*args, **kwargs):
+        os._exit(3)
+    api.plan_with_relay = dies
+    return setup_rank(rank, report, address, train, gen, options)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from refit_core.auth import JobCredentials
-from refit_core.errors import AuthenticationError, RendezvousError
+from refit_core.errors import AuthenticationError, RefitError, RendezvousError
 from refit_core.launch import free_port
 from refit_core.rendezvous import Rendezvous
 
-from fault_ranks import exit_during_setup_rank, setup_rank, transport_fails_rank
+from fault_ranks import exit_during_setup_rank, planner_dies_rank, setup_rank, tampered_plan_rank, transport_fails_rank
 from harness import ENV, Ranks
 
 HERE = Path(__file__).parent
@@ -147,6 +147,27 @@ def test_a_rank_joining_twice_fails_the_setup_instead_of_mixing_two_jobs():
         host.close()
 
 
+def test_the_agreement_barrier_waits_for_every_rank_and_names_the_missing_ones_at_its_deadline():
+    port = free_port()
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=1)
+    gen = Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=1)
+    keys = ["fingerprint/train/0", "fingerprint/gen/0", "fingerprint/gen/1"]
+    try:
+        for rdv, key in ((host, keys[0]), (gen, keys[1])):
+            rdv.publish(key, "abc")
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (gen.barrier("agreed", 2, keys[:2], "agreement"), done.set()))
+        waiter.start()
+        host.barrier("agreed", 2, keys[:2], "agreement")  # both arrived: both pass
+        waiter.join(timeout=10)
+        assert done.is_set()
+        with pytest.raises(RefitError, match="waiting for agreement: gen rank 1 did not arrive"):
+            host.barrier("again", 2, keys, "agreement")  # gen rank 1 never publishes nor arrives
+    finally:
+        gen.close()
+        host.close()
+
+
 def test_a_program_that_is_not_refit_is_dropped_and_the_store_keeps_serving():
     port = free_port()
     host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=10)
@@ -222,3 +243,37 @@ def test_a_rank_that_dies_during_setup_is_named_within_seconds():
         ranks.close()
     assert result["error"] == "RendezvousError" and "gen rank 0 left the refit during setup" in result["message"]
     assert result["seconds"] < 30, result
+
+
+@pytest.mark.slow
+def test_a_plan_that_does_not_fit_a_ranks_pieces_fails_every_rank_before_any_collective():
+    address = f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        for r in range(3):
+            ranks.start(tampered_plan_rank if r == 2 else setup_rank, r, address, 1, 2, {"timeout_s": 60})
+        ranks.release()
+        results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
+    finally:
+        ranks.close()
+    for r in results.values():  # gen rank 1 refused its part; everyone hears why, naming the tensor
+        assert r["error"] == "PlanError", r
+        assert "gen rank 1: the plan was made for " in r["message"] and "torch.float16" in r["message"], r
+        assert r["seconds"] < 30, r
+
+
+@pytest.mark.slow
+def test_ranks_waiting_for_a_planner_that_died_get_a_named_error_within_seconds():
+    address = f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        ranks.start(planner_dies_rank, 0, address, 2, 2, {"timeout_s": 60})
+        for r in range(1, 4):
+            ranks.start(setup_rank, r, address, 2, 2, {"timeout_s": 60})
+        ranks.release()
+        results = ranks.wait_for([(r, "result") for r in range(1, 4)], timeout_s=120)
+    finally:
+        ranks.close()
+    for r in results.values():
+        assert r["error"] == "RendezvousError" and "train rank 0 hosts it" in r["message"], r
+        assert r["seconds"] < 30, r
