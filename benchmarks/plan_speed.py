@@ -30,9 +30,11 @@ class Case:
 CASES = {
     "qwen3-30b-a3b-1024": Case("qwen3-30b-a3b-shape", "dtensor:fsdp=128,tp=8", "vllm:tp=8"),
     "qwen3-30b-a3b-128": Case("qwen3-30b-a3b-shape", "dtensor:fsdp=16,tp=8", "vllm:tp=8"),
-    # the published layouts: 61 layers over PP16 needs Megatron's uneven first/last stages (not yet taken)
-    "deepseek-v3": Case("deepseek-v3-shape", "megatron:pp=16,dp=16,ep=16", "vllm:tp=32,dp=8,ep=256", True),
-    "kimi-k2": Case("kimi-k2-shape", "megatron:pp=16,dp=16,ep=16", "vllm:tp=8,dp=16,ep=128"),
+    # the published layouts (NeMo-RL DeepSeek-V3 PP16 x EP16 -> TP32 x DP8; Kimi-K2 256 -> 128 GPUs):
+    # 61 layers over PP16 as megatron's uneven pipeline, 3 + 14 x 4 + 2 (MTP on the last stage)
+    "deepseek-v3": Case("deepseek-v3-shape", "megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16",
+                        "vllm:tp=32,dp=8,ep=256", True),
+    "kimi-k2": Case("kimi-k2-shape", "megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16", "vllm:tp=8,dp=16,ep=128"),
     # what plans today: the same models without pipeline stages, 16 -> 16 ranks
     "deepseek-v3-16": Case("deepseek-v3-shape", "megatron:dp=16,ep=16", "vllm:tp=16,ep=16", True),
     "kimi-k2-16": Case("kimi-k2-shape", "megatron:dp=16,ep=16", "vllm:tp=16,ep=16"),
