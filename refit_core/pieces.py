@@ -42,7 +42,11 @@ class Piece:
 
     @property
     def meta(self) -> PieceMeta:
-        return PieceMeta(self.spec, self.box)
+        meta = object.__new__(PieceMeta)  # fields known good: skip the frozen dataclass' per-field setattr
+        fields = meta.__dict__
+        fields["spec"] = self.spec
+        fields["box"] = self.box
+        return meta
 
 
 class SourcePiece(Piece):

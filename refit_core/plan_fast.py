@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
-import torch
 
 from .errors import PlanError
 from .options import CastPolicy
@@ -124,16 +122,6 @@ def _match(name: str, src: _Tensor, dst: _Tensor, item: int, balance_split_bytes
                   [dst.ranks[p] for p in dst_pos], fixed, multi, options)
 
 
-def _new_transfer(name: str, src: int, src_piece: int, src_box: Box, dst: int, dst_piece: int, dst_box: Box,
-                  dtype: torch.dtype) -> Transfer:
-    """A :class:`Transfer` from known-good fields, without the frozen dataclass' per-field setattr."""
-    t = object.__new__(Transfer)
-    object.__setattr__(t, "__dict__", {"name": name, "src": src, "src_piece": src_piece, "src_box": src_box,
-                                       "dst": dst, "dst_piece": dst_piece, "dst_box": dst_box, "dtype": dtype,
-                                       "quantize": None})
-    return t
-
-
 def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence[Sequence[PieceMeta]], *,
                         cast: CastPolicy | str = CastPolicy.CAST, allow_unused_sources: bool = False,
                         balance_split_bytes: int = 1 << 20,
@@ -164,14 +152,27 @@ def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Seq
 
     chosen = _choose_holders(order, src_by_name, len(src_ranks), distance)
     transfers: list[Transfer] = []
+    append, new = transfers.append, object.__new__
     start = 0
     for name, match in order:
         src, dst = src_by_name[name], dst_by_name[name]
-        picks = chosen[start:start + len(match.dst_pos)].tolist()
-        start += len(picks)
-        transfers += map(_new_transfer, repeat(name), [src.ranks[h] for h in picks], [src.pieces[h] for h in picks],
-                         match.src_boxes, match.dst_ranks, [dst.pieces[p] for p in match.dst_pos], match.dst_boxes,
-                         repeat(dst.spec.dtype))
+        src_ranks_of, src_pieces_of, dst_pieces_of, dtype = src.ranks, src.pieces, dst.pieces, dst.spec.dtype
+        stop = start + len(match.dst_pos)
+        for h, src_box, dst_rank, p, dst_box in zip(chosen[start:stop].tolist(), match.src_boxes, match.dst_ranks,
+                                                     match.dst_pos, match.dst_boxes):
+            t = new(Transfer)  # known-good fields filled in place (the class' shared-key dict): no per-field setattr
+            fields = t.__dict__
+            fields["name"] = name
+            fields["src"] = src_ranks_of[h]
+            fields["src_piece"] = src_pieces_of[h]
+            fields["src_box"] = src_box
+            fields["dst"] = dst_rank
+            fields["dst_piece"] = dst_pieces_of[p]
+            fields["dst_box"] = dst_box
+            fields["dtype"] = dtype
+            fields["quantize"] = None
+            append(t)
+        start = stop
     return transfers
 
 

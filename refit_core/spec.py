@@ -97,9 +97,12 @@ class Box:
 
     def within(self, shape: tuple[int, ...]) -> bool:
         """Whether this box lies inside a tensor of ``shape``."""
-        return len(shape) == self.ndim and all(
-            o >= 0 and o + s <= n for o, s, n in zip(self.offsets, self.sizes, shape)
-        )
+        if len(shape) != len(self.sizes):
+            return False
+        for o, e, n in zip(self.offsets, self.ends, shape):
+            if o < 0 or e > n:
+                return False
+        return True
 
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes, or None when they do not overlap."""
