@@ -304,6 +304,10 @@ def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -
     runs = [list(run) for _, run in groupby(pair_transfers, _unit_key)]
     families = [_expert_family(run[0], expert_groups) if len(run) == 1 and run[0].name in expert_groups else None
                 for run in runs]
+    if not any(families):  # no sibling experts to interleave: every run is a unit
+        for run in runs:
+            yield len(run) > 1, run
+        return
     i = 0
     while i < len(runs):
         family = families[i]

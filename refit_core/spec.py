@@ -66,6 +66,15 @@ class Box:
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "ends", tuple(o + s for o, s in zip(offsets, sizes)))
 
+    def __hash__(self) -> int:
+        """The dataclass' hash (of offsets and sizes), kept after the first call: the planner hashes
+        the same box objects over and over (layout signatures)."""
+        fields = self.__dict__
+        cached = fields.get("_hash")
+        if cached is None:
+            cached = fields["_hash"] = hash((self.offsets, self.sizes))
+        return cached
+
     @classmethod
     def of(cls, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
         """A box from tuples of ints of equal length that are known good, without re-checking them.
