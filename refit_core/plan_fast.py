@@ -223,19 +223,19 @@ def _choose_holders(order: Sequence[tuple[str, _Match]], src_by_name: dict[str, 
     before = cum[np.searchsorted(key, safe * len(sizes) + walk[rows][:, None])] - cum[rank_start[safe]]
 
     # the walk itself, row by row in plain Python: consecutive replicated rows mostly share their
-    # candidates (the DP replicas of one stage), so numpy steps over independent rows would be one row long
+    # candidates (the DP replicas of one stage), so numpy steps over independent rows would be one row long.
+    # Per candidate, ``(load before) * num_src + rank`` (invalid ones never win) and the walk's own load
+    # (scaled the same) sum to the reference planner's key (load, rank); the first minimum is the pick.
+    base = np.where(valid, before * num_src + safe, np.int64(1) << 62)
+    scaled = sizes[rows] * num_src
     loads = [0] * num_src
-    picks = []
-    for nbytes, ranks, oks, befores, positions in zip(sizes[rows].tolist(), safe.tolist(), valid.tolist(),
-                                                       before.tolist(), pos.tolist()):
-        best = best_rank = best_pos = -1
-        for r, ok, b, p in zip(ranks, oks, befores, positions):
-            if ok:
-                score = (b + loads[r]) * num_src + r
-                if best < 0 or score < best:
-                    best, best_rank, best_pos = score, r, p
-        picks.append(best_pos)
-        loads[best_rank] += nbytes
+    slots = []
+    for nbytes, ranks, bases in zip(scaled.tolist(), safe.tolist(), base.tolist()):
+        scores = [b + loads[r] for r, b in zip(ranks, bases)]
+        slot = scores.index(min(scores))
+        slots.append(slot)
+        loads[ranks[slot]] += nbytes
+    picks = pos[np.arange(len(rows)), np.asarray(slots, dtype=np.int64)]
     chosen[rows] = picks
     return chosen
 
