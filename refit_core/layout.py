@@ -37,6 +37,11 @@ class ParallelLayout:
         if self.uneven and self.pp < 2:
             raise RefitError(f"layout: pp_first / pp_last need pp >= 2, got pp={self.pp}")
 
+    def given(self) -> dict[str, int]:
+        """The keys set to something other than their default (1, or 0 for ``pp_first`` / ``pp_last``):
+        what a plugin that takes only some keys checks (``layout.given().keys() - {"dp", "fsdp"}``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
     @property
     def uneven(self) -> bool:
         """Whether the first or last pipeline stage has its own layer count."""
@@ -62,8 +67,7 @@ class ParallelLayout:
         return cls(**values)
 
     def __str__(self) -> str:
-        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) != f.default]
-        return ",".join(parts) or "single"
+        return ",".join(f"{k}={v}" for k, v in self.given().items()) or "single"
 
 
 _STAGE_SIZES = ("pp_first", "pp_last")
