@@ -5,13 +5,17 @@ every rank's pieces from the plugins' layout hooks, the array planner, the sched
 process, so its peak memory is its own, and prints wall and CPU seconds (CPU time is the one-core
 cost on a shared machine), the layout hooks' share, peak RSS and the fingerprint. ``--reference``
 also times the reference planner (``refit_core.planner``) and the schedule on the same pieces, side
-by side, and checks that both fingerprints agree. Runs on CPU; no GPU is needed.
+by side, and checks that both fingerprints agree. ``--against DIR`` runs every case with another
+checkout (an older commit) too, alternating runs so both see the same load on a shared machine, and
+prints the ratio of CPU seconds. Runs on CPU; no GPU is needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,19 +29,25 @@ class Case:
     train: str
     gen: str
     unused_ok: bool = False
+    target_s: float | None = None
+    """Issue #16's goal: CPU seconds on one core (and ``target_gib`` of peak RSS); None: no goal."""
+    target_gib: float | None = None
 
 
 CASES = {
-    "qwen3-30b-a3b-1024": Case("qwen3-30b-a3b-shape", "dtensor:fsdp=128,tp=8", "vllm:tp=8"),
+    "qwen3-30b-a3b-1024": Case("qwen3-30b-a3b-shape", "dtensor:fsdp=128,tp=8", "vllm:tp=8", target_s=5.0),
     "qwen3-30b-a3b-128": Case("qwen3-30b-a3b-shape", "dtensor:fsdp=16,tp=8", "vllm:tp=8"),
-    # the published layouts: 61 layers over PP16 needs Megatron's uneven first/last stages (not yet taken)
-    "deepseek-v3": Case("deepseek-v3-shape", "megatron:pp=16,dp=16,ep=16", "vllm:tp=32,dp=8,ep=256", True),
-    "kimi-k2": Case("kimi-k2-shape", "megatron:pp=16,dp=16,ep=16", "vllm:tp=8,dp=16,ep=128"),
+    # the published layouts (NeMo-RL DeepSeek-V3 PP16 x EP16 -> TP32 x DP8; Kimi-K2 256 -> 128 GPUs):
+    # 61 layers over PP16 as megatron's uneven pipeline, 3 + 14 x 4 + 2 (MTP on the last stage)
+    "deepseek-v3": Case("deepseek-v3-shape", "megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16",
+                        "vllm:tp=32,dp=8,ep=256", True, target_s=10.0, target_gib=4.0),
+    "kimi-k2": Case("kimi-k2-shape", "megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16", "vllm:tp=8,dp=16,ep=128",
+                    target_s=10.0, target_gib=4.0),
     # what plans today: the same models without pipeline stages, 16 -> 16 ranks
     "deepseek-v3-16": Case("deepseek-v3-shape", "megatron:dp=16,ep=16", "vllm:tp=16,ep=16", True),
     "kimi-k2-16": Case("kimi-k2-shape", "megatron:dp=16,ep=16", "vllm:tp=16,ep=16"),
 }
-HEADLINE = ["qwen3-30b-a3b-1024", "deepseek-v3", "kimi-k2", "deepseek-v3-16", "kimi-k2-16"]
+HEADLINE = ["qwen3-30b-a3b-1024", "qwen3-30b-a3b-128", "deepseek-v3", "kimi-k2", "deepseek-v3-16", "kimi-k2-16"]
 
 
 def run_case(name: str, reference: bool) -> dict:
@@ -91,10 +101,27 @@ def run_case(name: str, reference: bool) -> dict:
     return out
 
 
+def _vs_target(case: Case, r: dict) -> str:
+    """``; target <= 5 s CPU: met (0.82x)`` for a case with a goal, else nothing."""
+    if case.target_s is None:
+        return ""
+    parts = [f"{r['cpu_s'] / case.target_s:.2f}x of <= {case.target_s:g} s CPU"]
+    met = r["cpu_s"] <= case.target_s
+    if case.target_gib is not None:
+        gib = r["peak_rss_bytes"] / 2**30
+        parts.append(f"{gib / case.target_gib:.2f}x of <= {case.target_gib:g} GiB")
+        met &= gib <= case.target_gib
+    return f"; target: {', '.join(parts)}: {'met' if met else 'NOT met'}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", help=f"of {', '.join(CASES)} (default: {', '.join(HEADLINE)})")
     parser.add_argument("--reference", action="store_true", help="time the reference planner side by side")
+    parser.add_argument("--against", metavar="DIR",
+                        help="also run each case with another checkout's refit_core and plugins (e.g. "
+                             "`git worktree add /tmp/base main`), alternating, and print the CPU ratio")
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each side with --against (default 2)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -109,14 +136,12 @@ def main() -> int:
     for name in args.cases or HEADLINE:
         if name not in CASES:
             parser.error(f"unknown case {name!r}; known: {', '.join(CASES)}")
-        cmd = [sys.executable, __file__, "--child", name] + (["--reference"] if args.reference else [])
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if not lines:
-            print(f"{name}: no result (exit {done.returncode}): {done.stderr.strip()[-400:]}")
-            failed = True
-            continue
-        r = json.loads(lines[-1])
+        runs = [_child(name, args.reference)]
+        theirs = []
+        for _ in range(args.repeat if args.against else 0):  # alternating, so both see the same load
+            theirs.append(_child(name, False, args.against))
+            runs.append(_child(name, args.reference))
+        r = min((x for x in runs if "error" not in x), key=lambda x: x["cpu_s"], default=runs[0])
         model, train, gen = CASES[name].model, CASES[name].train, CASES[name].gen
         if "error" in r:
             print(f"{name}: {model} {train} -> {gen}: cannot plan: {r['error'][:300]}")
@@ -125,7 +150,10 @@ def main() -> int:
         print(f"{name}: {model} {train} ({r['train_ranks']}) -> {gen} ({r['gen_ranks']}), {r['segments']} segments: "
               f"{r['seconds']:.2f} s wall, {r['cpu_s']:.2f} s CPU (layout hooks {r['describe_cpu_s']:.2f} s, "
               f"planner and schedule {r['cpu_s'] - r['describe_cpu_s']:.2f} s), "
-              f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, fingerprint {r['fingerprint']}")
+              f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, fingerprint {r['fingerprint']}"
+              f"{_vs_target(CASES[name], r)}")
+        if len(runs) > 1:
+            print(f"  (the run with the least CPU of {len(runs)}, alternating with {args.against})")
         if args.reference:
             same = r["reference_fingerprint"] == r["fingerprint"]
             planner = r["cpu_s"] - r["describe_cpu_s"]
@@ -133,7 +161,30 @@ def main() -> int:
                   f"{planner:.2f} s CPU here: {r['reference_cpu_s'] / max(planner, 1e-9):.1f}x; "
                   f"fingerprints {'equal' if same else 'DIFFER: ' + r['reference_fingerprint']}")
             failed |= not same
+        if theirs:
+            ok = [x for x in theirs if "error" not in x]
+            if not ok:
+                print(f"  {args.against}: cannot plan: {theirs[0]['error'][:200]}")
+                continue
+            base = min(ok, key=lambda x: x["cpu_s"])
+            print(f"  {args.against}: {base['cpu_s']:.2f} s CPU (layout hooks {base['describe_cpu_s']:.2f} s), "
+                  f"peak RSS {base['peak_rss_bytes'] / 2**30:.2f} GiB, fingerprint {base['fingerprint']}; "
+                  f"here {r['cpu_s']:.2f} s: {base['cpu_s'] / r['cpu_s']:.2f}x less CPU (least of {len(ok)} each)")
     return 1 if failed else 0
+
+
+def _child(name: str, reference: bool, tree: str | None = None) -> dict:
+    """One case in a fresh process; ``tree``: another checkout's ``refit_core`` and plugins instead."""
+    cmd = [sys.executable, __file__, "--child", name] + (["--reference"] if reference else [])
+    env = None
+    if tree is not None:
+        paths = [tree, *sorted(glob.glob(os.path.join(tree, "plugins", "*")))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"case": name, "error": f"no result (exit {done.returncode}): {done.stderr.strip()[-400:]}"}
+    return json.loads(lines[-1])
 
 
 if __name__ == "__main__":

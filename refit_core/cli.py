@@ -183,7 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     models = f"preset ({', '.join(PRESETS)}) or HF model directory / config.json"
     plan = sub.add_parser("plan", help="plan a refit from metadata alone and print its summary")
     plan.add_argument("--model", required=True, help=models)
-    plan.add_argument("--train", required=True, help="BACKEND:LAYOUT, e.g. dtensor:fsdp=2,tp=2")
+    plan.add_argument("--train", required=True,
+                      help="BACKEND:LAYOUT, e.g. dtensor:fsdp=2,tp=2; layout keys tp, pp, vpp, ep, etp, dp, fsdp, "
+                           "and pp_first / pp_last (layers of megatron's first / last pipeline stage, "
+                           "e.g. megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16)")
     plan.add_argument("--gen", required=True, help="BACKEND:LAYOUT, e.g. vllm:tp=2,dp=2")
     plan.add_argument("--bucket-mb", type=int,
                       help="bucket size in MiB (default: a live refit's on --device: 512 on cuda, 64 on cpu)")

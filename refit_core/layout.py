@@ -13,7 +13,10 @@ class ParallelLayout:
 
     ``world_size`` is ``tp * pp * dp * fsdp``: expert parallelism (``ep``, ``etp``) re-partitions
     those same ranks for the MoE layers, as in Megatron-core and vLLM. ``vpp`` splits each pipeline
-    stage into virtual chunks.
+    stage into virtual chunks. ``pp_first`` / ``pp_last`` are the transformer layers of the first /
+    last pipeline stage where they differ from the rest (Megatron's uneven pipeline,
+    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``); 0 (the default)
+    means that stage takes an even share.
     """
 
     tp: int = 1
@@ -23,11 +26,26 @@ class ParallelLayout:
     etp: int = 1
     dp: int = 1
     fsdp: int = 1
+    pp_first: int = 0
+    pp_last: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) < 1:
-                raise RefitError(f"layout: {f.name} must be >= 1, got {getattr(self, f.name)}")
+            least = 0 if f.name in _STAGE_SIZES else 1
+            if getattr(self, f.name) < least:
+                raise RefitError(f"layout: {f.name} must be >= {least}, got {getattr(self, f.name)}")
+        if self.uneven and self.pp < 2:
+            raise RefitError(f"layout: pp_first / pp_last need pp >= 2, got pp={self.pp}")
+
+    def given(self) -> dict[str, int]:
+        """The keys set to something other than their default (1, or 0 for ``pp_first`` / ``pp_last``):
+        what a plugin that takes only some keys checks (``layout.given().keys() - {"dp", "fsdp"}``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the first or last pipeline stage has its own layer count."""
+        return bool(self.pp_first or self.pp_last)
 
     @property
     def world_size(self) -> int:
@@ -49,8 +67,10 @@ class ParallelLayout:
         return cls(**values)
 
     def __str__(self) -> str:
-        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) != 1]
-        return ",".join(parts) or "single"
+        return ",".join(f"{k}={v}" for k, v in self.given().items()) or "single"
+
+
+_STAGE_SIZES = ("pp_first", "pp_last")
 
 
 def parse_backend_layout(text: str) -> tuple[str, ParallelLayout]:

@@ -40,9 +40,25 @@ class Piece:
         if self.view is not None and self.view.dtype != self.spec.dtype:
             raise ValueError(f"{self.spec.name}: view dtype {self.view.dtype} != spec dtype {self.spec.dtype}")
 
+    @classmethod
+    def of(cls, spec: TensorSpec, box: Box) -> Piece:
+        """A metadata-only piece (view None) whose box is known to lie in ``spec``'s shape (checked on
+        a piece of the same shape already), without re-checking it: layout hooks describe every rank of
+        a large layout, the same boxes over and over."""
+        piece = object.__new__(cls)
+        fields = piece.__dict__
+        fields["spec"] = spec
+        fields["box"] = box
+        fields["view"] = None
+        return piece
+
     @property
     def meta(self) -> PieceMeta:
-        return PieceMeta(self.spec, self.box)
+        meta = object.__new__(PieceMeta)  # fields known good: skip the frozen dataclass' per-field setattr
+        fields = meta.__dict__
+        fields["spec"] = self.spec
+        fields["box"] = self.box
+        return meta
 
 
 class SourcePiece(Piece):

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
-import torch
 
 from .errors import PlanError
 from .options import CastPolicy
 from .pieces import PieceMeta
 from .planner import (Transfer, _check_destinations, _Holder, _source_regions, _split_rows, check_specs,
-                      plan_transfers)
+                      plan_transfers, readers_per_region, slab_count)
 from .spec import Box, TensorSpec, dtype_size
 
 
@@ -95,14 +93,15 @@ def _match(name: str, src: _Tensor, dst: _Tensor, item: int, balance_split_bytes
     src_boxes: list[Box] = []
     dst_boxes: list[Box] = []
     nbytes: list[int] = []
-    for d in dst_pieces:
+    overlaps = [list(index.overlapping(d.box)) for d in dst_pieces]
+    readers = readers_per_region(len(regions), overlaps)
+    for d, found in zip(dst_pieces, overlaps):
         covered = 0
-        for i, common in index.overlapping(d.box):
+        for i, common in found:
             region = regions[i]
             covered += common.numel
-            big = common.numel * item >= balance_split_bytes
-            slabs = _split_rows(common, len(region.holders)) if big and len(region.holders) > 1 else [common]
-            for slab in slabs:
+            parts = slab_count(len(region.holders), readers[i]) if common.numel * item >= balance_split_bytes else 1
+            for slab in _split_rows(common, parts) if parts > 1 else (common,):
                 dst_pos.append(d.piece)
                 region_of.append(i)
                 src_boxes.append(slab.relative_to(region.box))
@@ -121,16 +120,6 @@ def _match(name: str, src: _Tensor, dst: _Tensor, item: int, balance_split_bytes
     options = table[np.asarray(region_of, dtype=np.int64)[multi]] if len(multi) else table[:0]
     return _Match(dst_pos, region_of, src_boxes, dst_boxes, np.array(nbytes, dtype=np.int64),
                   [dst.ranks[p] for p in dst_pos], fixed, multi, options)
-
-
-def _new_transfer(name: str, src: int, src_piece: int, src_box: Box, dst: int, dst_piece: int, dst_box: Box,
-                  dtype: torch.dtype) -> Transfer:
-    """A :class:`Transfer` from known-good fields, without the frozen dataclass' per-field setattr."""
-    t = object.__new__(Transfer)
-    object.__setattr__(t, "__dict__", {"name": name, "src": src, "src_piece": src_piece, "src_box": src_box,
-                                       "dst": dst, "dst_piece": dst_piece, "dst_box": dst_box, "dtype": dtype,
-                                       "quantize": None})
-    return t
 
 
 def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence[Sequence[PieceMeta]], *,
@@ -163,14 +152,27 @@ def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Seq
 
     chosen = _choose_holders(order, src_by_name, len(src_ranks), distance)
     transfers: list[Transfer] = []
+    append, new = transfers.append, object.__new__
     start = 0
     for name, match in order:
         src, dst = src_by_name[name], dst_by_name[name]
-        picks = chosen[start:start + len(match.dst_pos)].tolist()
-        start += len(picks)
-        transfers += map(_new_transfer, repeat(name), [src.ranks[h] for h in picks], [src.pieces[h] for h in picks],
-                         match.src_boxes, match.dst_ranks, [dst.pieces[p] for p in match.dst_pos], match.dst_boxes,
-                         repeat(dst.spec.dtype))
+        src_ranks_of, src_pieces_of, dst_pieces_of, dtype = src.ranks, src.pieces, dst.pieces, dst.spec.dtype
+        stop = start + len(match.dst_pos)
+        for h, src_box, dst_rank, p, dst_box in zip(chosen[start:stop].tolist(), match.src_boxes, match.dst_ranks,
+                                                     match.dst_pos, match.dst_boxes):
+            t = new(Transfer)  # known-good fields filled in place (the class' shared-key dict): no per-field setattr
+            fields = t.__dict__
+            fields["name"] = name
+            fields["src"] = src_ranks_of[h]
+            fields["src_piece"] = src_pieces_of[h]
+            fields["src_box"] = src_box
+            fields["dst"] = dst_rank
+            fields["dst_piece"] = dst_pieces_of[p]
+            fields["dst_box"] = dst_box
+            fields["dtype"] = dtype
+            fields["quantize"] = None
+            append(t)
+        start = stop
     return transfers
 
 
@@ -181,9 +183,7 @@ def _choose_holders(order: Sequence[tuple[str, _Match]], src_by_name: dict[str, 
     among its nearest replicas).
 
     Rows with one holder only add load, so the walk is replayed for the rows with replicas alone:
-    the load single-holder rows put on each candidate before it comes from per-rank prefix sums, and
-    consecutive rows whose candidates share no rank (they cannot influence each other) are decided
-    together, one numpy step per such wave.
+    the load single-holder rows put on each candidate before it comes from per-rank prefix sums.
     """
     if not order:
         return np.zeros(0, dtype=np.int64)
@@ -222,15 +222,21 @@ def _choose_holders(order: Sequence[tuple[str, _Match]], src_by_name: dict[str, 
     safe = np.where(valid, rank, 0)
     before = cum[np.searchsorted(key, safe * len(sizes) + walk[rows][:, None])] - cum[rank_start[safe]]
 
-    loads = np.zeros(num_src, dtype=np.int64)
-    nbytes = sizes[rows]
-    for start, stop in _waves(safe, valid):
-        r, ok = safe[start:stop], valid[start:stop]
-        score = np.where(ok, (before[start:stop] + loads[r]) * num_src + r, np.iinfo(np.int64).max)
-        pick = score.argmin(axis=1)
-        lane = np.arange(stop - start)
-        chosen[rows[start:stop]] = pos[start:stop][lane, pick]
-        np.add.at(loads, r[lane, pick], nbytes[start:stop])
+    # the walk itself, row by row in plain Python: consecutive replicated rows mostly share their
+    # candidates (the DP replicas of one stage), so numpy steps over independent rows would be one row long.
+    # Per candidate, ``(load before) * num_src + rank`` (invalid ones never win) and the walk's own load
+    # (scaled the same) sum to the reference planner's key (load, rank); the first minimum is the pick.
+    base = np.where(valid, before * num_src + safe, np.int64(1) << 62)
+    scaled = sizes[rows] * num_src
+    loads = [0] * num_src
+    slots = []
+    for nbytes, ranks, bases in zip(scaled.tolist(), safe.tolist(), base.tolist()):
+        scores = [b + loads[r] for r, b in zip(ranks, bases)]
+        slot = scores.index(min(scores))
+        slots.append(slot)
+        loads[ranks[slot]] += nbytes
+    picks = pos[np.arange(len(rows)), np.asarray(slots, dtype=np.int64)]
+    chosen[rows] = picks
     return chosen
 
 
@@ -241,31 +247,6 @@ def _distances(distance: Callable[[int, int], int], rank: np.ndarray, receivers:
     unique, inverse = np.unique(pairs.reshape(-1, 2), axis=0, return_inverse=True)
     values = np.array([distance(int(a), int(b)) for a, b in unique], dtype=np.int64)
     return values[inverse.reshape(-1)].reshape(rank.shape)
-
-
-def _waves(rank: np.ndarray, valid: np.ndarray) -> list[tuple[int, int]]:
-    """Consecutive ranges of rows in which no two rows share a candidate rank."""
-    rows, slots = np.nonzero(valid)
-    ranks = rank[rows, slots]
-    by_rank = np.lexsort((rows, ranks))
-    prev = np.full(len(rows), -1, dtype=np.int64)
-    same = (ranks[by_rank][1:] == ranks[by_rank][:-1]) & (rows[by_rank][1:] != rows[by_rank][:-1])
-    prev[by_rank[1:][same]] = rows[by_rank[:-1][same]]
-    latest = np.full(len(rank), -1, dtype=np.int64)
-    np.maximum.at(latest, rows, prev)  # per row: the last earlier row sharing one of its ranks
-    waves = []
-    start, window = 0, 64
-    while start < len(rank):  # the wave ends at the first later row sharing a rank with a row in it
-        ahead = latest[start + 1:start + 1 + window]
-        hit = np.flatnonzero(ahead >= start)
-        if len(hit) or start + 1 + window >= len(rank):
-            stop = start + 1 + int(hit[0]) if len(hit) else len(rank)
-            waves.append((start, stop))
-            window = max(64, 2 * (stop - start))
-            start = stop
-        else:
-            window *= 2
-    return waves
 
 
 __all__ = ["plan_transfers_fast"]

@@ -157,6 +157,22 @@ def _split_rows(box: Box, parts: int, align: int = 1) -> list[Box]:
             for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+def readers_per_region(regions: int, overlaps: Sequence[Sequence[tuple[int, Box]]]) -> list[int]:
+    """How many destination pieces read each source region (``overlaps``: per piece, ``(region, box)``)."""
+    readers = [0] * regions
+    for found in overlaps:
+        for i, _ in found:
+            readers[i] += 1
+    return readers
+
+
+def slab_count(replicas: int, readers: int) -> int:
+    """Slabs each reader's part of a large replicated region is cut into: enough that the region's
+    readers together make one row per replica (``ceil(replicas / readers)``), so every replica can
+    take a share; where readers outnumber replicas, whole parts already spread over the replicas."""
+    return -(-replicas // max(readers, 1))
+
+
 def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence[Sequence[PieceMeta]], *,
                    cast: CastPolicy | str = CastPolicy.CAST, allow_unused_sources: bool = False,
                    balance_split_bytes: int = 1 << 20,
@@ -164,8 +180,10 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     """Match destinations to sources and balance replicas; deterministic for the same input.
 
     Each destination region is served by one replica; regions of at least ``balance_split_bytes``
-    held by several replicas are cut into one slab per replica first, then every region goes to the
-    least-loaded replica, largest regions first, so the busiest sender sends as little as possible.
+    held by R replicas and read by K destination pieces are cut into ``ceil(R / K)`` slabs per piece
+    first (:func:`slab_count`: one slab per replica for a single reader, none where readers outnumber
+    replicas, so the work grows with R + K, not R x K), then every region goes to the least-loaded
+    replica, largest regions first, so the busiest sender sends as little as possible.
     ``distance(train_rank, gen_rank)`` (e.g. :meth:`refit_core.simulate.Placement.distance`), when
     given, ranks replicas first: the nearest replicas to the receiver (same GPU, then same node) are
     the only candidates, and load balances among them, spreading a node's traffic over its GPUs' links.
@@ -189,14 +207,15 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
         regions, index = _source_regions(name, src_by_name[name])
         item = dtype_size(dst_specs[name].dtype)
         rows = rules[name].quant.block[0] if name in rules and rules[name].quantize else 1
-        for dst in dst_pieces:
+        overlaps = [list(index.overlapping(dst.box)) for dst in dst_pieces]
+        readers = readers_per_region(len(regions), overlaps)
+        for dst, found in zip(dst_pieces, overlaps):
             covered = 0
-            for i, common in index.overlapping(dst.box):
+            for i, common in found:
                 region = regions[i]
                 covered += common.numel
-                big = common.numel * item >= balance_split_bytes
-                slabs = (_split_rows(common, len(region.holders), rows) if big and len(region.holders) > 1
-                         else [common])
+                parts = slab_count(len(region.holders), readers[i]) if common.numel * item >= balance_split_bytes else 1
+                slabs = _split_rows(common, parts, rows) if parts > 1 else [common]
                 pending.extend(_Pending(name, dst, slab, region, slab.numel * item) for slab in slabs)
             if covered != dst.box.numel:
                 raise PlanError(f"{name}: {dst.box.numel - covered} of {dst.box.numel} elements of box "

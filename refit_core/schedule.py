@@ -31,6 +31,8 @@ import math
 from collections import defaultdict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
 
 import torch
 
@@ -71,12 +73,19 @@ class Segment:
         return self.box.numel * dtype_size(self.dtype)
 
 
+_new = object.__new__
+
+
 def _segment(piece: int, box: Box, offset: int, dtype: torch.dtype) -> Segment:
     """A :class:`Segment` from known-good fields, without the frozen dataclass' per-field setattr
     (schedules at scale hold a million of them)."""
     segment = object.__new__(Segment)
-    object.__setattr__(segment, "__dict__", {"piece": piece, "box": box, "offset": offset, "dtype": dtype,
-                                             "scales": None})
+    fields = segment.__dict__  # filled in place: the class' shared-key dict, half the time and memory of a new one
+    fields["piece"] = piece
+    fields["box"] = box
+    fields["offset"] = offset
+    fields["dtype"] = dtype
+    fields["scales"] = None
     return segment
 
 
@@ -232,6 +241,33 @@ class _MessageBuilder:
             self.dst_segs.append(_segment(t.dst_piece, dst_box, offset, t.dtype))
         self.used = offset + nbytes
 
+    def add_plain(self, t: Transfer, nbytes: int) -> None:
+        """:meth:`add` of a whole transfer that is not quantized and fits the bucket (the common case),
+        its two segments built in place (the schedule's hot loop: a million segments at scale)."""
+        offset = -(-self.used // ALIGN) * ALIGN
+        if offset + nbytes > self.bucket_bytes and self.src_segs:
+            self.close()
+            offset = 0
+        self.pair = (t.src, t.dst)
+        dtype = t.dtype
+        segment = _new(Segment)  # as _segment() does, inlined
+        fields = segment.__dict__
+        fields["piece"] = t.src_piece
+        fields["box"] = t.src_box
+        fields["offset"] = offset
+        fields["dtype"] = dtype
+        fields["scales"] = None
+        self.src_segs.append(segment)
+        segment = _new(Segment)
+        fields = segment.__dict__
+        fields["piece"] = t.dst_piece
+        fields["box"] = t.dst_box
+        fields["offset"] = offset
+        fields["dtype"] = dtype
+        fields["scales"] = None
+        self.dst_segs.append(segment)
+        self.used = offset + nbytes
+
     def close(self) -> None:
         if self.src_segs:
             self.out.append(Message(*self.pair, self.used, tuple(self.src_segs), tuple(self.dst_segs)))
@@ -259,25 +295,25 @@ def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
     return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
 
 
+_unit_key = attrgetter("name", "dst_piece")
+
+
 def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -> Iterator[tuple[bool, list[Transfer]]]:
     """Transfers of one pair grouped into units (see the module doc), in order: ``(gather, transfers)``,
     ``gather`` when several transfers feed one destination piece; interleaved sibling experts come as
     sub-transfers, one per expert."""
-    runs: list[list[Transfer]] = []
-    last = None
-    for t in pair_transfers:
-        key = (t.name, t.dst_piece)
-        if key == last:
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-            last = key
+    runs = [list(run) for _, run in groupby(pair_transfers, _unit_key)]
+    families = [_expert_family(run[0], expert_groups) if len(run) == 1 and run[0].name in expert_groups else None
+                for run in runs]
+    if not any(families):  # no sibling experts to interleave: every run is a unit
+        for run in runs:
+            yield len(run) > 1, run
+        return
     i = 0
     while i < len(runs):
-        family = _expert_family(runs[i][0], expert_groups) if len(runs[i]) == 1 else None
+        family = families[i]
         j = i + 1
-        while (family is not None and j < len(runs) and len(runs[j]) == 1
-               and _expert_family(runs[j][0], expert_groups) == family and runs[j][0].name != runs[i][0].name):
+        while family is not None and j < len(runs) and families[j] == family and runs[j][0].name != runs[i][0].name:
             j += 1
         if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
             siblings = [run[0] for run in runs[i:j]]
@@ -292,18 +328,26 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
     messages: list[Message] = []
     shared = _MessageBuilder(bucket_bytes, messages)
     kind = None
+    runs_mode, direct_min = formation.mode == MessageMode.RUNS, formation.direct_min_bytes
+    plain = not runs_mode and all(t.quantize is None for t in pair_transfers)
     for gather, parts in _units(pair_transfers, expert_groups):
-        sizes = [t.src_box.numel * t.dtype.itemsize for t in parts]
-        if formation.mode == MessageMode.RUNS:
+        if plain and len(parts) == 1:  # the common case, kept short: one small plain transfer
+            t = parts[0]
+            nbytes = math.prod(t.src_box.sizes) * t.dtype.itemsize
+            if nbytes < direct_min and nbytes <= bucket_bytes:
+                shared.add_plain(t, nbytes)
+                continue
+        sizes = [math.prod(t.src_box.sizes) * t.dtype.itemsize for t in parts]
+        if runs_mode:
             if gather != kind:  # a new run: close the last one's message
                 shared.close()
                 kind = gather
             builder = shared
         else:
-            builder = _MessageBuilder(bucket_bytes, messages) if sum(sizes) >= formation.direct_min_bytes else shared
+            builder = _MessageBuilder(bucket_bytes, messages) if sum(sizes) >= direct_min else shared
         for t, nbytes in zip(parts, sizes):
             if nbytes <= bucket_bytes and t.quantize is None:  # what _split_transfer would yield whole
-                builder.add(t, t.src_box, t.dst_box, nbytes)
+                builder.add_plain(t, nbytes)
             else:
                 for src_box, dst_box in _split_transfer(t, bucket_bytes):
                     builder.add(t, src_box, dst_box, src_box.numel * t.dtype.itemsize)
@@ -388,14 +432,23 @@ def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[
             text[value] = str(value)
         return text[value]
 
+    # boxes recur as objects (the planner stamps one representative's boxes across its group):
+    # their text is kept by identity for the call (every box lives in ``rounds`` until it returns)
+    src_text: dict[int, str] = {}
+    dst_text: dict[int, str] = {}
     for r, msgs in enumerate(rounds):
         for m in msgs:
             parts = [f"|{r}:{m.src}>{m.dst}:{m.nbytes}"]
             targets = iter(m.dst_segments)
             for s in m.src_segments:
                 d = next(targets)
-                parts.append(f";{s.piece}{shown(s.box.offsets)}{shown(s.box.sizes)}>{d.piece}"
-                             f"{shown(d.box.offsets)}@{s.offset}{shown(s.dtype)}")
+                src = src_text.get(id(s.box))
+                if src is None:
+                    src = src_text[id(s.box)] = shown(s.box.offsets) + shown(s.box.sizes)
+                dst = dst_text.get(id(d.box))
+                if dst is None:
+                    dst = dst_text[id(d.box)] = shown(d.box.offsets)
+                parts.append(f";{s.piece}{src}>{d.piece}{dst}@{s.offset}{shown(s.dtype)}")
                 if s.scales is not None:  # quantized on the sender: the scales' segment follows
                     q, scale = s.scales, next(targets)
                     parts.append(f"q{q.quant.block}{q.quant.dtype}@{q.offset}>{scale.piece}{shown(scale.box.offsets)}")

@@ -66,6 +66,15 @@ class Box:
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "ends", tuple(o + s for o, s in zip(offsets, sizes)))
 
+    def __hash__(self) -> int:
+        """The dataclass' hash (of offsets and sizes), kept after the first call: the planner hashes
+        the same box objects over and over (layout signatures)."""
+        fields = self.__dict__
+        cached = fields.get("_hash")
+        if cached is None:
+            cached = fields["_hash"] = hash((self.offsets, self.sizes))
+        return cached
+
     @classmethod
     def of(cls, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
         """A box from tuples of ints of equal length that are known good, without re-checking them.
@@ -97,9 +106,12 @@ class Box:
 
     def within(self, shape: tuple[int, ...]) -> bool:
         """Whether this box lies inside a tensor of ``shape``."""
-        return len(shape) == self.ndim and all(
-            o >= 0 and o + s <= n for o, s, n in zip(self.offsets, self.sizes, shape)
-        )
+        if len(shape) != len(self.sizes):
+            return False
+        for o, e, n in zip(self.offsets, self.ends, shape):
+            if o < 0 or e > n:
+                return False
+        return True
 
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes, or None when they do not overlap."""

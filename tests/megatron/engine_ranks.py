@@ -57,7 +57,7 @@ ENGINE_MODELS = {
     "mla-mtp": Model(dict(MODELS["mla"], num_nextn_predict_layers=1), _build_gpt, to_hf),
     "dense-tied": Model(dict(PRESETS["tiny-qwen3-tied"], num_hidden_layers=4, vocab_size=500), _build_gpt, to_hf),
 }
-LAYOUTS = {"tp1": "dp=2", "tp2": "tp=2", "pp2": "pp=2", "ep2": "dp=2,ep=2"}
+LAYOUTS = {"tp1": "dp=2", "tp2": "tp=2", "pp2": "pp=2", "ep2": "dp=2,ep=2", "pp2-uneven": "pp=2,pp_first=1,pp_last=3"}
 """Layouts of the 2 train ranks (TP 1 with two data-parallel replicas, TP 2, PP 2, EP 2)."""
 
 

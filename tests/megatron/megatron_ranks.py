@@ -66,6 +66,8 @@ LAYOUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tp2-etp2": ("tp=2,dp=2,ep=2,etp=2", ("moe", "mla", "moe-legacy-grouped")),
     "tp4-2-query-groups": ("tp=4", ("dense", "moe", "mla-no-q-lora")),
     "tp2-pp2": ("tp=2,pp=2", ("dense", "moe", "mla")),
+    # megatron's uneven pipeline (num_layers_in_first / last_pipeline_stage): 4 layers as 1 + 3
+    "pp2-uneven": ("pp=2,pp_first=1,pp_last=3,dp=2", ("dense", "moe", "mla")),
 }
 FORWARD_CASES = {("tp2", "dense"), ("tp4-2-query-groups", "dense")}
 """Cases whose destination's logits are compared with megatron's own (tensor-parallel) forward."""

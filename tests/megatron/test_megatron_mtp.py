@@ -1,7 +1,8 @@
 """DeepSeek-V3 with one MTP layer: a real megatron-core ``GPTModel`` with ``mtp_num_layers=1`` (2 gloo
 ranks, local spec) refit into the kit's reference engine, TP 2, PP 2 (the MTP layer on the last
-stage) and EP 2 (its experts split too), two steps bit for bit against megatron's own
-``sharded_state_dict()`` converted by the test's routine (``megatron_ranks.to_hf``, ``engine_ranks.py``).
+stage), PP 2 split unevenly (1 + 3 layers, then MTP) and EP 2 (its experts split too), two steps
+bit for bit against megatron's own ``sharded_state_dict()`` converted by the test's routine
+(``megatron_ranks.to_hf``, ``engine_ranks.py``).
 transformers' DeepSeek-V3 drops MTP weights, so the FSDP2 destination of ``test_megatron_refit.py``
 cannot hold them; the reference engine holds every tensor of the checkpoint.
 """
@@ -15,7 +16,7 @@ pytest.importorskip("refit_megatron")
 from engine_ranks import ENGINE_MODELS, assert_two_refits_landed, run_engine_ranks
 
 
-LAYOUTS = ["tp2", "pp2", "ep2"]
+LAYOUTS = ["tp2", "pp2", "ep2", "pp2-uneven"]
 MTP_LAYER = f"model.layers.{ENGINE_MODELS['mla-mtp'].config['num_hidden_layers']}."
 
 

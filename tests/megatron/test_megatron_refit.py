@@ -1,11 +1,13 @@
 """Real refits from megatron-core (4 gloo ranks, local spec) into FSDP2 transformers models (2 ranks).
 
 One spawn runs every case (``megatron_ranks.LAYOUTS`` x models): TP2, PP2, PP2 x VPP2, EP2,
-TP2 x EP2 (expert-TP 1), TP2 with expert-TP 2, TP4 with 2 query groups, TP2 x PP2, each for a dense
+TP2 x EP2 (expert-TP 1), TP2 with expert-TP 2, TP4 with 2 query groups, TP2 x PP2, PP2 split
+unevenly (1 + 3 layers, megatron's ``num_layers_in_first/last_pipeline_stage``), each for a dense
 (Qwen3), a MoE (Qwen3-MoE; Mixtral with legacy GroupedMLP under EP and expert-TP) and an MLA
 (DeepSeek-V3, with and without q-LoRA, shared experts) model, with data-parallel replicas filling
-the 4 ranks. Two steps with different weights, each checked bit for bit against megatron's own
-``sharded_state_dict()`` assembled and converted to HF names by the test's own routine.
+the 4 ranks (the spawn runs only the cases collected, so ``-k`` narrows it). Two steps with
+different weights, each checked bit for bit against megatron's own ``sharded_state_dict()``
+assembled and converted to HF names by the test's own routine.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ CASES = [case_id(layout, model) for layout, model in cases()]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    selected = cases()
+def results(request, tmp_path_factory):
+    wanted = {item.callspec.params["case"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")}
+    selected = [c for c in cases() if case_id(*c) in wanted]  # only what was collected (``-k pp2-uneven``)
     ports = (free_port(), free_port())
     out = spawn(refit_ranks, TRAIN_WORLD + GEN_WORLD, ports, str(tmp_path_factory.mktemp("mg")), selected,
                 timeout_s=1500)

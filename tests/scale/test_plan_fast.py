@@ -95,6 +95,28 @@ def test_fast_planner_equals_reference_on_mla_with_replicas_and_experts() -> Non
     _assert_same_plan(src, _row_split(src, 2), balance_split_bytes=1 << 10)  # replicated regions cut in slabs
 
 
+def test_fast_planner_equals_reference_on_uneven_pipeline_stages() -> None:
+    """Megatron's uneven pipeline (1 + 3 layers over PP2) with DP replicas into vLLM TP x DP (engine replicas)."""
+    from refit_megatron.conformance import MLA_CONFIG
+
+    src = _side_metas("megatron:pp=2,pp_first=1,pp_last=3,dp=2,ep=2", MLA_CONFIG, True)
+    _assert_same_plan(src, _side_metas("vllm:tp=2,dp=2,ep=4", MLA_CONFIG, False), allow_unused_sources=True,
+                      balance_split_bytes=1 << 10)
+
+
+@pytest.mark.parametrize(("readers", "slabs"), [(1, 4), (2, 2), (3, 2), (4, 1), (8, 1)])
+def test_replicated_region_is_cut_for_its_readers_not_per_reader_and_replica(readers: int, slabs: int) -> None:
+    """A large region held by 4 replicas: ``ceil(4 / readers)`` slabs per reader, so every replica
+    sends a share, and the rows grow with replicas + readers (not their product)."""
+    spec = TensorSpec("w", (64, 4096), torch.float32)  # 1 MiB
+    src = [[PieceMeta(spec, spec.full_box())] for _ in range(4)]
+    dst = [[PieceMeta(spec, spec.full_box())] for _ in range(readers)]
+    transfers = plan_transfers(src, dst)
+    assert len(transfers) == readers * slabs
+    assert {t.src for t in transfers} == set(range(min(4, readers * slabs)))
+    _assert_same_plan(src, dst)
+
+
 @pytest.mark.parametrize("split", [1 << 30, 1 << 12])
 def test_fast_planner_equals_reference_with_topology_distance(split: int) -> None:
     spec = TensorSpec("w", (64, 1024), torch.float32)

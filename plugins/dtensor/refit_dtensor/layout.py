@@ -114,7 +114,9 @@ def layout_pieces(kind: type[Piece], config: dict[str, Any], layout: ParallelLay
             blocks = local_blocks(param.shape, [sizes[d] for d in dims], [coordinate[d] for d in dims],
                                   placements, what=param.name)
             boxes = placed[signature] = [(p.target, p.hf_box) for p in placements_of(param.targets, blocks)]
-        pieces.extend(kind(specs[i], box) for i, box in boxes)
+            pieces.extend(kind(specs[i], box) for i, box in boxes)  # checked here, for the whole signature
+        else:  # the same target shapes (the signature holds them): the boxes were checked above
+            pieces.extend(kind.of(specs[i], box) for i, box in boxes)
     return pieces
 
 

@@ -83,6 +83,8 @@ def transformer_config(config: dict[str, Any], layout: ParallelLayout, options: 
         pipeline_dtype=dtype,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=layout.pp_first or None,
+        num_layers_in_last_pipeline_stage=layout.pp_last or None,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         use_cpu_initialization=options.device != "cuda", perform_initialization=options.device != "meta",
         persist_layer_norm=False, bias_activation_fusion=False, masked_softmax_fusion=False,

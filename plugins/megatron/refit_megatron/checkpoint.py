@@ -33,7 +33,7 @@ def in_checkpoint_order(config: dict[str, Any], pieces: list[SourcePiece]) -> li
     outside the per-expert inventory (legacy ``GroupedMLP``'s stacked experts) keep their order, last.
     """
     try:
-        order = {name: i for i, name in enumerate(hf_specs(config))}
+        order = _order(json.dumps(config, sort_keys=True))
     except (TypeError, ValueError):  # a config dict that is not JSON (a torch.dtype value): offsets only
         order = {}
     last = len(order)
@@ -43,6 +43,12 @@ def in_checkpoint_order(config: dict[str, Any], pieces: list[SourcePiece]) -> li
 def hf_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:
     """Every tensor of the HF checkpoint of ``config`` (per-expert names), by name."""
     return _specs(json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _order(config_json: str) -> dict[str, int]:
+    """Each checkpoint name's place in :func:`hf_specs`, once per config (``refit plan`` sorts every rank)."""
+    return {name: i for i, name in enumerate(_specs(config_json))}
 
 
 @functools.lru_cache(maxsize=8)

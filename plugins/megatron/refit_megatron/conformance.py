@@ -54,6 +54,7 @@ MODELS = (
 LAYOUTS = (
     "", "tp=2", "tp=4", "pp=2", "pp=2,vpp=2", "tp=2,pp=2", "dp=2", "dp=2,ep=2", "tp=2,ep=2",
     "tp=2,dp=2,ep=2", "tp=2,dp=2,ep=2,etp=2", "pp=2,dp=2,ep=2",
+    "pp=2,pp_first=1,pp_last=3", "pp=3,pp_first=2",  # megatron's uneven pipeline: 1 + 3, 2 + 1 + 1
 )
 
 
@@ -94,6 +95,7 @@ SUITE = Conformance(
         Refusal(Side.TRAIN, "fsdp=2", "no fsdp degree"),
         Refusal(Side.TRAIN, "pp=3", "do not split evenly"),
         Refusal(Side.TRAIN, "pp=2,vpp=4", "do not split evenly"),
+        Refusal(Side.TRAIN, "pp=2,pp_first=1,pp_last=1", "left for 0 middle"),
         Refusal(Side.TRAIN, "tp=2,ep=4", "must divide", MOE),
         Refusal(Side.TRAIN, "dp=3,ep=3", "do not split over ep", MOE),
     ),

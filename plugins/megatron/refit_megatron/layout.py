@@ -5,8 +5,10 @@ and the family table (local spec, ``SequentialMLP`` experts), their local shapes
 shapes and the split, and the pieces from the same :func:`~refit_megatron.rules.pieces_of` as the
 live path. Ranks are numbered as megatron-core's ``initialize_model_parallel`` does (order
 ``tp-cp-ep-dp-pp``): ``rank = tp + TP * (dp + DP * pp)``; expert ranks ``etp + ETP * (ep + EP * edp)``
-within a pipeline stage. Layers are split evenly: chunk ``vp`` of stage ``pp`` holds global layers
-``(vp * PP + pp) * n + i``.
+within a pipeline stage. Layers are split over the stages as megatron-core splits them
+(:mod:`refit_megatron.stages`): evenly, chunk ``vp`` of stage ``pp`` holding global layers
+``(vp * PP + pp) * n + i``, or with the first / last stage's own count (``pp_first=N``,
+``pp_last=N``: megatron's ``num_layers_in_first_pipeline_stage`` / ``..._last_...``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .checkpoint import hf_specs, in_checkpoint_order
 from .facts import ModelFacts
 from .families import MTP, Kind, Rule
 from .rules import Param, Split, pieces_of
+from .stages import check_stages, stage_layers
 
 
 @dataclass(frozen=True)
@@ -59,14 +62,12 @@ def layout_pieces(config: dict[str, Any], layout: ParallelLayout, rank: int) -> 
     inventory = hf_specs(config)
     dtype = config_dtype(config)
     stages = layout.pp * layout.vpp
-    if facts.layers % stages:
-        raise PluginError(f"{facts.layers} layers do not split evenly over pp {layout.pp} x vpp {layout.vpp}")
+    check_stages(facts.layers, layout)
     if facts.family.hybrid and layout.vpp > 1:
         raise PluginError("megatron-core's MambaStack (hybrid NemotronH) has no virtual pipeline parallelism; "
                           "use vpp=1")
     if facts.experts % layout.ep:
         raise PluginError(f"{facts.experts} experts do not split over ep {layout.ep}")
-    per_chunk = facts.layers // stages
     maker = _Maker(facts, layout, where, inventory, dtype)
     pieces: list[SourcePiece] = []
     for vp in range(layout.vpp):
@@ -74,7 +75,7 @@ def layout_pieces(config: dict[str, Any], layout: ParallelLayout, rank: int) -> 
         top = facts.family.top
         if stage == 0:
             pieces += maker.top(EMBEDDING)
-        for layer in range(stage * per_chunk, (stage + 1) * per_chunk):
+        for layer in stage_layers(facts.layers, layout, where.pp, vp):
             pieces += maker.layer(config, layer)
         if stage == stages - 1:
             for k in range(facts.mtp_layers):

@@ -44,6 +44,8 @@ def pp_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 def _check(layout: ParallelLayout) -> None:
     extra = {k: getattr(layout, k) for k in ("vpp", "etp", "fsdp") if getattr(layout, k) != 1}
+    if layout.uneven:  # vLLM splits layers its own way (pp_layers)
+        extra.update(pp_first=layout.pp_first, pp_last=layout.pp_last)
     if extra:
         raise PluginError(f"vllm layouts take tp, pp, dp and ep; got {extra}")
     if layout.ep > 1 and layout.ep != layout.tp * layout.dp:

@@ -101,7 +101,7 @@ def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
 
 def _world(layout: ParallelLayout) -> int:
     """The toy shards plainly over all its ranks: a layout with other kinds of parallelism is refused."""
-    other = {k: v for k, v in vars(layout).items() if k not in ("dp", "fsdp") and v != 1}
+    other = {k: v for k, v in layout.given().items() if k not in ("dp", "fsdp")}
     if other:
         raise PluginError(f"the toy backend shards over dp / fsdp ranks only; got {other}")
     return layout.world_size
