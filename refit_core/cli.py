@@ -49,7 +49,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     def plan(relay: dict[str, int]) -> Any:
         return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
-                                  options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay)),
+                                  options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay),
+                                                      allow_unused_sources=args.allow_unused_sources),
                                   device=args.device or default_device(),
                                   progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
 
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--topology", default="h200",
                       help="h200, h100, or gpus_per_node=8,nvlink_gbps=370,nic_gbps=50,latency_us=15")
     plan.add_argument("--explain", metavar="PNG", help="draw the plan's traffic and busiest links into PNG")
+    plan.add_argument("--allow-unused-sources", action="store_true",
+                      help="plan although some train tensors have no destination (e.g. DeepSeek-V3's MTP "
+                           "layer, which vLLM's main model does not hold)")
     plan.add_argument("--relay", metavar="replicas=N[,direct=N][,fanout=N]",
                       help="relay fanout: the gen ranks form N identical replicas; the trainers feed `direct` of "
                            "them and every holder forwards to `fanout` more per wave (without direct: simulate "

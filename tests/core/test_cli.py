@@ -28,3 +28,23 @@ def test_plan_rejects_unknown_layout_keys_and_backends():
 def test_unknown_model_is_a_clear_error():
     out = refit("plan", "--model", "no-such-model", "--train", "toy", "--gen", "toy")
     assert out.returncode == 2 and "neither a preset" in out.stderr
+
+
+def test_plan_allows_unused_sources_only_when_asked(tmp_path):
+    """DeepSeek-V3's MTP layer lives in the trainer but not in vLLM's main model: a named error,
+    unless ``--allow-unused-sources`` says to plan without it."""
+    import json
+
+    from refit_core.models import PRESETS
+
+    config = dict(PRESETS["deepseek-v3-shape"], hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                  q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, vocab_size=256)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = ("plan", "--model", str(path), "--train", "megatron:tp=1", "--gen", "vllm:tp=1", "--device", "cpu")
+    refused = refit(*args)
+    assert refused.returncode != 0 and "model.layers.2.eh_proj.weight" in refused.stderr, refused.stderr
+    planned = refit(*args, "--allow-unused-sources")
+    assert planned.returncode == 0 and "ranks:        1 train -> 1 gen" in planned.stdout, planned.stderr
