@@ -358,32 +358,48 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
 
 
 def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_bytes: int) -> list[list[Message]]:
+    """Messages into rounds of at most ``bucket_bytes`` per rank and direction, round after round.
+
+    Each round is filled in passes over the pairs, the pairs whose busier end has the most bytes left
+    first, each taking its next message per pass while both ends have room. So the ranks that bound the
+    step (the busiest sender, a gen rank receiving from many train ranks) move a full bucket in every
+    round from the first to their last: the step takes about as many rounds as its busiest rank needs.
+    A pair's messages keep their order.
+    """
+    queues = {pair: list(msgs) for pair, msgs in sorted(per_pair.items()) if msgs}
+    to_send: dict[int, int] = defaultdict(int)
+    to_receive: dict[int, int] = defaultdict(int)
+    for (src, dst), msgs in queues.items():
+        for m in msgs:
+            to_send[src] += align(m.nbytes)  # messages sit 16-byte aligned in staging buffers
+            to_receive[dst] += align(m.nbytes)
     rounds: list[list[Message]] = []
-    send_load: list[dict[int, int]] = []
-    recv_load: list[dict[int, int]] = []
-    queues = {pair: list(msgs) for pair, msgs in sorted(per_pair.items())}
-    next_round = {pair: 0 for pair in queues}
-    # Round-robin over pairs, so early rounds hold many pairs at once (all links busy).
     while queues:
-        for pair in list(queues):
-            msg = queues[pair].pop(0)
-            r = next_round[pair]
-            while True:
-                if r == len(rounds):
-                    rounds.append([])
-                    send_load.append(defaultdict(int))
-                    recv_load.append(defaultdict(int))
-                size = align(msg.nbytes)  # messages sit 16-byte aligned in staging buffers
-                if (send_load[r][msg.src] + size <= bucket_bytes
-                        and recv_load[r][msg.dst] + size <= bucket_bytes):
-                    break
-                r += 1
-            rounds[r].append(msg)
-            send_load[r][msg.src] += size
-            recv_load[r][msg.dst] += size
-            next_round[pair] = r  # later messages of this pair may share the round
-            if not queues[pair]:
-                del queues[pair]
+        active = sorted(queues, key=lambda p: (-max(to_send[p[0]], to_receive[p[1]]), p))
+        sent: dict[int, int] = defaultdict(int)
+        received: dict[int, int] = defaultdict(int)
+        placed: list[Message] = []
+        while active:  # passes: each pair places one message per pass while both ends have room
+            still = []
+            for pair in active:
+                queue = queues[pair]
+                src, dst = pair
+                size = align(queue[0].nbytes)
+                if sent[src] + size > bucket_bytes or received[dst] + size > bucket_bytes:
+                    continue  # loads only grow within a round: this pair is done for the round
+                placed.append(queue.pop(0))
+                sent[src] += size
+                received[dst] += size
+                to_send[src] -= size
+                to_receive[dst] -= size
+                if queue:
+                    still.append(pair)
+                else:
+                    del queues[pair]
+            active = still
+        if not placed:
+            raise ValueError(f"a message is larger than the bucket ({bucket_bytes} bytes)")
+        rounds.append(placed)
     return rounds
 
 
