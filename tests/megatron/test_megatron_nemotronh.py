@@ -13,19 +13,24 @@ import pytest
 
 pytest.importorskip("refit_megatron")
 
-from engine_ranks import LAYOUTS, assert_two_refits_landed, run_engine_ranks
+from engine_ranks import LAYOUTS as ALL_LAYOUTS
+from engine_ranks import assert_two_refits_landed, run_engine_ranks
+
 from nemotronh_build import CONFIG
 
 from refit_core import ParallelLayout, PluginError
+
+LAYOUTS = [name for name in ALL_LAYOUTS if name != "pp2-uneven"]
+"""The shared uneven split (1 + 3 layers) fits the 4-layer GPT models, not the hybrid stack's layer count."""
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    return run_engine_ranks(str(tmp_path_factory.mktemp("nemotronh")), "nemotronh", list(LAYOUTS))
+    return run_engine_ranks(str(tmp_path_factory.mktemp("nemotronh")), "nemotronh", LAYOUTS)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_refits_land_bitwise_equal_to_megatrons_own_weights(results, layout):
     train, gen = results
     assert_two_refits_landed(gen, layout)
@@ -33,7 +38,7 @@ def test_two_refits_land_bitwise_equal_to_megatrons_own_weights(results, layout)
         assert all(r[layout]["sent_bytes_1"] > 0 for r in train), "both DP replicas share the sending"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_pieces_are_views_of_parameters_and_metadata_layout_matches(results, layout):
     train, _ = results
     for rank, result in enumerate(train):
