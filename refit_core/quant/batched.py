@@ -13,12 +13,12 @@ Everything else (CPU, other schemes, no Triton) runs box by box through :class:`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..spec import contiguous_strides
 from .fast import Quantizer
 from .spec import Quantization
 
@@ -103,8 +103,7 @@ class Batches(QuantBatch):
 
 
 def _typed(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return buffer.view(dtype).as_strided(shape, strides, offset // dtype.itemsize)
+    return buffer.view(dtype).as_strided(shape, contiguous_strides(shape), offset // dtype.itemsize)
 
 
 def quantize_batch(boxes: Sequence[BoxToQuantize], quantizer: Quantizer) -> QuantBatch | None:
