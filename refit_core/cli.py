@@ -44,6 +44,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
     relay = _relay_settings(args.relay)
+    simulating = bool(args.simulate or args.explain or (relay and "direct" not in relay))
     bucket = None if args.bucket_mb is None else args.bucket_mb << 20
     config = load_config(args.model)
 
@@ -51,7 +52,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
                                   options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay),
                                                       allow_unused_sources=args.allow_unused_sources),
-                                  device=args.device or default_device(),
+                                  device=args.device or ("cuda" if simulating else default_device()),
                                   progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
 
     if relay and "direct" not in relay:
@@ -192,10 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--bucket-mb", type=int,
                       help="bucket size in MiB (default: a live refit's on --device: 512 on cuda, 64 on cpu)")
     plan.add_argument("--device", choices=("cpu", "cuda"),
-                      help="device the live refit runs on, for its default bucket (default: cuda when present)")
+                      help="device the live refit runs on, for its default bucket (default: cuda when present, or "
+                           "when simulating a GPU cluster: --simulate, --explain, --relay without direct)")
     plan.add_argument("--simulate", action="store_true",
                       help="predict the refit's time on a cluster (--topology): per-link bytes, busiest link, "
-                           "receiver-side bound, published numbers beside it")
+                           "receiver- and sender-side bounds, published numbers beside it")
     plan.add_argument("--topology", default="h200",
                       help="h200, h100, or gpus_per_node=8,nvlink_gbps=370,nic_gbps=50,latency_us=15")
     plan.add_argument("--explain", metavar="PNG", help="draw the plan's traffic and busiest links into PNG")

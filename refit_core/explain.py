@@ -62,11 +62,13 @@ def write_plan_picture(schedule: Schedule, simulation: Simulation, path: str, ti
     bars.set_yticks(range(len(top)), labels, fontsize=8)
     bars.invert_yaxis()
     bars.axvline(simulation.bound_s * 1e3, color="grey", linestyle="--", label="receiver-side bound")
+    if simulation.sender_bound_s > simulation.bound_s:
+        bars.axvline(simulation.sender_bound_s * 1e3, color="black", linestyle=":", label="sender-side bound")
     bars.set_xlim(left=0)
     bars.set_xlabel("ms at the link's rate (bytes / GB/s)")
     bars.set_title(f"busiest GPU links: predicted {simulation.predicted_s * 1e3:.3g} ms")
     handles = [Patch(color=color, label=kind.value) for kind, color in _COLORS.items()]
-    handles.append(bars.get_legend_handles_labels()[0][0])
+    handles.extend(bars.get_legend_handles_labels()[0])
     bars.legend(handles=handles, loc="lower right", fontsize=8)
     if title:
         fig.suptitle(title)

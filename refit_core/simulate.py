@@ -5,8 +5,10 @@ The schedule says exactly which bytes go from which train rank to which gen rank
 Bytes between GPUs of one node ride NVLink, bytes between nodes ride the GPUs' NICs, and bytes
 between two ranks of one GPU are a device copy. A round lasts as long as its most loaded GPU link
 (each direction counted apart) plus one message latency per message that GPU posts; rounds run one
-after another. The **receiver-side bound** is what no schedule can beat: the bytes the busiest gen
-GPU must receive over its ingress link.
+after another. The **receiver-side bound** is the bytes the busiest gen GPU must receive over its
+ingress link; the **sender-side bound** the bytes the busiest train GPU must send over its egress
+link (where train ranks hold unique bytes, such as experts without DP replicas, it can be the larger).
+No schedule beats the larger of the two.
 
 The model ignores NCCL's protocol overheads and assumes links reach their rate; validated against
 `refit bench` runs on 2 and 4 x H200 (``tests/scale/test_simulate.py``): per-link bytes equal, time
@@ -131,12 +133,19 @@ class Simulation:
     round_seconds: list[float]
     bound_s: float
     """Receiver-side bound: the busiest gen GPU's bytes over its ingress link."""
+    sender_bound_s: float = 0.0
+    """Sender-side bound: the busiest train GPU's bytes over its egress link."""
     bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def predicted_s(self) -> float:
         return sum(self.round_seconds)
+
+    @property
+    def two_sided_bound_s(self) -> float:
+        """What no schedule beats: the larger of the receiver- and sender-side bounds."""
+        return max(self.bound_s, self.sender_bound_s)
 
     @property
     def busiest(self) -> tuple[Direction, int]:
@@ -152,6 +161,7 @@ class Simulation:
             by_kind[t.link(src, dst)] += n
         kinds = ", ".join(f"{kind.value} {format_bytes(n)}" for kind, n in sorted(by_kind.items()))
         ratio = self.predicted_s / self.bound_s if self.bound_s else float("nan")
+        two_sided = self.predicted_s / self.two_sided_bound_s if self.two_sided_bound_s else float("nan")
         return [
             f"topology:     {t.gpus_per_node} GPUs/node, NVLink {t.nvlink_gbps:g} GB/s, NIC {t.nic_gbps:g} GB/s "
             f"per GPU, {t.latency_us:g} us/message",
@@ -160,6 +170,8 @@ class Simulation:
             f"predicted:    {_duration(self.predicted_s)} over {len(self.round_seconds)} rounds",
             f"bound:        {_duration(self.bound_s)} (receiver side: the busiest gen GPU's bytes over its "
             f"ingress link); predicted / bound = {ratio:.2f}",
+            f"sender side:  {_duration(self.sender_bound_s)} (the busiest train GPU's bytes over its egress link); "
+            f"predicted / the larger bound = {two_sided:.2f}",
             *self.notes,
         ]
 
@@ -183,7 +195,9 @@ def simulate(schedule: Schedule, topology: Topology, placement: Placement | None
     link_bytes: dict[tuple[int, int], int] = defaultdict(int)
     load: dict[Direction, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
+    sent: dict[int, int] = defaultdict(int)  # by train GPUs
     ingress: dict[int, LinkKind] = {}
+    egress: dict[int, LinkKind] = {}
     rounds: list[float] = []
     relay_rounds = relay.schedule.rounds if relay is not None else []
     tagged: list[tuple[bool, list[Message]]] = [(False, m) for m in schedule.rounds] + [(True, m) for m in relay_rounds]
@@ -197,18 +211,23 @@ def simulate(schedule: Schedule, topology: Topology, placement: Placement | None
             received[dst] += m.nbytes
             if kind is not LinkKind.LOCAL and (dst not in ingress or kind is LinkKind.NIC):
                 ingress[dst] = kind  # the slowest link a gen GPU receives through
+            if not relayed:
+                sent[src] += m.nbytes
+                if kind is not LinkKind.LOCAL and (src not in egress or kind is LinkKind.NIC):
+                    egress[src] = kind
             seconds = m.nbytes / topology.rate(kind) + topology.latency_us * 1e-6
             for direction in ((src, kind, "out"), (dst, kind, "in")):
                 load[direction] += m.nbytes
                 busy[direction] += seconds
         rounds.append(max(busy.values(), default=0.0))
     bound = max((n / topology.rate(ingress.get(gpu, LinkKind.LOCAL)) for gpu, n in received.items()), default=0.0)
+    sender_bound = max((n / topology.rate(egress.get(gpu, LinkKind.LOCAL)) for gpu, n in sent.items()), default=0.0)
     notes = []
     if relay is not None:
         relay_s = sum(rounds[len(schedule.rounds):])
         notes.append(f"relay:        {len(relay.waves.waves) - 1} relay wave(s) after the trainers' "
                      f"{len(relay.waves.waves[0])} replica(s): {_duration(relay_s)} of the predicted time")
-    return Simulation(topology, placement, dict(link_bytes), dict(load), rounds, bound,
+    return Simulation(topology, placement, dict(link_bytes), dict(load), rounds, bound, sender_bound,
                       bytes=sum(link_bytes.values()), notes=notes)
 
 

@@ -7,7 +7,9 @@ give the same schedule, segment for segment. The 1024-rank case (``dtensor:fsdp=
 592,896 segments) gave ``80108849a66db46b`` there and here; it is not run in CI (see
 ``benchmarks/plan_speed.py``). The two large cases were re-recorded when rounds began to be filled by
 the ranks' remaining load (``schedule._place_in_rounds``): the same messages and segments, in other
-rounds (the 1024-rank case is now ``0dc8c5ee463f59ec``). Timings are not asserted here (this machine
+rounds (the 1024-rank case was then ``0dc8c5ee463f59ec``), and again, with the tied-embedding case,
+when rounds began to be paced (each pair its even share per round first): the same messages and
+segments, in other rounds (the 1024-rank case is now ``FP1024``). Timings are not asserted here (this machine
 is shared).
 """
 
@@ -24,13 +26,13 @@ RECORDED = [  # (model, train, gen, fingerprint, messages, segments)
     ("tiny-qwen3-moe", "dtensor:fsdp=2", "vllm:tp=2", "12c525189932bc8e", 4, 92),
     ("tiny-llama", "dtensor:fsdp=2,tp=2", "vllm:tp=2,dp=2", "2c97fc393efd102f", 8, 168),
     ("tiny-mixtral", "dtensor:fsdp=2,tp=2", "vllm:tp=2,ep=2", "9f7354c22ea28502", 4, 92),
-    ("tiny-qwen3-tied", "dtensor:fsdp=3", "vllm:tp=2,pp=2", "24f0bac304cc71bb", 12, 126),
+    ("tiny-qwen3-tied", "dtensor:fsdp=3", "vllm:tp=2,pp=2", "f612cf98979f0232", 12, 126),
     ("tiny-qwen3-moe", "dtensor:dp=2,fsdp=2,tp=2", "dtensor:fsdp=4", "bb4286d0fa3f801d", 16, 116),
     ("tiny-qwen3", "dtensor:fsdp=5,tp=2", "vllm:tp=4,dp=2", "e0874e9f50687839", 60, 872),
 ]
 LARGE = [
-    ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2", "08c1e49e38cafae0", 576, 13440),
-    ("qwen3-30b-a3b-shape", "dtensor:fsdp=16,tp=8", "vllm:tp=8", "6778c569b2604159", 1152, 215424),
+    ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2", "9d88323546e18f6a", 576, 13440),
+    ("qwen3-30b-a3b-shape", "dtensor:fsdp=16,tp=8", "vllm:tp=8", "2619493e617898b2", 1152, 215424),
 ]
 
 

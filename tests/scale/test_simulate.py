@@ -88,6 +88,20 @@ def test_simulator_charges_the_nic_between_nodes_and_reports_the_receiver_bound(
     assert "nic" in lines and "predicted / bound" in lines
 
 
+
+def test_a_sender_feeding_replicas_bounds_the_step_from_its_side() -> None:
+    """One train GPU feeds two engine replicas on another node: it sends twice what either receives,
+    so the sender-side bound is the larger, and no prediction beats it."""
+    schedule = _bench_schedule("tiny-qwen3", 1, 1, 2)
+    sim = simulate(schedule, Topology(gpus_per_node=2, nic_gbps=50.0, latency_us=0.0), Placement((0,), (2, 3)))
+    per_gen = schedule.summary.busiest_receiver_bytes
+    assert schedule.summary.busiest_sender_bytes == 2 * per_gen
+    assert sim.bound_s == pytest.approx(per_gen / 50e9)
+    assert sim.sender_bound_s == pytest.approx(2 * per_gen / 50e9)
+    assert sim.two_sided_bound_s == sim.sender_bound_s
+    assert sim.predicted_s >= sim.two_sided_bound_s
+    assert "predicted / the larger bound" in "\n".join(sim.lines())
+
 def test_topology_parses_presets_and_items() -> None:
     assert Topology.parse("h100").gpus_per_node == 8
     assert Topology.parse("gpus_per_node=4,nic_gbps=25").nic_gbps == 25.0
