@@ -3,8 +3,10 @@
 # (Megatron-style layout) and the engine (vLLM-style layout) are two processes on GPU 0; in one run,
 # per shape: the copy bound (one on-GPU copy of the same bytes), the ping-pong baseline (HF tensors
 # through 2 x 1 GiB IPC buffers) and refit (CUDA IPC, straight out of the trainer's memory).
-# Then the Qwen3-30B-A3B shape again with one trainer parameter per expert (SKIP_SEQUENTIAL=1 skips it).
-# Results: $OUT/colocated-<machine>-<date>.{json,md} and colocated-<machine>-sequential-<date>.{json,md},
+# Then the Qwen3-30B-A3B shape again with one trainer parameter per expert (SKIP_SEQUENTIAL=1 skips it),
+# and both shapes into a block-FP8 engine (SKIP_FP8=1 skips it).
+# Results: $OUT/colocated-<machine>-<date>.{json,md}, colocated-<machine>-sequential-<date>.{json,md} and
+# colocated-<machine>-fp8-<date>.{json,md},
 # <machine> from the GPUs (nvidia-h200 on one H200; set MACHINE to override). Takes ~2-4 minutes; only
 # GPU 0 is used.
 # VARIANTS=1: instead, one run that decides how the engine moves its strided copies: the Llama-3-8B
@@ -38,5 +40,10 @@ run "" "${COLOCATED_MODELS:-llama-3-8b-shape,qwen3-30b-a3b-shape}"; rc=$?
 # into the engine's stacked w13 / w2), in a run of its own so the main table never waits on it
 if [[ -z "${COLOCATED_MODELS:-}" && -z "${SKIP_SEQUENTIAL:-}" ]]; then
   run "-sequential" "qwen3-30b-a3b-shape:sequential" || rc=$?
+fi
+# the engine in block FP8 (128 x 128, as vLLM's FP8 checkpoints): refit quantizes straight out of the
+# trainer's memory in batched launches (SKIP_FP8=1 skips it)
+if [[ -z "${COLOCATED_MODELS:-}" && -z "${SKIP_FP8:-}" ]]; then
+  run "-fp8" "llama-3-8b-shape,qwen3-30b-a3b-shape" --fp8-block 128 || rc=$?
 fi
 exit $rc

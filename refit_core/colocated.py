@@ -52,7 +52,7 @@ from .errors import RefitError, TransferError
 from .lanes import EventFence, Lane, StreamLane, current_work, lane_for
 from .options import StridedCopy
 from .quant.fast import default_quantizer
-from .quant.spec import Quantization
+from .quant.batched import QuantizeInto, TensorsToQuantize
 from .schedule import Message, Segment
 from .steptrace import StepTrace
 from .transport.base import Fence
@@ -249,7 +249,7 @@ class ColocatedReceiver:
         self._opened: list[torch.UntypedStorage] = []
         self._events: dict[int, torch.cuda.Event] = {}
         self._program: CopyProgram | None = None
-        self._quantized: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Quantization]] = []
+        self._quantize: QuantizeInto | None = None
         self._pending: Fence | None = None
         self.pieces = frozenset(seg.piece for msgs in messages.values() for m in msgs for seg in m.dst_segments)
         """The bound destination pieces these pairs write (in place, every step)."""
@@ -262,7 +262,8 @@ class ColocatedReceiver:
     @property
     def copies(self) -> int:
         """Copy launches per step, quantizations included (after :meth:`bind`; 0 before)."""
-        return (self._program.counts.launches if self._program is not None else 0) + len(self._quantized)
+        return ((self._program.counts.launches if self._program is not None else 0)
+                + (self._quantize.launches if self._quantize is not None else 0))
 
     @property
     def peers(self) -> list[int]:
@@ -299,7 +300,9 @@ class ColocatedReceiver:
 
         A segment the plan quantizes on the sender (its source segment carries ``scales``; the
         receiver's side has two segments, values then scales) is quantized here instead, straight
-        from the trainer's memory into the engine's FP8 values and scales, after the copies.
+        from the trainer's memory into the engine's FP8 values and scales, after the copies: one
+        batched launch per kernel variant on CUDA (:class:`~refit_core.quant.batched.QuantizeInto`,
+        compiled here).
         """
         pairs = []
         quantized = []
@@ -313,9 +316,12 @@ class ColocatedReceiver:
                         pairs.append((target, source))
                     else:
                         scale = next(targets)
-                        quantized.append((source, target, scale.box.slice_of(views[scale.piece]), src.scales.quant))
+                        quantized.append(TensorsToQuantize(source, target, scale.box.slice_of(views[scale.piece]),
+                                                           src.scales.quant))
         self._program = CopyProgram(pairs, strided=self.strided)
-        self._quantized = quantized
+        self._quantize = QuantizeInto(quantized, default_quantizer()) if quantized else None
+        if self._quantize is not None:
+            self._quantize.warm_up()
 
     def start(self, version_hint: int = -1) -> int:
         """Wait for every peer's header, check it, start the copies; returns the weight version."""
@@ -353,8 +359,8 @@ class ColocatedReceiver:
             trace.mark("enqueue_begin")
         after = [current_work(self.device, "the engine's pending work"),
                  *(EventFence(event, "the trainer's step") for event in self._events.values())]
-        program, quantized = self._program, self._quantized
-        if (program is not None and program.counts.launches) or quantized:
+        program, quantized = self._program, self._quantize
+        if (program is not None and program.counts.launches) or quantized is not None:
             if trace is not None and isinstance(self.lane, StreamLane):
                 queued = torch.cuda.Event(enable_timing=True)
                 queued.record(self.lane.stream)  # before the stream's waits: when queueing began
@@ -399,11 +405,10 @@ class ColocatedReceiver:
 
     def close(self) -> None:
         self._program, self._sources, self._opened, self._events, self._mailboxes = None, {}, [], {}, {}
-        self._quantized = []
+        self._quantize = None
 
 
-def _copy_and_quantize(program: CopyProgram | None,
-                       quantized: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Quantization]],
+def _copy_and_quantize(program: CopyProgram | None, quantize: QuantizeInto | None,
                        marks: list[tuple[str, torch.cuda.Event]] | None = None) -> None:
     """One step of a gen rank's colocated part: the copy program (timed into ``marks`` if given),
     then the sender-side quantizations."""
@@ -412,10 +417,8 @@ def _copy_and_quantize(program: CopyProgram | None,
             program.run()
         else:
             marks.extend(program.run_timed())
-    if quantized:
-        quantizer = default_quantizer()
-        for source, values, scales, quant in quantized:
-            quantizer.quantize_into(source, values, scales, quant)
+    if quantize is not None:
+        quantize.run()
 
 
 def split_rounds(rounds: list[list[Message]], network: Callable[[Message], bool]

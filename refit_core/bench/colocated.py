@@ -31,6 +31,10 @@ check, the ready signal, the engine's queueing, the device time of each launch g
 and every ``refit:VARIANT`` plus ``refit:kernel+overlap`` and ``refit:foreach+overlap`` side by side
 in one run (each bitwise checked), with ``--breakdown``.
 
+``--fp8-block N`` gives the engine block-FP8 linear weights (``N x N`` blocks, scales beside them, as
+vLLM's FP8 checkpoints): refit quantizes straight from the trainer's memory in batched launches, and
+the copy bound is then one copy of the engine's (FP8) bytes. Ping-pong does not quantize: not run.
+
 Every method's last step is checked bitwise on the engine (weights poisoned with NaN before it).
 Extra memory is each process's peak allocation above its model during the method's setup and steps
 (CUDA; the benchmark's own weight fill, whose temporaries are the size of the largest tensor in fp32,
@@ -317,8 +321,14 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     for number, name in enumerate(job["models"]):
         path, variant = _model_entry(name)
         config = load_config(path)
-        cls = TRAINERS[variant] if train else layouts.VllmStyleModel
-        model = cls(config, tp=1, rank=0, device=device)
+        if train:
+            model = TRAINERS[variant](config, tp=1, rank=0, device=device)
+        else:
+            block = job.get("fp8_block")
+            model = layouts.VllmStyleModel(config, tp=1, rank=0, device=device,
+                                           fp8_block=(block, block) if block else None)
+            if block and device.type == "cuda":
+                torch.cuda.empty_cache()  # the high-precision tensors the FP8 ones replaced: give them to the trainer
         row: dict[str, Any] = {"model": name, "bytes": model.nbytes, "methods": []}
         if not train:
             seconds, measured = copy_bound_seconds(model.nbytes, device, job["bound_bytes"])
@@ -441,6 +451,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--machine", default="")
     parser.add_argument("--breakdown", action="store_true",
                         help="trace every timed refit step and print where its time goes")
+    parser.add_argument("--fp8-block", type=int, metavar="N",
+                        help="the engine holds block-FP8 linear weights in N x N blocks (refit quantizes)")
     parser.add_argument("--variants", action="store_true",
                         help="methods: copy-bound and refit:VARIANT for every StridedCopy, with --breakdown")
     return parser.parse_args(argv)
@@ -470,7 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown methods {unknown}: choose from {list(METHODS + VARIANTS)}")
     device = "cuda:0" if args.device == "cuda" else args.device
     methods = _available(methods, device)
+    if args.fp8_block and "ping-pong" in methods:
+        print("skipping ping-pong: it does not quantize (--fp8-block)", file=sys.stderr, flush=True)
+        methods.remove("ping-pong")
     job = {"models": models, "methods": methods, "device": device, "iters": args.iters, "warmup": args.warmup,
+           "fp8_block": args.fp8_block,
            "bound_bytes": int(args.bound_gib * GiB), "timeout_s": args.timeout_s,
            "breakdown": args.breakdown or args.variants,
            "sync_address": f"127.0.0.1:{free_port()}",
@@ -481,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results)
     report = {"machine": args.machine, "device": device,
               "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "iters": args.iters, "seconds": time.perf_counter() - start, "rows": rows}
+              "torch": torch.__version__, "iters": args.iters, "fp8_block": args.fp8_block,
+              "seconds": time.perf_counter() - start, "rows": rows}
     text = table(rows)
     phases = breakdown_table(rows)
     if phases:
@@ -492,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out + ".json", "w") as f:
             json.dump(report, f, indent=1)
         with open(args.out + ".md", "w") as f:
-            f.write(f"# Colocated refit, {report['gpu']} ({args.machine or device}), one device, two processes\n\n"
+            fp8 = f", engine in block FP8 ({args.fp8_block} x {args.fp8_block})" if args.fp8_block else ""
+            f.write(f"# Colocated refit, {report['gpu']} ({args.machine or device}), one device, two processes{fp8}\n\n"
                     f"{text}\n\n`trainer extra` / `engine extra`: each process's peak allocation above its model "
                     "during the method's setup and steps (the benchmark's own weight fill excluded; the "
                     "trainer's includes the buffers it shares with the engine); on CPU, the bytes refit "

@@ -339,6 +339,7 @@ class RefitQuantizeAfter(Refit):
         c = self.ctx
         if c.is_train:
             return c.model
+        from ..quant.batched import QuantizeInto, TensorsToQuantize
         from ..quant.fast import default_quantizer
         from .layouts import VllmStyleModel
 
@@ -346,22 +347,17 @@ class RefitQuantizeAfter(Refit):
         if not any(p.spec.quant is not None for p in fp8.pieces):
             raise ValueError(f"{self.name} needs a block-FP8 destination (refit bench --fp8-block)")
         self.staging = VllmStyleModel(fp8.config, tp=fp8.tp, rank=fp8.rank, device=fp8.device)
-        self.quantizer = default_quantizer()
         hp = {(p.spec.name, p.box): p.view for p in self.staging.pieces}
         scales = {(p.spec.name, p.box): p.view for p in fp8.pieces}
-        self.work = [(hp[(p.spec.name, p.box)], p.view,
-                      scales[(p.spec.quant.scale_name, p.spec.quant.scale_box(p.box))], p.spec.quant)
-                     for p in fp8.pieces if p.spec.quant is not None]
+        work = [TensorsToQuantize(hp[(p.spec.name, p.box)], p.view,
+                                  scales[(p.spec.quant.scale_name, p.spec.quant.scale_box(p.box))], p.spec.quant)
+                for p in fp8.pieces if p.spec.quant is not None]
         self.copies = [(p.view, hp[(p.spec.name, p.box)]) for p in fp8.pieces
                        if p.spec.quant is None and (p.spec.name, p.box) in hp]
         self.info["receiver_bf16_copy_bytes"] = self.info["bytes_moved"] = self.staging.nbytes
-        self.batches, self.work = _quantize_after_batches(self.work)
-        warmed: set[object] = set()
-        for batch in self.batches:
-            batch.warm_up(warmed)
-        kinds = {(quant.block, quant.dtype, source.ndim): (source, quant) for source, _, _, quant in self.work}
-        for source, quant in kinds.values():  # compile here, not inside a timed step
-            self.quantizer.quantize(source, quant)
+        # the same batched kernel as refit's pack step, writing the engine's tensors by address
+        self.quantize = QuantizeInto(work, default_quantizer())
+        self.quantize.warm_up()  # compile here, not inside a timed step
         return self.staging
 
     def step(self, index: int) -> None:
@@ -370,41 +366,14 @@ class RefitQuantizeAfter(Refit):
             return
         with torch.no_grad():
             torch._foreach_copy_([d for d, _ in self.copies], [s for _, s in self.copies])
-            for batch in self.batches:
-                batch.run_at_addresses()
-            for source, values, scales, quant in self.work:
-                self.quantizer.quantize_into(source, values, scales, quant)
+            self.quantize.run()
         self.ctx.model.version = index
 
     def close(self) -> None:
         super().close()
-        self.work, self.copies, self.batches = [], [], []
+        self.copies = []
+        self.__dict__.pop("quantize", None)
         self.__dict__.pop("staging", None)  # the BF16 copy of the engine's layout
-
-
-QuantizeWork = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]
-"""``(high-precision source, FP8 values, scales, quantization)`` of one destination tensor."""
-
-
-def _quantize_after_batches(work: list[QuantizeWork]) -> tuple[list[Any], list[QuantizeWork]]:
-    """The baseline quantizes with the same batched kernel as refit's pack step where it applies
-    (one launch per block size, writing the engine's tensors by address); the rest box by box."""
-    from ..quant import triton_blocks
-    from ..quant.batched import BoxToQuantize
-
-    groups: dict[Any, list[BoxToQuantize]] = {}
-    rest = []
-    for source, values, scales, quant in work:
-        if values.ndim not in (2, 3) or values.stride(-1) != 1 or scales.ndim != values.ndim:
-            rest.append((source, values, scales, quant))
-            continue
-        box = BoxToQuantize.into_tensors(source, values, scales, quant)
-        key = triton_blocks.group_key(box)
-        if key is None:
-            rest.append((source, values, scales, quant))
-        else:
-            groups.setdefault(key, []).append(box)
-    return [triton_blocks.TritonBlockBatch(boxes, key) for key, boxes in groups.items()], rest
 
 
 class RefitStaged(Refit):

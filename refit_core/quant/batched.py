@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,6 +107,64 @@ def _typed(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], off
     return buffer.view(dtype).as_strided(shape, contiguous_strides(shape), offset // dtype.itemsize)
 
 
+@dataclass(frozen=True)
+class TensorsToQuantize:
+    """A high-precision ``source`` quantized straight into an engine's ``values`` and ``scales``."""
+
+    source: torch.Tensor
+    values: torch.Tensor
+    scales: torch.Tensor
+    quant: Quantization
+
+
+class QuantizeInto:
+    """Quantizes a fixed list of :class:`TensorsToQuantize` into their own tensors, every step: one
+    batched launch per kernel variant where the batched kernel applies (the tensors' addresses as
+    offsets), :class:`.fast.Quantizer` one by one for the rest (CPU, other schemes and layouts)."""
+
+    def __init__(self, work: Sequence[TensorsToQuantize], quantizer: Quantizer) -> None:
+        self.quantizer = quantizer
+        self.batches: list[Any] = []
+        self.rest: list[TensorsToQuantize] = []
+        if not work:
+            return
+        from . import triton_blocks  # imports Triton only when something is quantized
+
+        groups: dict[triton_blocks.GroupKey, list[BoxToQuantize]] = {}
+        for item in work:
+            key = None
+            if item.values.ndim in (2, 3) and item.values.stride(-1) == 1 and item.scales.ndim == item.values.ndim:
+                box = BoxToQuantize.into_tensors(item.source, item.values, item.scales, item.quant)
+                key = triton_blocks.group_key(box)
+            if key is None:
+                self.rest.append(item)
+            else:
+                groups.setdefault(key, []).append(box)
+        self.batches = [triton_blocks.TritonBlockBatch(boxes, key) for key, boxes in groups.items()]
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches (or quantizer calls) per :meth:`run`."""
+        return len(self.batches) + len(self.rest)
+
+    def run(self) -> None:
+        for batch in self.batches:
+            batch.run_at_addresses()
+        for item in self.rest:
+            self.quantizer.quantize_into(item.source, item.values, item.scales, item.quant)
+
+    def warm_up(self) -> None:
+        """Compile every kernel :meth:`run` uses (at setup, so that no step waits for a compiler)."""
+        warmed: set[object] = set()
+        for batch in self.batches:
+            batch.warm_up(warmed)
+        for item in self.rest:
+            key = (item.quant.block, item.quant.dtype, item.source.dtype, item.source.ndim)
+            if key not in warmed:
+                warmed.add(key)
+                self.quantizer.quantize(item.source, item.quant)
+
+
 def quantize_batch(boxes: Sequence[BoxToQuantize], quantizer: Quantizer) -> QuantBatch | None:
     """The batch that quantizes ``boxes`` (None when there are none): batched kernels where they
     apply, box by box for the rest."""
@@ -127,4 +186,4 @@ def quantize_batch(boxes: Sequence[BoxToQuantize], quantizer: Quantizer) -> Quan
     return parts[0] if len(parts) == 1 else Batches(parts)
 
 
-__all__ = ["BoxToQuantize", "QuantBatch", "BoxByBox", "Batches", "quantize_batch"]
+__all__ = ["BoxToQuantize", "QuantBatch", "BoxByBox", "Batches", "QuantizeInto", "TensorsToQuantize", "quantize_batch"]

@@ -36,6 +36,21 @@ def test_colocated_benchmark_runs_every_method_bitwise_and_reports_ratios(tmp_pa
     assert "of copy bound" in capsys.readouterr().out
 
 
+
+def test_an_fp8_engine_is_quantized_from_the_trainers_memory_bitwise(tmp_path, capsys):
+    """``--fp8-block``: the engine holds block-FP8 linear weights; refit quantizes straight out of the
+    trainer's memory (bitwise against refit's quantizer), and ping-pong, which cannot, is left out."""
+    prefix = str(tmp_path / "colocated-fp8")
+    rc = main(["--device", "cpu", "--models", "tiny-llama", "--iters", "1", "--warmup", "1", "--fp8-block", "32",
+               "--timeout-s", "60", "--bound-gib", "0.001", "--out", prefix])
+    report = json.loads(open(prefix + ".json").read())
+    assert rc == 0 and report["fp8_block"] == 32, report
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"copy-bound", "refit"}
+    assert rows["refit"]["checks"] == ["bitwise ok"]
+    assert "does not quantize" in capsys.readouterr().err
+    assert "block FP8 (32 x 32)" in open(prefix + ".md").read()
+
 def test_variants_run_side_by_side_bitwise_with_a_breakdown_of_each_step(tmp_path, capsys):
     """``--variants``: the copy bound and refit once per StridedCopy in one run, each checked bitwise,
     each with the median phases of its traced steps (host marks of both processes on one clock)."""

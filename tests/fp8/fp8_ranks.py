@@ -18,19 +18,22 @@ def fp8_refit_rank(rank: int, world: int, address: str, job: dict[str, Any]) -> 
     import torch
 
     torch.set_num_threads(1)
+    device = job.get("device", "cpu")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     train = rank < job["train_tp"]
     config = dict(load_config(job["model"]), **job.get("config", {}))
     plugins = register(PluginManager(load_entry_points=False))
     options = RefitOptions(bucket_bytes=job.get("bucket_bytes", 1 << 20), timeout_s=60, **job.get("options", {}))
     try:
         if train:
-            model = MegatronStyleModel(config, tp=job["train_tp"], rank=rank, device="cpu",
+            model = MegatronStyleModel(config, tp=job["train_tp"], rank=rank, device=device,
                                        fp8_block=job.get("source_block"))
             endpoint = RefitSender(model, rendezvous=address, rank=rank, world_size=job["train_tp"],
                                    options=options, plugins=plugins)
         else:
             local = rank - job["train_tp"]
-            model = VllmStyleModel(config, tp=job["gen_tp"], rank=local, device="cpu", fp8_block=job["block"])
+            model = VllmStyleModel(config, tp=job["gen_tp"], rank=local, device=device, fp8_block=job["block"])
             model.poison()
             endpoint = RefitReceiver(model, rendezvous=address, rank=local, world_size=world - job["train_tp"],
                                      options=options, plugins=plugins)
@@ -42,6 +45,7 @@ def fp8_refit_rank(rank: int, world: int, address: str, job: dict[str, Any]) -> 
     segments = [s for msgs in my_rounds for m in msgs for s in (m.src_segments if train else m.dst_segments)]
     quantized = {_short(model, s.piece) for s in segments if s.scales is not None}
     out["sender_quantized"] = sorted(quantized) if train else []
+    out["quantized_segments"] = sum(1 for s in segments if s.scales is not None)
     if not train:
         local = rank - job["train_tp"]
         out["receiver_quantized"] = sorted({_short(model, q.piece) for q in schedule.receiver_quantizations_of(local)})
@@ -55,6 +59,9 @@ def fp8_refit_rank(rank: int, world: int, address: str, job: dict[str, Any]) -> 
             stats = endpoint.receive()
             out["mismatches"] += [f"step {step}: {m}" for m in model.mismatches(seed, reference_quantize)]
             out["version"] = stats.version
+    if not train:
+        counts = endpoint.colocated_counts
+        out["colocated_quantize_launches"] = endpoint.colocated_copies - (counts.launches if counts else 0)
     endpoint.close()
     return out
 
@@ -72,6 +79,9 @@ def fp8_fault_rank(rank: int, world: int, address: str, job: dict[str, Any]) -> 
     import torch
 
     torch.set_num_threads(1)
+    device = job.get("device", "cpu")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     train = rank < job["train_tp"]
     config = dict(load_config(job["model"]), **job.get("config", {}))
     plugins = register(PluginManager(load_entry_points=False))

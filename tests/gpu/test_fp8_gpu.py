@@ -105,3 +105,21 @@ def test_fp8_bench_on_two_gpus_is_bitwise(tmp_path):
     for comparison in report["fp8"]:
         assert comparison["fp8_refit_checks"] == ["bitwise ok"], comparison
         assert comparison["fp8_refit-quantize-after_checks"] == ["bitwise ok"], comparison
+
+
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+def test_colocated_fp8_on_one_gpu_quantizes_in_batched_launches_bitwise(block):
+    """Trainer and engine share cuda:0 (CUDA IPC): the segments the plan quantizes on the sender are
+    quantized by the engine's process straight from the trainer's memory, one batched Triton launch
+    per kernel variant (not one per segment), every FP8 weight and scale bitwise equal to the
+    reference quantizer's over two steps."""
+    from fp8_ranks import fp8_refit_rank
+
+    from refit_core.launch import free_port, spawn
+
+    job = {"model": "tiny-llama", "train_tp": 1, "gen_tp": 1, "block": block, "config": {"dtype": "bfloat16"},
+           "device": "cuda:0", "options": {"colocate": "shared"}}
+    train, gen = spawn(fp8_refit_rank, 2, f"127.0.0.1:{free_port()}", job, timeout_s=300)
+    assert "error" not in gen and gen["mismatches"] == [] and gen["version"] == 1, gen
+    assert train["quantized_segments"] >= 8, train  # every layer's projections: whole blocks at these sizes
+    assert 1 <= gen["colocated_quantize_launches"] <= 2, gen  # one per kernel variant (aligned or not)
