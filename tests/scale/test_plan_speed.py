@@ -9,7 +9,7 @@ give the same schedule, segment for segment. The 1024-rank case (``dtensor:fsdp=
 the ranks' remaining load (``schedule._place_in_rounds``): the same messages and segments, in other
 rounds (the 1024-rank case was then ``0dc8c5ee463f59ec``), and again, with the tied-embedding case,
 when rounds began to be paced (each pair its even share per round first): the same messages and
-segments, in other rounds (the 1024-rank case is now ``FP1024``). Timings are not asserted here (this machine
+segments, in other rounds (the 1024-rank case is now ``2d75e7ca8b2b90cc``). Timings are not asserted here (this machine
 is shared).
 """
 
