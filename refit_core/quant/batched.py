@@ -9,6 +9,10 @@ Triton launch per (source dtype, FP8 dtype, block, alignment) group: one program
 through a per-block index, so there is no per-segment Python or launch cost and the arithmetic is
 :mod:`.reference`'s exactly (fp64 scale division, fp32 multiply, round-to-nearest-even cast).
 Everything else (CPU, other schemes, no Triton) runs box by box through :class:`.fast.Quantizer`.
+
+:class:`QuantizeInto` runs the same kernel with the engine's own tensors as targets (their addresses
+as offsets): a colocated gen rank quantizing straight out of the trainer's memory, and the
+benchmark's quantize-after baseline.
 """
 
 from __future__ import annotations
