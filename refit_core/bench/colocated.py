@@ -321,6 +321,7 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     for number, name in enumerate(job["models"]):
         path, variant = _model_entry(name)
         config = load_config(path)
+        model: Any
         if train:
             model = TRAINERS[variant](config, tp=1, rank=0, device=device)
         else:
