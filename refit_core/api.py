@@ -23,7 +23,7 @@ from .colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
 from .steptrace import StepTrace
 from .copies import CopyCounts
 from .errors import PlanError, RefitError, TransferError
-from .executor import ReceiveExecutor, SendExecutor, StepStats
+from .executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
 from .experts import ExpertNaming, group_meta, group_piece, group_side
 from .failures import StepFailedError, StepFailure
 from .gcpause import gc_paused
@@ -96,7 +96,8 @@ class _Endpoint:
         self._broken: str | None = None  # why the last step failed; a new setup() clears it
         self.relay: RelayPlan | None = None
         """The relay fanout plan agreed at setup (None without relay), see :mod:`refit_core.relay`."""
-        self._relay_out: SendExecutor | None = None  # a gen rank's forwarding to the next wave
+        self._relay_out: SendExecutor | ForwardExecutor | None = None
+        """A gen rank's forwarding once its step landed: to the next wave's replicas, or within its node."""
         self._phases: dict[str, float] = {}
         self._bind_s: float | None = None
         self._downloaded = 0
@@ -266,7 +267,8 @@ class _Endpoint:
             relay is not None or any(link is Link.NETWORK for link in self.links.values()),
             {side: grouped[side].counts for side in (TRAIN, GEN)},
             None if relay is None else rankplan.RelayFacts(relay.replica_size, relay.waves, relay.wave_rounds,
-                                                           relay.schedule.fingerprint, relay.schedule.summary))
+                                                           relay.schedule.fingerprint, relay.schedule.summary,
+                                                           relay.node_ranks))
         record = rankplan.facts_to_wire(facts)
         mine = None
         for part in rankplan.rank_plans(facts, schedule, relay, self.links,
@@ -575,9 +577,17 @@ class RefitReceiver(_Endpoint):
 
     def _make_relay_executors(self, relay: RelayPlan, schedule: Schedule, settings: RefitOptions) -> None:
         """A relayed rank receives its step from its parent replica's rank (its network executor); a
-        rank with children forwards to them after its own step landed (``_relay_out``)."""
+        rank with children forwards to them after its own step landed (``_relay_out``). Forwarding
+        within nodes: after its own step landed, a rank sends the regions it leads to its node's other
+        holders and receives the ones they lead, in one exchange per round (``_relay_out``)."""
         assert self.transport is not None  # always opened with relay
         offset = self.sizes[TRAIN]  # relay peers are gen ranks: global rank = train ranks + gen rank
+        if relay.within_nodes:
+            rounds = relay.schedule.rounds  # this rank's part: every round, both directions
+            if any(rounds):
+                self._relay_out = ForwardExecutor(self.rank, rounds, self.transport, offset,
+                                                  **self._network_executor_args(schedule, settings))
+            return
         incoming = relay.schedule.rounds_of_destination(self.rank)
         if incoming:
             if self._executor is not None:
@@ -633,8 +643,9 @@ class RefitReceiver(_Endpoint):
         step, self._steps = self._steps, self._steps + 1
         touched: set[int] = set()
         self._quantizing.begin_step()
-        if isinstance(self._executor, ReceiveExecutor):
-            self._executor.touched = set()  # this step's, also if binding fails before it runs
+        for executor in (self._executor, self._relay_out):
+            if isinstance(executor, ReceiveExecutor | ForwardExecutor):
+                executor.touched = set()  # this step's, also if binding fails before it runs
         loader_weights: list[tuple[str, torch.Tensor]] = []
         voted = False
         try:
@@ -689,6 +700,8 @@ class RefitReceiver(_Endpoint):
         if isinstance(executor, ReceiveExecutor):
             touched |= executor.touched
             executor.discard()
+        if isinstance(self._relay_out, ForwardExecutor):
+            touched |= self._relay_out.touched
         touched = self._quantizing.torn(touched)  # receiver-quantized pieces land in stand-ins first
         if self._mode is UpdateMode.STAGED and not voted and self._rdv is not None:
             try:

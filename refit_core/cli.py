@@ -44,7 +44,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
     relay = _relay_settings(args.relay)
-    simulating = bool(args.simulate or args.explain or (relay and "direct" not in relay))
+    if args.forward_within_nodes:
+        from .simulate import Topology
+
+        relay["node_ranks"] = Topology.parse(args.topology).gpus_per_node
+        relay["forward_min_bytes"] = args.forward_min_bytes
+    simulating = bool(args.simulate or args.explain or ("replicas" in relay and "direct" not in relay))
     bucket = None if args.bucket_mb is None else args.bucket_mb << 20
     config = load_config(args.model)
 
@@ -55,19 +60,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                   device=args.device or ("cuda" if simulating else default_device()),
                                   progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
 
-    if relay and "direct" not in relay:
+    if "replicas" in relay and "direct" not in relay:
         relay = _best_relay(plan, relay, args.topology)
     summary = plan(relay)
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
         print("  " + line)
+    if args.forward_within_nodes and summary.relay is None:
+        print(f"  forwarding:   none: no region of at least {args.forward_min_bytes} bytes is held by two gen ranks "
+              "of one node")
     if args.simulate or args.explain:
         from .simulate import Topology, anchor_lines, simulate
+        from .units import format_duration
 
-        simulation = simulate(summary.schedule, Topology.parse(args.topology), relay=summary.relay)
+        topology = Topology.parse(args.topology)
+        simulation = simulate(summary.schedule, topology, relay=summary.relay)
         print("refit plan: simulated (disaggregated placement: gen ranks on the nodes after the train ranks')")
         for line in [*simulation.lines(), *anchor_lines()]:
             print("  " + line)
+        if args.forward_within_nodes and summary.relay is not None:
+            unforwarded = {k: v for k, v in relay.items() if k != "node_ranks"}
+            direct = simulate(plan(unforwarded).schedule, topology).predicted_s
+            print(f"refit plan: without forwarding within nodes the same refit predicts {format_duration(direct)}; "
+                  f"forwarding is {direct / simulation.predicted_s:.2f}x faster")
         if args.explain:
             from .explain import write_plan_picture
 
@@ -208,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="relay fanout: the gen ranks form N identical replicas; the trainers feed `direct` of "
                            "them and every holder forwards to `fanout` more per wave (without direct: simulate "
                            "each choice against direct fanout and plan the fastest)")
+    plan.add_argument("--forward-within-nodes", action="store_true",
+                      help="regions several gen ranks of one node hold (TP-replicated norms, MLA's q_a / kv_a) "
+                           "cross the network once per node and are forwarded over NVLink "
+                           "(RelayOptions.node_ranks = the topology's GPUs per node); with --simulate, also "
+                           "predicts the refit without it")
+    plan.add_argument("--forward-min-bytes", type=int, default=1 << 20, metavar="N",
+                      help="with --forward-within-nodes: smaller shared regions are fed to every holder "
+                           "(RelayOptions.forward_min_bytes, default 1 MiB)")
     plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="run a real, verified refit between two programs on this machine")

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -285,9 +286,11 @@ class _RoundRunner:
                                 f"{self.timeout_s:.0f} s (a peer is stopped or hung)")
         return left
 
-    def _exchange_headers(self, version: int, after: Sequence[Fence], deadline: float) -> int:
-        """Both sides send ``[magic, fingerprint, version, step]`` to each peer and check theirs."""
-        peers = self.peers()
+    def _exchange_headers(self, version: int, after: Sequence[Fence], deadline: float,
+                          peers: Sequence[int] | None = None) -> int:
+        """Both sides send ``[magic, fingerprint, version, step]`` to each peer (default: this side's
+        peers) and check theirs."""
+        peers = self.peers() if peers is None else peers
         if not peers:
             return version
         mine = torch.tensor([MAGIC, self.fingerprint, version, self.step], dtype=torch.int64, device=self.device)
@@ -477,3 +480,61 @@ class ReceiveExecutor(_RoundRunner):
     def discard(self) -> None:
         """Staged mode: drop a landed step without touching the destinations."""
         self._landed = None
+
+
+class ForwardExecutor:
+    """Runs a gen rank's forwarding within its node (:mod:`refit_core.relay`) after its own step landed.
+
+    ``rounds`` are every round of the forwarding plan, each with this rank's messages of both
+    directions (empty where it has none). Each round's sends (from this rank's destinations, which
+    hold the step) and receives (into them) are posted as one exchange, so that two ranks forwarding
+    to each other never wait on each other; rounds run one after another, staged parts packed and
+    unpacked synchronously (the forwarded regions are small beside the step).
+    """
+
+    def __init__(self, rank: int, rounds: list[list[Message]], transport: Transport, peer_offset: int,
+                 **executor_args: Any) -> None:
+        self.sends = SendExecutor([[m for m in msgs if m.src == rank] for msgs in rounds], transport, peer_offset,
+                                  **executor_args)
+        self.receives = ReceiveExecutor([[m for m in msgs if m.dst == rank] for msgs in rounds], transport,
+                                        peer_offset, **executor_args)
+        self.touched: set[int] = set()
+        """The destination pieces the last step's forwarding may have written (also when it raised)."""
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        self.sends.bind(views)
+        self.receives.bind(views)
+
+    def run(self, version: int) -> StepStats:
+        """Forward one step; both directions' headers are checked first (fingerprint, step, version)."""
+        sends, receives = self.sends, self.receives
+        start = time.perf_counter()
+        deadline = time.monotonic() + receives.timeout_s
+        self.touched = set()
+        ready = current_work(receives.device, "the engine's pending work")
+        peers = sorted(set(sends.peers()) | set(receives.peers()))
+        version = receives._exchange_headers(version, [ready], deadline, peers)
+        lane = receives.lane
+        send_buffer = lane.allocate(sends.buffer_bytes, receives.device) if sends.buffer_bytes else None
+        receive_buffer = lane.allocate(receives.buffer_bytes, receives.device) if receives.buffer_bytes else None
+        for index, (out, into) in enumerate(zip(sends.plans, receives.plans)):
+            if not out.posts and not into.posts:
+                continue
+            after = [ready]
+            if out.staged_bytes:
+                assert send_buffer is not None
+                after.append(lane.run(partial(_pack, send_buffer, out), after=[ready]))
+            self.touched |= into.direct_pieces
+            fence = receives._exchange(out.pairs(send_buffer if out.staged_bytes else None),
+                                       into.pairs(receive_buffer if into.staged_bytes else None), after, index)
+            fence.synchronize(receives._remaining(deadline))
+            if into.staged_bytes:
+                assert receive_buffer is not None and into.copies is not None
+                self.touched |= into.staged_pieces
+                lane.run(partial(into.copies.run, receive_buffer), after=[fence]).synchronize(
+                    receives._remaining(deadline))
+        sends.step += 1
+        stats = receives._stats(version, start, [])
+        stats.bytes += sends.payload_bytes
+        stats.staging_bytes = sum(b.numel() for b in (send_buffer, receive_buffer) if b is not None)
+        return stats

@@ -283,6 +283,13 @@ class RelayOptions(_Settings):
     - ``direct``: how many replicas the trainers feed (wave 0); 0 (the default) means all of them,
       i.e. no relay. With ``0 < direct < replicas`` the others get the step from replicas that hold it.
     - ``fanout``: replicas each holder forwards to per wave (1).
+    - ``node_ranks``: gen ranks per node (consecutive ranks share a node); above 1, a destination
+      region that several gen ranks of one node hold (norms a TP engine replicates, MLA's ``q_a`` /
+      ``kv_a`` at high TP) is fed by the trainers to one of them and forwarded to the others over the
+      node's links (0, the default: off). Not combined with replica relay (``direct``).
+    - ``forward_min_bytes``: smaller shared regions are fed to every holder by the trainers (1 MiB):
+      a norm rides along messages its holders get anyway, while forwarding it would have its leader
+      hear from every sender that holds a slice of it.
 
     Relay needs ``mode="in_place"`` (a relaying rank forwards what landed in its engine memory) and
     network links between gen ranks (NCCL needs them on different GPUs).
@@ -291,17 +298,33 @@ class RelayOptions(_Settings):
     replicas: int = _setting(1, int)
     direct: int = _setting(0, int)
     fanout: int = _setting(1, int)
+    node_ranks: int = _setting(0, int)
+    forward_min_bytes: int = _setting(1 * MiB, int)
 
     def __post_init__(self) -> None:
         self._coerce()
-        if self.replicas < 1 or self.fanout < 1 or self.direct < 0:
-            raise OptionError(f"RelayOptions(replicas={self.replicas}, direct={self.direct}, fanout={self.fanout}): "
-                              "replicas and fanout must be >= 1, direct >= 0")
+        if self.replicas < 1 or self.fanout < 1 or min(self.direct, self.node_ranks, self.forward_min_bytes) < 0:
+            raise OptionError(f"RelayOptions(replicas={self.replicas}, direct={self.direct}, fanout={self.fanout}, "
+                              f"node_ranks={self.node_ranks}, forward_min_bytes={self.forward_min_bytes}): replicas "
+                              "and fanout must be >= 1, the others >= 0")
+        if self.fans_out and self.forwards_within_nodes:
+            raise OptionError(f"RelayOptions: replica relay (direct={self.direct}) and forwarding within nodes "
+                              f"(node_ranks={self.node_ranks}) cannot be combined; choose one")
+
+    @property
+    def fans_out(self) -> bool:
+        """True when some replicas get the step from other replicas."""
+        return 0 < self.direct < self.replicas
+
+    @property
+    def forwards_within_nodes(self) -> bool:
+        """True when gen ranks of one node forward the regions they share to each other."""
+        return self.node_ranks > 1
 
     @property
     def active(self) -> bool:
-        """True when some replicas get the step from other replicas."""
-        return 0 < self.direct < self.replicas
+        """True when some gen rank gets part of its step from another gen rank."""
+        return self.fans_out or self.forwards_within_nodes
 
 
 @_tracks_explicit
@@ -362,7 +385,7 @@ class RefitOptions(_Settings):
     def __post_init__(self) -> None:
         self._coerce()
         if self.relay.active and self.mode is not UpdateMode.IN_PLACE:
-            raise OptionError("RefitOptions.relay: relay fanout needs mode='in_place' (a relaying gen rank "
+            raise OptionError("RefitOptions.relay: relay needs mode='in_place' (a relaying gen rank "
                               f"forwards what landed in its engine memory), got mode={self.mode.value!r}")
         if self.bucket_bytes is not None and (self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN):
             raise OptionError(f"RefitOptions.bucket_bytes={self.bucket_bytes}: must be a positive "
@@ -405,6 +428,9 @@ class RefitOptions(_Settings):
                 wire.pop(f.name, None)
         if not self.relay.active:  # no relay: the same fingerprints as before relay existed
             wire.pop("relay", None)
+        elif not self.relay.forwards_within_nodes:  # nor does node forwarding change replica relay's
+            for name in ("node_ranks", "forward_min_bytes"):
+                wire["relay"].pop(name, None)
         return wire
 
     def digest(self) -> str:

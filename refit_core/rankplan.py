@@ -64,6 +64,8 @@ class RelayFacts:
     wave_rounds: tuple[int, ...]
     fingerprint: str
     summary: ScheduleSummary
+    node_ranks: int = 0
+    """Gen ranks per node when the relay forwards within nodes (0: replica relay)."""
 
 
 @dataclass(frozen=True)
@@ -92,14 +94,17 @@ class RankPlan:
         return Schedule(f.num_src, f.num_dst, f.bucket_bytes, self.rounds, f.fingerprint, f.summary, quant)
 
     def relay_plan(self) -> RelayPlan | None:
-        """The relay plan with this rank's relay messages (incoming rounds, then outgoing), or None."""
+        """The relay plan with this rank's relay messages, or None. Replica relay: incoming rounds, then
+        outgoing. Forwarding within nodes: every round of the plan, each with this rank's messages of
+        both directions (empty where it has none), so that all ranks post round ``i`` together."""
         r = self.facts.relay
         if r is None:
             return None
         world = self.facts.num_dst
-        schedule = Schedule(world, world, self.facts.bucket_bytes, [*self.relay_in, *self.relay_out],
-                            r.fingerprint, r.summary)
-        return RelayPlan(r.replica_size, r.waves, schedule, r.wave_rounds)
+        rounds = ([[*i, *o] for i, o in zip(self.relay_in, self.relay_out)] if r.node_ranks
+                  else [*self.relay_in, *self.relay_out])
+        schedule = Schedule(world, world, self.facts.bucket_bytes, rounds, r.fingerprint, r.summary)
+        return RelayPlan(r.replica_size, r.waves, schedule, r.wave_rounds, r.node_ranks)
 
 
 # -- slicing: the planner's side ----------------------------------------------------------------
@@ -113,6 +118,16 @@ def _by_rank(rounds: Sequence[Sequence[Message]], source: bool) -> dict[int, Rou
             this.setdefault(m.src if source else m.dst, []).append(m)
         for rank, mine in this.items():
             out.setdefault(rank, []).append(mine)
+    return out
+
+
+def _aligned_by_rank(rounds: Sequence[Sequence[Message]], source: bool) -> dict[int, Rounds]:
+    """Every rank's own rounds, one entry per round of ``rounds`` (empty where it has no part)."""
+    out: dict[int, Rounds] = {}
+    for index, msgs in enumerate(rounds):
+        for m in msgs:
+            mine = out.setdefault(m.src if source else m.dst, [[] for _ in rounds])
+            mine[index].append(m)
     return out
 
 
@@ -139,8 +154,16 @@ def rank_plans(facts: PlanFacts, schedule: Schedule, relay: RelayPlan | None, li
     One pass over the plan in all, so that the planner's slicing is O(plan + world)."""
     sends = _by_rank(schedule.rounds, True)
     receives = _by_rank(schedule.rounds, False)
-    relay_in = _by_rank(relay.schedule.rounds, False) if relay is not None else {}
-    relay_out = _by_rank(relay.schedule.rounds, True) if relay is not None else {}
+    relay_in: dict[int, Rounds] = {}
+    relay_out: dict[int, Rounds] = {}
+    if relay is not None:
+        slice_rounds = _aligned_by_rank if relay.within_nodes else _by_rank
+        relay_in, relay_out = slice_rounds(relay.schedule.rounds, False), slice_rounds(relay.schedule.rounds, True)
+        if relay.within_nodes:  # a rank that only sends or only receives still posts every round
+            empty: Rounds = [[] for _ in relay.schedule.rounds]
+            for rank in set(relay_in) | set(relay_out):
+                relay_in.setdefault(rank, empty)
+                relay_out.setdefault(rank, empty)
     quantizing: dict[int, list[ReceiverQuantization]] = {}
     for q in schedule.receiver_quantizations:
         quantizing.setdefault(q.dst, []).append(q)
@@ -206,7 +229,8 @@ def facts_to_wire(facts: PlanFacts) -> dict[str, Any]:
             "relay": None if relay is None else {
                 "replica_size": relay.replica_size, "waves": [list(w) for w in relay.waves.waves],
                 "parent": list(relay.waves.parent), "wave_rounds": list(relay.wave_rounds),
-                "fingerprint": relay.fingerprint, "summary": _summary_to_wire(relay.summary)}}
+                "fingerprint": relay.fingerprint, "summary": _summary_to_wire(relay.summary),
+                "node_ranks": relay.node_ranks}}
 
 
 def to_wire(plan: RankPlan, facts_record: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -288,7 +312,8 @@ def facts_from_wire(value: Any, what: str) -> PlanFacts:
                            Waves(waves, tuple(parent)),
                            tuple(r.ints(r.field(relay_in, "wave_rounds", list), "wave rounds")),
                            r.fingerprint(r.field(relay_in, "fingerprint", str), "relay fingerprint"),
-                           r.summary(r.field(relay_in, "summary", list)))
+                           r.summary(r.field(relay_in, "summary", list)),
+                           r.int_(r.field(relay_in, "node_ranks", int), "node ranks", 0))
     return PlanFacts(r.fingerprint(r.field(value, "fingerprint", str), "fingerprint"),
                      r.int_(r.field(value, "num_src", int), "num_src", 1, 1 << 20),
                      r.int_(r.field(value, "num_dst", int), "num_dst", 1, 1 << 20),

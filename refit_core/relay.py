@@ -14,6 +14,14 @@ static and part of the fingerprint: the waves, every replica's parent, and the r
 A relaying rank forwards only after its own step has fully landed (its receive completed), so a
 child never sees a half-old region; a failed relay fails the step on both ends like any other step
 (:class:`~refit_core.failures.StepFailedError` naming the tensors that may be torn).
+
+**Forwarding within nodes** (``RelayOptions.node_ranks``) is the same idea inside one replica: a
+region that several gen ranks of one node hold (norms that tensor parallelism replicates, MLA's
+``q_a`` / ``kv_a`` projections at TP 32) crosses the network once per node instead of once per GPU.
+The trainers feed each such region to one holder, its *leader* (leaders are spread so that every
+rank of the node leads about as many bytes), and the leaders forward it whole to the node's other
+holders over NVLink after their own step landed. In the forwarding rounds a rank both sends and
+receives; each round is posted as one exchange, so ranks never wait on each other in a cycle.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from .pieces import PieceMeta
 from .plan_fast import plan_transfers_fast
 from .planner import Transfer
 from .schedule import Message, Schedule, build_schedule, fingerprint, summarize
-from .spec import Box
+from .spec import Box, dtype_size
+from .units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -87,26 +96,50 @@ class RelayPlan:
     waves: Waves
     schedule: Schedule
     wave_rounds: tuple[int, ...]
+    node_ranks: int = 0
+    """Gen ranks per node when this plan forwards within nodes (0: replica relay)."""
+    forwarded: frozenset[tuple[int, int]] = frozenset()
+    """``(gen rank, piece)`` of every region a node peer forwards instead of the trainers (node forwarding)."""
+
+    @property
+    def within_nodes(self) -> bool:
+        """True for forwarding within nodes, False for replica relay."""
+        return self.node_ranks > 1
 
     def replica_of(self, gen_rank: int) -> int:
         return gen_rank // self.replica_size
 
     def fed_by_trainers(self, gen_rank: int) -> bool:
+        """True when the trainers feed this gen rank (all its pieces, or all not forwarded to it)."""
         return self.waves.parent[self.replica_of(gen_rank)] < 0
 
     def direct_metas(self, gen_metas: Sequence[Sequence[PieceMeta]]) -> list[list[PieceMeta]]:
-        """The gen ranks' metadata with relayed ranks emptied: what the trainers must feed."""
+        """The gen ranks' metadata as the trainers feed it: relayed ranks emptied; forwarded pieces
+        shrunk to empty boxes (piece indices stay those of the gen ranks)."""
+        if self.within_nodes:
+            return [[_emptied(m) if (r, i) in self.forwarded else m for i, m in enumerate(metas)]
+                    for r, metas in enumerate(gen_metas)]
         return [list(m) if self.fed_by_trainers(r) else [] for r, m in enumerate(gen_metas)]
 
     @property
     def digest(self) -> str:
         """What the plan's fingerprint hashes of the relay: waves, parents and relay messages."""
+        if self.within_nodes:
+            return f"forward:{self.node_ranks}:{self.schedule.fingerprint}"
         return f"relay:{self.replica_size}:{self.waves.waves}:{self.waves.parent}:{self.schedule.fingerprint}"
 
     def lines(self) -> list[str]:
+        if self.within_nodes:
+            s = self.schedule.summary
+            return [f"forwarding:   within nodes of {self.node_ranks} gen ranks: {s.messages} messages, "
+                    f"{format_bytes(s.bytes)} over the nodes' links in {s.rounds} round(s)"]
         sizes = " + ".join(str(len(w)) for w in self.waves.waves)
         return [f"relay:        {self.waves.replicas} replicas of {self.replica_size} gen rank(s) in "
                 f"{len(self.waves.waves)} waves ({sizes}); {self.schedule.summary.messages} relay messages"]
+
+
+def _emptied(meta: PieceMeta) -> PieceMeta:
+    return PieceMeta(meta.spec, Box(meta.box.offsets, (0,) * len(meta.box.sizes)))
 
 
 def _check_replicas(gen_metas: Sequence[Sequence[PieceMeta]], replicas: int) -> int:
@@ -132,6 +165,9 @@ def plan_relay(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]], 
     """
     if not options.active:
         return None
+    if options.forwards_within_nodes:
+        return plan_node_forwarding(options.node_ranks, gen_metas, bucket_bytes, formation,
+                                    expert_groups=expert_groups, min_bytes=options.forward_min_bytes)
     quantized = sorted({m.spec.name for metas in gen_metas for m in metas if m.spec.quant is not None})
     if quantized:
         raise PlanError(f"relay: quantized destinations ({', '.join(quantized[:3])}"
@@ -161,6 +197,76 @@ def plan_relay(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]], 
     return RelayPlan(size, waves, schedule, tuple(wave_rounds))
 
 
+_Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # a tensor's name, a box's offsets and sizes
+
+
+def plan_node_forwarding(node_ranks: int, gen_metas: Sequence[Sequence[PieceMeta]], bucket_bytes: int,
+                         formation: MessageOptions | None = None, *, expert_groups: Collection[str] = (),
+                         min_bytes: int = 0) -> RelayPlan | None:
+    """Forwarding within nodes of ``node_ranks`` consecutive gen ranks, or None when no region of at
+    least ``min_bytes`` is held by two ranks of one node.
+
+    Per node, every region (tensor and box) that several ranks hold goes to a leader: largest
+    regions first, each to the holder with the fewest bytes to receive from the trainers so far (ties:
+    the lowest rank). The others get it from the leader. A rank that would then hear nothing from the
+    trainers (it leads nothing and holds nothing else) gets its smallest shared region from them too,
+    so that every gen rank learns the step's version from the trainers. Quantized destinations and
+    their scales are not forwarded (a receiver may quantize them after forwarding). Deterministic for
+    the same input.
+    """
+    world = len(gen_metas)
+    transfers: list[Transfer] = []
+    forwarded: set[tuple[int, int]] = set()
+    quantized = {name for metas in gen_metas for m in metas if m.spec.quant is not None
+                 for name in (m.spec.name, m.spec.quant.scale_name)}
+    for first in range(0, world, node_ranks):
+        node = range(first, min(first + node_ranks, world))
+        holders: dict[_Region, list[tuple[int, int]]] = {}
+        for rank in node:
+            for piece, meta in enumerate(gen_metas[rank]):
+                box = meta.box
+                holders.setdefault((meta.spec.name, box.offsets, box.sizes), []).append((rank, piece))
+        shared = {key: held for key, held in holders.items()
+                  if len({r for r, _ in held}) > 1 and key[0] not in quantized
+                  and _nbytes(gen_metas[held[0][0]][held[0][1]]) >= max(min_bytes, 1)}
+        if not shared:
+            continue
+        fed = {rank: 0 for rank in node}  # bytes each rank gets from the trainers, so far
+        for key, held in holders.items():
+            if key not in shared:
+                for rank, piece in held:
+                    fed[rank] += _nbytes(gen_metas[rank][piece])
+        order = sorted(shared, key=lambda key: -_nbytes(gen_metas[shared[key][0][0]][shared[key][0][1]]))
+        leaders: dict[_Region, tuple[int, int]] = {}
+        for key in order:
+            leaders[key] = min(shared[key], key=lambda rp: (fed[rp[0]], rp[0]))
+            fed[leaders[key][0]] += _nbytes(gen_metas[leaders[key][0]][leaders[key][1]])
+        fed_anyway: set[tuple[int, int]] = set()  # who would hear nothing from the trainers keeps its smallest
+        for rank in node:
+            if fed[rank] == 0:
+                mine = [(_nbytes(gen_metas[r][p]), p) for key in order for r, p in shared[key] if r == rank]
+                if mine:
+                    fed_anyway.add((rank, min(mine)[1]))
+        for key in order:
+            leader, leader_piece = leaders[key]
+            meta = gen_metas[leader][leader_piece]
+            whole = Box((0,) * len(meta.box.sizes), meta.box.sizes)
+            for rank, piece in shared[key]:
+                if rank == leader or (rank, piece) in fed_anyway:
+                    continue
+                forwarded.add((rank, piece))
+                transfers.append(Transfer(meta.spec.name, leader, leader_piece, whole, rank, piece, whole,
+                                          meta.spec.dtype))
+    if not transfers:
+        return None
+    schedule = build_schedule(transfers, world, world, bucket_bytes, formation, expert_groups=expert_groups)
+    return RelayPlan(world, plan_waves(1, 1), schedule, (len(schedule.rounds),), node_ranks, frozenset(forwarded))
+
+
+def _nbytes(meta: PieceMeta) -> int:
+    return meta.box.numel * dtype_size(meta.spec.dtype)
+
+
 def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Sequence[Sequence[PieceMeta]],
                     settings: RefitOptions, *,
                     expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
@@ -179,4 +285,4 @@ def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Seque
     return schedule, relay
 
 
-__all__ = ["RelayPlan", "Waves", "plan_relay", "plan_waves", "plan_with_relay"]
+__all__ = ["RelayPlan", "Waves", "plan_node_forwarding", "plan_relay", "plan_waves", "plan_with_relay"]

@@ -1,4 +1,4 @@
-"""Human-readable sizes for progress lines and summaries."""
+"""Human-readable sizes and durations for progress lines and summaries."""
 
 
 def format_bytes(n: float) -> str:
@@ -8,3 +8,10 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float) -> str:
+    """``2.5`` -> ``"2.50 s"``; ``0.0123`` -> ``"12.3 ms"``; ``4e-5`` -> ``"40 us"``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"

@@ -1,5 +1,5 @@
-"""Rank programs for the relay tests: one toy train rank, gen ranks that are whole toy engines
-(one replica each), train rank first."""
+"""Rank programs for the relay tests: toy train ranks first, then toy engine ranks (whole engines,
+one replica each, or one engine sharded over ``engine_ranks`` ranks)."""
 
 from __future__ import annotations
 
@@ -12,27 +12,34 @@ from refit_toy.models import ToyEngine, ToyTrainer
 
 
 def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, die_after_setup: int | None = None,
-                timeout_s: float = 30) -> dict | tuple:
-    """Run one rank; returns what it saw per step, or ``("error", type, message, torn)``."""
+                timeout_s: float = 30, train_ranks: int = 1, engine_ranks: int = 1) -> dict | tuple:
+    """Run one rank; returns what it saw per step, or ``("error", type, message, torn)``.
+
+    ``engine_ranks`` 1: every gen rank is a whole engine (identical replicas); above 1, the gen ranks
+    are one engine, sharded (its fused ``qkv`` and norm replicated on every rank)."""
     options = RefitOptions(timeout_s=timeout_s, relay=relay)
     endpoint: RefitSender | RefitReceiver
     try:
-        if rank == 0:
-            trainer = ToyTrainer(0, 1)
-            endpoint = RefitSender(trainer, rendezvous=address, rank=0, world_size=1, options=options)
+        if rank < train_ranks:
+            trainer = ToyTrainer(rank, train_ranks)
+            endpoint = RefitSender(trainer, rendezvous=address, rank=rank, world_size=train_ranks, options=options)
         else:
-            engine = ToyEngine(0, 1)  # every gen rank is a whole replica: identical layouts
-            endpoint = RefitReceiver(engine, rendezvous=address, rank=rank - 1, world_size=world - 1,
+            gen_rank = rank - train_ranks
+            engine = ToyEngine(gen_rank % engine_ranks, engine_ranks)
+            endpoint = RefitReceiver(engine, rendezvous=address, rank=gen_rank, world_size=world - train_ranks,
                                      options=options)
         schedule = endpoint.setup()
         if die_after_setup == rank:
             os._exit(0)
         out: dict = {"fingerprint": schedule.fingerprint, "steps": [],
                      "train_peers": sorted({m.dst for msgs in schedule.rounds for m in msgs}),
+                     "train_bytes": sum(m.nbytes for msgs in schedule.rounds for m in msgs),
                      "waves": endpoint.relay.waves.waves if endpoint.relay else None,
-                     "relay_messages": endpoint.relay.schedule.summary.messages if endpoint.relay else 0}
+                     "relay_messages": endpoint.relay.schedule.summary.messages if endpoint.relay else 0,
+                     "relay_pairs": sorted({(m.src, m.dst) for msgs in endpoint.relay.schedule.rounds for m in msgs})
+                     if endpoint.relay and rank >= train_ranks else []}
         for step in range(steps):
-            if rank == 0:
+            if rank < train_ranks:
                 trainer.load(reference(0, step))
                 endpoint.send(version=100 + step)
             else:
