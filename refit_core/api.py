@@ -31,7 +31,7 @@ from .options import RefitOptions, UpdateMode
 from .pieces import DestinationPiece, Piece, PieceMeta
 from .plugins import PluginManager, get_plugin_manager
 from .quant.receiver import ReceiverQuantizer
-from .relay import RelayPlan, plan_with_relay
+from .relay import RelayPlan, check_relay_pairs, plan_with_relay
 from .rendezvous import Rendezvous
 from .schedule import Message, Schedule
 from .setuptime import SetupTimes
@@ -289,6 +289,8 @@ class _Endpoint:
                   for side, n in self.sizes.items()}
         pairs = {(m.src, m.dst) for msgs in schedule.rounds for m in msgs}
         self.links = pair_links(pairs, places[TRAIN], places[GEN], settings.colocate)
+        if self.relay is not None:
+            check_relay_pairs(self.relay, places[GEN])
 
     def _is_network(self, m: Message) -> bool:
         return self.links[(m.src, m.dst)] is Link.NETWORK

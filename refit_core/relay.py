@@ -36,6 +36,7 @@ from .plan_fast import plan_transfers_fast
 from .planner import Transfer
 from .schedule import Message, Schedule, build_schedule, fingerprint, summarize
 from .spec import Box, dtype_size
+from .transport.placement import Placement
 from .units import format_bytes
 
 
@@ -267,6 +268,17 @@ def _nbytes(meta: PieceMeta) -> int:
     return meta.box.numel * dtype_size(meta.spec.dtype)
 
 
+def check_relay_pairs(relay: RelayPlan, gen_places: Sequence[Placement]) -> None:
+    """A :class:`PlanError` if the relay would connect two gen ranks of one GPU (NCCL cannot)."""
+    for msgs in relay.schedule.rounds:
+        for m in msgs:
+            src, dst = gen_places[m.src], gen_places[m.dst]
+            if src.on_gpu and src == dst:
+                raise PlanError(f"relay: gen ranks {m.src} and {m.dst} share one GPU ({src.device}), and NCCL cannot "
+                                "connect two ranks of one GPU; relay or forward only between ranks on different "
+                                "GPUs, or run without relay")
+
+
 def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Sequence[Sequence[PieceMeta]],
                     settings: RefitOptions, *,
                     expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
@@ -285,4 +297,5 @@ def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Seque
     return schedule, relay
 
 
-__all__ = ["RelayPlan", "Waves", "plan_node_forwarding", "plan_relay", "plan_waves", "plan_with_relay"]
+__all__ = ["RelayPlan", "Waves", "check_relay_pairs", "plan_node_forwarding", "plan_relay", "plan_waves",
+           "plan_with_relay"]

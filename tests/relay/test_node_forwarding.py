@@ -48,6 +48,19 @@ def test_a_rank_holding_only_shared_regions_is_still_fed_and_quantized_regions_a
     assert plan is not None and plan.forwarded == {(1, 0)}  # q_a forwarded; the FP8 weight, scales fed to both
 
 
+def test_forwarding_between_two_ranks_of_one_gpu_is_refused_before_any_collective():
+    from refit_core.errors import PlanError
+    from refit_core.relay import check_relay_pairs
+    from refit_core.transport.placement import Placement
+
+    plan = plan_node_forwarding(2, [_tp_rank(r, 2) for r in range(2)], 1 << 20)
+    assert plan is not None
+    check_relay_pairs(plan, [Placement("host", "cuda:GPU-a"), Placement("host", "cuda:GPU-b")])
+    check_relay_pairs(plan, [Placement("host", "cpu")] * 2)  # gloo connects ranks of one host
+    with pytest.raises(PlanError, match="gen ranks 0 and 1 share one GPU .cuda:GPU-a."):
+        check_relay_pairs(plan, [Placement("host", "cuda:GPU-a")] * 2)
+
+
 def test_forwarding_options_agree_and_refuse_to_combine_with_replica_relay():
     with pytest.raises(OptionError, match="cannot be combined"):
         RelayOptions(replicas=4, direct=1, node_ranks=8)
