@@ -227,25 +227,26 @@ def plan_node_forwarding(node_ranks: int, gen_metas: Sequence[Sequence[PieceMeta
             for piece, meta in enumerate(gen_metas[rank]):
                 box = meta.box
                 holders.setdefault((meta.spec.name, box.offsets, box.sizes), []).append((rank, piece))
-        shared = {key: held for key, held in holders.items()
-                  if len({r for r, _ in held}) > 1 and key[0] not in quantized
-                  and _nbytes(gen_metas[held[0][0]][held[0][1]]) >= max(min_bytes, 1)}
+        size = {key: _nbytes(gen_metas[held[0][0]][held[0][1]]) for key, held in holders.items()}
+        floor = max(min_bytes, 1)
+        shared = {key: held for key, held in holders.items()  # holders come in rank order
+                  if held[0][0] != held[-1][0] and size[key] >= floor and key[0] not in quantized}
         if not shared:
             continue
         fed = {rank: 0 for rank in node}  # bytes each rank gets from the trainers, so far
         for key, held in holders.items():
             if key not in shared:
-                for rank, piece in held:
-                    fed[rank] += _nbytes(gen_metas[rank][piece])
-        order = sorted(shared, key=lambda key: -_nbytes(gen_metas[shared[key][0][0]][shared[key][0][1]]))
+                for rank, _ in held:
+                    fed[rank] += size[key]
+        order = sorted(shared, key=lambda key: -size[key])
         leaders: dict[_Region, tuple[int, int]] = {}
         for key in order:
             leaders[key] = min(shared[key], key=lambda rp: (fed[rp[0]], rp[0]))
-            fed[leaders[key][0]] += _nbytes(gen_metas[leaders[key][0]][leaders[key][1]])
+            fed[leaders[key][0]] += size[key]
         fed_anyway: set[tuple[int, int]] = set()  # who would hear nothing from the trainers keeps its smallest
         for rank in node:
             if fed[rank] == 0:
-                mine = [(_nbytes(gen_metas[r][p]), p) for key in order for r, p in shared[key] if r == rank]
+                mine = [(size[key], p) for key in order for r, p in shared[key] if r == rank]
                 if mine:
                     fed_anyway.add((rank, min(mine)[1]))
         for key in order:
