@@ -81,8 +81,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.forward_within_nodes and summary.relay is not None:
             unforwarded = {k: v for k, v in relay.items() if k != "node_ranks"}
             direct = simulate(plan(unforwarded).schedule, topology).predicted_s
+            speedup = direct / simulation.predicted_s
+            verdict = (f"forwarding is {speedup:.2f}x faster" if speedup >= 1 else
+                       f"forwarding is {1 / speedup:.2f}x slower: run without it, or raise --forward-min-bytes")
             print(f"refit plan: without forwarding within nodes the same refit predicts {format_duration(direct)}; "
-                  f"forwarding is {direct / simulation.predicted_s:.2f}x faster")
+                  f"{verdict}")
         if args.explain:
             from .explain import write_plan_picture
 
