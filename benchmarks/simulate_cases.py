@@ -1,0 +1,113 @@
+"""Predicted refit times for issue #16's cases against their bounds: ``python benchmarks/simulate_cases.py``.
+
+Each case is planned from metadata (:func:`refit_core.metaplan.plan_from_metadata`, the CUDA bucket)
+twice, with the trainers feeding every engine GPU and with forwarding within nodes
+(``RelayOptions.node_ranks`` = the topology's GPUs per node), and simulated on ``--topology`` (H100
+nodes by default). Prints, side by side, the prediction, the receiver- and sender-side bounds and
+their ratios; ``--out PREFIX`` writes ``PREFIX.md`` and ``PREFIX.json``. Runs on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+from refit_core.layout import parse_backend_layout
+from refit_core.metaplan import plan_from_metadata
+from refit_core.models import load_config
+from refit_core.options import RefitOptions, RelayOptions
+from refit_core.plugins import get_plugin_manager
+from refit_core.simulate import Topology, simulate
+
+
+@dataclass(frozen=True)
+class Case:
+    """A layout of issue #16; ``unused_ok`` where the trainers hold tensors no engine rank takes (MTP)."""
+
+    model: str
+    train: str
+    gen: str
+    unused_ok: bool = False
+
+
+CASES = {
+    "deepseek-v3": Case("deepseek-v3-shape", "megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16",
+                        "vllm:tp=32,dp=8,ep=256", unused_ok=True),
+    "kimi-k2": Case("kimi-k2-shape", "megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16", "vllm:tp=8,dp=16,ep=128",
+                    unused_ok=True),
+    "qwen3-30b-a3b-1024": Case("qwen3-30b-a3b-shape", "dtensor:fsdp=128,tp=8", "vllm:tp=8"),
+    "llama-3-70b": Case("llama-3-70b-shape", "dtensor:fsdp=64", "vllm:tp=8,dp=4"),
+}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One simulated plan: milliseconds and ratios."""
+
+    predicted_ms: float
+    receiver_bound_ms: float
+    sender_bound_ms: float
+    forwarding_ms: float
+    forwarded_gib: float
+
+    @property
+    def over_receiver_bound(self) -> float:
+        return self.predicted_ms / self.receiver_bound_ms
+
+    @property
+    def over_larger_bound(self) -> float:
+        return self.predicted_ms / max(self.receiver_bound_ms, self.sender_bound_ms)
+
+
+def predict(case: Case, topology: Topology, forward: bool) -> Prediction:
+    train, train_layout = parse_backend_layout(case.train)
+    gen, gen_layout = parse_backend_layout(case.gen)
+    relay = RelayOptions(node_ranks=topology.gpus_per_node) if forward else RelayOptions()
+    summary = plan_from_metadata(get_plugin_manager(), load_config(case.model), train, train_layout, gen, gen_layout,
+                                 options=RefitOptions(relay=relay, allow_unused_sources=case.unused_ok),
+                                 device="cuda")
+    sim = simulate(summary.schedule, topology, relay=summary.relay)
+    trainers = len(summary.schedule.rounds)
+    forwarded = summary.relay.schedule.summary.bytes if summary.relay is not None else 0
+    return Prediction(sim.predicted_s * 1e3, sim.bound_s * 1e3, sim.sender_bound_s * 1e3,
+                      sum(sim.round_seconds[trainers:]) * 1e3, forwarded / 2**30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="*", default=list(CASES), help=f"from {', '.join(CASES)}")
+    parser.add_argument("--topology", default="h100")
+    parser.add_argument("--out", help="write PREFIX.md and PREFIX.json")
+    args = parser.parse_args(argv)
+    topology = Topology.parse(args.topology)
+    rows = []
+    header = ("| case | forwarding | predicted | receiver-side bound | sender-side bound | / receiver bound | "
+              "/ larger bound | forwarding part | forwarded |")
+    lines = [f"Simulated on `--topology {args.topology}` ({topology}); CUDA bucket (512 MiB).", "", header,
+             "|---|---|---|---|---|---|---|---|---|"]
+    print(header, flush=True)
+    for name in args.cases:
+        case = CASES[name]
+        for forward in (False, True):
+            p = predict(case, topology, forward)
+            rows.append({"case": name, **asdict(case), "forward": forward, **asdict(p),
+                         "over_receiver_bound": p.over_receiver_bound, "over_larger_bound": p.over_larger_bound})
+            line = " | ".join([f"| {name}", "on" if forward else "off", f"{p.predicted_ms:.1f} ms",
+                               f"{p.receiver_bound_ms:.1f} ms", f"{p.sender_bound_ms:.1f} ms",
+                               f"{p.over_receiver_bound:.2f}", f"{p.over_larger_bound:.2f}",
+                               f"{p.forwarding_ms:.1f} ms", f"{p.forwarded_gib:.1f} GiB |"])
+            lines.append(line)
+            print(line, flush=True)
+    if args.out:
+        with open(f"{args.out}.md", "w") as f:
+            f.write("# Simulated refit times against their bounds\n\n`python benchmarks/simulate_cases.py "
+                    f"--topology {args.topology}`\n\n" + "\n".join(lines) + "\n")
+        with open(f"{args.out}.json", "w") as f:
+            json.dump({"topology": asdict(topology), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
