@@ -91,7 +91,8 @@ def plan_waves(replicas: int, direct: int, fanout: int = 1) -> Waves:
 class RelayPlan:
     """The static relay plan: replicas of ``replica_size`` gen ranks, the waves, and the relay
     messages (gen rank -> gen rank) as a :class:`~refit_core.schedule.Schedule` whose rounds run wave
-    after wave (``wave_rounds[k]`` rounds belong to wave ``k+1``)."""
+    after wave (``wave_rounds[k]`` rounds belong to wave ``k+1``). Forwarding within nodes is one
+    replica of the whole gen world, one wave, and ``node_ranks`` > 1; its rounds run after the step."""
 
     replica_size: int
     waves: Waves
