@@ -19,13 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..spec import contiguous_strides
 from .fast import Quantizer
 from .spec import Quantization
+
+if TYPE_CHECKING:
+    from .triton_blocks import TritonBlockBatch
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,17 @@ class BoxByBox(QuantBatch):
             self.quantizer.quantize_into(box.source, values, scales, box.quant)
 
     def warm_up(self, warmed: set[object]) -> None:
-        for box in self.boxes:
-            key = (BoxByBox, box.quant.block, box.quant.dtype, box.source.dtype, box.source.ndim)
-            if key not in warmed:
-                warmed.add(key)
-                self.quantizer.quantize(box.source, box.quant)
+        _warm_up_one_by_one(self.quantizer, [(box.source, box.quant) for box in self.boxes], warmed)
+
+
+def _warm_up_one_by_one(quantizer: Quantizer, work: Sequence[tuple[torch.Tensor, Quantization]],
+                        warmed: set[object]) -> None:
+    """Compile :class:`.fast.Quantizer`'s kernel for each kind of ``(source, quantization)`` not in ``warmed``."""
+    for source, quant in work:
+        key = (BoxByBox, quant.block, quant.dtype, source.dtype, source.ndim)
+        if key not in warmed:
+            warmed.add(key)
+            quantizer.quantize(source, quant)
 
 
 class Batches(QuantBatch):
@@ -128,23 +137,15 @@ class QuantizeInto:
 
     def __init__(self, work: Sequence[TensorsToQuantize], quantizer: Quantizer) -> None:
         self.quantizer = quantizer
-        self.batches: list[Any] = []
+        self.batches: list[TritonBlockBatch] = []
         self.rest: list[TensorsToQuantize] = []
         if not work:
             return
-        from . import triton_blocks  # imports Triton only when something is quantized
-
-        groups: dict[triton_blocks.GroupKey, list[BoxToQuantize]] = {}
-        for item in work:
-            key = None
-            if item.values.ndim in (2, 3) and item.values.stride(-1) == 1 and item.scales.ndim == item.values.ndim:
-                box = BoxToQuantize.into_tensors(item.source, item.values, item.scales, item.quant)
-                key = triton_blocks.group_key(box)
-            if key is None:
-                self.rest.append(item)
-            else:
-                groups.setdefault(key, []).append(box)
-        self.batches = [triton_blocks.TritonBlockBatch(boxes, key) for key, boxes in groups.items()]
+        boxes = [BoxToQuantize.into_tensors(item.source, item.values, item.scales, item.quant)
+                 if item.values.ndim in (2, 3) and item.values.stride(-1) == 1 and item.scales.ndim == item.values.ndim
+                 else None for item in work]
+        self.batches, rest = _batched_kernels(boxes)
+        self.rest = [work[i] for i in rest]
 
     @property
     def launches(self) -> int:
@@ -162,11 +163,24 @@ class QuantizeInto:
         warmed: set[object] = set()
         for batch in self.batches:
             batch.warm_up(warmed)
-        for item in self.rest:
-            key = (item.quant.block, item.quant.dtype, item.source.dtype, item.source.ndim)
-            if key not in warmed:
-                warmed.add(key)
-                self.quantizer.quantize(item.source, item.quant)
+        _warm_up_one_by_one(self.quantizer, [(item.source, item.quant) for item in self.rest], warmed)
+
+
+def _batched_kernels(boxes: Sequence[BoxToQuantize | None]) -> tuple[list[TritonBlockBatch], list[int]]:
+    """One batched Triton kernel per variant for the boxes it takes, and the positions of the rest
+    (None: a box the caller already knows the kernel cannot take)."""
+    from . import triton_blocks  # imports Triton only when something is quantized
+
+    groups: dict[triton_blocks.GroupKey, list[BoxToQuantize]] = {}
+    rest = []
+    for index, box in enumerate(boxes):
+        key = None if box is None else triton_blocks.group_key(box)
+        if key is None:
+            rest.append(index)
+        else:
+            assert box is not None
+            groups.setdefault(key, []).append(box)
+    return [triton_blocks.TritonBlockBatch(members, key) for key, members in groups.items()], rest
 
 
 def quantize_batch(boxes: Sequence[BoxToQuantize], quantizer: Quantizer) -> QuantBatch | None:
@@ -174,19 +188,10 @@ def quantize_batch(boxes: Sequence[BoxToQuantize], quantizer: Quantizer) -> Quan
     apply, box by box for the rest."""
     if not boxes:
         return None
-    from . import triton_blocks  # imports Triton only when something is quantized
-
-    groups: dict[triton_blocks.GroupKey, list[BoxToQuantize]] = {}
-    rest = []
-    for box in boxes:
-        key = triton_blocks.group_key(box)
-        if key is None:
-            rest.append(box)
-        else:
-            groups.setdefault(key, []).append(box)
-    parts: list[QuantBatch] = [triton_blocks.TritonBlockBatch(members, key) for key, members in groups.items()]
+    batches, rest = _batched_kernels(boxes)
+    parts: list[QuantBatch] = list(batches)
     if rest:
-        parts.append(BoxByBox(rest, quantizer))
+        parts.append(BoxByBox([boxes[i] for i in rest], quantizer))
     return parts[0] if len(parts) == 1 else Batches(parts)
 
 
