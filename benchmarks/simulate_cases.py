@@ -1,10 +1,11 @@
 """Predicted refit times for issue #16's cases against their bounds: ``python benchmarks/simulate_cases.py``.
 
-Each case is planned from metadata (:func:`refit_core.metaplan.plan_from_metadata`, the CUDA bucket)
-twice, with the trainers feeding every engine GPU and with forwarding within nodes
-(``RelayOptions.node_ranks`` = the topology's GPUs per node), and simulated on ``--topology`` (H100
-nodes by default). Prints, side by side, the prediction, the receiver- and sender-side bounds and
-their ratios; ``--out PREFIX`` writes ``PREFIX.md`` and ``PREFIX.json``. Runs on CPU.
+Each case (three shared with ``benchmarks/plan_speed.py``) is planned from metadata
+(:func:`refit_core.metaplan.plan_from_metadata`, the CUDA bucket) twice, with the trainers feeding
+every engine GPU and with forwarding within nodes (``RelayOptions.node_ranks`` = the topology's GPUs
+per node), and simulated on ``--topology`` (H100 nodes by default). Prints, side by side, the
+prediction, the receiver- and sender-side bounds and their ratios; ``--out PREFIX`` writes
+``PREFIX.md`` and ``PREFIX.json``. Runs on CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
+from plan_speed import CASES as PLANNING_CASES
+from plan_speed import Case
+
 from refit_core.layout import parse_backend_layout
 from refit_core.metaplan import plan_from_metadata
 from refit_core.models import load_config
@@ -21,25 +25,11 @@ from refit_core.options import RefitOptions, RelayOptions
 from refit_core.plugins import get_plugin_manager
 from refit_core.simulate import Topology, simulate
 
-
-@dataclass(frozen=True)
-class Case:
-    """A layout of issue #16; ``unused_ok`` where the trainers hold tensors no engine rank takes (MTP)."""
-
-    model: str
-    train: str
-    gen: str
-    unused_ok: bool = False
-
-
 CASES = {
-    "deepseek-v3": Case("deepseek-v3-shape", "megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16",
-                        "vllm:tp=32,dp=8,ep=256", unused_ok=True),
-    "kimi-k2": Case("kimi-k2-shape", "megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16", "vllm:tp=8,dp=16,ep=128",
-                    unused_ok=True),
-    "qwen3-30b-a3b-1024": Case("qwen3-30b-a3b-shape", "dtensor:fsdp=128,tp=8", "vllm:tp=8"),
+    **{name: PLANNING_CASES[name] for name in ("deepseek-v3", "kimi-k2", "qwen3-30b-a3b-1024")},
     "llama-3-70b": Case("llama-3-70b-shape", "dtensor:fsdp=64", "vllm:tp=8,dp=4"),
 }
+"""Issue #16's layouts: ``benchmarks/plan_speed.py``'s published ones, and Llama-3-70B."""
 
 
 @dataclass(frozen=True)
