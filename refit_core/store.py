@@ -7,7 +7,9 @@ client read and write without credentials, and refit used to pickle into it. Thi
 - speaks length-prefixed JSON (:mod:`refit_core.wire`); values are opaque bytes, never unpickled;
 - runs a mutual HMAC handshake (:mod:`refit_core.auth`) before a client may read or write a key:
   a rank of another job, a wrong secret, a program that is not refit, or a listener that never
-  answers get a named :class:`~refit_core.errors.RendezvousError` within ``handshake_s``;
+  answers get a named :class:`~refit_core.errors.RendezvousError` within ``handshake_s`` (twice
+  that for a listener that closes connections without a word, which a refit store closing between
+  two setups on one port also does: its replacement gets ``handshake_s`` to appear);
 - knows which rank each connection belongs to: a rank that joins twice is refused (two jobs on one
   port), and a rank whose connection closes without saying goodbye is recorded as *gone*, so the
   others stop waiting for it at once instead of at their deadline;
@@ -268,6 +270,10 @@ def _shutdown(conn: socket.socket) -> None:
 Watch = Callable[[], None]
 
 
+class _ClosedWithoutAnswer(ConnectionError):
+    """The listener closed (or reset) the connection before answering refit's greeting."""
+
+
 class StoreClient(dist.Store):
     """An authenticated connection to the :class:`StoreServer`, usable wherever torch wants a Store.
 
@@ -290,6 +296,7 @@ class StoreClient(dist.Store):
         """Connect and authenticate, retrying while nobody listens yet or the host is between setups."""
         deadline = time.monotonic() + self.timeout_s
         last = "nobody listened"
+        closing_since: float | None = None  # when a listener first closed on us without answering
         while True:
             try:
                 sock = socket.create_connection((self.endpoint.host, self.endpoint.port),
@@ -297,7 +304,17 @@ class StoreClient(dist.Store):
             except OSError as exc:
                 last = f"nobody listened ({exc.strerror or exc})"
             else:
-                state = self._handshake(sock, credentials, handshake_s)
+                try:
+                    state = self._handshake(sock, credentials, handshake_s)
+                except _ClosedWithoutAnswer as exc:
+                    # a refit store that is closing (between two setups on one port) does this too: give
+                    # its replacement ``handshake_s`` to appear before naming another program
+                    closing_since = time.monotonic() if closing_since is None else closing_since
+                    if time.monotonic() - closing_since > handshake_s:
+                        raise RendezvousError(f"the refit rendezvous at {self.endpoint} does not speak refit's "
+                                              f"rendezvous protocol ({exc}, for {handshake_s:.0f} s): another "
+                                              "program is listening on that port") from None
+                    state = "closing"
                 if state is None:
                     return sock
                 last = f"the rendezvous was {state} (a previous setup's store had not yet been replaced)"
@@ -307,13 +324,17 @@ class StoreClient(dist.Store):
             time.sleep(0.1)
 
     def _handshake(self, sock: socket.socket, credentials: JobCredentials, handshake_s: float) -> str | None:
-        """None when admitted; the host's state when it asks us to come back later; raises otherwise."""
+        """None when admitted; the host's state when it asks us to come back later; raises otherwise
+        (:class:`_ClosedWithoutAnswer` when the listener closed before answering, which :meth:`_connect`
+        retries for a while)."""
         where = f"the refit rendezvous at {self.endpoint}"
         sock.settimeout(handshake_s)
         nonce = new_nonce()
+        answered = False
         try:
             send_frame(sock, {"protocol": PROTOCOL, "job": credentials.job, "who": self.who, "nonce": nonce})
             reply = recv_frame(sock, HANDSHAKE_BYTES, where)
+            answered = True
             if not isinstance(reply, dict):
                 raise WireError(f"{where}: unexpected greeting")
             refused = reply.get("refused")
@@ -338,6 +359,8 @@ class StoreClient(dist.Store):
             _shutdown(sock)
             if isinstance(exc, AuthenticationError):
                 raise
+            if isinstance(exc, ConnectionError) and not answered:
+                raise _ClosedWithoutAnswer(str(exc)) from None
             raise RendezvousError(f"{where} does not speak refit's rendezvous protocol ({exc}): "
                                   "another program is listening on that port") from None
         except AuthenticationError:

@@ -214,6 +214,68 @@ def test_a_silent_listener_on_the_port_is_named_within_seconds():
         server.close()
 
 
+def _closing_listener(port: int, stop: threading.Event) -> threading.Thread:
+    """Accepts and closes every connection without a word, as a refit store does while it closes,
+    until ``stop``; then stops listening (join the thread to know the port is free)."""
+    server = socket.create_server(("127.0.0.1", port))
+    server.settimeout(0.2)
+
+    def accept():
+        with server:
+            while not stop.is_set():
+                try:
+                    server.accept()[0].close()
+                except OSError:
+                    pass
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_listener_that_closes_without_answering_is_named_after_the_grace_for_a_replaced_store():
+    port = free_port()
+    stop = threading.Event()
+    listener = _closing_listener(port, stop)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RendezvousError, match="does not speak refit's rendezvous protocol .* another program"):
+            Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=60, handshake_s=2)
+        assert 2 <= time.monotonic() - start < 8
+    finally:
+        stop.set()
+        listener.join()
+
+
+def test_a_rank_joining_while_the_previous_store_closes_waits_for_its_replacement():
+    """Between two setups on one port the old store closes connections it had not yet accepted; a
+    rank connecting then must join the replacement, not call the port foreign."""
+    port = free_port()
+    stop = threading.Event()
+    listener = _closing_listener(port, stop)
+    joined: list[object] = []
+
+    def join():
+        try:
+            client = Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=30, handshake_s=5)
+            joined.append(client.read("x"))
+            client.close()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            joined.append(exc)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    time.sleep(1.0)  # the rank has been turned away for a second
+    stop.set()
+    listener.join()
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=30)
+    try:
+        host.publish("x", 7)
+        thread.join(timeout=30)
+        assert joined == [7], joined
+    finally:
+        host.close()
+
+
 @pytest.mark.slow
 def test_a_transport_that_fails_to_open_on_one_rank_stops_every_rank_at_once():
     address = f"127.0.0.1:{free_port()}"
