@@ -7,31 +7,43 @@ import json
 from refit_core.timeline import Phase, StepTimeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TIMING_ATTEMPTS = 3
+"""The step lasts about 2 ms on CPU: a thread descheduled for 0.2 ms on a loaded 2-core machine leaves a
+gap that is the machine's, not refit's. The timing checks must hold in one of this many runs; the
+structural ones (spans, rounds, phases, no overlap) in every run."""
 
 
 def test_bench_timeline_on_cpu_draws_a_png_of_non_overlapping_spans_that_cover_the_step(tmp_path):
     from refit_core.bench import main
 
     png, prefix = tmp_path / "timeline.png", str(tmp_path / "out")
-    rc = main(["--device", "cpu", "--models", "tiny-llama", "--methods", "refit", "--warmup", "1", "--iters", "1",
-               "--min-iters", "1", "--bucket-mib", "1", "--buffers", "2", "--timeline", str(png), "--out", prefix])
-    assert rc == 0
-    data = png.read_bytes()
-    assert data[:8] == PNG_SIGNATURE and len(data) > 1000
-    report = json.loads(open(prefix + ".json").read())
-    ranks = report["models"][0]["ranks"]
-    phases = set()
-    for rank in ranks:
-        step = StepTimeline.from_json(rank["methods"]["refit"]["timeline"])
-        assert step.spans and step.overlaps() == [], step
-        assert all(0 <= s.start <= s.end <= step.seconds + 1e-6 for s in step.spans), step
-        first = min(s.start for s in step.spans)
-        last = max(s.end for s in step.spans)
-        assert first <= 0.05 * step.seconds, (first, step.seconds)  # the header opens the step
-        assert last >= 0.9 * step.seconds, (last, step.seconds)  # the last transfer or unpack closes it
-        assert step.covered >= 0.9, step.covered
-        assert len({s.round for s in step.spans if s.phase is not Phase.HEADER}) == 2  # 2 rounds of 1 MiB
-        phases |= {s.phase for s in step.spans}
-    assert phases == {Phase.HEADER, Phase.PACK, Phase.TRANSFER, Phase.UNPACK}
+    for attempt in range(TIMING_ATTEMPTS):
+        rc = main(["--device", "cpu", "--models", "tiny-llama", "--methods", "refit", "--warmup", "1", "--iters", "1",
+                   "--min-iters", "1", "--bucket-mib", "1", "--buffers", "2", "--timeline", str(png), "--out", prefix])
+        assert rc == 0
+        data = png.read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+        report = json.loads(open(prefix + ".json").read())
+        ranks = report["models"][0]["ranks"]
+        phases = set()
+        timing: list[tuple[str, float]] = []  # what a descheduled thread on a loaded machine can spoil
+        for rank in ranks:
+            step = StepTimeline.from_json(rank["methods"]["refit"]["timeline"])
+            assert step.spans and step.overlaps() == [], step
+            assert all(0 <= s.start <= s.end <= step.seconds + 1e-6 for s in step.spans), step
+            first = min(s.start for s in step.spans)
+            last = max(s.end for s in step.spans)
+            if first > 0.05 * step.seconds:  # the header opens the step
+                timing.append(("first span starts at", first / step.seconds))
+            if last < 0.9 * step.seconds:  # the last transfer or unpack closes it
+                timing.append(("last span ends at", last / step.seconds))
+            if step.covered < 0.9:
+                timing.append(("covered", step.covered))
+            assert len({s.round for s in step.spans if s.phase is not Phase.HEADER}) == 2  # 2 rounds of 1 MiB
+            phases |= {s.phase for s in step.spans}
+        assert phases == {Phase.HEADER, Phase.PACK, Phase.TRANSFER, Phase.UNPACK}
+        if not timing:
+            break
+    assert not timing, f"in every one of {TIMING_ATTEMPTS} runs, e.g. the last: {timing}"
     setup = report["models"][0]["rows"][0]["setup"]
     assert setup["metadata_bytes"] > 0 and setup["total_s"] > 0
