@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -87,7 +88,7 @@ def _derived(model: torch.nn.Module, loaded: dict[str, torch.Tensor]) -> dict[st
     return {n: p.detach().clone() for n, p in model.named_parameters() if n not in loaded}
 
 
-def run(model: str, layouts: list[str]) -> dict[str, Any]:
+def run(model: str, layouts: list[str], tmp: str) -> dict[str, Any]:
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.reference import hf_greedy, write_model_dir
     from vllm import LLM, SamplingParams
@@ -97,7 +98,6 @@ def run(model: str, layouts: list[str]) -> dict[str, Any]:
     from refit_core.models import reference_state_dict
 
     config = MODELS[model]
-    tmp = tempfile.mkdtemp(prefix="refit-mg-vllm-")
     timings: dict[str, float] = {}
     began = time.perf_counter()
     trainers = Trainers(model, layouts, tmp)  # megatron imports and builds while the engine starts
@@ -164,10 +164,12 @@ def run(model: str, layouts: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    scratch = tempfile.mkdtemp(prefix="refit-mg-vllm-")  # checkpoints and addresses, removed below
     try:
         arguments = json.loads(sys.argv[1])
-        out = run(arguments["model"], list(arguments["layouts"]))
+        out = run(arguments["model"], list(arguments["layouts"]), scratch)
     except BaseException:  # noqa: BLE001 - the test prints it
         out = {"scenario_error": traceback.format_exc()}
     print("RESULT " + json.dumps(out, default=str), flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     os._exit(0)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -30,6 +31,16 @@ import torch  # noqa: E402
 
 NEW_TOKENS = 12
 SEED = 0
+
+
+_SCRATCH_DIRS: list[str] = []
+
+
+def scratch_dir() -> str:
+    """A new temporary folder (checkpoints, addresses); the scenario's process removes it before it exits."""
+    path = tempfile.mkdtemp(prefix="refit-vllm-test-")
+    _SCRATCH_DIRS.append(path)
+    return path
 
 
 # -- configs ----------------------------------------------------------------------------------
@@ -261,7 +272,7 @@ def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", load
     steps = steps or [1, 2]
     cfg = tiny_config(model)
     prompts = prompts_for(cfg)
-    tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
+    tmp = scratch_dir()
     result: dict[str, Any] = {"steps": []}
     start = time.perf_counter()
     llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
@@ -331,7 +342,7 @@ def _refit_engine(cfg: dict[str, Any]) -> tuple[Any, list[list[int]], str, Calla
     from refit_vllm.reference import reference_dir
 
     prompts = prompts_for(cfg)
-    tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
+    tmp = scratch_dir()
     llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
               **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -413,7 +424,7 @@ async def _inflight(model: str) -> dict[str, Any]:
     from refit_vllm.reference import reference_dir
 
     cfg = tiny_config(model)
-    tmp = tempfile.mkdtemp(prefix="refit-vllm-test-")
+    tmp = scratch_dir()
     args = AsyncEngineArgs(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
                            **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
     engine = AsyncLLM.from_engine_args(args)
@@ -489,4 +500,6 @@ if __name__ == "__main__":
         outcome = {"scenario_error": traceback.format_exc()}
     print("RESULT " + json.dumps(outcome, default=str), flush=True)
     sys.stdout.flush()
+    for scratch in _SCRATCH_DIRS:
+        shutil.rmtree(scratch, ignore_errors=True)
     os._exit(0)  # engine processes and threads must not keep the scenario alive
