@@ -13,6 +13,10 @@ from .layout import parse_backend_layout
 from .models import PRESETS, load_config, model_inventory
 from .plugins import get_plugin_manager
 
+AUTO = "auto"
+FORWARD_FLOORS = (0, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+"""The ``forward_min_bytes`` that ``--forward-min-bytes auto`` simulates."""
+
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     pm = get_plugin_manager()
@@ -44,31 +48,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
     relay = _relay_settings(args.relay)
+    choose_floor = args.forward_within_nodes and args.forward_min_bytes == AUTO
     if args.forward_within_nodes:
         from .simulate import Topology
 
         relay["node_ranks"] = Topology.parse(args.topology).gpus_per_node
-        relay["forward_min_bytes"] = args.forward_min_bytes
-    simulating = bool(args.simulate or args.explain or ("replicas" in relay and "direct" not in relay))
+        if not choose_floor:
+            relay["forward_min_bytes"] = args.forward_min_bytes
+    simulating = bool(args.simulate or args.explain or choose_floor
+                      or ("replicas" in relay and "direct" not in relay))
     bucket = None if args.bucket_mb is None else args.bucket_mb << 20
     config = load_config(args.model)
+    plans: dict[tuple[tuple[str, int], ...], Any] = {}  # the choices below simulate plans planned again later
 
     def plan(relay: dict[str, int]) -> Any:
-        return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
-                                  options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay),
-                                                      allow_unused_sources=args.allow_unused_sources),
-                                  device=args.device or ("cuda" if simulating else default_device()),
-                                  progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
+        key = tuple(sorted(relay.items()))
+        if key not in plans:
+            plans[key] = plan_from_metadata(
+                get_plugin_manager(), config, train, train_layout, gen, gen_layout,
+                options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay),
+                                     allow_unused_sources=args.allow_unused_sources),
+                device=args.device or ("cuda" if simulating else default_device()),
+                progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
+        return plans[key]
 
     if "replicas" in relay and "direct" not in relay:
         relay = _best_relay(plan, relay, args.topology)
+    if choose_floor:
+        relay = _best_forwarding(plan, relay, args.topology)
     summary = plan(relay)
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
         print("  " + line)
-    if args.forward_within_nodes and summary.relay is None:
-        print(f"  forwarding:   none: no region of at least {args.forward_min_bytes} bytes is held by two gen ranks "
-              "of one node")
+    forwarding = "node_ranks" in relay
+    if forwarding and summary.relay is None:
+        print(f"  forwarding:   none: no region of at least {relay.get('forward_min_bytes', 1 << 20)} bytes is held "
+              "by two gen ranks of one node")
     if args.simulate or args.explain:
         from .simulate import Topology, anchor_lines, simulate
         from .units import format_duration
@@ -78,8 +93,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("refit plan: simulated (disaggregated placement: gen ranks on the nodes after the train ranks')")
         for line in [*simulation.lines(), *anchor_lines()]:
             print("  " + line)
-        if args.forward_within_nodes and summary.relay is not None:
-            unforwarded = {k: v for k, v in relay.items() if k != "node_ranks"}
+        if forwarding and summary.relay is not None:
+            unforwarded = _without_forwarding(relay)
             direct = simulate(plan(unforwarded).schedule, topology).predicted_s
             speedup = direct / simulation.predicted_s
             verdict = (f"forwarding is {speedup:.2f}x faster" if speedup >= 1 else
@@ -133,6 +148,48 @@ def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> dict[str, in
     verdict = "direct fanout wins" if direct == replicas else f"relay wins, {baseline / best:.2f}x faster"
     print(f"  best: direct={direct} ({verdict})")
     return {**relay, "direct": direct}
+
+
+def _without_forwarding(relay: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in relay.items() if k not in ("node_ranks", "forward_min_bytes")}
+
+
+def _forward_min_bytes(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of bytes, or auto")
+    return int(text)
+
+
+def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> dict[str, int]:
+    """Simulate the refit without forwarding within nodes and with each floor of ``FORWARD_FLOORS``; print
+    each prediction and return the fastest settings (without forwarding where it never wins)."""
+    from .simulate import Topology, simulate
+    from .units import format_bytes, format_duration
+
+    print(f"refit plan: forwarding within nodes of {relay['node_ranks']} gen ranks, each floor simulated on "
+          f"{topology}:")
+    direct = _without_forwarding(relay)
+    summary = plan(direct)
+    results = [(simulate(summary.schedule, Topology.parse(topology)).predicted_s, -1, direct)]
+    print(f"  {'no forwarding':<28} predicted {format_duration(results[0][0])}")
+    for floor in FORWARD_FLOORS:
+        settings = {**relay, "forward_min_bytes": floor}
+        summary = plan(settings)
+        label = f"forward_min_bytes {format_bytes(floor)}"
+        if summary.relay is None:
+            print(f"  {label:<28} nothing shared is that large")
+            continue
+        seconds = simulate(summary.schedule, Topology.parse(topology), relay=summary.relay).predicted_s
+        print(f"  {label:<28} predicted {format_duration(seconds)}, "
+              f"{format_bytes(summary.relay.schedule.summary.bytes)} forwarded")
+        results.append((seconds, floor, settings))
+    seconds, floor, best = min(results, key=lambda r: (r[0], r[1]))
+    verdict = ("forwarding does not win" if floor < 0 else
+               f"forward_min_bytes {format_bytes(floor)}, {results[0][0] / seconds:.2f}x faster than no forwarding")
+    print(f"  best: {verdict}")
+    return best
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -231,9 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "cross the network once per node and are forwarded over NVLink "
                            "(RelayOptions.node_ranks = the topology's GPUs per node); with --simulate, also "
                            "predicts the refit without it")
-    plan.add_argument("--forward-min-bytes", type=int, default=1 << 20, metavar="N",
+    plan.add_argument("--forward-min-bytes", type=_forward_min_bytes, default=1 << 20, metavar="N|auto",
                       help="with --forward-within-nodes: smaller shared regions are fed to every holder "
-                           "(RelayOptions.forward_min_bytes, default 1 MiB)")
+                           "(RelayOptions.forward_min_bytes, default 1 MiB); auto simulates no forwarding and "
+                           f"floors of {', '.join(str(f) for f in FORWARD_FLOORS)} bytes and plans the fastest")
     plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="run a real, verified refit between two programs on this machine")

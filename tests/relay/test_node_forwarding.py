@@ -108,6 +108,45 @@ def test_refit_plan_forwards_within_nodes_and_prints_the_time_without(capsys):
     assert "forwarding:   none: no region of at least 1048576 bytes" in capsys.readouterr().out  # tiny norms
 
 
+def _predictions(out: str) -> dict[str, str]:
+    """``--forward-min-bytes auto``'s table: label -> what it printed."""
+    table = out.split("each floor simulated on")[1].split("  best: ")[0].splitlines()[1:]
+    return {line[:30].strip(): line[30:].strip() for line in table}
+
+
+def _seconds(prediction: str) -> float:
+    """``predicted 47 us, ...`` -> 4.7e-05."""
+    value, unit = prediction.removeprefix("predicted ").split(",")[0].split()
+    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+
+
+@pytest.mark.parametrize("nic, wins", [("nic_gbps=50,latency_us=15", False), ("nic_gbps=1,latency_us=0", True)])
+def test_refit_plan_chooses_the_forwarding_floor_by_simulation(capsys, nic, wins):
+    from refit_core.cli import FORWARD_FLOORS, main
+    from refit_core.units import format_bytes
+
+    topology = f"gpus_per_node=2,nvlink_gbps=370,{nic}"
+    assert main(["plan", "--model", "tiny-llama", "--train", "dtensor:fsdp=2", "--gen", "dtensor:tp=2",
+                 "--device", "cpu", "--forward-within-nodes", "--forward-min-bytes", "auto",
+                 "--topology", topology]) == 0
+    out = capsys.readouterr().out
+    table = _predictions(out)
+    assert list(table) == ["no forwarding", *(f"forward_min_bytes {format_bytes(f)}" for f in FORWARD_FLOORS)]
+    assert table["forward_min_bytes 64.0 KiB"] == "nothing shared is that large"  # tiny-llama's norms: 128 B
+    direct, floor0 = table["no forwarding"], table["forward_min_bytes 0 B"]
+    assert floor0.endswith("2.5 KiB forwarded")
+    # with a slow NIC and no per-message cost, feeding the 2 norms of a layer to one rank of the node wins;
+    # at 15 us per message, the extra forwarding round loses
+    best = out.split("  best: ")[1].splitlines()[0]
+    if wins:
+        assert best.startswith("forward_min_bytes 0 B,"), best
+        assert "forwarding:   within nodes of 2 gen ranks" in out
+    else:
+        assert best == "forwarding does not win", best
+        assert "forwarding:" not in out.split("  best: ")[1]
+    assert (_seconds(floor0) < _seconds(direct)) == wins, (floor0, direct)
+
+
 def _run(relay: dict, steps: int = 2, die_after_setup: int | None = None, timeout_s: float = 30.0):
     """2 toy train ranks -> one toy engine over 2 gen ranks (its fused qkv and norm on both)."""
     return spawn(relay_ranks, 4, f"127.0.0.1:{free_port()}", steps, relay, die_after_setup, timeout_s, 2, 2,
