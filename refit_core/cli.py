@@ -59,24 +59,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       or ("replicas" in relay and "direct" not in relay))
     bucket = None if args.bucket_mb is None else args.bucket_mb << 20
     config = load_config(args.model)
-    plans: dict[tuple[tuple[str, int], ...], Any] = {}  # the choices below simulate plans planned again later
 
     def plan(relay: dict[str, int]) -> Any:
-        key = tuple(sorted(relay.items()))
-        if key not in plans:
-            plans[key] = plan_from_metadata(
-                get_plugin_manager(), config, train, train_layout, gen, gen_layout,
-                options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay),
-                                     allow_unused_sources=args.allow_unused_sources),
-                device=args.device or ("cuda" if simulating else default_device()),
-                progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
-        return plans[key]
+        return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
+                                  options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay),
+                                                      allow_unused_sources=args.allow_unused_sources),
+                                  device=args.device or ("cuda" if simulating else default_device()),
+                                  progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
 
+    summary = None
+    unforwarded_s: float | None = None  # the prediction without forwarding, where a choice simulated it
     if "replicas" in relay and "direct" not in relay:
-        relay = _best_relay(plan, relay, args.topology)
+        relay, summary = _best_relay(plan, relay, args.topology)
     if choose_floor:
-        relay = _best_forwarding(plan, relay, args.topology)
-    summary = plan(relay)
+        relay, summary, unforwarded_s = _best_forwarding(plan, relay, args.topology)
+    if summary is None:
+        summary = plan(relay)
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
         print("  " + line)
@@ -94,13 +92,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for line in [*simulation.lines(), *anchor_lines()]:
             print("  " + line)
         if forwarding and summary.relay is not None:
-            unforwarded = _without_forwarding(relay)
-            direct = simulate(plan(unforwarded).schedule, topology).predicted_s
-            speedup = direct / simulation.predicted_s
+            if unforwarded_s is None:
+                unforwarded_s = simulate(plan(_without_forwarding(relay)).schedule, topology).predicted_s
+            speedup = unforwarded_s / simulation.predicted_s
             verdict = (f"forwarding is {speedup:.2f}x faster" if speedup >= 1 else
                        f"forwarding is {1 / speedup:.2f}x slower: run without it, or raise --forward-min-bytes")
-            print(f"refit plan: without forwarding within nodes the same refit predicts {format_duration(direct)}; "
-                  f"{verdict}")
+            print("refit plan: without forwarding within nodes the same refit predicts "
+                  f"{format_duration(unforwarded_s)}; {verdict}")
         if args.explain:
             from .explain import write_plan_picture
 
@@ -125,9 +123,9 @@ def _relay_settings(text: str | None) -> dict[str, int]:
     return out
 
 
-def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> dict[str, int]:
+def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[str, int], Any]:
     """Simulate direct fanout (the trainers feed every replica) and relay with 1, 2, 4... replicas fed
-    directly; print each prediction and return the fastest settings."""
+    directly; print each prediction and return the fastest settings and their plan."""
     from .simulate import Topology, simulate
 
     replicas = relay["replicas"]
@@ -135,19 +133,23 @@ def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> dict[str, in
                         reverse=True)
     print(f"refit plan: relay fanout vs direct fanout, {replicas} replicas, fanout {relay.get('fanout', 1)}, "
           f"simulated on {topology}:")
-    results = []
+    baseline = best = float("inf")
+    chosen: tuple[dict[str, int], Any] | None = None
     for direct in candidates:
-        summary = plan({**relay, "direct": direct})
+        settings = {**relay, "direct": direct}
+        summary = plan(settings)
         seconds = simulate(summary.schedule, Topology.parse(topology), relay=summary.relay).predicted_s
         waves = len(summary.relay.waves.waves) if summary.relay is not None else 1
         label = "direct fanout (no relay)" if direct == replicas else f"relay, {direct} fed by trainers"
         print(f"  {label:<32} {waves} wave(s): predicted {seconds * 1e3:9.1f} ms")
-        results.append((seconds, direct))
-    best, direct = min(results)
-    baseline = results[0][0]
+        baseline = seconds if direct == replicas else baseline
+        if seconds < best:  # only the fastest plan so far is kept: plans at scale take gigabytes
+            best, chosen = seconds, (settings, summary)
+    assert chosen is not None
+    direct = chosen[0]["direct"]
     verdict = "direct fanout wins" if direct == replicas else f"relay wins, {baseline / best:.2f}x faster"
     print(f"  best: direct={direct} ({verdict})")
-    return {**relay, "direct": direct}
+    return chosen
 
 
 def _without_forwarding(relay: dict[str, int]) -> dict[str, int]:
@@ -162,18 +164,20 @@ def _forward_min_bytes(text: str) -> int | str:
     return int(text)
 
 
-def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> dict[str, int]:
+def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[str, int], Any, float]:
     """Simulate the refit without forwarding within nodes and with each floor of ``FORWARD_FLOORS``; print
-    each prediction and return the fastest settings (without forwarding where it never wins)."""
+    each prediction and return the fastest settings (without forwarding where it never wins), their plan
+    and the prediction without forwarding."""
     from .simulate import Topology, simulate
     from .units import format_bytes, format_duration
 
     print(f"refit plan: forwarding within nodes of {relay['node_ranks']} gen ranks, each floor simulated on "
           f"{topology}:")
-    direct = _without_forwarding(relay)
-    summary = plan(direct)
-    results = [(simulate(summary.schedule, Topology.parse(topology)).predicted_s, -1, direct)]
-    print(f"  {'no forwarding':<28} predicted {format_duration(results[0][0])}")
+    settings = _without_forwarding(relay)
+    summary = plan(settings)
+    unforwarded = simulate(summary.schedule, Topology.parse(topology)).predicted_s
+    print(f"  {'no forwarding':<28} predicted {format_duration(unforwarded)}")
+    best, chosen = unforwarded, (settings, summary)  # ties go to the plan without forwarding
     for floor in FORWARD_FLOORS:
         settings = {**relay, "forward_min_bytes": floor}
         summary = plan(settings)
@@ -184,12 +188,13 @@ def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> dict[st
         seconds = simulate(summary.schedule, Topology.parse(topology), relay=summary.relay).predicted_s
         print(f"  {label:<28} predicted {format_duration(seconds)}, "
               f"{format_bytes(summary.relay.schedule.summary.bytes)} forwarded")
-        results.append((seconds, floor, settings))
-    seconds, floor, best = min(results, key=lambda r: (r[0], r[1]))
-    verdict = ("forwarding does not win" if floor < 0 else
-               f"forward_min_bytes {format_bytes(floor)}, {results[0][0] / seconds:.2f}x faster than no forwarding")
+        if seconds < best:  # only the fastest plan so far is kept: plans at scale take gigabytes
+            best, chosen = seconds, (settings, summary)
+    chosen_floor = chosen[0].get("forward_min_bytes")
+    verdict = ("forwarding does not win" if chosen_floor is None else
+               f"forward_min_bytes {format_bytes(chosen_floor)}, {unforwarded / best:.2f}x faster than no forwarding")
     print(f"  best: {verdict}")
-    return best
+    return (*chosen, unforwarded)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
