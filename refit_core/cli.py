@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backend import GEN
 from .errors import RefitError
 from .layout import parse_backend_layout
 from .models import PRESETS, load_config, model_inventory
 from .plugins import get_plugin_manager
+
+if TYPE_CHECKING:
+    from .simulate import Topology
 
 AUTO = "auto"
 FORWARD_FLOORS = (0, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -53,7 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .simulate import Topology
 
         relay["node_ranks"] = Topology.parse(args.topology).gpus_per_node
-        if not choose_floor:
+        if args.forward_min_bytes is not None and not choose_floor:
             relay["forward_min_bytes"] = args.forward_min_bytes
     simulating = bool(args.simulate or args.explain or choose_floor
                       or ("replicas" in relay and "direct" not in relay))
@@ -80,8 +83,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("  " + line)
     forwarding = "node_ranks" in relay
     if forwarding and summary.relay is None:
-        print(f"  forwarding:   none: no region of at least {relay.get('forward_min_bytes', 1 << 20)} bytes is held "
-              "by two gen ranks of one node")
+        print(f"  forwarding:   none: no region of at least {RelayOptions(**relay).forward_min_bytes} bytes is "
+              "held by two gen ranks of one node")
     if args.simulate or args.explain:
         from .simulate import Topology, anchor_lines, simulate
         from .units import format_duration
@@ -93,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print("  " + line)
         if forwarding and summary.relay is not None:
             if unforwarded_s is None:
-                unforwarded_s = simulate(plan(_without_forwarding(relay)).schedule, topology).predicted_s
+                unforwarded_s = _predicted_s(plan(_without_forwarding(relay)), topology)
             speedup = unforwarded_s / simulation.predicted_s
             verdict = (f"forwarding is {speedup:.2f}x faster" if speedup >= 1 else
                        f"forwarding is {1 / speedup:.2f}x slower: run without it, or raise --forward-min-bytes")
@@ -126,8 +129,9 @@ def _relay_settings(text: str | None) -> dict[str, int]:
 def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[str, int], Any]:
     """Simulate direct fanout (the trainers feed every replica) and relay with 1, 2, 4... replicas fed
     directly; print each prediction and return the fastest settings and their plan."""
-    from .simulate import Topology, simulate
+    from .simulate import Topology
 
+    cluster = Topology.parse(topology)
     replicas = relay["replicas"]
     candidates = sorted({replicas, *(1 << k for k in range(replicas.bit_length()) if 1 << k < replicas)},
                         reverse=True)
@@ -138,7 +142,7 @@ def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[s
     for direct in candidates:
         settings = {**relay, "direct": direct}
         summary = plan(settings)
-        seconds = simulate(summary.schedule, Topology.parse(topology), relay=summary.relay).predicted_s
+        seconds = _predicted_s(summary, cluster)
         waves = len(summary.relay.waves.waves) if summary.relay is not None else 1
         label = "direct fanout (no relay)" if direct == replicas else f"relay, {direct} fed by trainers"
         print(f"  {label:<32} {waves} wave(s): predicted {seconds * 1e3:9.1f} ms")
@@ -150,6 +154,13 @@ def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[s
     verdict = "direct fanout wins" if direct == replicas else f"relay wins, {baseline / best:.2f}x faster"
     print(f"  best: direct={direct} ({verdict})")
     return chosen
+
+
+def _predicted_s(summary: Any, topology: Topology) -> float:
+    """The simulated time of a planned refit (its relay or forwarding rounds included) on ``topology``."""
+    from .simulate import simulate
+
+    return simulate(summary.schedule, topology, relay=summary.relay).predicted_s
 
 
 def _without_forwarding(relay: dict[str, int]) -> dict[str, int]:
@@ -168,14 +179,15 @@ def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> tuple[d
     """Simulate the refit without forwarding within nodes and with each floor of ``FORWARD_FLOORS``; print
     each prediction and return the fastest settings (without forwarding where it never wins), their plan
     and the prediction without forwarding."""
-    from .simulate import Topology, simulate
+    from .simulate import Topology
     from .units import format_bytes, format_duration
 
+    cluster = Topology.parse(topology)
     print(f"refit plan: forwarding within nodes of {relay['node_ranks']} gen ranks, each floor simulated on "
           f"{topology}:")
     settings = _without_forwarding(relay)
     summary = plan(settings)
-    unforwarded = simulate(summary.schedule, Topology.parse(topology)).predicted_s
+    unforwarded = _predicted_s(summary, cluster)
     print(f"  {'no forwarding':<28} predicted {format_duration(unforwarded)}")
     best, chosen = unforwarded, (settings, summary)  # ties go to the plan without forwarding
     for floor in FORWARD_FLOORS:
@@ -185,7 +197,7 @@ def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> tuple[d
         if summary.relay is None:
             print(f"  {label:<28} nothing shared is that large")
             continue
-        seconds = simulate(summary.schedule, Topology.parse(topology), relay=summary.relay).predicted_s
+        seconds = _predicted_s(summary, cluster)
         print(f"  {label:<28} predicted {format_duration(seconds)}, "
               f"{format_bytes(summary.relay.schedule.summary.bytes)} forwarded")
         if seconds < best:  # only the fastest plan so far is kept: plans at scale take gigabytes
@@ -293,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "cross the network once per node and are forwarded over NVLink "
                            "(RelayOptions.node_ranks = the topology's GPUs per node); with --simulate, also "
                            "predicts the refit without it")
-    plan.add_argument("--forward-min-bytes", type=_forward_min_bytes, default=1 << 20, metavar="N|auto",
+    plan.add_argument("--forward-min-bytes", type=_forward_min_bytes, metavar="N|auto",
                       help="with --forward-within-nodes: smaller shared regions are fed to every holder "
                            "(RelayOptions.forward_min_bytes, default 1 MiB); auto simulates no forwarding and "
                            f"floors of {', '.join(str(f) for f in FORWARD_FLOORS)} bytes and plans the fastest")
