@@ -2,7 +2,7 @@
 
 Rank 0 (train, GPU 0) builds a megatron-core ``GPTModel`` of the model's shape (local spec, TP 1,
 random weights drawn on the device) and refits it through ``refit-plugin-megatron``; rank 1 (gen,
-GPU 1) holds the benchmark's vLLM-style layout (``qkv_proj``, ``gate_up_proj``: ``refit_core.bench``)
+GPU 1) holds the benchmark's vLLM-style layout (``qkv_proj``, ``gate_up_proj``: ``refit_core.tools.bench``)
 and checks every byte after the last step. In the same run both measure the wire: one contiguous
 buffer of the same bytes over the same kind of communicator (nccl4py on GPUs). Prints and writes
 ``{out}.json`` / ``{out}.md``: wire and refit medians, the ratio, and setup time (pieces, plan +
@@ -33,10 +33,10 @@ from refit_core import (
     RefitSender,
     TensorSpec,
 )
-from refit_core.bench.layouts import VllmStyleModel, reference, register
-from refit_core.bench.methods import open_bench_comm
-from refit_core.launch import free_port, spawn
-from refit_core.models import PRESETS, checkpoint_specs
+from refit_core.kit.launch import free_port, spawn
+from refit_core.kit.models import PRESETS, checkpoint_specs
+from refit_core.tools.bench.layouts import VllmStyleModel, reference, register
+from refit_core.tools.bench.methods import open_bench_comm
 
 SEED = 11
 
@@ -203,7 +203,7 @@ def _markdown(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--model", default="llama-3-8b-shape", help="a refit_core.models preset (dense)")
+    parser.add_argument("--model", default="llama-3-8b-shape", help="a refit_core.kit.models preset (dense)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="", help="write OUT.json and OUT.md")
     parser.add_argument("--timeout-s", type=float, default=400)

@@ -1,10 +1,10 @@
 """Planning time and memory at scale: ``python benchmarks/plan_speed.py [--reference] [CASE ...]``.
 
-Each case runs ``refit plan``'s metadata planning (:func:`refit_core.metaplan.plan_from_metadata`:
+Each case runs ``refit plan``'s metadata planning (:func:`refit_core.plan.offline.plan_from_metadata`:
 every rank's pieces from the plugins' layout hooks, the array planner, the schedule) in a fresh
 process, so its peak memory is its own, and prints wall and CPU seconds (CPU time is the one-core
 cost on a shared machine), the layout hooks' share, peak RSS and the fingerprint. ``--reference``
-also times the reference planner (``refit_core.planner``) and the schedule on the same pieces, side
+also times the reference planner (``refit_core.plan.reference``) and the schedule on the same pieces, side
 by side, and checks that both fingerprints agree. ``--against DIR`` runs every case with another
 checkout (an older commit) too, alternating runs so both see the same load on a shared machine, and
 prints the ratio of CPU seconds. Runs on CPU; no GPU is needed.
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
 
 @dataclass(frozen=True)
 class Case:
@@ -54,16 +55,16 @@ def run_case(name: str, reference: bool) -> dict:
     """One case in this process (the child's side)."""
     import gc
 
-    from refit_core.experts import group_side
-    from refit_core.gcpause import gc_paused
-    from refit_core.layout import parse_backend_layout
-    from refit_core.metaplan import plan_from_metadata
-    from refit_core.models import load_config
-    from refit_core.options import RefitOptions
-    from refit_core.pieces import DestinationPiece
-    from refit_core.planner import plan_transfers
-    from refit_core.plugins import get_plugin_manager
-    from refit_core.schedule import build_schedule
+    from refit_core.contract.experts import group_side
+    from refit_core.contract.layout import parse_backend_layout
+    from refit_core.contract.options import RefitOptions
+    from refit_core.contract.pieces import DestinationPiece
+    from refit_core.contract.plugins import get_plugin_manager
+    from refit_core.kit.models import load_config
+    from refit_core.plan.gcpause import gc_paused
+    from refit_core.plan.offline import plan_from_metadata
+    from refit_core.plan.reference import plan_transfers
+    from refit_core.plan.schedule import build_schedule
 
     case = CASES[name]
     model, train, gen = case.model, case.train, case.gen
@@ -125,7 +126,7 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        from refit_core.errors import RefitError
+        from refit_core.contract.errors import RefitError
 
         try:
             print(json.dumps(run_case(args.child, args.reference)))

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import torch
 
-from refit_core.bench.layouts import fp8_specs
-from refit_core.models import checkpoint_specs, load_config
-from refit_core.quant.batched import BoxToQuantize, quantize_batch
-from refit_core.quant.fast import Quantizer
-from refit_core.quant.reference import reference_quantize
+from refit_core.kit.models import checkpoint_specs, load_config
+from refit_core.run.quant.batched import BoxToQuantize, quantize_batch
+from refit_core.run.quant.fast import Quantizer
+from refit_core.run.quant.reference import reference_quantize
+from refit_core.tools.bench.layouts import fp8_specs
 
 
 def _timed(fn: Callable[[], None], iters: int) -> float:

@@ -27,7 +27,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests/example_plugin:$PYTHONPATH PYTHONUNBUFFERED=1
 run() {  # run SUFFIX MODELS [ARGS...]: one benchmark run, its results in $OUT/colocated-$MACHINE[-SUFFIX]-<date>
   local suffix=$1 models=$2; shift 2
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m refit_core.bench.colocated \
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m refit_core.tools.bench.colocated \
     --models "$models" --device cuda --iters ${ITERS:-5} --warmup 1 \
     --timeout-s 150 --machine "$MACHINE" --out "$OUT/colocated-$MACHINE$suffix-$(date -u +%F)" "$@"
 }

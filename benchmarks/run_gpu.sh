@@ -19,7 +19,7 @@
 #      replicas on GPUs 1-3, direct fanout vs relay (the trainer feeds one replica, that one the next two).
 #  10. FP8 destinations (`fp8`): the quantizers alone (benchmarks/quantizer_speed.py), then BF16
 #      Megatron-style source -> block-FP8 vLLM-style destination, side by side with BF16 refit and BF16
-#      refit + quantize-after (refit_core/bench/fp8.py). FP8_TIMELINE=1 also draws each step's lanes.
+#      refit + quantize-after (refit_core/tools/bench/fp8.py). FP8_TIMELINE=1 also draws each step's lanes.
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
@@ -89,7 +89,7 @@ fi
 
 if step bench; then
   CMD="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit-staged} --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
-  limit ${BENCH_TIMEOUT:-300} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 120 \
+  limit ${BENCH_TIMEOUT:-300} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 120 \
     --command "$CMD" --out "$OUT/h200x2-$DATE" 2>&1 | tee -a "$LOG"
   echo "bench exit: $?" | tee -a "$LOG"
 fi
@@ -101,19 +101,19 @@ fi
 
 if step reshard; then
   CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
-  limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
+  limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
     --command "$CMD" --out "$OUT/h200x2-reshard-$DATE" 2>&1 | tee -a "$LOG"
   echo "reshard exit: $?" | tee -a "$LOG"
 fi
 
 if step reshard-dp; then
   CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
-  limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
+  limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
     --command "$CMD" --out "$OUT/h200x2-reshard-dp-$DATE" 2>&1 | tee -a "$LOG"
   echo "reshard-dp exit: $?" | tee -a "$LOG"
 fi
 if step demo; then
-  limit ${DEMO_TIMEOUT:-240} $PY -m refit_core.cli demo --train dtensor --gen dtensor --device cuda --steps 2 \
+  limit ${DEMO_TIMEOUT:-240} $PY -m refit_core demo --train dtensor --gen dtensor --device cuda --steps 2 \
     2>&1 | tail -8 | tee -a "$LOG"
   echo "demo exit: $?" | tee -a "$LOG"
 fi
@@ -123,13 +123,13 @@ if step colocated; then
 fi
 if step timeline; then
   CMD="refit bench --models llama-3-8b-shape --methods wire,refit --train-gpus 0 --gen-gpus 1 --machine $MACHINE --timeline $OUT/timeline-$MACHINE-$DATE.png"
-  limit ${TIMELINE_TIMEOUT:-150} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
+  limit ${TIMELINE_TIMEOUT:-150} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
     --command "$CMD" --out "$OUT/timeline-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
   echo "timeline exit: $?" | tee -a "$LOG"
 fi
 if step relay; then
   CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@replicas=3+relay=1 --gen-dp 3 --train-gpus 0 --gen-gpus 1,2,3 --machine $MACHINE"
-  limit ${RELAY_TIMEOUT:-200} $PY -m refit_core.bench ${CMD#refit bench } --timeout-s 60 \
+  limit ${RELAY_TIMEOUT:-200} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
     --command "$CMD" --out "$OUT/relay-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
   echo "relay exit: $?" | tee -a "$LOG"
 fi
@@ -154,7 +154,7 @@ def missing(names):
         except Exception as exc:
             out.append(f"{name} ({type(exc).__name__}: {exc})")
     return out
-needed = missing(["refit_core.bench.runner", "refit_core.bench.fp8", "refit_core.quant.fast"])
+needed = missing(["refit_core.tools.bench.runner", "refit_core.tools.bench.fp8", "refit_core.run.quant.fast"])
 optional = missing(["triton", "nccl.core"])
 print("fp8 preflight: torch", torch.__version__, "gpus", torch.cuda.device_count(), "float8", torch.float8_e4m3fn,
       "missing:", needed or "none", "optional missing:", optional or "none")
@@ -164,7 +164,7 @@ EOF
   limit 240 $PY benchmarks/quantizer_speed.py --out "$OUT/quantizer-speed-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
   local cmd="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --fp8-block 128,128 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
   [ -n "${FP8_TIMELINE:-}" ] && cmd="$cmd --timeline $OUT/timeline-fp8-$MACHINE-$DATE.png"
-  limit ${FP8_TIMEOUT:-540} $PY -m refit_core.bench ${cmd#refit bench } --timeout-s 150 \
+  limit ${FP8_TIMEOUT:-540} $PY -m refit_core.tools.bench ${cmd#refit bench } --timeout-s 150 \
     --command "$cmd" --out "$OUT/h200x2-fp8-$DATE" 2>&1 | tee -a "$LOG"
   echo "fp8 exit: $?" | tee -a "$LOG"
 }

@@ -1,6 +1,6 @@
 """What setup moves through the store at world sizes too large to launch here: real-shape layouts
 described by the plugins' layout hooks (no model built), planned once as train rank 0 does, and
-sliced into every rank's part of the plan (:mod:`refit_core.rankplan`).
+sliced into every rank's part of the plan (:mod:`refit_core.plan.rankplan`).
 
 Printed per case: the world, the plan's segments, the planner's time to plan and to slice and encode
 every rank's record, the bytes it publishes in all, the largest and the median rank's record (what
@@ -18,16 +18,17 @@ import sys
 import time
 from typing import Any
 
-from refit_core import rankplan, wire
-from refit_core.backend import GEN, TRAIN
-from refit_core.experts import group_side
-from refit_core.layout import parse_backend_layout
-from refit_core.models import load_config
-from refit_core.options import RefitOptions
-from refit_core.pieces import DestinationPiece, PieceMeta
-from refit_core.plugins import get_plugin_manager
-from refit_core.relay import plan_with_relay
-from refit_core.transport.placement import Link
+from refit_core.contract.backend import GEN, TRAIN
+from refit_core.contract.experts import group_side
+from refit_core.contract.layout import parse_backend_layout
+from refit_core.contract.options import RefitOptions
+from refit_core.contract.pieces import DestinationPiece, PieceMeta
+from refit_core.contract.plugins import get_plugin_manager
+from refit_core.kit.models import load_config
+from refit_core.net import wire
+from refit_core.plan import rankplan
+from refit_core.plan.links import Link
+from refit_core.plan.relay import plan_with_relay
 
 CASES = [
     ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2"),

@@ -2,7 +2,7 @@
 
 For each world size N, N processes (N/2 train ranks of ``ToyTrainer``, N/2 gen ranks of
 ``ToyEngine``, both from ``tests/example_plugin``) import everything, wait until all are ready,
-then run ``setup()`` and one verified step. Every rank reports its :class:`~refit_core.setuptime.SetupTimes`
+then run ``setup()`` and one verified step. Every rank reports its :class:`~refit_core.run.setuptime.SetupTimes`
 (pieces, metadata exchange, plan, fingerprint agreement, transport, bind) and the bytes it read from
 the rendezvous store. Printed: per world size, the slowest rank's total and each phase's slowest rank;
 the planner's (train rank 0's) own planning time and download; and the largest download of any other
@@ -37,10 +37,11 @@ def _rank(rank: int, world: int, address: str, ready_dir: str, timeout_s: float)
     import torch
 
     torch.set_num_threads(1)
-    from refit_core import RefitOptions, RefitReceiver, RefitSender
-    from refit_core.verify import mismatches
     from refit_toy.demo import reference
     from refit_toy.models import ToyEngine, ToyTrainer
+
+    from refit_core import RefitOptions, RefitReceiver, RefitSender
+    from refit_core.kit.verify import mismatches
 
     train_world = world // 2
     train = rank < train_world
@@ -74,7 +75,7 @@ def _rank(rank: int, world: int, address: str, ready_dir: str, timeout_s: float)
 
 
 def measure(world: int, timeout_s: float) -> dict[str, Any]:
-    from refit_core.launch import free_port, spawn
+    from refit_core.kit.launch import free_port, spawn
 
     with tempfile.TemporaryDirectory() as ready:
         started = time.perf_counter()

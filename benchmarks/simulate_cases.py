@@ -1,7 +1,7 @@
 """Predicted refit times for issue #16's cases against their bounds: ``python benchmarks/simulate_cases.py``.
 
 Each case (three shared with ``benchmarks/plan_speed.py``) is planned from metadata
-(:func:`refit_core.metaplan.plan_from_metadata`, the CUDA bucket) twice, with the trainers feeding
+(:func:`refit_core.plan.offline.plan_from_metadata`, the CUDA bucket) twice, with the trainers feeding
 every engine GPU and with forwarding within nodes (``RelayOptions.node_ranks`` = the topology's GPUs
 per node), and simulated on ``--topology`` (H100 nodes by default). Prints, side by side, the
 prediction, the receiver- and sender-side bounds and their ratios; ``--out PREFIX`` writes
@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass
 from plan_speed import CASES as PLANNING_CASES
 from plan_speed import Case
 
-from refit_core.layout import parse_backend_layout
-from refit_core.metaplan import plan_from_metadata
-from refit_core.models import load_config
-from refit_core.options import RefitOptions, RelayOptions
-from refit_core.plugins import get_plugin_manager
-from refit_core.simulate import Topology, simulate
+from refit_core.contract.layout import parse_backend_layout
+from refit_core.contract.options import RefitOptions, RelayOptions
+from refit_core.contract.plugins import get_plugin_manager
+from refit_core.kit.models import load_config
+from refit_core.plan.offline import plan_from_metadata
+from refit_core.plan.simulate import Topology, simulate
 
 CASES = {
     **{name: PLANNING_CASES[name] for name in ("deepseek-v3", "kimi-k2", "qwen3-30b-a3b-1024")},

@@ -7,17 +7,34 @@ rank), their settings (:class:`RefitOptions` with :class:`MessageOptions`, :clas
 :class:`Backend` and ``hookimpl`` for plugin authors, and the errors refit raises.
 """
 
-from .api import RefitReceiver, RefitSender, StepStats
-from .backend import GEN, TRAIN, Backend
-from .errors import AuthenticationError, OptionError, PlanError, PluginError, RefitError, RendezvousError, TransferError
-from .failures import StepFailedError, StepFailure, UpdateMode
-from .experts import ExpertName
-from .layout import ParallelLayout
-from .options import (CastPolicy, MessageMode, MessageOptions, NcclBackend, NcclOptions, RefitOptions, RelayOptions,
-                      TransportKind)
-from .pieces import DestinationMap, DestinationPiece, SourcePiece
-from .plugins import get_plugin_manager, hookimpl
-from .spec import Box, TensorSpec
+from refit_core import _compat
+from refit_core.api import RefitReceiver, RefitSender, StepStats
+from refit_core.contract.backend import GEN, TRAIN, Backend
+from refit_core.contract.errors import (
+    AuthenticationError,
+    OptionError,
+    PlanError,
+    PluginError,
+    RefitError,
+    RendezvousError,
+    TransferError,
+)
+from refit_core.contract.experts import ExpertName
+from refit_core.contract.failures import StepFailedError, StepFailure, UpdateMode
+from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.options import (
+    CastPolicy,
+    MessageMode,
+    MessageOptions,
+    NcclBackend,
+    NcclOptions,
+    RefitOptions,
+    RelayOptions,
+    TransportKind,
+)
+from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
+from refit_core.contract.plugins import get_plugin_manager, hookimpl
+from refit_core.contract.spec import Box, TensorSpec
 
 __all__ = [
     "GEN", "TRAIN", "Backend", "Box", "CastPolicy", "DestinationMap", "DestinationPiece", "ExpertName",
@@ -26,3 +43,5 @@ __all__ = [
     "StepStats", "TensorSpec", "TransferError", "TransportKind", "get_plugin_manager", "hookimpl",
     "AuthenticationError", "RendezvousError", "StepFailedError", "StepFailure", "UpdateMode",
 ]
+
+_compat.install()

@@ -15,31 +15,32 @@ from typing import Any
 
 import torch
 
-from . import rankplan, wire
-from .auth import JobCredentials
-from .backend import GEN, TRAIN
-from .env import with_overrides
-from .colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
-from .steptrace import StepTrace
-from .copies import CopyCounts
-from .errors import PlanError, RefitError, TransferError
-from .executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
-from .experts import ExpertNaming, group_meta, group_piece, group_side
-from .failures import StepFailedError, StepFailure
-from .gcpause import gc_paused
-from .options import RefitOptions, UpdateMode
-from .pieces import DestinationPiece, Piece, PieceMeta
-from .plugins import PluginManager, get_plugin_manager
-from .quant.receiver import ReceiverQuantizer
-from .relay import RelayPlan, check_relay_pairs, plan_with_relay
-from .rendezvous import Rendezvous
-from .schedule import Message, Schedule
-from .setuptime import SetupTimes
-from .spec import TensorSpec
-from .transport import Transport, open_transport
-from .transport.placement import Link, Placement, pair_links, placement_of
-from .units import format_bytes
-from .validate import check_no_overlap, check_view
+from refit_core.contract.backend import GEN, TRAIN
+from refit_core.contract.env import with_overrides
+from refit_core.contract.errors import PlanError, RefitError, TransferError
+from refit_core.contract.experts import ExpertNaming, group_meta, group_piece, group_side
+from refit_core.contract.failures import StepFailedError, StepFailure
+from refit_core.contract.options import RefitOptions, UpdateMode
+from refit_core.contract.pieces import DestinationPiece, Piece, PieceMeta
+from refit_core.contract.plugins import PluginManager, get_plugin_manager
+from refit_core.contract.spec import TensorSpec
+from refit_core.net import wire
+from refit_core.net.auth import JobCredentials
+from refit_core.net.rendezvous import Rendezvous
+from refit_core.net.transport import Transport, open_transport
+from refit_core.plan import rankplan
+from refit_core.plan.gcpause import gc_paused
+from refit_core.plan.links import Link, Placement, pair_links, placement_of
+from refit_core.plan.relay import RelayPlan, check_relay_pairs, plan_with_relay
+from refit_core.plan.schedule import Message, Schedule
+from refit_core.run.colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
+from refit_core.run.copies import CopyCounts
+from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
+from refit_core.run.quant.receiver import ReceiverQuantizer
+from refit_core.run.setuptime import SetupTimes
+from refit_core.run.steptrace import StepTrace
+from refit_core.run.validate import check_no_overlap, check_view
+from refit_core.units import format_bytes
 
 log = logging.getLogger("refit")
 
@@ -55,7 +56,7 @@ class _Endpoint:
     """What both sides share: setup (metadata exchange, agreement, planning, transport) and teardown.
 
     ``options`` are this rank's wishes, with the environment's overrides applied
-    (:mod:`refit_core.env`); ``settings`` are the options every rank agreed on at setup (the train
+    (:mod:`refit_core.contract.env`); ``settings`` are the options every rank agreed on at setup (the train
     side's rank 0's), None before setup.
     """
 
@@ -87,7 +88,7 @@ class _Endpoint:
         self.host_id = host_id
         self.links: dict[tuple[int, int], Link] = {}
         """The links of this rank's pairs after setup (the planner, train rank 0: every pair's), see
-        :mod:`refit_core.transport.placement`."""
+        :mod:`refit_core.plan.links`."""
         self._network = False  # whether the network transport opens: the planner's answer
         self._colocated: ColocatedSender | ColocatedReceiver | None = None
         self._colocated_bound = False
@@ -95,7 +96,7 @@ class _Endpoint:
         self._steps = 0  # steps since setup (landing keys of staged mode)
         self._broken: str | None = None  # why the last step failed; a new setup() clears it
         self.relay: RelayPlan | None = None
-        """The relay fanout plan agreed at setup (None without relay), see :mod:`refit_core.relay`."""
+        """The relay fanout plan agreed at setup (None without relay), see :mod:`refit_core.plan.relay`."""
         self._relay_out: SendExecutor | ForwardExecutor | None = None
         """A gen rank's forwarding once its step landed: to the next wave's replicas, or within its node."""
         self._phases: dict[str, float] = {}
@@ -110,7 +111,7 @@ class _Endpoint:
     def setup(self) -> Schedule:
         """Exchange metadata, plan, check agreement and open the transport. Collective over both sides.
 
-        Train rank 0 plans once and publishes each rank its own part (:mod:`refit_core.rankplan`):
+        Train rank 0 plans once and publishes each rank its own part (:mod:`refit_core.plan.rankplan`):
         the returned :class:`Schedule` holds the whole plan there, and this rank's own messages
         elsewhere (fingerprint and summary are the whole plan's everywhere). Every wait has the deadline
         ``options.timeout_s``; a failure on any rank (including while the transport opens) reaches
@@ -222,7 +223,7 @@ class _Endpoint:
     def _plan(self, settings: RefitOptions, pieces: list[Piece],
               metas: dict[str, list[list[PieceMeta]]] | None) -> Schedule:
         """The planner plans the whole refit and publishes every rank's part; every other rank reads
-        its own part (:mod:`refit_core.rankplan`). Each rank holds its part against its own pieces,
+        its own part (:mod:`refit_core.plan.rankplan`). Each rank holds its part against its own pieces,
         then all agree on the plan's fingerprint (a barrier) before any collective.
 
         With relay fanout the trainers feed only the first wave's replicas; the relay plan (waves,
@@ -281,7 +282,7 @@ class _Endpoint:
         return mine, schedule
 
     def _assign_links(self, schedule: Schedule, settings: RefitOptions) -> None:
-        """Every pair's link (:mod:`~refit_core.transport.placement`), on the planner; a pair no
+        """Every pair's link (:mod:`~refit_core.plan.links`), on the planner; a pair no
         transport can connect (same GPU, colocation off) is refused before any collective."""
         rdv = self._require_rendezvous()
         places = {side: [Placement.decode(text) for text in
@@ -322,7 +323,7 @@ class _Endpoint:
 
     @property
     def colocated_trace(self) -> StepTrace | None:
-        """The last step's colocated :class:`~refit_core.steptrace.StepTrace` (with
+        """The last step's colocated :class:`~refit_core.run.steptrace.StepTrace` (with
         ``RefitOptions(step_trace=True)`` and colocated pairs; else None)."""
         return getattr(self._colocated, "trace", None)
 
@@ -360,7 +361,7 @@ class _Endpoint:
                     timeout_s=settings.timeout_s, mode=settings.mode)
 
     def _bind(self, pieces: list[Piece]) -> None:
-        """Re-check every view (see :mod:`refit_core.validate`), then resolve the schedule onto them."""
+        """Re-check every view (see :mod:`refit_core.run.validate`), then resolve the schedule onto them."""
         began = time.perf_counter()
         grouped = [group_piece(p, self.plugins.expert_name, self._counts) for p in pieces]
         if any(p.view is None for p in grouped):
@@ -500,7 +501,7 @@ class RefitSender(_Endpoint):
         With colocated peers this first checks that every source tensor is still the memory shared at
         setup; if not, the step fails on this rank and on its colocated peers, naming the tensor.
         In staged mode it returns once every gen rank has landed the step. After a failure
-        (:class:`~refit_core.errors.TransferError`), ``close()`` and ``setup()`` again.
+        (:class:`~refit_core.contract.errors.TransferError`), ``close()`` and ``setup()`` again.
         """
         self._require_step()
         step, self._steps = self._steps, self._steps + 1
@@ -636,7 +637,7 @@ class RefitReceiver(_Endpoint):
     def receive(self) -> StepStats:
         """Receive one step's weights into the engine; ``stats.version`` is the sender's version.
 
-        On failure raises :class:`~refit_core.failures.StepFailedError`, whose ``failure`` names the
+        On failure raises :class:`~refit_core.contract.failures.StepFailedError`, whose ``failure`` names the
         destination tensors the step touched (none in staged mode, unless colocated pairs, which land in
         place, had started); ``version`` is not advanced, the plugin's ``refit_abort_update`` is told,
         and the endpoint needs ``close()`` + ``setup()``.

@@ -18,12 +18,27 @@ begin / abort / finish behave as documented; and multi-process round trips again
 land the reference state dict bit for bit, over two steps, with the plan ``refit plan`` predicts.
 """
 
-from .live import round_trip, round_trips
-from .reference import REFERENCE_BACKEND, ReferenceEngine, ReferencePlugin, ReferenceTrainer, reference_weights
-from .results import CheckResult, ConformanceError, Outcome, require
-from .runner import check_plugin, installed_suite, model_free_suite
-from .static import model_free_checks
-from .suite import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
+from refit_core.testing.live import round_trip, round_trips
+from refit_core.testing.reference import (
+    REFERENCE_BACKEND,
+    ReferenceEngine,
+    ReferencePlugin,
+    ReferenceTrainer,
+    reference_weights,
+)
+from refit_core.testing.results import CheckResult, ConformanceError, Outcome, require
+from refit_core.testing.runner import check_plugin, installed_suite, model_free_suite
+from refit_core.testing.static import model_free_checks
+from refit_core.testing.suite import (
+    Conformance,
+    GenFactory,
+    ModelCase,
+    RankContext,
+    Refusal,
+    RoundTrip,
+    Side,
+    TrainFactory,
+)
 
 __all__ = [
     "REFERENCE_BACKEND", "CheckResult", "Conformance", "ConformanceError", "GenFactory", "ModelCase", "Outcome",

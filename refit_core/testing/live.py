@@ -17,20 +17,26 @@ from typing import Any
 
 import torch
 
-from ..api import RefitOptions, RefitReceiver, RefitSender
-from ..launch import RankFailure, free_port, spawn
-from ..experts import ExpertNaming
-from ..errors import PluginError
-from ..layout import ParallelLayout
-from ..metaplan import plan_from_metadata
-from ..pieces import DestinationPiece, Piece
-from ..plugins import PluginManager
-from ..verify import mismatches, reference_region
-from .memory import overlapping_views, uncovered
-from .reference import REFERENCE_BACKEND, ReferenceEngine, ReferenceTrainer, per_expert_specs, reference_weights
-from .results import CheckResult, Outcome
-from .static import kit_manager
-from .suite import Conformance, GenFactory, ModelCase, RankContext, RoundTrip, Side
+from refit_core.api import RefitOptions, RefitReceiver, RefitSender
+from refit_core.contract.errors import PluginError
+from refit_core.contract.experts import ExpertNaming
+from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.pieces import DestinationPiece, Piece
+from refit_core.contract.plugins import PluginManager
+from refit_core.kit.launch import RankFailure, free_port, spawn
+from refit_core.kit.verify import mismatches, reference_region
+from refit_core.plan.offline import plan_from_metadata
+from refit_core.testing.memory import overlapping_views, uncovered
+from refit_core.testing.reference import (
+    REFERENCE_BACKEND,
+    ReferenceEngine,
+    ReferenceTrainer,
+    per_expert_specs,
+    reference_weights,
+)
+from refit_core.testing.results import CheckResult, Outcome
+from refit_core.testing.static import kit_manager
+from refit_core.testing.suite import Conformance, GenFactory, ModelCase, RankContext, RoundTrip, Side
 
 SEED = 11
 STEPS = 2

@@ -29,7 +29,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize ``conformance_round_trip`` with the round trips of the test class's ``suite``."""
     if "conformance_round_trip" not in metafunc.fixturenames:
         return
-    from .suite import Side
+    from refit_core.testing.suite import Side
 
     suite = getattr(metafunc.cls, "suite", None)
     if suite is None:
@@ -53,15 +53,15 @@ class PluginConformance:
 
     def test_model_free_checks(self) -> None:
         """Registration, hook selection, metadata-only layouts and refusals."""
-        from .results import require
-        from .static import model_free_checks
+        from refit_core.testing.results import require
+        from refit_core.testing.static import model_free_checks
 
         require(model_free_checks(self.suite))
 
     def test_round_trip(self, conformance_round_trip: Any) -> None:
         """Live pieces, precedence, begin / abort / finish, and a bitwise two-step refit in processes."""
-        from .live import round_trip
-        from .results import require
+        from refit_core.testing.live import round_trip
+        from refit_core.testing.results import require
 
         trip, side = conformance_round_trip
         require(round_trip(self.suite, trip, side, self.timeout_s))

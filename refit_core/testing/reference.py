@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from ..backend import GEN, TRAIN, Backend
-from ..experts import ExpertNaming, default_expert_name, default_member_name
-from ..layout import ParallelLayout
-from ..models import reference_tensor
-from ..pieces import DestinationMap, DestinationPiece, SourcePiece
-from ..plugins import hookimpl
-from ..spec import Box, TensorSpec
+from refit_core.contract.backend import GEN, TRAIN, Backend
+from refit_core.contract.experts import ExpertNaming, default_expert_name, default_member_name
+from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
+from refit_core.contract.plugins import hookimpl
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.kit.models import reference_tensor
 
 REFERENCE_BACKEND = "refit-reference"
 REFERENCE_PLUGIN = "refit-reference"
@@ -47,7 +47,7 @@ def reference_weights(specs: Sequence[TensorSpec], seed: int, step: int,
                       naming: ExpertNaming = DEFAULT_NAMING) -> dict[str, torch.Tensor]:
     """The full HF state dict (per-expert names) of training ``step``: identical in every process.
 
-    For ``checkpoint_specs(config)`` this equals ``refit_core.models.reference_state_dict``.
+    For ``checkpoint_specs(config)`` this equals ``refit_core.kit.models.reference_state_dict``.
     """
     return dict(naming.ungrouped([(spec.name, reference_tensor(spec, seed, step)) for spec in specs]))
 

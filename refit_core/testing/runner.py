@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import replace
 
-from ..errors import PluginError
-from ..models import load_config
-from ..plugins import PluginManager
-from .live import round_trips
-from .results import CheckResult, require
-from .static import model_free_checks
-from .suite import Conformance, ModelCase
+from refit_core.contract.errors import PluginError
+from refit_core.contract.plugins import PluginManager
+from refit_core.kit.models import load_config
+from refit_core.testing.live import round_trips
+from refit_core.testing.results import CheckResult, require
+from refit_core.testing.static import model_free_checks
+from refit_core.testing.suite import Conformance, ModelCase
 
 SUITE_GROUP = "refit.conformance"
 """Entry-point group under which a plugin publishes its :class:`Conformance` (same name as its plugin)."""

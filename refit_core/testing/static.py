@@ -12,17 +12,23 @@ from typing import Any
 
 import torch
 
-from ..backend import GEN, TRAIN
-from ..errors import PluginError
-from ..experts import group_side
-from ..layout import ParallelLayout
-from ..metaplan import plan_from_metadata
-from ..pieces import DestinationPiece, Piece, PieceMeta
-from ..plugins import PluginManager
-from .reference import (REFERENCE_BACKEND, REFERENCE_PLUGIN, ReferenceEngine, ReferencePlugin, ReferenceTrainer,
-                        per_expert_specs)
-from .results import CheckResult, Outcome, run_check
-from .suite import Conformance, ModelCase, Side
+from refit_core.contract.backend import GEN, TRAIN
+from refit_core.contract.errors import PluginError
+from refit_core.contract.experts import group_side
+from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.pieces import DestinationPiece, Piece, PieceMeta
+from refit_core.contract.plugins import PluginManager
+from refit_core.plan.offline import plan_from_metadata
+from refit_core.testing.reference import (
+    REFERENCE_BACKEND,
+    REFERENCE_PLUGIN,
+    ReferenceEngine,
+    ReferencePlugin,
+    ReferenceTrainer,
+    per_expert_specs,
+)
+from refit_core.testing.results import CheckResult, Outcome, run_check
+from refit_core.testing.suite import Conformance, ModelCase, Side
 
 FOREIGN_BACKEND = "refit-conformance-nobody"
 _MODEL_HOOKS = ("refit_source_pieces", "refit_destination_map", "refit_begin_update", "refit_finish_update",

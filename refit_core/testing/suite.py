@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..layout import ParallelLayout
-from ..models import PRESETS, checkpoint_specs
-from ..spec import TensorSpec
+from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.spec import TensorSpec
+from refit_core.kit.models import PRESETS, checkpoint_specs
 
 
 class Side(Enum):
@@ -31,7 +31,7 @@ class ModelCase:
     """A model the backend must describe: a HF ``config`` and the checkpoint it stands for.
 
     ``checkpoint`` is None for the decoder families the core knows from config alone
-    (``refit_core.models.checkpoint_specs``); a backend whose models are not HF decoders lists its
+    (``refit_core.kit.models.checkpoint_specs``); a backend whose models are not HF decoders lists its
     checkpoint tensors here (per-expert or grouped names).
     """
 
@@ -41,7 +41,7 @@ class ModelCase:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelCase:
-        """A ``refit_core.models.PRESETS`` model, optionally with config fields changed."""
+        """A ``refit_core.kit.models.PRESETS`` model, optionally with config fields changed."""
         return cls(name, {**PRESETS[name], **overrides})
 
     def specs(self) -> list[TensorSpec]:

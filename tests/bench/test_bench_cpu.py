@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
 
 
 def test_bench_smoke_on_cpu(tmp_path, monkeypatch):
-    from refit_core.bench import main
+    from refit_core.tools.bench import main
 
     config = dict(PRESETS["tiny-qwen3-moe"], hidden_size=128, moe_intermediate_size=64, num_experts=8,
                   vocab_size=512)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from refit_core.timeline import Phase, StepTimeline
+from refit_core.run.timeline import Phase, StepTimeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TIMING_ATTEMPTS = 3
@@ -14,7 +14,7 @@ structural ones (spans, rounds, phases, no overlap) in every run."""
 
 
 def test_bench_timeline_on_cpu_draws_a_png_of_non_overlapping_spans_that_cover_the_step(tmp_path):
-    from refit_core.bench import main
+    from refit_core.tools.bench import main
 
     png, prefix = tmp_path / "timeline.png", str(tmp_path / "out")
     for attempt in range(TIMING_ATTEMPTS):

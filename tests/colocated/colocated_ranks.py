@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.transport.placement import Link
+from refit_core.plan.links import Link
 
 FAULTS = ("free", "realloc")
 
@@ -37,8 +37,8 @@ class FinishTogether:
 
 
 def _bench_models(model: str, train: bool, rank: int, tp: int):
-    from refit_core.bench import layouts
-    from refit_core.models import load_config
+    from refit_core.kit.models import load_config
+    from refit_core.tools.bench import layouts
 
     layouts.register()
     cls = layouts.MegatronStyleModel if train else layouts.VllmStyleModel
@@ -116,7 +116,7 @@ def _toy_rank(rank: int, world: int, address: str, train_size: int, hosts: list[
     from refit_toy.demo import reference
     from refit_toy.models import ToyEngine, ToyTrainer
 
-    from refit_core.verify import mismatches
+    from refit_core.kit.verify import mismatches
 
     train = rank < train_size
     local, size = (rank, train_size) if train else (rank - train_size, world - train_size)

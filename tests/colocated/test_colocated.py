@@ -13,15 +13,14 @@ import time
 
 import pytest
 import torch
+from colocated_ranks import bench_ranks, toy_ranks
 
 from refit_core import RefitOptions
-from refit_core.copies import coalesce
-from refit_core.errors import OptionError, PlanError
-from refit_core.launch import free_port, spawn
-from refit_core.options import Colocation
-from refit_core.transport.placement import Link, Placement, choose_link, pair_links
-
-from colocated_ranks import bench_ranks, toy_ranks
+from refit_core.contract.errors import OptionError, PlanError
+from refit_core.contract.options import Colocation
+from refit_core.kit.launch import free_port, spawn
+from refit_core.plan.links import Link, Placement, choose_link, pair_links
+from refit_core.run.copies import coalesce
 
 SHARED = {"timeout_s": 20, "colocate": "shared"}
 

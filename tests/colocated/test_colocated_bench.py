@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from refit_core.bench.colocated import main
-from refit_core.steptrace import StepTrace, breakdown
+from refit_core.run.steptrace import StepTrace, breakdown
+from refit_core.tools.bench.colocated import main
 
 
 def test_colocated_benchmark_runs_every_method_bitwise_and_reports_ratios(tmp_path, capsys):

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from refit_core.copies import CopyProgram, blocks, coalesce, pitched, widen
-from refit_core.options import StridedCopy
+from refit_core.contract.options import StridedCopy
+from refit_core.run.copies import CopyProgram, blocks, coalesce, pitched, widen
 
 
 def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -207,7 +207,7 @@ def test_staging_copies_move_a_round_of_many_blocks_in_few_launches_into_any_buf
     """A staged round of per-query-group ``k`` / ``v`` blocks (FP8 values and their fp32 scales, one
     segment each): planned once against a template buffer, then run against other buffers of the same
     layout, bit for bit as one copy per segment, in a few launches."""
-    from refit_core.copies import StagingCopies
+    from refit_core.run.copies import StagingCopies
 
     groups, rows, cols = 8, 16, 64
     k = _random_bits((groups * rows, cols), torch.float8_e4m3fn, 1)

@@ -5,7 +5,7 @@ import sys
 
 
 def refit(*args):
-    return subprocess.run([sys.executable, "-m", "refit_core.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "refit_core", *args], capture_output=True, text=True,
                           timeout=300, check=False)
 
 

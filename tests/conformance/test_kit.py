@@ -9,8 +9,8 @@ import broken_plugins
 import torch
 
 from refit_core import ParallelLayout, RefitOptions, get_plugin_manager
-from refit_core.metaplan import plan_from_metadata
-from refit_core.models import PRESETS, reference_state_dict
+from refit_core.kit.models import PRESETS, reference_state_dict
+from refit_core.plan.offline import plan_from_metadata
 from refit_core.testing import ModelCase, Outcome, Side, model_free_checks, reference_weights, round_trip
 from refit_core.testing.memory import overlapping_views, uncovered
 

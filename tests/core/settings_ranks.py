@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
-from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.verify import mismatches
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
+
+from refit_core import RefitOptions, RefitReceiver, RefitSender
+from refit_core.kit.verify import mismatches
 
 
 def mismatched_setups(rank: int, world: int, cases: list[tuple[str, dict, dict, dict]]) -> list[tuple[str, str, str]]:

@@ -5,7 +5,7 @@ import sys
 
 
 def refit(*args):
-    return subprocess.run([sys.executable, "-m", "refit_core.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "refit_core", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_plan_prints_the_summary_from_metadata_alone():
@@ -35,7 +35,7 @@ def test_plan_allows_unused_sources_only_when_asked(tmp_path):
     unless ``--allow-unused-sources`` says to plan without it."""
     import json
 
-    from refit_core.models import PRESETS
+    from refit_core.kit.models import PRESETS
 
     config = dict(PRESETS["deepseek-v3-shape"], hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,

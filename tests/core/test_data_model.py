@@ -3,10 +3,17 @@
 import pytest
 import torch
 
-from refit_core.experts import ExpertName, default_expert_name, expert_counts, group_meta, group_piece, ungroup_name
-from refit_core.layout import ParallelLayout, parse_backend_layout
-from refit_core.pieces import PieceMeta, SourcePiece
-from refit_core.spec import Box, TensorSpec, dtype_from_name
+from refit_core.contract.experts import (
+    ExpertName,
+    default_expert_name,
+    expert_counts,
+    group_meta,
+    group_piece,
+    ungroup_name,
+)
+from refit_core.contract.layout import ParallelLayout, parse_backend_layout
+from refit_core.contract.pieces import PieceMeta, SourcePiece
+from refit_core.contract.spec import Box, TensorSpec, dtype_from_name
 
 
 def test_box_intersection_relative_coordinates_and_views():

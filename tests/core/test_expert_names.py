@@ -3,17 +3,16 @@ verification under the checkpoint's names (the example plugin names experts with
 
 import pytest
 import torch
-
-from refit_core import Box, DestinationPiece, ExpertName, PluginError, TensorSpec, hookimpl
-from refit_core.experts import ExpertNaming, default_expert_name, default_member_name
-from refit_core.launch import free_port, spawn
-from refit_core.pieces import PieceMeta
-from refit_core.plugins import PluginManager
-from refit_core.verify import mismatches
 from refit_toy.demo import reference
 from refit_toy.models import EXPERTS, ODD_GROUPED_EXPERTS
-
 from toy_ranks import TRAIN_RANKS, odd_expert_ranks
+
+from refit_core import Box, DestinationPiece, ExpertName, PluginError, TensorSpec, hookimpl
+from refit_core.contract.experts import ExpertNaming, default_expert_name, default_member_name
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.plugins import PluginManager
+from refit_core.kit.launch import free_port, spawn
+from refit_core.kit.verify import mismatches
 
 ODD = [f"model.layers.0.moe.expert{e}_up.weight" for e in range(EXPERTS)]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from refit_core import RefitError, TensorSpec
-from refit_core.inventory import (
+from refit_core.kit.inventory import (
     TABLE_ARCHITECTURES,
     InventorySource,
     config_specs,
@@ -18,7 +18,7 @@ from refit_core.inventory import (
     safetensors_specs,
     table_specs,
 )
-from refit_core.models import (
+from refit_core.kit.models import (
     PRESETS,
     checkpoint_specs,
     model_inventory,

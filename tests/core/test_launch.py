@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from refit_core.launch import _ephemeral_range, free_port
+from refit_core.kit.launch import _ephemeral_range, free_port
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_kernels_ephemeral_range() -> None:

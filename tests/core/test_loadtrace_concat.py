@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from refit_core import TensorSpec
-from refit_core.loadplan import plan_model
-from refit_core.loadtrace import trace_loads
+from refit_core.kit.loadplan import plan_model
+from refit_core.kit.loadtrace import trace_loads
 
 Q, KV, HIDDEN = 6, 4, 5
 SPECS = [TensorSpec("a.q.weight", (Q, HIDDEN), torch.float32), TensorSpec("a.kv.weight", (KV, HIDDEN), torch.float32),

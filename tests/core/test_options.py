@@ -1,14 +1,20 @@
 """RefitOptions: typed settings, their wire form, environment overrides, and agreement across ranks."""
 
 import pytest
-
-from refit_core.env import OVERRIDES, with_overrides
-from refit_core.errors import OptionError, PlanError
-from refit_core.launch import free_port, spawn
-from refit_core.options import (CastPolicy, MessageMode, MessageOptions, NcclBackend, NcclOptions, RefitOptions,
-                                TransportKind)
-
 from settings_ranks import adopted_settings, mismatched_setups
+
+from refit_core.contract.env import OVERRIDES, with_overrides
+from refit_core.contract.errors import OptionError, PlanError
+from refit_core.contract.options import (
+    CastPolicy,
+    MessageMode,
+    MessageOptions,
+    NcclBackend,
+    NcclOptions,
+    RefitOptions,
+    TransportKind,
+)
+from refit_core.kit.launch import free_port, spawn
 
 
 def test_strings_and_dicts_become_enums_and_nested_options():
@@ -87,11 +93,12 @@ def test_a_rank_adopts_what_it_did_not_set_and_keeps_its_own_timeout():
 
 
 def test_settings_are_part_of_the_plan_fingerprint():
-    from refit_core.planner import plan_transfers
-    from refit_core.schedule import build_schedule
-    from refit_core.pieces import PieceMeta
-    from refit_core.spec import TensorSpec
     import torch
+
+    from refit_core.contract.pieces import PieceMeta
+    from refit_core.contract.spec import TensorSpec
+    from refit_core.plan.reference import plan_transfers
+    from refit_core.plan.schedule import build_schedule
 
     spec = TensorSpec("w", (4, 4), torch.float32)
     transfers = plan_transfers([[PieceMeta(spec, spec.full_box())]], [[PieceMeta(spec, spec.full_box())]])
@@ -143,7 +150,7 @@ def test_gen_side_adopts_the_train_sides_settings_and_refits_bitwise():
 def test_colocated_settings_are_each_ranks_own_and_typed():
     """``strided_copies``, ``overlap_check`` and ``step_trace`` change no byte that travels: a rank keeps
     its own value whatever the train side published, and they stay out of the plan's fingerprint."""
-    from refit_core.options import StridedCopy
+    from refit_core.contract.options import StridedCopy
 
     mine = RefitOptions(strided_copies="memcpy2d", overlap_check=True, step_trace=True)
     assert mine.strided_copies is StridedCopy.MEMCPY2D

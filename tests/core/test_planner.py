@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from refit_core.errors import PlanError
-from refit_core.pieces import PieceMeta
-from refit_core.planner import plan_transfers
-from refit_core.schedule import build_schedule
-from refit_core.spec import Box, TensorSpec
+from refit_core.contract.errors import PlanError
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.plan.reference import plan_transfers
+from refit_core.plan.schedule import build_schedule
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -7,12 +7,12 @@ import sys
 import pytest
 
 from refit_core import Backend, DestinationMap, PluginError, hookimpl
-from refit_core.plugins import PLUGINS_ENV, PluginManager
+from refit_core.contract.plugins import PLUGINS_ENV, PluginManager
 
 
 def refit(*args, env=None):
     import os
-    return subprocess.run([sys.executable, "-m", "refit_core.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "refit_core", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})})
 
 

@@ -13,17 +13,17 @@ import json
 import pytest
 import torch
 
-from refit_core import rankplan
-from refit_core.backend import GEN, TRAIN
-from refit_core.errors import PlanError
-from refit_core.options import RefitOptions
-from refit_core.pieces import PieceMeta
-from refit_core.quant.spec import Quantization
-from refit_core.relay import plan_with_relay
-from refit_core.schedule import Schedule
-from refit_core.spec import Box, TensorSpec
-from refit_core.transport.placement import Link
-from refit_core.wire import WireError, decode, encode
+from refit_core.contract.backend import GEN, TRAIN
+from refit_core.contract.errors import PlanError
+from refit_core.contract.options import RefitOptions
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.net.wire import WireError, decode, encode
+from refit_core.plan import rankplan
+from refit_core.plan.links import Link
+from refit_core.plan.relay import plan_with_relay
+from refit_core.plan.schedule import Schedule
 
 E4M3 = torch.float8_e4m3fn
 

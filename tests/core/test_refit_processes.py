@@ -4,9 +4,9 @@ import subprocess
 import sys
 import time
 
-from refit_core.launch import free_port, spawn
-
 from toy_ranks import TRAIN_RANKS, refit_ranks
+
+from refit_core.kit.launch import free_port, spawn
 
 GEN_RANKS = 3
 
@@ -20,7 +20,7 @@ def run(steps=2, options=None, **kwargs):
 def test_demo_refits_two_train_ranks_into_three_gen_ranks_twice_bitwise():
     """Two programs (2 train ranks: rows/experts/replicas; 3 gen ranks: columns, fused qkv,
     expert-dim shards, bf16), discovered through the toy plugin's entry point."""
-    out = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "toy", "--gen", "toy",
+    out = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--train", "toy", "--gen", "toy",
                           "--steps", "2"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "toy engine: 3 ranks verified 2 versions bitwise" in out.stdout
@@ -60,8 +60,9 @@ def test_a_peer_that_dies_gives_an_error_not_a_hang():
 
 
 def _unknown_model_on_the_host(rank: int, world: int, address: str):
-    from refit_core import RefitOptions, RefitReceiver, RefitSender
     from refit_toy.models import ToyEngine, ToyTrainer
+
+    from refit_core import RefitOptions, RefitReceiver, RefitSender
 
     options = RefitOptions(timeout_s=30)
     start = time.monotonic()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from refit_core.rl import TargetSetReward, completion_logprobs, group_advantages, logprob_mismatch
+from refit_core.kit.rl import TargetSetReward, completion_logprobs, group_advantages, logprob_mismatch
 
 
 def test_target_set_reward_counts_tokens_in_the_set() -> None:

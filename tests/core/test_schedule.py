@@ -2,10 +2,10 @@
 
 import torch
 
-from refit_core.pieces import PieceMeta
-from refit_core.planner import plan_transfers
-from refit_core.schedule import build_schedule
-from refit_core.spec import Box, TensorSpec
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.plan.reference import plan_transfers
+from refit_core.plan.schedule import build_schedule
 
 
 def test_every_round_keeps_each_rank_within_one_bucket():
@@ -43,7 +43,7 @@ def test_rounds_are_paced_so_the_step_takes_the_rounds_its_busiest_rank_needs():
     rounds. Filling rounds by load alone lets train rank 1's long flow take rank 1's room in both
     rounds and leaves train rank 0's single message for a third; pacing gives every pair its share
     of each round, so two rounds do."""
-    from refit_core.schedule import Message, _place_in_rounds
+    from refit_core.plan.schedule import Message, _place_in_rounds
 
     sizes = {(0, 0): [96, 48, 320, 96, 320, 160, 48, 48], (0, 1): [320],
              (1, 1): [160, 48, 48, 320, 320, 96, 320, 320]}

@@ -6,11 +6,11 @@ import dataclasses
 import os
 
 import torch
-
-from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.verify import mismatches
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
+
+from refit_core import RefitOptions, RefitReceiver, RefitSender
+from refit_core.kit.verify import mismatches
 
 TRAIN_RANKS = 2
 

@@ -14,13 +14,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from refit_core import DestinationPiece, ParallelLayout, SourcePiece
-from refit_core.models import PRESETS
-
 from refit_dtensor import build_model, init_mesh, model_pieces, shard_model
 from refit_dtensor.layout import layout_pieces
 from refit_dtensor.names import named_parameters
+
+from refit_core import DestinationPiece, ParallelLayout, SourcePiece
+from refit_core.kit.models import PRESETS
 
 torch.set_num_threads(1)
 
@@ -41,7 +40,7 @@ def hf_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     tied copies dropped, per-expert tensors stacked into refit's grouped names."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from refit_core.experts import default_expert_name
+    from refit_core.contract.experts import default_expert_name
 
     state = revert_weight_conversion(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
     if model.config.tie_word_embeddings:
@@ -108,11 +107,10 @@ def _shape_and_boxes(pieces: list[Any]) -> list[tuple[str, tuple, Any]]:
 def placement_ranks(rank: int, world: int, port: int) -> dict[str, list[str]]:
     """Uneven, empty, strided and mixed placements on 4 ranks: the blocks of every rank,
     assembled, must equal ``full_tensor()`` (each element held exactly once)."""
+    from refit_dtensor.placements import tensor_blocks
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard, _StridedShard, distribute_tensor
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from refit_dtensor.placements import tensor_blocks
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     flat = init_device_mesh("cpu", (4,))
@@ -160,7 +158,7 @@ def write_truth(directory: str, model: str, steps: tuple[int, ...] = STEPS) -> N
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from refit_core.models import reference_state_dict
+    from refit_core.kit.models import reference_state_dict
 
     hf_logging.disable_progress_bar()
     config = model_config(model)
@@ -191,14 +189,13 @@ def refit_ranks(rank: int, world: int, train_world: int, ports: list[int], src_l
                 cases: list[dict[str, Any]], truth_dir: str) -> dict[str, Any]:
     """One rank of a train (``rank < train_world``) or gen program running every case: a fresh
     model pair, checked, then refitted twice (steps 1 and 2) and checked again."""
+    from refit_dtensor import load_hf_weights
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from refit_core import RefitOptions, RefitReceiver, RefitSender
-    from refit_core.models import reference_state_dict
-    from refit_core.spec import dtype_from_name
-    from refit_core.verify import mismatches
-
-    from refit_dtensor import load_hf_weights
+    from refit_core.contract.spec import dtype_from_name
+    from refit_core.kit.models import reference_state_dict
+    from refit_core.kit.verify import mismatches
 
     train = rank < train_world
     side_rank, side_world = (rank, train_world) if train else (rank - train_world, world - train_world)
@@ -296,7 +293,7 @@ def mismatch_ranks(rank: int, world: int, train_world: int, ports: list[int], ov
                    ) -> tuple[str, str]:
     """FSDP2 train ranks with a stock tiny Llama, TP gen ranks with ``overrides`` in its config:
     setup must fail on every rank, before any transfer. Returns ``(error type, message)``."""
-    from refit_core import RefitReceiver, RefitSender, RefitOptions
+    from refit_core import RefitOptions, RefitReceiver, RefitSender
 
     train = rank < train_world
     side_rank, side_world = (rank, train_world) if train else (rank - train_world, world - train_world)

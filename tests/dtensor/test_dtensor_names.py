@@ -2,16 +2,15 @@
 
 import pytest
 import torch
-
-from refit_core import DestinationPiece, ParallelLayout, PluginError, SourcePiece, get_plugin_manager
-from refit_core.metaplan import plan_from_metadata
-from refit_core.models import PRESETS, checkpoint_specs
+from dtensor_ranks import hf_checkpoint
 from refit_dtensor import build_model, model_pieces
 from refit_dtensor.layout import layout_pieces
 from refit_dtensor.names import Naming, clean_name, unwrap
 from refit_dtensor.parallel import rank_coordinate
 
-from dtensor_ranks import hf_checkpoint
+from refit_core import DestinationPiece, ParallelLayout, PluginError, SourcePiece, get_plugin_manager
+from refit_core.kit.models import PRESETS, checkpoint_specs
+from refit_core.plan.offline import plan_from_metadata
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral"]
 
@@ -89,10 +88,10 @@ def test_a_conversion_that_is_not_a_view_is_refused_naming_the_parameter():
 
 
 def test_a_transposing_conversion_becomes_a_permuted_view_with_permuted_boxes():
-    from transformers.core_model_loading import Transpose, WeightConverter
-
     from refit_dtensor.placements import LocalBlock
     from refit_dtensor.shards import param_pieces
+    from transformers.core_model_loading import Transpose, WeightConverter
+
     from refit_core import Box
 
     hf = build_model(dict(PRESETS["tiny-qwen3-moe"]))

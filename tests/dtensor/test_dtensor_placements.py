@@ -1,13 +1,12 @@
 """DTensor placements -> boxes: torch's own chunk semantics, strided shards, errors."""
 
 import pytest
+from dtensor_ranks import placement_ranks
+from refit_dtensor.placements import local_blocks
 from torch.distributed.tensor import Partial, Replicate, Shard, _StridedShard
 
 from refit_core import Box, PluginError
-from refit_core.launch import free_port, spawn
-from refit_dtensor.placements import local_blocks
-
-from dtensor_ranks import placement_ranks
+from refit_core.kit.launch import free_port, spawn
 
 
 def boxes(shape, mesh, coordinate, placements, order=None):

@@ -11,10 +11,9 @@ import subprocess
 import sys
 
 import pytest
-
-from refit_core.launch import free_port, spawn
-
 from dtensor_ranks import REPLICATED, case_id, mismatch_ranks, refit_ranks, write_truth
+
+from refit_core.kit.launch import free_port, spawn
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe"]
 ALL = [{"model": m} for m in MODELS]
@@ -148,7 +147,7 @@ def test_mismatched_config_fails_at_setup_naming_the_first_mismatching_tensors()
 
 
 def test_refit_demo_dtensor_to_dtensor_runs_on_cpu_and_verifies():
-    out = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "dtensor"],
+    out = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--train", "dtensor", "--gen", "dtensor"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "dtensor(fsdp=2) -> dtensor(tp=2)" in out.stdout

@@ -14,9 +14,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from refit_core.auth import JobCredentials
-from refit_core.errors import RefitError
-from refit_core.store import Endpoint, StoreClient
+from refit_core.contract.errors import RefitError
+from refit_core.net.auth import JobCredentials
+from refit_core.net.store import Endpoint, StoreClient
 
 
 class Payload:

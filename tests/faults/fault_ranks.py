@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.verify import reference_region
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
+
+from refit_core import RefitOptions, RefitReceiver, RefitSender
+from refit_core.kit.verify import reference_region
 
 OLD_STEP, NEW_STEP = 0, 1  # reference weights of the good step and of the step the fault hits
 
@@ -120,7 +120,7 @@ def replacement_rank(rank: int, report, address: str, scenario: Scenario) -> dic
 
 
 def _state_against(engine: ToyEngine, receiver: RefitReceiver, step: int) -> bool:
-    from refit_core.verify import mismatches
+    from refit_core.kit.verify import mismatches
     return not mismatches(receiver.plugins.destination_map(engine).pieces, reference(0, step))
 
 
@@ -161,8 +161,8 @@ def setup_rank(rank: int, report, address: str, train: int, gen: int, options: d
 
 def exit_during_setup_rank(rank: int, report, address: str, train: int, gen: int, options: dict) -> dict:
     """A gen rank that joins the rendezvous and dies (os._exit) before publishing its metadata."""
-    from refit_core.auth import JobCredentials
-    from refit_core.rendezvous import Rendezvous
+    from refit_core.net.auth import JobCredentials
+    from refit_core.net.rendezvous import Rendezvous
 
     Rendezvous(address, host=False, who=f"gen/{rank - train}", timeout_s=30,
                credentials=JobCredentials.of(options.get("job"), options.get("secret")))
@@ -186,7 +186,7 @@ def tampered_plan_rank(rank: int, report, address: str, train: int, gen: int, op
     the planner had planned for other pieces than this rank has): its check must fail the setup on
     every rank before any collective, naming the tensor."""
     import refit_core.api as api
-    import refit_core.rankplan as rankplan
+    import refit_core.plan.rankplan as rankplan
 
     real = rankplan.from_wire
 

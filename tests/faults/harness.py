@@ -1,6 +1,6 @@
 """Starting rank processes that may be killed or stopped on purpose, and collecting what survivors say.
 
-``refit_core.launch.spawn`` kills every rank as soon as one fails, which is right for a demo and
+``refit_core.kit.launch.spawn`` kills every rank as soon as one fails, which is right for a demo and
 wrong here: a fault test kills or stops a rank deliberately and then watches what the others do.
 Each rank puts ``(rank, event, payload)`` on a queue: ``"failed"`` as soon as a step failed (so the
 test can start a replacement), ``"result"`` at the end.
@@ -22,8 +22,9 @@ ENV = {"REFIT_PLUGINS": "toy"}  # importing every installed plugin costs seconds
 
 def _entry(fn: Callable[..., Any], rank: int, events: Any, go: Any, args: tuple) -> None:
     os.environ.update(ENV)
-    import refit_core.api  # noqa: F401 - the slow imports happen before the start line
     import refit_toy.plugin  # noqa: F401
+
+    import refit_core.api  # noqa: F401 - the slow imports happen before the start line
 
     events.put((rank, "ready", None))
     go.wait()

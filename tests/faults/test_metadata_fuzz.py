@@ -16,16 +16,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
-from refit_core import RefitError, RefitOptions, RefitReceiver, RefitSender, hookimpl
-from refit_core.launch import free_port
-from refit_core.pieces import DestinationMap, DestinationPiece, SourcePiece
-from refit_core.plugins import PluginManager
-from refit_core.spec import Box, TensorSpec
-from refit_core.verify import mismatches
 from refit_toy import plugin as toy
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
+
+from refit_core import RefitError, RefitOptions, RefitReceiver, RefitSender, hookimpl
+from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
+from refit_core.contract.plugins import PluginManager
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.kit.launch import free_port
+from refit_core.kit.verify import mismatches
 
 DEADLINE_S = 8.0
 MUTATIONS = ["none", "view_dtype", "view_shape", "stride0", "share_memory", "name_not_str", "infinite_shape",

@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from refit_core.auth import JobCredentials
-from refit_core.errors import AuthenticationError, RefitError, RendezvousError
-from refit_core.launch import free_port
-from refit_core.rendezvous import Rendezvous
-
 from fault_ranks import exit_during_setup_rank, planner_dies_rank, setup_rank, tampered_plan_rank, transport_fails_rank
 from harness import ENV, Ranks
+
+from refit_core.contract.errors import AuthenticationError, RefitError, RendezvousError
+from refit_core.kit.launch import free_port
+from refit_core.net.auth import JobCredentials
+from refit_core.net.rendezvous import Rendezvous
 
 HERE = Path(__file__).parent
 

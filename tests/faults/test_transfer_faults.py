@@ -6,11 +6,10 @@ import signal
 import time
 
 import pytest
-
-from refit_core.launch import free_port
-
 from fault_ranks import Fault, Scenario, replacement_rank, run_rank
 from harness import Ranks
+
+from refit_core.kit.launch import free_port
 
 TRAIN, GEN = 2, 2
 STEP_TIMEOUT_S = 8

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from refit_core.guard import TornWeightsError, refuse_serving, resume_serving, torn_tensors
-from refit_core.pieces import PieceMeta
-from refit_core.spec import Box, TensorSpec
-from refit_core.validate import ViewError, check_no_overlap, check_view
-from refit_core.wire import WireError, decode, meta_to_wire, metas_from_wire
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.kit.guard import TornWeightsError, refuse_serving, resume_serving, torn_tensors
+from refit_core.net.wire import WireError, decode, meta_to_wire, metas_from_wire
+from refit_core.run.validate import ViewError, check_no_overlap, check_view
 
 SPEC = TensorSpec("w", (4, 6), torch.float32)
 BOX = Box((0, 0), (4, 6))

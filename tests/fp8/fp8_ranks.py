@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.bench.layouts import MegatronStyleModel, VllmStyleModel, register
-from refit_core.models import load_config
-from refit_core.plugins import PluginManager
-from refit_core.quant.reference import reference_quantize
+from refit_core.contract.plugins import PluginManager
+from refit_core.kit.models import load_config
+from refit_core.run.quant.reference import reference_quantize
+from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, register
 
 
 def fp8_refit_rank(rank: int, world: int, address: str, job: dict[str, Any]) -> dict[str, Any]:

@@ -17,12 +17,11 @@ import textwrap
 
 import pytest
 import torch
-
-from refit_core.quant.batched import BoxByBox, quantize_batch
-from refit_core.quant.fast import Quantizer
-from refit_core.quant.reference import reference_quantize
-
 from batch_cases import batch_boxes, box_results
+
+from refit_core.run.quant.batched import BoxByBox, quantize_batch
+from refit_core.run.quant.fast import Quantizer
+from refit_core.run.quant.reference import reference_quantize
 
 triton = pytest.importorskip("triton")
 
@@ -47,9 +46,9 @@ INTERPRETED = textwrap.dedent("""
     import sys
     import torch
     sys.path.insert(0, "tests/fp8")
-    from refit_core.quant.reference import reference_quantize
-    from refit_core.quant.batched import BoxToQuantize
-    from refit_core.quant.triton_blocks import GroupKey, TritonBlockBatch, vector_aligned
+    from refit_core.run.quant.reference import reference_quantize
+    from refit_core.run.quant.batched import BoxToQuantize
+    from refit_core.run.quant.triton_blocks import GroupKey, TritonBlockBatch, vector_aligned
     from batch_cases import batch_boxes, box_results, strided_targets
 
     torch.manual_seed(0)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
 
 
 def test_fp8_bench_smoke_on_cpu(tmp_path):
-    from refit_core.bench import main
+    from refit_core.tools.bench import main
 
     config = dict(PRESETS["tiny-qwen3-moe"], dtype="bfloat16")
     path = tmp_path / "moe.json"

@@ -6,10 +6,9 @@ names every FP8 weight and scale tensor it may have written, and no others."""
 from __future__ import annotations
 
 import pytest
-
-from refit_core.launch import free_port, spawn
-
 from fp8_ranks import fp8_fault_rank, fp8_refit_rank
+
+from refit_core.kit.launch import free_port, spawn
 
 BF16 = {"dtype": "bfloat16"}
 

@@ -6,10 +6,9 @@ stay BF16 in the same step."""
 from __future__ import annotations
 
 import pytest
-
-from refit_core.launch import free_port, spawn
-
 from fp8_ranks import fp8_refit_rank
+
+from refit_core.kit.launch import free_port, spawn
 
 BF16 = {"dtype": "bfloat16"}
 

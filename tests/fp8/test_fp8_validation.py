@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_core.quant import Quantization
-from refit_core.spec import Box, TensorSpec
-from refit_core.validate import ViewError, check_no_overlap, check_view
+from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.run.validate import ViewError, check_no_overlap, check_view
 
 NAME = "model.layers.0.mlp.down_proj.weight"
 QUANT = Quantization.block_fp8(NAME + "_scale_inv")

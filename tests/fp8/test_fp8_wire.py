@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_core import wire
-from refit_core.pieces import PieceMeta
-from refit_core.quant import Quantization
-from refit_core.spec import Box, TensorSpec
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.net import wire
 
 NAME = "model.layers.0.mlp.experts.w13_weight"
 

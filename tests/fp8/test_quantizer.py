@@ -8,14 +8,14 @@ import re
 import pytest
 import torch
 
-from refit_core.errors import PlanError
-from refit_core.pieces import PieceMeta
-from refit_core.planner import plan_transfers
-from refit_core.quant.fast import Quantizer
-from refit_core.quant.reference import dequantize, reference_quantize
-from refit_core.quant.spec import Quantization, QuantScheme, QuantSite
-from refit_core.schedule import build_schedule
-from refit_core.spec import Box, TensorSpec
+from refit_core.contract.errors import PlanError
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.quantization import Quantization, QuantScheme, QuantSite
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.plan.reference import plan_transfers
+from refit_core.plan.schedule import build_schedule
+from refit_core.run.quant.fast import Quantizer
+from refit_core.run.quant.reference import dequantize, reference_quantize
 
 E4M3 = torch.float8_e4m3fn
 

@@ -14,10 +14,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _toy_rank(rank: int, world: int, address: str, fault: bool):
-    from refit_core import RefitOptions, RefitReceiver, RefitSender
-    from refit_core.verify import mismatches
     from refit_toy.demo import reference
     from refit_toy.models import ToyEngine, ToyTrainer
+
+    from refit_core import RefitOptions, RefitReceiver, RefitSender
+    from refit_core.kit.verify import mismatches
 
     device = "cuda:0"
     torch.cuda.set_device(device)
@@ -53,7 +54,7 @@ def _toy_rank(rank: int, world: int, address: str, fault: bool):
 def test_two_processes_on_one_gpu_refit_through_cuda_ipc_bitwise():
     """Trainer and engine share cuda:0 (NCCL cannot connect them): fused qkv, grouped experts and a
     bf16 destination cast, copied straight out of the trainer's memory, three steps."""
-    from refit_core.launch import free_port, spawn
+    from refit_core.kit.launch import free_port, spawn
 
     links, checks = spawn(_toy_rank, 2, f"127.0.0.1:{free_port()}", False, timeout_s=300)
     assert links == ["cuda-ipc"]
@@ -61,7 +62,7 @@ def test_two_processes_on_one_gpu_refit_through_cuda_ipc_bitwise():
 
 
 def test_a_replaced_trainer_parameter_fails_the_step_on_both_processes():
-    from refit_core.launch import free_port, spawn
+    from refit_core.kit.launch import free_port, spawn
 
     sent, received = spawn(_toy_rank, 2, f"127.0.0.1:{free_port()}", True, timeout_s=300)
     for kind, message in (sent, received):
@@ -71,7 +72,7 @@ def test_a_replaced_trainer_parameter_fails_the_step_on_both_processes():
 
 
 def test_colocated_benchmark_is_bitwise_on_one_gpu(tmp_path):
-    from refit_core.bench.colocated import main
+    from refit_core.tools.bench.colocated import main
 
     prefix = str(tmp_path / "colocated")
     rc = main(["--device", "cuda", "--models", "tiny-llama,tiny-qwen3-moe", "--iters", "2", "--warmup", "1",
@@ -92,10 +93,10 @@ def test_colocated_benchmark_is_bitwise_on_one_gpu(tmp_path):
 def test_colocated_tp2_trainer_and_engine_mix_cuda_ipc_and_nccl_in_one_step(tmp_path):
     """TP2 Megatron-style on GPUs 0,1 -> vLLM-style TP1 x DP2 on the same GPUs 0,1: the same-GPU pairs
     go through CUDA IPC, the cross pairs through NCCL, in every step; bitwise."""
-    from refit_core.bench import main
+    from refit_core.tools.bench import main
 
     config = tmp_path / "dense.json"
-    from refit_core.models import PRESETS
+    from refit_core.kit.models import PRESETS
 
     config.write_text(json.dumps(dict(PRESETS["tiny-llama"], hidden_size=512, intermediate_size=1024,
                                       num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -115,8 +116,8 @@ def test_colocated_tp2_trainer_and_engine_mix_cuda_ipc_and_nccl_in_one_step(tmp_
 def test_every_strided_variant_is_bitwise_on_the_gpu(strided):
     """The copy program's strided variants on CUDA (``memcpy2d`` is ``cudaMemcpy2DAsync`` only here):
     Megatron's per-group ``[q; k; v]`` rows into ``[Q; K; V]``, every bit pattern, NaNs included."""
-    from refit_core.copies import CopyProgram
-    from refit_core.options import StridedCopy
+    from refit_core.contract.options import StridedCopy
+    from refit_core.run.copies import CopyProgram
 
     groups, q, kv, hidden = 8, 512, 128, 4096
     gen = torch.Generator(device="cuda").manual_seed(3)

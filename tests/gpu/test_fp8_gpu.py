@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_core.models import PRESETS
-from refit_core.quant.batched import Batches, BoxToQuantize, quantize_batch
-from refit_core.quant.fast import Quantizer
-from refit_core.quant.reference import reference_quantize
-from refit_core.quant.spec import Quantization
+from refit_core.contract.quantization import Quantization
+from refit_core.kit.models import PRESETS
+from refit_core.run.quant.batched import Batches, BoxToQuantize, quantize_batch
+from refit_core.run.quant.fast import Quantizer
+from refit_core.run.quant.reference import reference_quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fp8"))
 from batch_cases import batch_boxes, box_results, strided_targets
@@ -54,7 +54,7 @@ def test_compiled_quantizer_writes_fp8_views_of_a_byte_buffer_without_falling_ba
     quantizer.quantize_into(x, values, scales, quant)
     want_values, want_scales = reference_quantize(x, quant)
     assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
-    from refit_core.quant.fast import quantized_3d
+    from refit_core.run.quant.fast import quantized_3d
     assert quantizer._kernel is not quantized_3d, "the compiled quantizer fell back to eager"
 
 
@@ -76,7 +76,7 @@ def test_batched_triton_quantizer_matches_the_reference_bitwise(dtype):
 
 def test_batched_triton_quantizer_writes_slices_of_engine_tensors_bitwise():
     """The quantize-after baseline quantizes into slices of fused FP8 parameters, by address."""
-    from refit_core.quant.triton_blocks import TritonBlockBatch, group_key
+    from refit_core.run.quant.triton_blocks import TritonBlockBatch, group_key
 
     for source, values, scales, quant in strided_targets(
             lambda shape: torch.randn(shape, dtype=torch.bfloat16, device="cuda")):
@@ -90,7 +90,7 @@ def test_batched_triton_quantizer_writes_slices_of_engine_tensors_bitwise():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fp8_bench_on_two_gpus_is_bitwise(tmp_path):
-    from refit_core.bench import main
+    from refit_core.tools.bench import main
 
     config = dict(PRESETS["tiny-qwen3-moe"], hidden_size=512, moe_intermediate_size=256, num_experts=16,
                   head_dim=128, dtype="bfloat16")
@@ -115,7 +115,7 @@ def test_colocated_fp8_on_one_gpu_quantizes_in_batched_launches_bitwise(block):
     reference quantizer's over two steps."""
     from fp8_ranks import fp8_refit_rank
 
-    from refit_core.launch import free_port, spawn
+    from refit_core.kit.launch import free_port, spawn
 
     job = {"model": "tiny-llama", "train_tp": 1, "gen_tp": 1, "block": block, "config": {"dtype": "bfloat16"},
            "device": "cuda:0", "options": {"colocate": "shared"}}

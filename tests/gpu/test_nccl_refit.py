@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +35,7 @@ def _configs(tmp_path) -> str:
 
 
 def _run(tmp_path, *args: str) -> dict:
-    from refit_core.bench import main
+    from refit_core.tools.bench import main
 
     prefix = str(tmp_path / "result")
     rc = main(["--device", "cuda", "--models", _configs(tmp_path), "--warmup", "1", "--iters", "2",
@@ -77,10 +77,11 @@ def test_several_ranks_per_gpu_use_pairwise_communicators(tmp_path, monkeypatch)
 
 
 def _toy_rank(rank: int, world: int, address: str, gpus: tuple[int, int], options: dict | None = None):
-    from refit_core import RefitOptions, RefitReceiver, RefitSender
-    from refit_core.verify import mismatches
     from refit_toy.demo import reference
     from refit_toy.models import ToyEngine, ToyTrainer
+
+    from refit_core import RefitOptions, RefitReceiver, RefitSender
+    from refit_core.kit.verify import mismatches
 
     device = f"cuda:{gpus[rank]}"
     torch.cuda.set_device(device)
@@ -110,7 +111,7 @@ def _toy_rank(rank: int, world: int, address: str, gpus: tuple[int, int], option
 def test_nccl_refit_casts_fp32_to_bf16_and_lands_bitwise():
     """The toy plugin over NCCL (cuda:0 -> cuda:1): fused qkv, grouped experts, a bf16 destination
     cast on the sender."""
-    from refit_core.launch import free_port, spawn
+    from refit_core.kit.launch import free_port, spawn
 
     sent, received = spawn(_toy_rank, 2, f"127.0.0.1:{free_port()}", (0, 1), timeout_s=300)
     assert sent == "sent"
@@ -118,7 +119,7 @@ def test_nccl_refit_casts_fp32_to_bf16_and_lands_bitwise():
 
 
 def test_two_ranks_on_one_gpu_are_refused_at_setup_when_colocation_is_off():
-    from refit_core.launch import free_port, spawn
+    from refit_core.kit.launch import free_port, spawn
 
     results = spawn(_toy_rank, 2, f"127.0.0.1:{free_port()}", (0, 0), {"colocate": "off"}, timeout_s=300)
     for kind, message in results:

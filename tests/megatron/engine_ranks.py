@@ -27,10 +27,11 @@ from megatron_ranks import (
     next_step,
     to_hf,
 )
-from nemotronh_build import CONFIG as NEMOTRONH, build_mamba, nemotron_to_hf
+from nemotronh_build import CONFIG as NEMOTRONH
+from nemotronh_build import build_mamba, nemotron_to_hf
 
 from refit_core import ParallelLayout
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
 
 TRAIN_WORLD = 2
 GEN_WORLD = 1
@@ -79,7 +80,7 @@ def engine_ranks(rank: int, world: int, ports: tuple[int, int], tmp: str, model:
 
 def run_engine_ranks(tmp: str, model: str, layouts: list[str]) -> tuple[list[Any], list[Any]]:
     """:func:`engine_ranks` on ``TRAIN_WORLD + GEN_WORLD`` fresh processes: (train results, gen results)."""
-    from refit_core.launch import free_port, spawn
+    from refit_core.kit.launch import free_port, spawn
 
     out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()), tmp, model, layouts,
                 timeout_s=900)
@@ -98,7 +99,7 @@ def assert_two_refits_landed(gen: list[Any], layout: str) -> None:
 def _plugins(config: dict[str, Any]) -> Any:
     from refit_megatron.checkpoint import hf_specs
 
-    from refit_core.plugins import PluginManager
+    from refit_core.contract.plugins import PluginManager
     from refit_core.testing import ReferencePlugin
     from refit_core.testing.reference import REFERENCE_PLUGIN
 
@@ -112,7 +113,7 @@ def _train(rank: int, model: Model, name: str, address: str, stem: str) -> dict[
     from refit_megatron.layout import layout_pieces
 
     from refit_core import RefitOptions, RefitSender
-    from refit_core.metaplan import plan_from_metadata
+    from refit_core.plan.offline import plan_from_metadata
     from refit_core.testing.reference import REFERENCE_BACKEND
 
     layout = ParallelLayout.parse(LAYOUTS[name])

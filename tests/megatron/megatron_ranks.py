@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore")
@@ -387,7 +387,7 @@ def _gen_case(rank: int, layout_name: str, model: str, address: str, tmp: str) -
     from refit_dtensor import build_model, init_mesh, shard_model
 
     from refit_core import RefitOptions, RefitReceiver
-    from refit_core.verify import mismatches
+    from refit_core.kit.verify import mismatches
 
     config = MODELS[model]
     layout = ParallelLayout(fsdp=GEN_WORLD)
@@ -418,7 +418,7 @@ def _gen_case(rank: int, layout_name: str, model: str, address: str, tmp: str) -
 
 
 def _covered_names(pieces: list[Any], reference: dict[str, torch.Tensor]) -> set[str]:
-    from refit_core.experts import ungroup_name
+    from refit_core.contract.experts import ungroup_name
 
     names = set()
     for piece in pieces:

@@ -59,7 +59,6 @@ def patch_mamba_for_cpu() -> None:
     """Let megatron-core's ``MambaMixer`` and ``MambaStack`` build without mamba_ssm or Transformer Engine."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.ssm import mamba_block, mamba_mixer
-
     from refit_megatron.cpu_patches import patch_for_cpu
 
     patch_for_cpu()
@@ -84,7 +83,6 @@ def build_mamba(config: dict[str, Any], layout: ParallelLayout, seed: int = 1234
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
     from refit_megatron import padded_vocab
 
     patch_mamba_for_cpu()

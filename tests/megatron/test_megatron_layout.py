@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from refit_core import ParallelLayout, PluginError
-from refit_core.cli import main
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
+from refit_core.tools.cli import main
 
 pytest.importorskip("refit_megatron")
 

@@ -15,7 +15,6 @@ pytest.importorskip("refit_megatron")
 
 from engine_ranks import ENGINE_MODELS, assert_two_refits_landed, run_engine_ranks
 
-
 LAYOUTS = ["tp2", "pp2", "ep2", "pp2-uneven"]
 MTP_LAYER = f"model.layers.{ENGINE_MODELS['mla-mtp'].config['num_hidden_layers']}."
 

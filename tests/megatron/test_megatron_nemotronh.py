@@ -15,7 +15,6 @@ pytest.importorskip("refit_megatron")
 
 from engine_ranks import LAYOUTS as ALL_LAYOUTS
 from engine_ranks import assert_two_refits_landed, run_engine_ranks
-
 from nemotronh_build import CONFIG
 
 from refit_core import ParallelLayout, PluginError
@@ -58,7 +57,7 @@ def test_the_hand_inventory_equals_transformers_own():
     pytest.importorskip("transformers.models.nemotron_h")
     from refit_megatron.checkpoint import hf_specs
 
-    from refit_core.inventory import transformers_specs
+    from refit_core.kit.inventory import transformers_specs
 
     theirs = transformers_specs(CONFIG)
     assert theirs is not None
@@ -114,7 +113,7 @@ def test_refit_plan_covers_every_byte(tmp_path, capsys):
     does not list the router's ``e_score_correction_bias`` buffer)."""
     import json
 
-    from refit_core.cli import main
+    from refit_core.tools.cli import main
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dict(CONFIG, hybrid_override_pattern="M-M*-M*", num_hidden_layers=7)))

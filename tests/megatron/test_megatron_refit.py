@@ -22,7 +22,7 @@ from megatron_ranks import (
     refit_ranks,
 )
 
-from refit_core.launch import free_port, spawn
+from refit_core.kit.launch import free_port, spawn
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("refit_dtensor")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from refit_core import ParallelLayout, PluginError, RefitError
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
 
 pytest.importorskip("refit_megatron")
 pytest.importorskip("megatron.core")
@@ -78,7 +78,7 @@ def test_uneven_split_needs_pipeline_stages():
 
 @pytest.mark.parametrize("backend,message", [("vllm", "vllm layouts take"), ("dtensor", "dtensor layouts take")])
 def test_other_backends_refuse_uneven_stages(backend, message):
-    from refit_core.plugins import get_plugin_manager
+    from refit_core.contract.plugins import get_plugin_manager
 
     pm = get_plugin_manager()
     layout = ParallelLayout.parse("pp=2,pp_first=1")

@@ -12,7 +12,6 @@ pytest.importorskip("refit_megatron")
 
 from engine_ranks import assert_two_refits_landed, run_engine_ranks
 
-
 LAYOUTS = ["pp2", "tp2"]
 
 

@@ -49,7 +49,7 @@ class Trainers:
     """The train ranks on a background thread (``spawn``); ``join`` returns their results or error."""
 
     def __init__(self, model: str, layouts: list[str], tmp: str) -> None:
-        from refit_core.launch import spawn
+        from refit_core.kit.launch import spawn
 
         self.results: list[Any] = []
         self.error: str | None = None
@@ -95,7 +95,7 @@ def run(model: str, layouts: list[str], tmp: str) -> dict[str, Any]:
     from vllm.config import WeightTransferConfig
 
     from refit_core import RefitError
-    from refit_core.models import reference_state_dict
+    from refit_core.kit.models import reference_state_dict
 
     config = MODELS[model]
     timings: dict[str, float] = {}

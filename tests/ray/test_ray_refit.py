@@ -1,4 +1,4 @@
-"""refit_core.ray on a real local Ray cluster (CPU): FSDP2 train actors into DTensor receiver actors
+"""refit_core.kit.ray on a real local Ray cluster (CPU): FSDP2 train actors into DTensor receiver actors
 and into a vLLM engine actor, errors named by actor, and the RL loop of ``refit demo --loop``."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("refit_dtensor")
 
 from refit_core import RefitError, RefitOptions  # noqa: E402
-from refit_core.models import load_config  # noqa: E402
-from refit_core.ray import RayRefit, RefitReceiveActor, gather  # noqa: E402
+from refit_core.kit.models import load_config  # noqa: E402
+from refit_core.kit.ray import RayRefit, RefitReceiveActor, gather  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.ray]
 SEED = 0
@@ -23,7 +23,7 @@ TIMEOUT_S = 120.0
 
 @pytest.fixture(scope="module")
 def local_ray():
-    from refit_core.demo.rl_loop import start_local_ray
+    from refit_core.tools.demo.rl_loop import start_local_ray
 
     here = os.path.dirname(os.path.abspath(__file__))  # actor classes defined here must import there
     start_local_ray(6, env={"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))})
@@ -41,9 +41,9 @@ class PolicyCopy(RefitReceiveActor):
     def build(self, dist_address: str) -> None:
         import torch
         import torch.distributed as dist
+        from refit_dtensor.parallel import build_model, init_mesh, shard_model
 
         from refit_core import ParallelLayout
-        from refit_dtensor.parallel import build_model, init_mesh, shard_model
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://{dist_address}", rank=self.rank,
@@ -56,8 +56,8 @@ class PolicyCopy(RefitReceiveActor):
 
     def mismatches(self, step: int) -> list[str]:
         from refit_core import get_plugin_manager
-        from refit_core.models import reference_state_dict
-        from refit_core.verify import mismatches
+        from refit_core.kit.models import reference_state_dict
+        from refit_core.kit.verify import mismatches
 
         pieces = get_plugin_manager().destination_map(self.model).pieces
         return mismatches(pieces, reference_state_dict(self.config, SEED, step))
@@ -143,8 +143,8 @@ def test_ray_refit_reports_actors_that_do_not_answer(local_ray) -> None:
 def test_rl_loop_learns_with_the_engine_refit_every_step(local_ray, tmp_path) -> None:
     pytest.importorskip("vllm")
     from refit_core import get_plugin_manager
-    from refit_core.backend import GEN, TRAIN
-    from refit_core.demo.rl_loop import LoopSettings, run_loop, summarize
+    from refit_core.contract.backend import GEN, TRAIN
+    from refit_core.tools.demo.rl_loop import LoopSettings, run_loop, summarize
 
     pm = get_plugin_manager()
     settings = LoopSettings(steps=6, lr=1e-2, plot=str(tmp_path / "loop.png"), timeout_s=300.0)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 
-from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.verify import mismatches
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
+
+from refit_core import RefitOptions, RefitReceiver, RefitSender
+from refit_core.kit.verify import mismatches
 
 
 def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, die_after_setup: int | None = None,

@@ -4,15 +4,14 @@ import time
 
 import pytest
 import torch
+from relay_ranks import relay_ranks
 
 from refit_core import OptionError, RefitOptions, RelayOptions
-from refit_core.launch import free_port, spawn
-from refit_core.pieces import PieceMeta
-from refit_core.quant.spec import Quantization
-from refit_core.relay import plan_node_forwarding, plan_with_relay
-from refit_core.spec import Box, TensorSpec
-
-from relay_ranks import relay_ranks
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.kit.launch import free_port, spawn
+from refit_core.plan.relay import plan_node_forwarding, plan_with_relay
 
 NORM = TensorSpec("model.norm.weight", (64,), torch.float32)
 QA = TensorSpec("model.layers.0.self_attn.q_a_proj.weight", (32, 64), torch.float32)
@@ -49,9 +48,9 @@ def test_a_rank_holding_only_shared_regions_is_still_fed_and_quantized_regions_a
 
 
 def test_forwarding_between_two_ranks_of_one_gpu_is_refused_before_any_collective():
-    from refit_core.errors import PlanError
-    from refit_core.relay import check_relay_pairs
-    from refit_core.transport.placement import Placement
+    from refit_core.contract.errors import PlanError
+    from refit_core.plan.links import Placement
+    from refit_core.plan.relay import check_relay_pairs
 
     plan = plan_node_forwarding(2, [_tp_rank(r, 2) for r in range(2)], 1 << 20)
     assert plan is not None
@@ -74,7 +73,7 @@ def test_forwarding_options_agree_and_refuse_to_combine_with_replica_relay():
 
 
 def test_simulated_forwarding_sends_a_replicated_tensor_once_per_node_and_beats_feeding_every_gpu():
-    from refit_core.simulate import Topology, simulate
+    from refit_core.plan.simulate import Topology, simulate
 
     layers = [TensorSpec(f"model.layers.{i}.self_attn.q_a_proj.weight", (1024, 8192), torch.bfloat16)
               for i in range(8)]
@@ -94,7 +93,7 @@ def test_simulated_forwarding_sends_a_replicated_tensor_once_per_node_and_beats_
 
 
 def test_refit_plan_forwards_within_nodes_and_prints_the_time_without(capsys):
-    from refit_core.cli import main
+    from refit_core.tools.cli import main
 
     assert main(["plan", "--model", "tiny-llama", "--train", "dtensor:fsdp=2", "--gen", "dtensor:tp=2",
                  "--device", "cpu", "--forward-within-nodes", "--forward-min-bytes", "0", "--simulate",
@@ -122,7 +121,7 @@ def _seconds(prediction: str) -> float:
 
 @pytest.mark.parametrize("nic, wins", [("nic_gbps=50,latency_us=15", False), ("nic_gbps=1,latency_us=0", True)])
 def test_refit_plan_chooses_the_forwarding_floor_by_simulation(capsys, nic, wins):
-    from refit_core.cli import FORWARD_FLOORS, main
+    from refit_core.tools.cli import FORWARD_FLOORS, main
     from refit_core.units import format_bytes
 
     topology = f"gpus_per_node=2,nvlink_gbps=370,{nic}"

@@ -4,14 +4,13 @@ import time
 
 import pytest
 import torch
+from relay_ranks import relay_ranks
 
 from refit_core import OptionError, PlanError, RefitOptions, RelayOptions
-from refit_core.launch import free_port, spawn
-from refit_core.pieces import PieceMeta
-from refit_core.relay import plan_relay, plan_waves
-from refit_core.spec import Box, TensorSpec
-
-from relay_ranks import relay_ranks
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.kit.launch import free_port, spawn
+from refit_core.plan.relay import plan_relay, plan_waves
 
 RELAY = {"replicas": 4, "direct": 1, "fanout": 1}
 
@@ -100,7 +99,7 @@ def test_a_dead_relaying_replica_fails_the_step_on_its_parent_and_its_child():
 
 def _one_node_into_replicas(replicas: int, direct: int):
     """8 train GPUs each holding 1/8 of a 1 GiB tensor, ``replicas`` engine replicas of one GPU each."""
-    from refit_core.relay import plan_with_relay
+    from refit_core.plan.relay import plan_with_relay
 
     spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
     train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]
@@ -110,7 +109,7 @@ def _one_node_into_replicas(replicas: int, direct: int):
 
 
 def test_simulated_relay_beats_direct_fanout_from_one_trainer_node_into_32_replicas():
-    from refit_core.simulate import Topology, simulate
+    from refit_core.plan.simulate import Topology, simulate
 
     topology = Topology.parse("h200")
     direct_schedule, none = _one_node_into_replicas(32, 32)
@@ -129,7 +128,7 @@ def test_simulated_relay_beats_direct_fanout_from_one_trainer_node_into_32_repli
 
 
 def test_refit_plan_compares_relay_with_direct_fanout_and_plans_the_fastest(capsys):
-    from refit_core.cli import main
+    from refit_core.tools.cli import main
 
     assert main(["plan", "--model", "tiny-llama", "--train", "dtensor:fsdp=2", "--gen", "dtensor:dp=4",
                  "--device", "cpu", "--relay", "replicas=4", "--simulate"]) == 0

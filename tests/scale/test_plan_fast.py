@@ -1,4 +1,4 @@
-"""The array planner (``refit_core.plan_fast``) plans exactly what the reference planner plans.
+"""The array planner (``refit_core.plan.fast``) plans exactly what the reference planner plans.
 
 Every case compares the two transfer lists element by element (same order, same sources, same
 boxes) and the schedules' fingerprints, on real layouts of the plugins (DTensor, Megatron with DP
@@ -14,17 +14,17 @@ from typing import Any
 import pytest
 import torch
 
-from refit_core.errors import PlanError
-from refit_core.experts import group_side
-from refit_core.layout import parse_backend_layout
-from refit_core.models import load_config
-from refit_core.pieces import DestinationPiece, PieceMeta
-from refit_core.plan_fast import plan_transfers_fast
-from refit_core.planner import plan_transfers
-from refit_core.plugins import get_plugin_manager
-from refit_core.schedule import build_schedule
-from refit_core.simulate import Placement, Topology
-from refit_core.spec import Box, TensorSpec
+from refit_core.contract.errors import PlanError
+from refit_core.contract.experts import group_side
+from refit_core.contract.layout import parse_backend_layout
+from refit_core.contract.pieces import DestinationPiece, PieceMeta
+from refit_core.contract.plugins import get_plugin_manager
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.kit.models import load_config
+from refit_core.plan.fast import plan_transfers_fast
+from refit_core.plan.reference import plan_transfers
+from refit_core.plan.schedule import build_schedule
+from refit_core.plan.simulate import Placement, Topology
 
 Metas = list[list[PieceMeta]]
 

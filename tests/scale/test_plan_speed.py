@@ -1,7 +1,7 @@
 """Planning from metadata is fast and plans exactly what it planned before it was made fast.
 
-The fingerprints below were recorded with the reference planner (``refit_core.planner``) and the
-schedule as they were before the array planner (``refit_core.plan_fast``), at 5505877 (the recorded
+The fingerprints below were recorded with the reference planner (``refit_core.plan.reference``) and the
+schedule as they were before the array planner (``refit_core.plan.fast``), at 5505877 (the recorded
 values of main 97f1027 had gone stale with later changes to the options' digest): the same input must
 give the same schedule, segment for segment. The 1024-rank case (``dtensor:fsdp=128,tp=8 -> vllm:tp=8``,
 592,896 segments) gave ``80108849a66db46b`` there and here; it is not run in CI (see
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import pytest
 
-from refit_core.layout import parse_backend_layout
-from refit_core.metaplan import plan_from_metadata
-from refit_core.models import load_config
-from refit_core.plugins import get_plugin_manager
+from refit_core.contract.layout import parse_backend_layout
+from refit_core.contract.plugins import get_plugin_manager
+from refit_core.kit.models import load_config
+from refit_core.plan.offline import plan_from_metadata
 
 RECORDED = [  # (model, train, gen, fingerprint, messages, segments)
     ("tiny-qwen3-moe", "dtensor:fsdp=2", "vllm:tp=2", "12c525189932bc8e", 4, 92),

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from refit_core.bench.layouts import MegatronStyleModel, VllmStyleModel, register
-from refit_core.experts import group_side
-from refit_core.models import load_config
-from refit_core.options import RefitOptions
-from refit_core.planner import plan_transfers
-from refit_core.schedule import Schedule, build_schedule
-from refit_core.simulate import Placement, Topology, simulate
+from refit_core.contract.experts import group_side
+from refit_core.contract.options import RefitOptions
+from refit_core.kit.models import load_config
+from refit_core.plan.reference import plan_transfers
+from refit_core.plan.schedule import Schedule, build_schedule
+from refit_core.plan.simulate import Placement, Topology, simulate
+from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, register
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -113,7 +113,7 @@ def test_topology_parses_presets_and_items() -> None:
 
 def test_refit_plan_simulates_and_explains_as_a_picture(tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib")
-    from refit_core.cli import main
+    from refit_core.tools.cli import main
 
     png = tmp_path / "plan.png"
     assert main(["plan", "--model", "tiny-qwen3-moe", "--train", "dtensor:fsdp=2", "--gen", "vllm:tp=2",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from refit_core.pieces import PieceMeta
-from refit_core.planner import plan_transfers
-from refit_core.schedule import build_schedule
-from refit_core.simulate import LinkKind, Placement, Topology, simulate
-from refit_core.spec import Box, TensorSpec
+from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.spec import Box, TensorSpec
+from refit_core.plan.reference import plan_transfers
+from refit_core.plan.schedule import build_schedule
+from refit_core.plan.simulate import LinkKind, Placement, Topology, simulate
 
 SPEC = TensorSpec("w", (64, 1024), torch.float32)
 

@@ -30,7 +30,7 @@ from megatron_ranks import assemble, local_shards, next_step, to_hf
 from sglang_ranks import STEPS, SglangSession, mismatches
 
 from refit_core import ParallelLayout
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
 
 torch.set_num_threads(1)
 
@@ -105,11 +105,11 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], models: li
     compared after each step with a second one loaded by SGLang's ``load_weights``."""
     from refit_sglang import worker
     from refit_sglang.layout import destination_layout
-
-    from refit_core import get_plugin_manager
     from refit_sglang.ticket import RefitTicket
     from sglang_cpu import build_model, hf_config, init_sglang
     from sglang_forward import compare_logits
+
+    from refit_core import get_plugin_manager
 
     init_sglang(rank, world, dist_port)
     out: dict[str, Any] = {}

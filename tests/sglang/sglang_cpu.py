@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from refit_core.models import PRESETS
+from refit_core.kit.models import PRESETS
 
 
 def _stand_in_vllm_custom_ops() -> None:

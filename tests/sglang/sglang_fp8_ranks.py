@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout
-from refit_core.models import PRESETS, reference_state_dict
+from refit_core.kit.models import PRESETS, reference_state_dict
 
 torch.set_num_threads(1)
 
@@ -53,7 +53,7 @@ def build_fp8_model(preset: str) -> torch.nn.Module:
 def quantized_checkpoint(preset: str, specs: list, step: int) -> dict[str, torch.Tensor]:
     """The HF checkpoint of ``step`` as a block-FP8 checkpoint: the reference quantizer's values and
     scales for every quantized spec, BF16 for the rest."""
-    from refit_core.quant.reference import reference_quantize
+    from refit_core.run.quant.reference import reference_quantize
 
     weights = reference_state_dict(config_of(preset), SEED, step, dtype=torch.bfloat16)
     out: dict[str, torch.Tensor] = {}

@@ -21,7 +21,7 @@ pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scr
 
 from sglang_fp8_ranks import STEPS, fp8_ranks
 
-from refit_core.launch import free_port, spawn
+from refit_core.kit.launch import free_port, spawn
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3-moe"]
 TRAIN = 2

@@ -20,7 +20,7 @@ from layout_runs import once_per_layout
 from megatron_sglang_ranks import MODELS, STEPS, refit_ranks
 from sglang_forward import LOGITS_TOLERANCE
 
-from refit_core.launch import spawn
+from refit_core.kit.launch import spawn
 
 TRAIN_WORLD = 2
 ENGINES = {"megatron-tp2-to-sglang-tp1": 1, "megatron-tp2-to-sglang-tp2": 2}

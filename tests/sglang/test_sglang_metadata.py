@@ -20,7 +20,7 @@ from refit_sglang.layout import destination_layout
 from refit_sglang.ticket import LOAD_FORMAT, RefitTicket
 
 from refit_core import Box, ParallelLayout, PluginError, RefitError, get_plugin_manager
-from refit_core.models import PRESETS, checkpoint_specs
+from refit_core.kit.models import PRESETS, checkpoint_specs
 
 
 def _boxes(config: dict, layout: ParallelLayout, rank: int, name: str) -> list[Box]:

@@ -21,7 +21,7 @@ from layout_runs import once_per_layout
 from sglang_forward import LOGITS_TOLERANCE
 from sglang_ranks import LOADER_SUFFIX, STEPS, refit_ranks
 
-from refit_core.launch import free_port, spawn
+from refit_core.kit.launch import free_port, spawn
 
 PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 LOADER_CASE = "tiny-qwen3-moe" + LOADER_SUFFIX  # experts and qkv forced through SGLang's load_weights

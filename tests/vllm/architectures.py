@@ -41,7 +41,7 @@ def write_random_model(name: str, path: str | os.PathLike, seed: int = 7) -> Pat
     """A HF model directory (config.json + model.safetensors, random weights) of ``ARCHITECTURES[name]``."""
     from refit_vllm.reference import write_model_dir
 
-    from refit_core.models import checkpoint_specs, reference_state_dict
+    from refit_core.kit.models import checkpoint_specs, reference_state_dict
 
     config = ARCHITECTURES[name]
     return write_model_dir(config, reference_state_dict(checkpoint_specs(config, grouped=False), seed, 0), path)

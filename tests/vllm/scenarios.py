@@ -49,7 +49,7 @@ def scratch_dir() -> str:
 def tiny_config(name: str) -> dict[str, Any]:
     """A preset, or a variant: ``tiny-qwen2`` (q/k/v biases), ``tiny-llama-mqa`` (one KV head and a
     vocabulary of 500, which vLLM pads to 512), ``tiny-qwen3-tied-v500`` (tied, padded vocabulary)."""
-    from refit_core.models import PRESETS
+    from refit_core.kit.models import PRESETS
 
     if name == "tiny-qwen2":
         cfg = dict(PRESETS["tiny-qwen3"], architectures=["Qwen2ForCausalLM"], model_type="qwen2")
@@ -86,7 +86,7 @@ def train_sender(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, po
     from refit_dtensor import load_hf_weights
 
     from refit_core import RefitOptions, RefitSender
-    from refit_core.models import reference_state_dict
+    from refit_core.kit.models import reference_state_dict
 
     model = _train_model(cfg, world, rank, port)
     sender = RefitSender(model, rendezvous=rendezvous, rank=rank, world_size=world, options=RefitOptions(**options))
@@ -116,10 +116,10 @@ def train_engine(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, po
     """FSDP2 trainer rank through vLLM's trainer-side API, registered as backend ``refit``."""
     import torch.distributed as dist
     from refit_dtensor import load_hf_weights
+    from refit_vllm.transfer import RefitSource, RefitTrainerInitInfo
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from refit_core.models import reference_state_dict
-    from refit_vllm.transfer import RefitSource, RefitTrainerInitInfo
+    from refit_core.kit.models import reference_state_dict
 
     model = _train_model(cfg, world, rank, port)
     client = ProxyClient(conn)
@@ -139,7 +139,7 @@ class Trainers:
     """``spawn`` of the train ranks on a background thread; ``join`` re-raises their failure."""
 
     def __init__(self, fn: Any, world: int, *args: Any) -> None:
-        from refit_core.launch import spawn
+        from refit_core.kit.launch import spawn
 
         self.error: BaseException | None = None
 
@@ -259,15 +259,15 @@ def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", load
                    steps: list[int] | None = None) -> dict[str, Any]:
     """FSDP2 (2 ranks) -> vLLM (``tp`` workers): after each refit, vLLM's greedy tokens vs HF's."""
     _engine_env(tp)
-    from vllm import LLM, SamplingParams
-    from vllm.config import WeightTransferConfig
-
-    from refit_core import ParallelLayout
-    from refit_core.launch import free_port
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.extension import EXTENSION
     from refit_vllm.layout import destination_layout
     from refit_vllm.reference import reference_dir
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
+
+    from refit_core import ParallelLayout
+    from refit_core.kit.launch import free_port
 
     steps = steps or [1, 2]
     cfg = tiny_config(model)
@@ -335,11 +335,10 @@ def _refit_engine(cfg: dict[str, Any]) -> tuple[Any, list[list[int]], str, Calla
     """A TP-1 vLLM engine on the step-0 reference weights with refit as its weight-transfer backend:
     ``(llm, prompts, tmp dir, generate)``, where ``generate()`` returns greedy tokens per prompt."""
     _engine_env(1)
-    from vllm import LLM, SamplingParams
-    from vllm.config import WeightTransferConfig
-
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.reference import reference_dir
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
 
     prompts = prompts_for(cfg)
     tmp = scratch_dir()
@@ -356,7 +355,7 @@ def _refit_engine(cfg: dict[str, Any]) -> tuple[Any, list[list[int]], str, Calla
 
 def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
     """A trainer whose model does not match the engine's: setup fails, the engine keeps serving."""
-    from refit_core.launch import free_port
+    from refit_core.kit.launch import free_port
 
     cfg = tiny_config(engine_model)
     llm, prompts, tmp, generate = _refit_engine(cfg)
@@ -382,7 +381,7 @@ def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
 
 def scenario_abort(model: str) -> dict[str, Any]:
     """The trainers die after setup: the step fails, and the engine keeps its previous weights."""
-    from refit_core.launch import free_port
+    from refit_core.kit.launch import free_port
 
     cfg = tiny_config(model)
     llm, prompts, tmp, generate = _refit_engine(cfg)
@@ -413,15 +412,15 @@ def scenario_inflight(model: str) -> dict[str, Any]:
 
 
 async def _inflight(model: str) -> dict[str, Any]:
+    from refit_vllm.clients import AsyncLLMClient
+    from refit_vllm.demo import engine_kwargs, prompts_for
+    from refit_vllm.reference import reference_dir
     from vllm import SamplingParams
     from vllm.config import WeightTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from refit_core.launch import free_port
-    from refit_vllm.clients import AsyncLLMClient
-    from refit_vllm.demo import engine_kwargs, prompts_for
-    from refit_vllm.reference import reference_dir
+    from refit_core.kit.launch import free_port
 
     cfg = tiny_config(model)
     tmp = scratch_dir()

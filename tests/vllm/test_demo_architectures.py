@@ -21,7 +21,7 @@ pytest.importorskip("refit_vllm")
 
 from architectures import ARCHITECTURES, CHARACTERISTIC_TENSORS, write_random_model
 
-from refit_core.inventory import TABLE_ARCHITECTURES, safetensors_specs
+from refit_core.kit.inventory import TABLE_ARCHITECTURES, safetensors_specs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,7 +34,7 @@ def test_refit_demo_any_architecture(name: str, tmp_path: Path) -> None:
     names = {s.name for s in safetensors_specs(model_dir) or []}
     assert set(CHARACTERISTIC_TENSORS[name]) <= names
 
-    proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "vllm",
+    proc = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--train", "dtensor", "--gen", "vllm",
                            "--model", str(model_dir), "--steps", "1"], check=False, capture_output=True, text=True,
                           timeout=900)
     lines = proc.stdout.strip().splitlines()

@@ -54,7 +54,7 @@ def test_failed_demo_reports_the_error_and_leaves_no_process(tmp_path: Path) -> 
         control.kill()
         control.wait()
 
-    proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "vllm",
+    proc = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--train", "dtensor", "--gen", "vllm",
                            "--gen-layout", "tp=3", "--steps", "1"], check=False, capture_output=True, text=True,
                           timeout=900, env=env)
     out = proc.stdout

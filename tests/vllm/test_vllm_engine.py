@@ -144,7 +144,7 @@ def test_inflight_refit_asyncllm() -> None:
 @pytest.mark.slow
 def test_refit_demo_dtensor_to_vllm() -> None:
     """The README's main job: ``refit demo --train dtensor --gen vllm``."""
-    proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "demo", "--train", "dtensor", "--gen", "vllm"],
+    proc = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--train", "dtensor", "--gen", "vllm"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = proc.stdout.strip().splitlines()

@@ -12,10 +12,11 @@ import torch
 
 pytest.importorskip("refit_vllm")
 
-from refit_core import Box, ParallelLayout, PluginError, get_plugin_manager
-from refit_core.models import PRESETS, checkpoint_specs
 from refit_vllm.layout import destination_layout, pp_layers
 from refit_vllm.probe import view_as_box
+
+from refit_core import Box, ParallelLayout, PluginError, get_plugin_manager
+from refit_core.kit.models import PRESETS, checkpoint_specs
 
 
 def _boxes(config: dict, layout: ParallelLayout) -> dict[int, dict[str, list[Box]]]:
@@ -170,7 +171,7 @@ def test_refit_plan_from_a_config_json_outside_the_table(name: str, tmp_path) ->
     from architectures import ARCHITECTURES
 
     (tmp_path / "config.json").write_text(json.dumps(ARCHITECTURES[name]))
-    proc = subprocess.run([sys.executable, "-m", "refit_core.cli", "plan", "--model", str(tmp_path / "config.json"),
+    proc = subprocess.run([sys.executable, "-m", "refit_core", "plan", "--model", str(tmp_path / "config.json"),
                            "--train", "dtensor:fsdp=2,tp=2", "--gen", "vllm:tp=2"], check=False,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

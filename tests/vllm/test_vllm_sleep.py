@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("refit_vllm")
 
-from refit_core import RefitError, RefitOptions
 from refit_vllm import sleep
+
+from refit_core import RefitError, RefitOptions
 
 MiB = 1 << 20
 

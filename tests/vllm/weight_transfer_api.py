@@ -66,8 +66,8 @@ def check() -> dict[str, Any]:
         WeightTransferTrainerFactory,
     )
 
-    from refit_core.launch import free_port
-    from refit_core.models import PRESETS
+    from refit_core.kit.launch import free_port
+    from refit_core.kit.models import PRESETS
 
     result: dict[str, Any] = {"api": compat.SOURCE_API.name, "has_placements": hasattr(base, "Shard"),
                               "weight_transfer_file": base.__file__}

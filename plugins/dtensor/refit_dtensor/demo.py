@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout, RefitOptions, RefitReceiver, RefitSender
-from refit_core.demo.context import DemoContext, DemoReport
-from refit_core.launch import free_port, spawn
-from refit_core.models import config_dtype
-from refit_core.verify import mismatches, quantized_reference
+from refit_core.kit.demo import DemoContext, DemoReport
+from refit_core.kit.launch import free_port, spawn
+from refit_core.kit.models import config_dtype
+from refit_core.kit.verify import mismatches, quantized_reference
 
 from .fp8 import to_block_fp8
 from .parallel import build_model, init_mesh, shard_model

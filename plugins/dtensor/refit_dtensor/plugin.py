@@ -13,11 +13,17 @@ from typing import Any
 from torch.distributed.tensor import DTensor
 
 from refit_core import (
-    GEN, TRAIN, Backend, DestinationMap, DestinationPiece, ParallelLayout, PluginError, SourcePiece,
+    GEN,
+    TRAIN,
+    Backend,
+    DestinationMap,
+    DestinationPiece,
+    ParallelLayout,
+    PluginError,
+    SourcePiece,
     hookimpl,
 )
-
-from refit_core.guard import refuse_serving, resume_serving
+from refit_core.kit.guard import refuse_serving, resume_serving
 
 from .layout import layout_pieces
 from .names import clean_name, tied_targets, unwrap

@@ -2,8 +2,8 @@
 
 One actor per rank; the ranks form their own gloo (CPU) or NCCL (CUDA) process group, shard a
 ``transformers`` causal LM with FSDP2 (fp32 master weights), and take GRPO steps with AdamW on the
-rollouts the controller hands them. The actor is a :class:`refit_core.ray.RefitTrainActor`, so
-:class:`refit_core.ray.RayRefit` sends its shards to the engine after every step, in place.
+rollouts the controller hands them. The actor is a :class:`refit_core.kit.ray.RefitTrainActor`, so
+:class:`refit_core.kit.ray.RayRefit` sends its shards to the engine after every step, in place.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout
-from refit_core.models import reference_state_dict
-from refit_core.ray import RefitTrainActor
-from refit_core.rl import Rollout, completion_logprobs
+from refit_core.kit.models import reference_state_dict
+from refit_core.kit.ray import RefitTrainActor
+from refit_core.kit.rl import Rollout, completion_logprobs
 
 from .parallel import build_model, init_mesh, shard_model
 from .shards import load_hf_weights

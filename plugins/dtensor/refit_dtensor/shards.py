@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 import torch
 
 from refit_core import Box, PluginError, TensorSpec
-from refit_core.pieces import Piece
-from refit_core.quant import Quantization
+from refit_core.contract.pieces import Piece
+from refit_core.contract.quantization import Quantization
 
 from .fp8 import quantization_of
 from .names import Naming, Target, named_parameters, unwrap
@@ -110,7 +110,7 @@ def load_hf_weights(model: Any, state_dict: dict[str, torch.Tensor]) -> int:
     weights without gathering anything.
     """
     from refit_core import SourcePiece
-    from refit_core.verify import reference_region
+    from refit_core.kit.verify import reference_region
 
     written = 0
     for piece in model_pieces(model, SourcePiece):

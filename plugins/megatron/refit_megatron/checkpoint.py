@@ -15,10 +15,8 @@ from typing import Any
 
 import torch
 
-from refit_core import SourcePiece, TensorSpec
-from refit_core.models import checkpoint_specs, config_dtype
-
-from refit_core import PluginError
+from refit_core import PluginError, SourcePiece, TensorSpec
+from refit_core.kit.models import checkpoint_specs, config_dtype
 
 from .families import family_of
 from .hybrid import ATTENTION, MAMBA, MLP, hybrid_pattern, mamba_setting

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout, RefitOptions, RefitSender
-from refit_core.demo.context import DemoContext, DemoReport
-from refit_core.launch import free_port, spawn
-from refit_core.models import reference_state_dict
+from refit_core.kit.demo import DemoContext, DemoReport
+from refit_core.kit.launch import free_port, spawn
+from refit_core.kit.models import reference_state_dict
 
 from .build import BuildOptions, build_gpt, destroy_parallel, init_parallel
 from .source import MegatronSource

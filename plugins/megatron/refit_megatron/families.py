@@ -17,8 +17,8 @@ from typing import Any
 
 from refit_core import PluginError
 
-from .hybrid import MAMBA, MLP, MOE, hybrid_pattern
 from .hybrid import ATTENTION as HYBRID_ATTENTION
+from .hybrid import MAMBA, MLP, MOE, hybrid_pattern
 
 
 class Kind(Enum):

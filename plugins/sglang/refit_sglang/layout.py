@@ -1,7 +1,7 @@
 """Metadata-only destination maps of an SGLang layout (``refit plan --gen sglang:tp=..``): no SGLang import.
 
 The live path learns boxes from SGLang's own loaders (:mod:`refit_sglang.probe`); this module maps
-SGLang's rank numbering onto the core's tensor-parallel decoder rules (:mod:`refit_core.tplayout`)
+SGLang's rank numbering onto the core's tensor-parallel decoder rules (:mod:`refit_core.kit.tplayout`)
 as sglang 0.5.23 applies them, and the tests check both agree on real SGLang models:
 
 - engine replica ``dp_i`` (a separate SGLang engine, or DP group) holds ranks ``dp_i * tp + tp_i``;
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from refit_core import DestinationMap, ParallelLayout, PluginError
-from refit_core.tplayout import EngineRank, decoder_pieces
+from refit_core.kit.tplayout import EngineRank, decoder_pieces
 
 VOCAB_PADDING = 64
 """``sglang.srt.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``."""

@@ -1,6 +1,6 @@
 """Where every HF tensor lands in an SGLang model, learned from SGLang's own ``load_weights``.
 
-The tracing and planning are the core's (:mod:`refit_core.loadtrace`, :mod:`refit_core.loadplan`),
+The tracing and planning are the core's (:mod:`refit_core.kit.loadtrace`, :mod:`refit_core.kit.loadplan`),
 shared with the vLLM plugin. SGLang keeps unquantized parameters in checkpoint format (its
 ``begin_weight_update`` restores any in-place packing before weights load), so the traced stand-ins
 are plain meta copies of the live tensors. What is SGLang's own here: which quantization methods keep
@@ -14,8 +14,8 @@ import logging
 import torch
 
 from refit_core import RefitError, get_plugin_manager
-from refit_core.loadplan import ModelPlan, PlannedPiece, plan_model
-from refit_core.loadtrace import trace_loads
+from refit_core.kit.loadplan import ModelPlan, PlannedPiece, plan_model
+from refit_core.kit.loadtrace import trace_loads
 
 from .state import ModelState
 

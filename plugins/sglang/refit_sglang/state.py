@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from refit_core import RefitError, TensorSpec
-from refit_core.loadplan import ModelPlan
+from refit_core.kit.loadplan import ModelPlan
 
 SGLANG_MODEL_PACKAGE = "sglang.srt.models."
 
@@ -58,7 +58,7 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
 def config_specs(model: torch.nn.Module) -> list[TensorSpec]:
     """The HF tensors of ``model``'s config (per-expert names), floating ones in the model's dtype
     (those a block-FP8 model holds quantized as FP8 with their scales, :mod:`refit_sglang.fp8`)."""
-    from refit_core.models import checkpoint_specs
+    from refit_core.kit.models import checkpoint_specs
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
@@ -81,7 +81,7 @@ def attach(model: torch.nn.Module, *, specs: Sequence[TensorSpec] | None = None,
     """Register an SGLang ``model`` with refit; returns its fresh state.
 
     ``specs`` lists the HF checkpoint tensors it is refitted from (default: the inventory of its
-    config, for the decoder families :func:`refit_core.models.checkpoint_specs` knows); ``loader``
+    config, for the decoder families :func:`refit_core.kit.models.checkpoint_specs` knows); ``loader``
     forces HF names matching these regular expressions onto SGLang's own ``load_weights``.
     Models that were never attached are attached with the defaults on first use.
     """

@@ -2,7 +2,7 @@
 
 refit speaks HF checkpoint names; a live vLLM model only knows its fused parameters. The names come
 from the engine's own checkpoint when it is a local directory (safetensors headers: names, shapes and
-dtypes, read without loading a byte), else from its config (``refit_core.models.checkpoint_specs``:
+dtypes, read without loading a byte), else from its config (``refit_core.kit.models.checkpoint_specs``:
 transformers on the meta device, or refit's table without transformers).
 """
 
@@ -13,8 +13,8 @@ import os
 from typing import Any
 
 from refit_core import RefitError, TensorSpec
-from refit_core.inventory import safetensors_specs
-from refit_core.quant import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
+from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
+from refit_core.kit.inventory import safetensors_specs
 
 log = logging.getLogger("refit.vllm")
 
@@ -51,7 +51,7 @@ def engine_checkpoint_specs(model_config: Any) -> list[TensorSpec]:
     if os.path.isdir(model_config.model):
         specs = safetensors_specs(model_config.model)
     if specs is None:
-        from refit_core.models import checkpoint_specs
+        from refit_core.kit.models import checkpoint_specs
 
         config = model_config.hf_config.to_dict()
         try:

@@ -1,7 +1,7 @@
 """The vLLM side of destination planning: which quantization methods keep checkpoint values as loaded.
 
 The planning itself (fast-path pieces, loader-path closure over fused groups, grouped experts) is the
-core's :mod:`refit_core.loadplan`, shared with the SGLang plugin; the trace is vLLM's
+core's :mod:`refit_core.kit.loadplan`, shared with the SGLang plugin; the trace is vLLM's
 (:mod:`refit_vllm.probe`).
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from refit_core import ExpertName, TensorSpec
-from refit_core.loadplan import ModelPlan, PlannedPiece
-from refit_core.loadplan import plan_model as _plan_with
+from refit_core.kit.loadplan import ModelPlan, PlannedPiece
+from refit_core.kit.loadplan import plan_model as _plan_with
 
 from .probe import trace_loads
 

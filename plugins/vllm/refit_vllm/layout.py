@@ -1,9 +1,9 @@
 """Metadata-only destination maps of a vLLM layout (``refit plan``): no engine, no vLLM import.
 
 The live path learns boxes from vLLM's loaders (:mod:`refit_vllm.probe`); this module maps vLLM's
-worker numbering onto the core's tensor-parallel decoder rules (:mod:`refit_core.tplayout`, shared
+worker numbering onto the core's tensor-parallel decoder rules (:mod:`refit_core.kit.tplayout`, shared
 with SGLang), which state the same rules for a config's checkpoint inventory
-(``refit_core.models.checkpoint_specs``), by the tensors' leaf names, as vLLM 0.32 applies them to
+(``refit_core.kit.models.checkpoint_specs``), by the tensors' leaf names, as vLLM 0.32 applies them to
 Llama-like decoders (Llama, Mistral, Qwen2/3, Qwen2/3-MoE with shared experts, Mixtral, Phi-3's
 fused checkpoint tensors, OLMo2, Granite, ...),
 and the tests check both agree:
@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from refit_core import DestinationMap, ParallelLayout, PluginError
-from refit_core.tplayout import EngineRank, decoder_pieces
+from refit_core.kit.tplayout import EngineRank, decoder_pieces
 
 VOCAB_PADDING = 64
 

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, hookimpl
-from refit_core.env import read as read_env
-from refit_core.guard import refuse_serving, resume_serving
+from refit_core.contract.env import read as read_env
+from refit_core.kit.guard import refuse_serving, resume_serving
 
 from .state import MODE_ENV, ModelState, engine_context, model_device, state_of
 
 if TYPE_CHECKING:
-    from refit_core.demo.context import DemoContext, DemoReport
+    from refit_core.kit.demo import DemoContext, DemoReport
 
     from .destinations import ModelPlan
 

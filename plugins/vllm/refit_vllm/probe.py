@@ -1,6 +1,6 @@
 """Where every HF checkpoint tensor lands in a vLLM model, learned from vLLM itself.
 
-The tracing machinery is the core's (:mod:`refit_core.loadtrace`, shared with the SGLang plugin):
+The tracing machinery is the core's (:mod:`refit_core.kit.loadtrace`, shared with the SGLang plugin):
 it runs the model's own ``load_weights`` on meta tensors and records every copy and fill. What is
 vLLM's own is the swap: vLLM repacks many tensors after loading (oneDNN handles on CPU, quantized
 kernels), so the traced stand-ins are rebuilt from vLLM's reload metadata -- the checkpoint format
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import torch
 
 from refit_core import TensorSpec
-from refit_core.loadtrace import Fill, Target, TensorSwap, Trace, Write, meta_copy, view_as_box
-from refit_core.loadtrace import trace_loads as _trace_with
+from refit_core.kit.loadtrace import Fill, Target, TensorSwap, Trace, Write, meta_copy, view_as_box
+from refit_core.kit.loadtrace import trace_loads as _trace_with
 
 log = logging.getLogger("refit.vllm")
 

@@ -2,10 +2,10 @@
 
     Engine = ray.remote(VLLMEngineActor)
     engine = Engine.remote(model_dir, tp=1)
-    refit = refit_core.ray.RayRefit(trainers, [engine])
+    refit = refit_core.kit.ray.RayRefit(trainers, [engine])
 
 The actor holds an ``AsyncLLM`` with ``WeightTransferConfig(backend="refit")`` and speaks the gen-actor
-protocol of :mod:`refit_core.ray`. Every update pauses generation with ``mode="keep"``: requests in
+protocol of :mod:`refit_core.kit.ray`. Every update pauses generation with ``mode="keep"``: requests in
 flight stay in the engine and continue on the new weights after ``resume_generation()`` (their
 outputs' ``weight_versions`` show where the version changed); the prefix cache is reset, since
 cached KV came from the old weights. :meth:`sample` serves the RL loop's rollouts.
@@ -19,7 +19,7 @@ import tempfile
 from typing import Any
 
 from refit_core import RefitOptions
-from refit_core.rl import Rollout
+from refit_core.kit.rl import Rollout
 
 from .demo import engine_env, engine_kwargs
 from .extension import EXTENSION
@@ -48,7 +48,7 @@ class VLLMEngineActor:
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
 
-    # -- the gen-actor protocol of refit_core.ray ---------------------------------------------
+    # -- the gen-actor protocol of refit_core.kit.ray ---------------------------------------------
 
     def refit_gen_ranks(self) -> int:
         return self.tp

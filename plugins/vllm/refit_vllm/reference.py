@@ -1,6 +1,6 @@
 """Ground truth for checks: tiny HF model directories and greedy generation with HF transformers.
 
-Nothing here touches a hub: a model directory is written from a config dict (``refit_core.models``
+Nothing here touches a hub: a model directory is written from a config dict (``refit_core.kit.models``
 presets) and a state dict in checkpoint format (per-expert names), which both vLLM and transformers
 load.
 """
@@ -21,7 +21,7 @@ DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = ((1, 2, 3, 4, 5), (17, 99, 3), (4
 
 def hf_config(config: Mapping[str, Any]) -> Any:
     """A transformers config object from a ``config.json``-style dict."""
-    from refit_core.inventory import transformers_config
+    from refit_core.kit.inventory import transformers_config
 
     return transformers_config(dict(config))
 
@@ -58,8 +58,8 @@ def hf_greedy(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], ma
 
 def reference_dir(config: Mapping[str, Any], seed: int, step: int, path: str | os.PathLike,
                   specs: Sequence[TensorSpec] | None = None) -> Path:
-    """A model directory holding ``refit_core.models.reference_state_dict`` at ``step``: of ``specs``
+    """A model directory holding ``refit_core.kit.models.reference_state_dict`` at ``step``: of ``specs``
     (a model's inventory) when given, else of the config's inventory."""
-    from refit_core.models import reference_state_dict
+    from refit_core.kit.models import reference_state_dict
 
     return write_model_dir(config, reference_state_dict(dict(config) if specs is None else specs, seed, step), path)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from refit_core.kit.verify import mismatches
 from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
-
-from refit_core.verify import mismatches
 
 from .models import CHECKPOINT, ODD_CHECKPOINT, ODD_GROUPED_EXPERTS, ToyEngine, ToyTrainer, odd_member_name
 from .plugin import refit_destination_map

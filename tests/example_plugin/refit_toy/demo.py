@@ -7,10 +7,10 @@ import time
 import torch
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.demo.context import DemoContext, DemoReport
-from refit_core.launch import spawn
-from refit_core.models import reference_tensor
-from refit_core.verify import mismatches
+from refit_core.kit.demo import DemoContext, DemoReport
+from refit_core.kit.launch import spawn
+from refit_core.kit.models import reference_tensor
+from refit_core.kit.verify import mismatches
 
 from .models import CHECKPOINT, EXPERTS, ODD_GROUPED_EXPERTS, ToyEngine, ToyTrainer, odd_member_name
 

@@ -6,11 +6,34 @@ from typing import Any
 
 import torch
 
-from refit_core import (GEN, TRAIN, Backend, Box, DestinationMap, DestinationPiece, ExpertName, ParallelLayout,
-                        PluginError, SourcePiece, TensorSpec, hookimpl)
+from refit_core import (
+    GEN,
+    TRAIN,
+    Backend,
+    Box,
+    DestinationMap,
+    DestinationPiece,
+    ExpertName,
+    ParallelLayout,
+    PluginError,
+    SourcePiece,
+    TensorSpec,
+    hookimpl,
+)
 
-from .models import (EXPERTS, GROUPED_EXPERTS, HEADS_DIM, HIDDEN, KV_DIM, ODD_GROUPED_EXPERTS, ToyEngine,
-                     ToyTrainer, checkpoint, odd_expert_name, odd_member_name)
+from .models import (
+    EXPERTS,
+    GROUPED_EXPERTS,
+    HEADS_DIM,
+    HIDDEN,
+    KV_DIM,
+    ODD_GROUPED_EXPERTS,
+    ToyEngine,
+    ToyTrainer,
+    checkpoint,
+    odd_expert_name,
+    odd_member_name,
+)
 
 
 @hookimpl

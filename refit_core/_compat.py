@@ -1,0 +1,66 @@
+"""Old import paths of refit 0.2, kept for one release: each warns once and hands back the module that moved.
+
+``docs/writing-a-plugin.md`` of refit 0.2 let plugins import ``refit_core.spec``, ``.pieces``,
+``.experts``, ``.boxindex``, ``.env``, ``.models``, ``.verify``, ``.launch`` and ``.demo.context``.
+Those modules now live in role subpackages; the names they held are public from :mod:`refit_core` and
+:mod:`refit_core.kit`. A plugin written against 0.2 keeps working unchanged; a
+:class:`DeprecationWarning` names the new place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
+
+MOVED: dict[str, tuple[str, str]] = {
+    # old path: (module it is now, where its public names are imported from)
+    "refit_core.spec": ("refit_core.contract.spec", "refit_core"),
+    "refit_core.pieces": ("refit_core.contract.pieces", "refit_core"),
+    "refit_core.experts": ("refit_core.contract.experts", "refit_core"),
+    "refit_core.boxindex": ("refit_core.plan.regions", "refit_core.kit"),
+    "refit_core.env": ("refit_core.contract.env", "refit_core.kit"),
+    "refit_core.models": ("refit_core.kit.models", "refit_core.kit"),
+    "refit_core.verify": ("refit_core.kit.verify", "refit_core.kit"),
+    "refit_core.launch": ("refit_core.kit.launch", "refit_core.kit"),
+    "refit_core.demo": ("refit_core.tools.demo", "refit_core.kit"),
+    "refit_core.demo.context": ("refit_core.kit.demo", "refit_core.kit"),
+}
+"""Each old module path: the module it is now, and the public module to import its names from."""
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads an old path as the module that now holds its code (one module object, two names)."""
+
+    def __init__(self, old: str) -> None:
+        self.old = old
+        self.target, self.public = MOVED[old]
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        warnings.warn(f"{self.old} moved in refit 0.3: import its names from {self.public}",
+                      DeprecationWarning, stacklevel=4)
+        module = importlib.import_module(self.target)
+        self._spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self._spec  # the import system set the alias' spec on the shared module
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds only the old paths in :data:`MOVED`."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _Alias(fullname))
+
+
+def install() -> None:
+    """Let the old paths import (idempotent)."""
+    if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AliasFinder())

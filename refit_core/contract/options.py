@@ -1,0 +1,476 @@
+"""The settings of one refit: what every rank must agree on, as one typed object.
+
+:class:`RefitOptions` holds every knob of a refit. All of them but ``timeout_s`` change what
+travels on the wire or how (bucket size, buffers, cast policy, message formation, transport, NCCL
+communicators), so both sides must run with the same values: the train side's rank 0 resolves its
+options and publishes them (:meth:`RefitOptions.to_wire`); every other rank adopts them
+(:meth:`RefitOptions.agree_with`), except where it set a different value *explicitly* (in code, or
+through an environment override, see :mod:`refit_core.contract.env`): then setup fails on every rank with a
+:class:`~refit_core.contract.errors.PlanError` naming the setting and both values. The agreed settings are
+hashed into the plan's fingerprint.
+
+A setting is explicit when it was passed to the constructor with a value other than None;
+everything left out is a default the train side may overrule. Bad values raise
+:class:`~refit_core.contract.errors.OptionError` naming the class and the field.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from refit_core.contract.errors import OptionError, PlanError
+
+MiB = 1 << 20
+ALIGN = 16
+"""Every message and staging slice starts at a multiple of this many bytes."""
+
+
+def align(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+class CastPolicy(StrEnum):
+    """What to do when a source tensor's dtype differs from its destination's."""
+
+    CAST = "cast"
+    """Convert to the destination dtype on the sender."""
+    STRICT = "strict"
+    """Refuse the plan at setup."""
+
+
+class TransportKind(StrEnum):
+    """How bytes move between a train rank and a gen rank."""
+
+    AUTO = "auto"
+    """NCCL when this rank's pieces are on CUDA, gloo otherwise."""
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class Colocation(StrEnum):
+    """Which (train rank, gen rank) pairs the gen rank copies straight out of the train rank's memory
+    instead of receiving over the network transport (:mod:`refit_core.plan.links`)."""
+
+    AUTO = "auto"
+    """Pairs on the same GPU use CUDA IPC (NCCL cannot connect them); all others the network."""
+    SHARED = "shared"
+    """Also pairs of CPU ranks on one host use shared memory (``refit demo --colocate``)."""
+    OFF = "off"
+    """Every pair uses the network transport; a plan with a same-GPU pair is refused."""
+
+
+class MessageMode(StrEnum):
+    """How the schedule cuts transfers into messages (see :mod:`refit_core.plan.schedule`)."""
+
+    UNITS = "units"
+    """Units of at least ``direct_min_bytes`` get messages of their own, small ones share (default)."""
+    RUNS = "runs"
+    """Runs of units of one kind packed back to back (fewer NCCL operations; benchmarking)."""
+
+
+class UpdateMode(StrEnum):
+    """How a gen rank applies a step (see :mod:`refit_core.contract.failures`)."""
+
+    IN_PLACE = "in_place"
+    """Bytes land straight in engine memory; a failed step reports the tensors it tore."""
+    STAGED = "staged"
+    """A step lands in staging memory on every gen rank first, and is applied only once all have it."""
+
+
+class NcclBackend(StrEnum):
+    """Which NCCL binding the nccl transport uses."""
+
+    AUTO = "auto"
+    """nccl4py where it imports, torch's ProcessGroupNCCL otherwise."""
+    NCCL4PY = "nccl4py"
+    TORCH = "torch"
+
+
+_T = TypeVar("_T")
+
+
+def _tracks_explicit(cls: type[_T]) -> type[_T]:
+    """Record which constructor arguments were given (not None) as ``explicit`` field names."""
+    generated = cls.__init__
+    names = [f.name for f in fields(cls) if f.init]  # type: ignore[arg-type]
+
+    @functools.wraps(generated)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        generated(self, *args, **kwargs)
+        given = {**dict(zip(names, args)), **kwargs}
+        object.__setattr__(self, "_explicit", frozenset(n for n, v in given.items() if v is not None))
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+class _Settings:
+    """Shared machinery of the settings dataclasses: coercion, explicit fields, wire form."""
+
+    _explicit: frozenset[str]
+
+    def _coerce(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            kind = f.metadata.get("kind")
+            if value is None:
+                if f.default is None:
+                    continue
+                default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
+                object.__setattr__(self, f.name, default)
+                continue
+            object.__setattr__(self, f.name, _coerced(type(self).__name__, f.name, kind, value))
+
+    @property
+    def explicit(self) -> frozenset[str]:
+        """Dotted names of the settings given explicitly (``"nccl.comms_per_link"``)."""
+        out = set()
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, _Settings):
+                out |= {f"{f.name}.{inner}" for inner in value.explicit}
+            elif f.name in self._explicit:
+                out.add(f.name)
+        return frozenset(out)
+
+    def to_wire(self, *, secrets: bool = False) -> dict[str, Any]:
+        """A plain JSON-able dict of every field (enums as their values, nested settings as dicts).
+
+        Secret fields (``RefitOptions.secret``) are left out unless ``secrets``: pass True only to
+        hand options to a process of the same job over a trusted channel, never to publish them.
+        """
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.metadata.get("secret") and not secrets:
+                continue
+            if isinstance(value, _Settings):
+                out[f.name] = value.to_wire()
+            elif isinstance(value, StrEnum):
+                out[f.name] = value.value
+            else:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Any:
+        """Parse :meth:`to_wire`'s dict; an unknown key or a bad value raises :class:`OptionError`."""
+        if not isinstance(data, dict):
+            raise OptionError(f"{cls.__name__}: expected a dict of settings, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise OptionError(f"{cls.__name__}: unknown setting(s) {unknown} (known: {sorted(known)})")
+        return cls(**data)
+
+    def leaves(self, prefix: str = "") -> dict[str, Any]:
+        """Every setting by dotted name, nested settings flattened."""
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, _Settings):
+                out.update(value.leaves(f"{prefix}{f.name}."))
+            else:
+                out[f"{prefix}{f.name}"] = value
+        return out
+
+
+def _coerced(owner: str, name: str, kind: Any, value: Any) -> Any:
+    where = f"{owner}.{name}"
+    if isinstance(kind, type) and issubclass(kind, _Settings):
+        if isinstance(value, kind):
+            return value
+        return kind.from_wire(value)
+    if isinstance(kind, type) and issubclass(kind, StrEnum):
+        try:
+            return kind(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in kind)
+            raise OptionError(f"{where}={value!r}: use one of {choices}") from None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise OptionError(f"{where}={value!r}: expected True or False")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise OptionError(f"{where}={value!r}: expected an integer")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise OptionError(f"{where}={value!r}: expected a positive number")
+        return float(value)
+    return value
+
+
+def _setting(default: Any, kind: Any, *, local: bool = False) -> Any:
+    return field(default=default, metadata={"kind": kind, "local": local})
+
+
+def _nested(kind: type) -> Any:
+    return field(default_factory=kind, metadata={"kind": kind, "local": False})
+
+
+class StridedCopy(StrEnum):
+    """How a :class:`CopyProgram` moves a large copy whose views are not contiguous (a stack of equal
+    blocks at constant distances: Megatron's per-group ``q`` / ``k`` / ``v`` rows into vLLM's ``[Q; K; V]``).
+
+    A gen rank's own choice (a local setting): every variant moves the same bytes. Which is fastest
+    is a property of the device, measured side by side by ``python -m refit_core.tools.bench.colocated
+    --variants`` (:mod:`refit_core.run.copies`)."""
+
+    KERNEL = "kernel"
+    """One strided ``copy_`` per stacked copy (torch's elementwise copy kernel, non-contiguous)."""
+    BLOCKS = "blocks"
+    """One contiguous ``copy_`` (a device memcpy) per block of at least ``min_block_bytes``; more launches."""
+    FOREACH = "foreach"
+    """Every large strided copy's contiguous blocks in one ``torch._foreach_copy_`` per dtype."""
+    MEMCPY2D = "memcpy2d"
+    """One ``cudaMemcpy2DAsync`` (blocks of ``width`` bytes at two pitches) per stacked copy whose
+    blocks are contiguous (CUDA only; elsewhere, and for other layouts, as ``kernel``)."""
+
+
+@_tracks_explicit
+@dataclass(frozen=True)
+class MessageOptions(_Settings):
+    """How transfers become messages; both sides must agree (the plan depends on it).
+
+    - ``mode``: :class:`MessageMode` (``units`` by default).
+    - ``direct_min_bytes``: in ``units`` mode, units of at least this many bytes get messages of
+      their own (16 MiB).
+    - ``zero_copy``: send or receive a message that is one contiguous run of local memory straight
+      from or into that memory (True); False stages every message through the buffers.
+    """
+
+    mode: MessageMode = _setting(MessageMode.UNITS, MessageMode)
+    direct_min_bytes: int = _setting(16 * MiB, int)
+    zero_copy: bool = _setting(True, bool)
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        if self.direct_min_bytes < 0:
+            raise OptionError(f"MessageOptions.direct_min_bytes={self.direct_min_bytes}: must be >= 0")
+
+
+@_tracks_explicit
+@dataclass(frozen=True)
+class NcclOptions(_Settings):
+    """The nccl transport's communicators; both sides must agree (they build them together).
+
+    - ``backend``: :class:`NcclBackend` (``auto``: nccl4py, else torch's ProcessGroupNCCL).
+    - ``comms_per_link``: NCCL communicators per pair of ranks, each on its own stream (2).
+    """
+
+    backend: NcclBackend = _setting(NcclBackend.AUTO, NcclBackend)
+    comms_per_link: int = _setting(2, int)
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        if self.comms_per_link < 1:
+            raise OptionError(f"NcclOptions.comms_per_link={self.comms_per_link}: must be >= 1")
+
+
+@_tracks_explicit
+@dataclass(frozen=True)
+class RelayOptions(_Settings):
+    """Relay fanout (:mod:`refit_core.plan.relay`); both sides must agree (the plan depends on it).
+
+    - ``replicas``: the gen ranks form this many identical replicas (consecutive equal blocks).
+    - ``direct``: how many replicas the trainers feed (wave 0); 0 (the default) means all of them,
+      i.e. no relay. With ``0 < direct < replicas`` the others get the step from replicas that hold it.
+    - ``fanout``: replicas each holder forwards to per wave (1).
+    - ``node_ranks``: gen ranks per node (consecutive ranks share a node); above 1, a destination
+      region that several gen ranks of one node hold (norms a TP engine replicates, MLA's ``q_a`` /
+      ``kv_a`` at high TP) is fed by the trainers to one of them and forwarded to the others over the
+      node's links (0, the default: off). Not combined with replica relay (``direct``).
+    - ``forward_min_bytes``: smaller shared regions are fed to every holder by the trainers (1 MiB):
+      a norm rides along messages its holders get anyway, while forwarding it would have its leader
+      hear from every sender that holds a slice of it.
+
+    Relay needs ``mode="in_place"`` (a relaying rank forwards what landed in its engine memory) and
+    network links between gen ranks (NCCL needs them on different GPUs).
+    """
+
+    replicas: int = _setting(1, int)
+    direct: int = _setting(0, int)
+    fanout: int = _setting(1, int)
+    node_ranks: int = _setting(0, int)
+    forward_min_bytes: int = _setting(1 * MiB, int)
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        if self.replicas < 1 or self.fanout < 1 or min(self.direct, self.node_ranks, self.forward_min_bytes) < 0:
+            raise OptionError(f"RelayOptions(replicas={self.replicas}, direct={self.direct}, fanout={self.fanout}, "
+                              f"node_ranks={self.node_ranks}, forward_min_bytes={self.forward_min_bytes}): replicas "
+                              "and fanout must be >= 1, the others >= 0")
+        if self.fans_out and self.forwards_within_nodes:
+            raise OptionError(f"RelayOptions: replica relay (direct={self.direct}) and forwarding within nodes "
+                              f"(node_ranks={self.node_ranks}) cannot be combined; choose one")
+
+    @property
+    def fans_out(self) -> bool:
+        """True when some replicas get the step from other replicas."""
+        return 0 < self.direct < self.replicas
+
+    @property
+    def forwards_within_nodes(self) -> bool:
+        """True when gen ranks of one node forward the regions they share to each other."""
+        return self.node_ranks > 1
+
+    @property
+    def active(self) -> bool:
+        """True when some gen rank gets part of its step from another gen rank."""
+        return self.fans_out or self.forwards_within_nodes
+
+
+@_tracks_explicit
+@dataclass(frozen=True)
+class RefitOptions(_Settings):
+    """Every knob of one refit. The train side's rank 0 decides; see the module doc.
+
+    - ``bucket_bytes``: most bytes a rank sends or receives in one round (None: 512 MiB when the
+      train side's rank 0 is on CUDA, 64 MiB on CPU); staging memory per rank is at most
+      ``bucket_bytes x num_buffers``. A positive multiple of 16.
+    - ``num_buffers``: staging buffers in flight (pack / transfer / unpack overlap on CUDA).
+    - ``cast``: :class:`CastPolicy`.
+    - ``allow_unused_sources``: skip source tensors no destination wants instead of failing.
+    - ``transport``: :class:`TransportKind`: the network transport, for pairs that share no memory.
+    - ``colocate``: :class:`Colocation`: which pairs read the trainer's memory directly instead.
+    - ``messages``: :class:`MessageOptions`; ``nccl``: :class:`NcclOptions`.
+    - ``relay``: :class:`RelayOptions`: relay fanout among engine replicas (off by default).
+    - ``timeout_s``: setup waits fail after this long, and every step must finish within it
+      (counted from the step's start). This rank's own deadline: the sides need not agree on it.
+    - ``mode``: :class:`UpdateMode` (``in_place`` by default; ``staged`` costs each gen rank the
+      bytes it receives per step in extra memory and guarantees old-or-new, never a mix).
+    - ``job`` / ``secret``: this refit job's name and shared secret (local settings; defaults:
+      the ``REFIT_JOB`` / ``REFIT_SECRET`` environment variables, else ``"refit"`` and none). Every
+      rank proves both (HMAC) before it may read or write the rendezvous; the secret is never sent.
+
+    - ``strided_copies``: :class:`StridedCopy`: how a colocated gen rank moves large strided copies
+      (a local setting; ``foreach`` by default, the fastest on an H200:
+      ``benchmarks/results/colocated-nvidia-h200-variants-2026-11-23.md``).
+    - ``overlap_check``: a colocated train rank signals *ready* first and checks that its parameters
+      are still the memory shared at setup while the engine copies (off by default: the check runs
+      first). A failed check still fails the step on both sides with the same error, but the engine's
+      weights are then torn (``needs_refit``) instead of unchanged. A train-side local setting.
+    - ``step_trace``: record where each colocated step's time goes (host timestamps on both sides,
+      CUDA events around the receiver's copies), read back as ``colocated_trace`` (a local setting,
+      off by default: a few timestamps and events per step when on).
+
+    Strings and dicts are accepted where enums and nested options are expected
+    (``RefitOptions(cast="strict", messages={"zero_copy": False})``).
+    """
+
+    bucket_bytes: int | None = _setting(None, int)
+    num_buffers: int = _setting(3, int)
+    cast: CastPolicy = _setting(CastPolicy.CAST, CastPolicy)
+    allow_unused_sources: bool = _setting(False, bool)
+    transport: TransportKind = _setting(TransportKind.AUTO, TransportKind)
+    colocate: Colocation = _setting(Colocation.AUTO, Colocation)
+    messages: MessageOptions = _nested(MessageOptions)
+    nccl: NcclOptions = _nested(NcclOptions)
+    timeout_s: float = _setting(300.0, float, local=True)
+    mode: UpdateMode = _setting(UpdateMode.IN_PLACE, UpdateMode)
+    job: str | None = _setting(None, str, local=True)
+    secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
+    relay: RelayOptions = _nested(RelayOptions)
+    strided_copies: StridedCopy = _setting(StridedCopy.FOREACH, StridedCopy, local=True)
+    step_trace: bool = _setting(False, bool, local=True)
+    overlap_check: bool = _setting(False, bool, local=True)
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        if self.relay.active and self.mode is not UpdateMode.IN_PLACE:
+            raise OptionError("RefitOptions.relay: relay needs mode='in_place' (a relaying gen rank "
+                              f"forwards what landed in its engine memory), got mode={self.mode.value!r}")
+        if self.bucket_bytes is not None and (self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN):
+            raise OptionError(f"RefitOptions.bucket_bytes={self.bucket_bytes}: must be a positive "
+                              f"multiple of {ALIGN}")
+        if self.num_buffers < 1:
+            raise OptionError(f"RefitOptions.num_buffers={self.num_buffers}: must be >= 1")
+        if self.job is not None and (not isinstance(self.job, str) or not 0 < len(self.job) <= 256):
+            raise OptionError(f"RefitOptions.job={self.job!r:.60}: expected a name of 1 to 256 characters")
+        if self.secret is not None and not isinstance(self.secret, str):
+            raise OptionError("RefitOptions.secret: expected a string")
+
+    def resolved(self, device_type: str) -> RefitOptions:
+        """These options with ``bucket_bytes`` decided for a rank on ``device_type`` (``"cuda"``...)."""
+        if self.bucket_bytes is not None:
+            return self
+        bucket = 512 * MiB if device_type == "cuda" else 64 * MiB
+        return self.overridden({"bucket_bytes": bucket}, explicit=False)
+
+    def overridden(self, values: dict[str, Any], *, explicit: bool = True) -> RefitOptions:
+        """A copy with the settings of dotted name in ``values`` replaced (explicit unless told not)."""
+        top: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {}
+        for name, value in values.items():
+            head, _, rest = name.partition(".")
+            if rest:
+                nested.setdefault(head, {})[rest] = value
+            else:
+                top[head] = value
+        unknown = sorted(set(values) - set(self.leaves()))
+        if unknown:
+            raise OptionError(f"RefitOptions: unknown setting(s) {unknown} (known: {sorted(self.leaves())})")
+        result: RefitOptions = _rebuild(self, top, nested, explicit)
+        return result
+
+    def agreed_wire(self) -> dict[str, Any]:
+        """The settings every rank must agree on, as a plain dict (what the fingerprint hashes)."""
+        wire = self.to_wire()
+        for f in fields(self):
+            if f.metadata.get("local"):
+                wire.pop(f.name, None)
+        if not self.relay.active:  # no relay: the same fingerprints as before relay existed
+            wire.pop("relay", None)
+        elif not self.relay.forwards_within_nodes:  # nor does node forwarding change replica relay's
+            for name in ("node_ranks", "forward_min_bytes"):
+                wire["relay"].pop(name, None)
+        return wire
+
+    def digest(self) -> str:
+        """A stable text form of :meth:`agreed_wire` (sorted JSON), for the plan's fingerprint."""
+        return json.dumps(self.agreed_wire(), sort_keys=True, separators=(",", ":"))
+
+    def agree_with(self, published: RefitOptions, who: str) -> RefitOptions:
+        """Adopt the train side's ``published`` options, keeping this rank's own local settings.
+
+        Raises :class:`PlanError` naming the setting and both values where this rank (``who``,
+        e.g. ``"gen rank 1"``) explicitly set a value that differs from the published one.
+        """
+        mine = self.leaves()
+        theirs = published.leaves()
+        local = {f.name for f in fields(self) if f.metadata.get("local")}
+        for name in sorted(self.explicit - local):
+            if mine[name] != theirs[name]:
+                raise PlanError(f"setting {name!r} disagrees: {who} set {_shown(mine[name])} but the train "
+                                f"side's rank 0 uses {_shown(theirs[name])}; set it the same on both sides "
+                                "or only on the train side")
+        return published.overridden({name: getattr(self, name) for name in local}, explicit=False)
+
+
+def _shown(value: Any) -> str:
+    return repr(value.value) if isinstance(value, StrEnum) else repr(value)
+
+
+def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, Any]], explicit: bool) -> Any:
+    """``obj`` with ``top`` values and ``nested`` changes; explicit fields stay explicit, and the
+    changed ones become explicit when ``explicit``."""
+    kwargs: dict[str, Any] = {}
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if f.name in nested:
+            value = _rebuild(value, nested[f.name], {}, explicit)
+        kwargs[f.name] = top.get(f.name, value)
+    result = type(obj)(**kwargs)
+    given = obj._explicit | (set(top) if explicit else set())
+    object.__setattr__(result, "_explicit", frozenset(n for n in given if kwargs.get(n) is not None))
+    return result
+
+__all__ = ["ALIGN", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
+           "RelayOptions", "StridedCopy", "TransportKind", "UpdateMode", "align"]

@@ -1,0 +1,194 @@
+"""The plugin manager: entry-point discovery, selection by environment, and hook calls that fail clearly."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from refit_core.contract import defaults, hookspecs
+from refit_core.contract.backend import Backend
+from refit_core.contract.env import PLUGINS as PLUGINS_ENV
+from refit_core.contract.env import plugin_selection, read
+from refit_core.contract.errors import PluginError
+from refit_core.contract.experts import ExpertName, ExpertNaming
+from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.pieces import DestinationMap, SourcePiece
+
+ENTRY_POINT_GROUP = "refit"
+
+hookimpl = pluggy.HookimplMarker("refit")
+log = logging.getLogger("refit")
+
+
+@dataclass
+class PluginInfo:
+    """A registered plugin: its name, the distribution that ships it, and its backends."""
+
+    name: str
+    distribution: str
+    version: str
+    backends: list[Backend] = field(default_factory=list)
+
+
+class PluginManager:
+    """refit's hook caller. ``get_plugin_manager()`` returns the process-wide instance."""
+
+    def __init__(self, *, load_entry_points: bool = True) -> None:
+        self._pm = pluggy.PluginManager("refit")
+        self._pm.add_hookspecs(hookspecs)
+        self._pm.register(defaults, name="refit-core-defaults")
+        self._info: dict[str, PluginInfo] = {}
+        self.broken: dict[str, str] = {}
+        """Plugins whose import failed: name -> error (they are skipped, and named in errors)."""
+        if load_entry_points:
+            self._load_entry_points()
+
+    # -- registration -------------------------------------------------------------------------
+
+    def _load_entry_points(self) -> None:
+        allowed = plugin_selection()
+        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if (allowed is not None and ep.name not in allowed) or self.has_plugin(ep.name):
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # noqa: BLE001 - one broken plugin must not take the others down
+                self.broken[ep.name] = f"{type(exc).__name__}: {exc}"
+                log.warning("refit plugin %r (%s) failed to import and is skipped: %s", ep.name, ep.value, exc)
+                continue
+            dist = ep.dist
+            self.register(plugin, name=ep.name,
+                          distribution=dist.name if dist else "?", version=dist.version if dist else "?")
+
+    def register(self, plugin: Any, name: str, distribution: str = "(registered in code)",
+                 version: str = "") -> None:
+        """Register a plugin object or module by hand (tests, notebooks, in-tree backends)."""
+        self._pm.register(plugin, name=name)
+        info = PluginInfo(name, distribution, version)
+        self._info[name] = info
+
+        def add(backend: Backend) -> None:
+            info.backends.append(backend)
+
+        impl = getattr(plugin, "refit_register_backends", None)
+        if impl is not None:
+            impl(register=add)
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def has_plugin(self, name: str) -> bool:
+        """Whether a plugin is registered under ``name``."""
+        return self._pm.has_plugin(name=name)
+
+    @property
+    def plugins(self) -> list[PluginInfo]:
+        return list(self._info.values())
+
+    def backends(self, side: str | None = None) -> list[Backend]:
+        found = [b for info in self._info.values() for b in info.backends]
+        return [b for b in found if side is None or side in b.sides]
+
+    def backend(self, name: str, side: str) -> Backend:
+        for backend in self.backends(side):
+            if backend.name == name:
+                return backend
+        known = ", ".join(b.name for b in self.backends(side)) or "none"
+        raise PluginError(f"no installed plugin provides a {side} backend named {name!r} "
+                          f"(installed {side} backends: {known}){self._env_hint()}")
+
+    def _installed(self) -> str:
+        names = [f"{i.name} ({i.distribution})" for i in self._info.values()]
+        names += [f"{name} (failed to import: {error})" for name, error in self.broken.items()]
+        return ", ".join(names) or "none"
+
+    def _env_hint(self) -> str:
+        wanted = read(PLUGINS_ENV)
+        return f"; {PLUGINS_ENV}={wanted!r} restricts which plugins load" if wanted is not None else ""
+
+    def _unrecognized(self, what: str, model: Any) -> PluginError:
+        return PluginError(f"no installed refit plugin recognizes {what} of type "
+                           f"{type(model).__module__}.{type(model).__qualname__} "
+                           f"(installed plugins: {self._installed()}){self._env_hint()}")
+
+    # -- hook calls ---------------------------------------------------------------------------
+
+    @property
+    def hook(self) -> Any:
+        return self._pm.hook
+
+    def source_pieces(self, model: Any) -> list[SourcePiece]:
+        pieces = self.hook.refit_source_pieces(model=model)
+        if pieces is None:
+            raise self._unrecognized("the training model", model)
+        return list(pieces)
+
+    def destination_map(self, model: Any) -> DestinationMap:
+        mapping = self.hook.refit_destination_map(model=model)
+        if mapping is None:
+            raise self._unrecognized("the generation model", model)
+        return mapping
+
+    def source_layout(self, backend: str, config: dict, layout: ParallelLayout, rank: int) -> list[SourcePiece]:
+        pieces = self.hook.refit_source_layout(backend=backend, config=config, layout=layout, rank=rank)
+        if pieces is None:
+            raise PluginError(f"no installed plugin describes train backend {backend!r} from metadata "
+                              f"(installed plugins: {self._installed()})")
+        return list(pieces)
+
+    def destination_layout(self, backend: str, config: dict, layout: ParallelLayout, rank: int) -> DestinationMap:
+        mapping = self.hook.refit_destination_layout(backend=backend, config=config, layout=layout, rank=rank)
+        if mapping is None:
+            raise PluginError(f"no installed plugin describes gen backend {backend!r} from metadata "
+                              f"(installed plugins: {self._installed()})")
+        return mapping
+
+    def expert_name(self, hf_name: str) -> ExpertName | None:
+        """``hf_name`` split into its expert group and index, or None if it is no per-expert name."""
+        return self.hook.refit_expert_name(hf_name=hf_name)
+
+    def expert_member_name(self, group: str, index: int) -> str | None:
+        """The per-expert checkpoint name of expert ``index`` of ``group``, or None if no plugin knows it.
+
+        Raises :class:`PluginError` when the plugins' two naming hooks disagree.
+        """
+        name = self.hook.refit_expert_member_name(group=group, index=index)
+        if name is not None and self.expert_name(name) != ExpertName(group, index):
+            raise PluginError(f"refit_expert_member_name({group!r}, {index}) returned {name!r}, but "
+                              f"refit_expert_name maps that to {self.expert_name(name)}: the two hooks must "
+                              "be inverses of each other")
+        return name
+
+    def expert_naming(self) -> ExpertNaming:
+        """Both directions of expert naming, through this manager's hooks."""
+        return ExpertNaming(self.expert_name, self.expert_member_name)
+
+    def begin_update(self, model: Any) -> bool:
+        return bool(self.hook.refit_begin_update(model=model))
+
+    def load_weights(self, model: Any, weights: list) -> None:
+        if self.hook.refit_load_weights(model=model, weights=weights) is None:
+            raise self._unrecognized("(for the loader path) the generation model", model)
+
+    def finish_update(self, model: Any, version: int) -> None:
+        self.hook.refit_finish_update(model=model, version=version)
+
+    def abort_update(self, model: Any, torn: list[str]) -> bool | None:
+        """The plugin's answer: True handled, False could not restore, None not handled."""
+        result = self.hook.refit_abort_update(model=model, torn=torn)
+        return None if result is None else bool(result)
+
+
+_manager: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager, loading installed plugins on first use."""
+    global _manager
+    if _manager is None:
+        _manager = PluginManager()
+    return _manager
+

@@ -1,0 +1,112 @@
+"""Starting several ranks of one program on this machine (demo, tests): spawn, wait, fail loudly."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now and that the kernel will not hand to anyone else.
+
+    Ports come from below the kernel's ephemeral range: a port that ``bind(0)`` returned and we released
+    can be given to the next socket that binds or connects (a gloo listener, an outgoing connection)
+    before our program listens on it. Each port is handed out once per process.
+    """
+    low, _ = _ephemeral_range()
+    if low - _LOWEST_PORT >= 1000:
+        rng = random.Random(os.getpid() ^ time.monotonic_ns())
+        for _ in range(200):
+            port = rng.randrange(_LOWEST_PORT, low)
+            if port not in _handed_out and _is_free(port):
+                _handed_out.add(port)
+                return port
+    with socket.socket() as sock:  # no room below the ephemeral range: take the kernel's choice
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, nprocs: int, args: tuple, env: dict[str, str],
+           outcomes: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs)})
+    try:
+        result = fn(rank, nprocs, *args)
+    except BaseException:  # noqa: BLE001 - report every failure (SystemExit too) to the parent, then exit
+        outcomes.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+    outcomes.put((rank, True, result))
+
+
+class RankFailure(RuntimeError):
+    """One or more spawned ranks failed; the message holds their tracebacks."""
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] | None = None,
+          timeout_s: float = 600.0) -> list[Any]:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` fresh processes; return their results by rank.
+
+    If any rank fails or the timeout passes, the others are killed and :class:`RankFailure` is
+    raised with each failing rank's traceback (never a hang). ``fn`` must be importable (top level).
+    """
+    ctx = mp.get_context("spawn")
+    outcomes = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, args, dict(env or {}), outcomes), daemon=False)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    failed: list[str] = []
+    results: dict[int, Any] = {}
+    try:
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # let a failing rank's peers report their own errors
+    finally:
+        timed_out = any(p.is_alive() for p in procs)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        while not outcomes.empty():
+            rank, ok, payload = outcomes.get()
+            if ok:
+                results[rank] = payload
+            else:
+                failed.append(f"--- rank {rank} ---\n{payload}")
+    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if timed_out and not failed:
+        raise RankFailure(f"ranks {bad} did not finish within {timeout_s:.0f} s")
+    if bad:
+        raise RankFailure(f"ranks {bad} of {fn.__name__} failed:\n" + "\n".join(failed))
+    return [results.get(r) for r in range(nprocs)]

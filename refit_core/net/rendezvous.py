@@ -1,0 +1,175 @@
+"""Setup-time coordination: metadata exchange, agreement checks and error broadcast over refit's store.
+
+Train rank 0 hosts the store (:class:`~refit_core.net.store.StoreServer`) at the rendezvous address,
+bound to that address's interface only; every rank, the host included, joins it as an authenticated
+client (:class:`~refit_core.net.store.StoreClient`). Values are JSON (:mod:`refit_core.net.wire`), never
+pickle. A rank that fails during setup writes its error under ``error``; every other rank's waits
+(and gloo's or NCCL's rendezvous on the same store) stop at once with that message, and a rank whose
+connection closes (it died) stops them too, naming it, instead of letting them wait for their deadline.
+A wait holds a missing key's read open on the store (a quarter second at a time) rather than polling,
+and :meth:`Rendezvous.barrier` costs each rank O(1) requests whatever the world size.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from refit_core.contract.errors import AuthenticationError, PlanError, PluginError, RefitError, RendezvousError
+from refit_core.net import wire
+from refit_core.net.auth import JobCredentials
+from refit_core.net.store import ERROR_KEY, WAIT_SLICE_S, Endpoint, StoreClient, StoreServer
+
+POLL_S = 0.02
+HANDSHAKE_S = 5.0
+_KINDS = {cls.__name__: cls for cls in (PlanError, PluginError, RendezvousError, AuthenticationError)}
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    endpoint = Endpoint.parse(address)
+    return endpoint.host, endpoint.port
+
+
+def rank_name(identity: str) -> str:
+    """``"train/1"`` (or a key ending so) -> ``"train rank 1"``."""
+    parts = identity.split("/")
+    if len(parts) >= 2 and parts[-1].isdigit():
+        return f"{parts[-2]} rank {parts[-1]}"
+    if parts[-1] in ("train", "gen"):  # a side-wide key that side's rank 0 publishes
+        return f"{parts[-1]} rank 0"
+    return identity
+
+
+def _publisher(key: str) -> str:
+    """The rank (``"gen/0"``) that publishes ``key``: ``done/gen/0`` -> ``gen/0``; ``size/gen`` -> ``gen/0``."""
+    parts = key.split("/")
+    if parts[-1] in ("train", "gen"):
+        return f"{parts[-1]}/0"
+    return "/".join(parts[-2:])
+
+
+class Rendezvous:
+    """One setup's store: hosted here when ``host``, joined as rank ``who`` (``"train/0"``) always."""
+
+    def __init__(self, address: str, *, host: bool, who: str, timeout_s: float,
+                 credentials: JobCredentials | None = None, handshake_s: float = HANDSHAKE_S) -> None:
+        endpoint = Endpoint.parse(address)
+        credentials = credentials or JobCredentials()
+        self.timeout_s = timeout_s
+        self.server = StoreServer(endpoint, credentials, handshake_s=handshake_s) if host else None
+        try:
+            self.client = StoreClient(endpoint, credentials, who, timeout_s=timeout_s, handshake_s=handshake_s)
+        except BaseException:
+            if self.server is not None:
+                self.server.close()
+            raise
+        self.client.watch = self._check_failures
+        self.store = self.client
+        self.downloaded = 0
+        """Bytes of values this rank read through :meth:`read` and :meth:`wait` (setup's metadata)."""
+
+    # -- values -------------------------------------------------------------------------------
+
+    def publish(self, key: str, value: Any) -> None:
+        self.client.set(key, wire.encode(value))
+
+    def read(self, key: str, default: Any = None) -> Any:
+        """The value under ``key`` now, or ``default``; never waits, never raises."""
+        try:
+            raw = self.client.try_get(key)
+            if raw is None:
+                return default
+            self.downloaded += len(raw)
+            return wire.decode(raw, key)
+        except RefitError:
+            return default
+
+    def wait(self, keys: list[str], what: str) -> list[Any]:
+        """Values of ``keys`` once all exist; raises on timeout, on another rank's error or departure."""
+        deadline = time.monotonic() + self.timeout_s
+        values: dict[str, Any] = {}
+        while True:
+            blocked = False  # the store held the first missing key's read open: no need to sleep
+            for key in keys:
+                if key not in values:
+                    raw = self.client.try_get(key, wait_s=0.0 if blocked else WAIT_SLICE_S)
+                    blocked = blocked or raw is None
+                    if raw is not None:
+                        self.downloaded += len(raw)
+                        values[key] = wire.decode(raw, f"{what} ({key})")
+            self._check_failures()
+            if len(values) == len(keys):
+                return [values[k] for k in keys]
+            if time.monotonic() > deadline:
+                missing = [rank_name(k) for k in keys if k not in values]
+                raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
+                                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} did not arrive")
+            if not blocked:
+                time.sleep(POLL_S)
+
+    def barrier(self, name: str, count: int, arrived: list[str], what: str) -> None:
+        """Return once ``count`` ranks called ``barrier(name, ...)``: O(1) requests per rank (a counter,
+        then one key the last arrival sets). ``arrived`` are the keys the ranks published before
+        arriving; on timeout the error names the ranks whose key is missing."""
+        deadline = time.monotonic() + self.timeout_s
+        done = f"{name}/all"
+        if self.client.add(f"{name}/count", 1) >= count:
+            self.client.set(done, b"1")
+        while self.client.try_get(done, wait_s=WAIT_SLICE_S) is None:
+            self._check_failures()
+            if time.monotonic() > deadline:
+                missing = [rank_name(k) for k in arrived if not self.client.check([k])]
+                raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
+                                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} did not arrive")
+        self._check_failures()
+
+    # -- failures -----------------------------------------------------------------------------
+
+    def fail(self, error: Exception, where: str, done_key: str) -> None:
+        """Tell every other rank that setup failed, and why; then mark this rank as done."""
+        record = wire.encode({"kind": type(error).__name__, "message": f"{where}: {error}"})
+        try:
+            self.client.compare_set(ERROR_KEY, b"", record)  # the first error is the cause; keep it
+            self.client.set(done_key, b"1")
+        except RefitError:  # best effort: the store's host may have exited already
+            pass
+
+    def _check_failures(self) -> None:
+        raw = self.client.try_get(ERROR_KEY)
+        if raw is not None:
+            record = wire.decode(raw, "another rank's error")
+            kind = record.get("kind") if isinstance(record, dict) else None
+            message = record.get("message") if isinstance(record, dict) else None
+            cls = _KINDS.get(kind, RefitError)  # a bad plan is a bad plan everywhere
+            raise cls(f"refit setup failed on another rank: {str(message)[:4000]}")
+        gone = self.client.gone()
+        if gone:
+            raise RendezvousError(f"{', '.join(map(rank_name, gone))} left the refit during setup "
+                                  "(its connection to the rendezvous closed: it exited or was killed)")
+
+    def linger(self, keys: list[str], timeout_s: float) -> None:
+        """Keep the store up until ``keys`` exist (or their ranks are gone) or ``timeout_s`` passes:
+        the host, after a failure, so that every rank can still read the error."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                gone = set(self.client.gone())
+                pending = [k for k in keys if _publisher(k) not in gone]
+                if not pending or self.client.check(pending):
+                    return
+            except RefitError:  # a slow client must not make the host leave early
+                pass
+            time.sleep(POLL_S)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def seal(self) -> None:
+        """Setup finished: the host admits no further ranks into this store."""
+        if self.server is not None:
+            self.server.seal()
+
+    def close(self) -> None:
+        """Leave (saying goodbye) and, on the host, stop the store: the port is free for a new setup."""
+        self.client.close(goodbye=True)
+        if self.server is not None:
+            self.server.close()

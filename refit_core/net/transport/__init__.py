@@ -1,0 +1,5 @@
+"""Transports: grouped point-to-point exchange between all train and gen ranks of one refit."""
+
+from refit_core.net.transport.base import DoneFence, Fence, Transport, check_contiguous, open_transport, resolve_kind
+
+__all__ = ["DoneFence", "Fence", "Transport", "check_contiguous", "open_transport", "resolve_kind"]

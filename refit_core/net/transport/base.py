@@ -1,0 +1,116 @@
+"""The transport interface: post a grouped set of sends and receives, get a fence back.
+
+Ranks are global within one refit: train ranks ``0..S-1``, gen ranks ``S..S+D-1``. A transport
+only ever receives contiguous tensors (refit packs everything into contiguous buffers first).
+Every failure of a transport surfaces as a :class:`~refit_core.contract.errors.TransferError` naming the
+peer(s).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from refit_core.contract.errors import RefitError, TransferError
+from refit_core.contract.options import NcclOptions, TransportKind
+
+if TYPE_CHECKING:
+    from refit_core.run.timeline import Timeline
+
+
+class Fence(ABC):
+    """Completion of posted work (an exchange, or a batch of copies)."""
+
+    @abstractmethod
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` wait for the work (CUDA), or block the host until it is done (CPU)."""
+
+    @abstractmethod
+    def synchronize(self, timeout_s: float) -> None:
+        """Block the host until done; raise :class:`~refit_core.contract.errors.TransferError` on timeout."""
+
+
+def spin_until(done: Callable[[], bool], timeout_s: float, what: str,
+               poll: Callable[[], None] | None = None) -> None:
+    """Wait on the host until ``done()``; :class:`TransferError` naming ``what`` after ``timeout_s``.
+
+    Spins without sleeping at first (a GPU fence usually completes within microseconds), then
+    sleeps 50 us between checks; ``poll`` (e.g. a check for NCCL's asynchronous errors, which
+    raises) runs every 2000 checks and once more before timing out.
+    """
+    if done():
+        return
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while not done():
+        spins += 1
+        if poll is not None and spins % 2000 == 0:
+            poll()
+        if time.monotonic() > deadline:
+            if poll is not None:
+                poll()
+            raise TransferError(f"{what} did not complete within {timeout_s:.0f} s (a peer died or hung)")
+        time.sleep(0 if spins < 200 else 5e-5)
+
+
+class DoneFence(Fence):
+    """Work that is already complete."""
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        pass
+
+    def synchronize(self, timeout_s: float) -> None:
+        pass
+
+
+class Transport(ABC):
+    """Grouped point-to-point exchange among the ranks of one refit."""
+
+    kind: TransportKind
+    device: torch.device
+    timeline: Timeline | None = None
+    """Set by an executor recording a step (``refit bench --timeline``): a transport whose work runs
+    on CUDA streams records each exchange's span there (:meth:`Timeline.transferred`)."""
+    records_spans = False
+    """True when this transport records its own spans on a timeline (else the executor observes fences)."""
+
+    @abstractmethod
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 after: Sequence[Fence] = ()) -> Fence:
+        """Post all ``(peer, tensor)`` sends and receives at once, once ``after`` completed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the communicator."""
+
+
+def check_contiguous(pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Refuse a non-contiguous tensor before it reaches a collective (gloo and nccl4py would
+    silently move the wrong bytes)."""
+    for peer, tensor in pairs:
+        if not tensor.is_contiguous():
+            raise TransferError(f"refit bug: non-contiguous buffer for peer {peer} handed to a collective")
+
+
+def resolve_kind(kind: TransportKind, device: torch.device) -> TransportKind:
+    """``auto`` becomes NCCL for a rank on CUDA, gloo otherwise."""
+    if kind == TransportKind.AUTO:
+        return TransportKind.NCCL if device.type == "cuda" else TransportKind.GLOO
+    return kind
+
+
+def open_transport(kind: TransportKind, store: torch.distributed.Store, rank: int, world_size: int,
+                   device: torch.device, timeout_s: float, nccl: NcclOptions | None = None) -> Transport:
+    """Create the transport ``kind`` from the refit's store; collective over all ranks of the refit."""
+    kind = resolve_kind(TransportKind(kind), device)
+    if kind == TransportKind.GLOO:
+        from refit_core.net.transport.gloo import GlooTransport
+        return GlooTransport(store, rank, world_size, timeout_s)
+    if kind == TransportKind.NCCL:
+        from refit_core.net.transport.nccl import NcclTransport
+        return NcclTransport(store, rank, world_size, device, timeout_s, nccl or NcclOptions())
+    raise RefitError(f"unknown transport {kind!r}: use one of {', '.join(k.value for k in TransportKind)}")

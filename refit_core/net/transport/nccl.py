@@ -1,0 +1,358 @@
+"""The GPU transport: NCCL point-to-point through nccl4py, built from the refit's own store.
+
+Every exchange is one NCCL group (``ncclGroupStart``/``End``) of all its sends and receives, so all
+pairs move at once, posted on a high-priority stream of this transport after the ``after`` fences
+(CUDA events: no host wait). The communicator is created from the refit's rendezvous store, like the
+gloo transport's process group: rank 0 draws the NCCL unique id and publishes it there. Trainers and
+engines keep their own process groups; refit never touches the default group.
+
+Placement. NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected").
+When every rank has a GPU of its own there is one communicator for the whole refit; when some ranks
+share a GPU (several ranks per GPU on a small machine), every pair of ranks on *different* GPUs gets a
+2-rank communicator of its own, created in one global order (deadlock-free), each with its own
+stream. Two ranks on the same GPU cannot exchange through NCCL at all: setup refuses such a plan
+before any collective (:func:`~refit_core.plan.links.pair_links`; such pairs use CUDA IPC instead).
+
+Several communicators per link. NCCL runs the operations to one peer one after another, and each
+costs some 20 us beyond its bytes (filling and draining its pipeline). With
+:attr:`NcclOptions.comms_per_link <refit_core.contract.options.NcclOptions.comms_per_link>` = K (default 2)
+every link has K communicators, each on its own stream, and the i-th operation to a peer goes to
+communicator ``i % K``: both sides post the same sequence of operations per peer (NCCL needs that
+anyway), so they agree on the communicator without a word, and consecutive operations overlap.
+
+Backends (:class:`~refit_core.contract.options.NcclBackend`). ``nccl4py`` (``pip install nccl4py``; the
+default) or, where it cannot be imported, a ``torch.distributed.ProcessGroupNCCL`` built on the same
+store (``torch`` forces it; it has no pairwise mode). ``nccl4py`` does not check contiguity: only
+contiguous tensors may be handed to it, which :func:`~refit_core.net.transport.base.check_contiguous`
+enforces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from refit_core.contract.errors import RefitError, TransferError
+from refit_core.contract.options import NcclBackend, NcclOptions, TransportKind
+from refit_core.net.transport.base import Fence, Transport, check_contiguous, spin_until
+
+log = logging.getLogger("refit")
+
+_IN_PROGRESS = 7  # ncclInProgress
+
+
+def _stream_for(device: torch.device) -> torch.cuda.Stream:
+    # The lowest number is the highest priority (torch clamps to the device's range): NCCL's blocks
+    # then win over concurrently queued packing copies when SMs free up.
+    return torch.cuda.Stream(device=device, priority=-8)
+
+
+class Communicator(Protocol):
+    """What refit and its benchmark need of one NCCL communicator."""
+
+    backend: NcclBackend
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             stream: torch.cuda.Stream) -> None: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None: ...
+
+    def error(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+class NcclComm:
+    """One NCCL communicator (nccl4py), with the few calls refit and its benchmark use."""
+
+    backend = NcclBackend.NCCL4PY
+
+    def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device) -> None:
+        import nccl.core as nccl
+
+        self._nccl = nccl
+        self.nranks, self.rank, self.device = nranks, rank, device
+        if rank == 0:
+            uid = nccl.get_unique_id()
+            store.set(f"{key}/uid", bytes(uid.as_bytes))  # type: ignore[arg-type]  # torch's stub says str
+        raw = store.get(f"{key}/uid")
+        with torch.cuda.device(device):
+            self.comm = nccl.Communicator.init(nranks, rank, nccl.UniqueId.from_bytes(raw))
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             stream: torch.cuda.Stream) -> None:
+        handle = stream.cuda_stream
+        with self._nccl.group():
+            for peer, tensor in recvs:
+                self.comm.recv(tensor, peer, stream=handle)
+            for peer, tensor in sends:
+                self.comm.send(tensor, peer, stream=handle)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None:
+        self.comm.broadcast(tensor, tensor, root, stream=stream.cuda_stream)
+
+    def error(self) -> str | None:
+        """NCCL's asynchronous error, if any (a dead peer, a broken link)."""
+        try:
+            result = self.comm.get_async_error()
+        except Exception as exc:  # noqa: BLE001 - report whatever the binding raises
+            return str(exc)
+        if int(result) in (0, _IN_PROGRESS):
+            return None
+        return f"{self._nccl.get_error_string(result)} ({result})"
+
+    def close(self) -> None:
+        self.comm.destroy()
+
+
+class TorchNcclComm:
+    """The fallback: ``torch.distributed.ProcessGroupNCCL`` on the refit's store (never the default group)."""
+
+    backend = NcclBackend.TORCH
+
+    def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
+                 timeout_s: float) -> None:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        opts._timeout = timedelta(seconds=timeout_s)
+        self.nranks, self.rank, self.device = nranks, rank, device
+        self.pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore(f"{key}/", store), rank, nranks, opts)
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             stream: torch.cuda.Stream) -> None:
+        with torch.cuda.stream(stream):  # the process group's stream waits for this one, and back
+            coalesce = hasattr(self.pg, "_start_coalescing")
+            if coalesce:
+                self.pg._start_coalescing(self.device)
+            works = [self.pg.recv([t], peer, 0) for peer, t in recvs]
+            works += [self.pg.send([t], peer, 0) for peer, t in sends]
+            if coalesce:
+                works = [self.pg._end_coalescing(self.device)]
+            for work in works:
+                if work is not None:
+                    work.wait()
+
+    def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        with torch.cuda.stream(stream):
+            self.pg.broadcast([tensor], opts).wait()
+
+    def error(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def resolve_backend(backend: NcclBackend) -> NcclBackend:
+    """``auto`` becomes nccl4py where it imports, torch otherwise; nccl4py that cannot import is an error."""
+    if backend == NcclBackend.TORCH:
+        return backend
+    try:
+        import nccl.core  # noqa: F401
+    except Exception as exc:  # ImportError, or a cuda-core/bindings mismatch
+        if backend == NcclBackend.NCCL4PY:
+            raise RefitError(f"nccl4py cannot be imported ({exc}); pip install nccl4py") from exc
+        log.warning("refit: nccl4py unavailable (%s); using torch's ProcessGroupNCCL", exc)
+        return NcclBackend.TORCH
+    return NcclBackend.NCCL4PY
+
+
+def open_comm(store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
+              timeout_s: float = 300.0, backend: NcclBackend = NcclBackend.AUTO) -> Communicator:
+    """A communicator of ``nranks`` over ``store`` (keys under ``key``); collective over its ranks.
+
+    ``timeout_s`` bounds torch's ProcessGroupNCCL; nccl4py has no timeout of its own (refit's fences
+    enforce deadlines on the host).
+    """
+    if resolve_backend(backend) == NcclBackend.TORCH:
+        return TorchNcclComm(store, key, nranks, rank, device, timeout_s)
+    return NcclComm(store, key, nranks, rank, device)
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One communicator to a peer: the peer's rank in it and the stream operations go on."""
+
+    comm: Communicator
+    peer_rank: int
+    stream: torch.cuda.Stream
+
+
+@dataclass
+class _Group:
+    """The operations of one exchange on one communicator (one NCCL group)."""
+
+    link: _Link
+    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+class _NcclFence(Fence):
+    """Completion of one exchange: an event per stream it was posted on."""
+
+    def __init__(self, events: list[torch.cuda.Event], transport: NcclTransport, peers: list[int]) -> None:
+        self.events = events
+        self.transport = transport
+        self.peers = peers
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        for event in self.events:
+            if stream is None:
+                event.synchronize()
+            else:
+                stream.wait_event(event)
+
+    def synchronize(self, timeout_s: float) -> None:
+        what = f"NCCL exchange of rank {self.transport.rank} with rank(s) {sorted(set(self.peers))}"
+        spin_until(lambda: all(e.query() for e in self.events), timeout_s, what, poll=self.transport.check)
+
+
+class _AllFence(Fence):
+    def __init__(self, fences: Sequence[Fence]) -> None:
+        self.fences = list(fences)
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        for fence in self.fences:
+            fence.wait(stream)
+
+    def synchronize(self, timeout_s: float) -> None:
+        for fence in self.fences:
+            fence.synchronize(timeout_s)
+
+
+class NcclTransport(Transport):
+    """Grouped NCCL send/recv between the ranks of one refit (one rank per process)."""
+
+    kind = TransportKind.NCCL
+    records_spans = True
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float, options: NcclOptions) -> None:
+        if not torch.cuda.is_available():
+            raise RefitError("the nccl transport needs CUDA; use transport='gloo' on CPU")
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise RefitError(f"the nccl transport needs CUDA tensors, but this rank's pieces are on {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        store = dist.PrefixStore("nccl/", store)
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        store.set(f"gpu/{rank}", uuid)
+        gpus = [store.get(f"gpu/{r}").decode() for r in range(world_size)]
+        self.gpus = gpus
+        self._comms: list[Communicator] | None = []
+        self._links: dict[int, list[_Link]] = {}  # peer -> one link per communicator
+        self._sent: dict[int, int] = {}
+        self._received: dict[int, int] = {}
+        self.backend = resolve_backend(options.backend)
+        count = options.comms_per_link if self.backend == NcclBackend.NCCL4PY else 1
+        if len(set(gpus)) == world_size:
+            for k in range(count):
+                comm = open_comm(store, f"world/{k}", world_size, rank, device, timeout_s, self.backend)
+                stream = _stream_for(device)
+                self._comms.append(comm)
+                for peer in range(world_size):
+                    if peer != rank:
+                        self._links.setdefault(peer, []).append(_Link(comm, peer, stream))
+            self.mode = "world"
+        else:
+            if self.backend != NcclBackend.NCCL4PY:
+                raise RefitError("several refit ranks share a GPU: that needs one NCCL communicator per "
+                                 "pair of ranks, which only the nccl4py backend provides")
+            for i in range(world_size):
+                for j in range(i + 1, world_size):
+                    if rank not in (i, j) or gpus[i] == gpus[j]:
+                        continue
+                    peer = j if rank == i else i
+                    for k in range(count):
+                        comm = open_comm(store, f"pair/{i}/{j}/{k}", 2, 0 if rank == i else 1, device, timeout_s,
+                                         self.backend)
+                        self._comms.append(comm)
+                        self._links.setdefault(peer, []).append(_Link(comm, 1 if rank == i else 0,
+                                                                      _stream_for(device)))
+            self.mode = "pairwise"
+        log.info("refit nccl transport: rank %d/%d on %s, %s communicators x %d, backend %s", rank,
+                 world_size, device, self.mode, count, self.backend.value)
+
+    def _link(self, peer: int, counts: dict[int, int]) -> _Link:
+        """The communicator of this rank's next operation with ``peer`` in one direction."""
+        try:
+            links = self._links[peer]
+        except KeyError:
+            raise TransferError(f"no NCCL link from rank {self.rank} to rank {peer}") from None
+        index = counts.get(peer, 0)
+        counts[peer] = index + 1
+        return links[index % len(links)]
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 after: Sequence[Fence] = ()) -> Fence:
+        if self._comms is None:
+            raise TransferError(f"the nccl transport of rank {self.rank} is closed")
+        check_contiguous(sends)
+        check_contiguous(recvs)
+        groups: dict[int, _Group] = {}
+        for peer, tensor in sends:
+            link = self._link(peer, self._sent)
+            groups.setdefault(id(link.comm), _Group(link)).sends.append((link.peer_rank, tensor))
+        for peer, tensor in recvs:
+            link = self._link(peer, self._received)
+            groups.setdefault(id(link.comm), _Group(link)).recvs.append((link.peer_rank, tensor))
+        if not groups:
+            return _AllFence(after)
+        events = []
+        peers = [p for p, _ in (*sends, *recvs)]
+        for group in groups.values():
+            stream = group.link.stream
+            for fence in after:
+                fence.wait(stream)
+            timeline = self.timeline
+            start = timeline.stamp(stream) if timeline is not None else None
+            try:
+                group.link.comm.post(group.sends, group.recvs, stream)
+            except Exception as exc:  # every transport failure is a TransferError
+                raise TransferError(f"NCCL exchange of rank {self.rank} with rank(s) {sorted(set(peers))} "
+                                    f"failed to post: {exc}") from exc
+            if timeline is not None and start is not None:
+                timeline.transferred(stream, start, timeline.stamp(stream))
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return _NcclFence(events, self, peers)
+
+    def check(self) -> None:
+        """Raise :class:`TransferError` if NCCL reported an asynchronous error."""
+        for comm in self._comms or ():
+            message = comm.error()
+            if message is not None:
+                raise TransferError(f"NCCL failed on rank {self.rank}: {message}")
+
+    def close(self) -> None:
+        comms, self._comms = self._comms, None
+        if not comms:
+            return
+        for links in self._links.values():
+            for link in links:
+                link.stream.synchronize()
+        for comm in comms:
+            try:
+                comm.close()
+            except Exception as exc:  # noqa: BLE001 - closing must not mask the caller's outcome
+                log.warning("refit: closing an NCCL communicator failed: %s", exc)
+        self._links = {}
+
+
+__all__ = ["Communicator", "NcclComm", "NcclTransport", "TorchNcclComm", "open_comm", "resolve_backend"]

@@ -1,0 +1,515 @@
+"""The static schedule: transfers cut into messages, messages placed in rounds.
+
+A *message* is one contiguous buffer from one train rank to one gen rank: a list of segments laid
+out back to back (16-byte aligned). A *round* is a set of messages that run at once as one grouped
+point-to-point exchange; in every round each rank sends (or receives) at most ``bucket_bytes`` in
+all, so the staging memory of a rank is bounded by ``bucket_bytes x num_buffers``. Every rank walks
+its rounds in increasing order, so rounds never wait on each other in a cycle.
+
+Messages are cut from *units*: the transfers of one pair into one destination piece (e.g. the eight
+query-group blocks that make up ``q_proj``), with sibling grouped-expert tensors of equal shape
+(``experts.gate_proj`` and ``experts.up_proj``) interleaved expert by expert. By default (``units``)
+a unit of at least ``direct_bytes`` gets messages of its own and smaller units share packed messages.
+A message whose segments are one contiguous, gap-free run of memory on a side (a whole parameter, the
+``q_proj`` rows of a fused QKV, ``[gate_e; up_e]`` of a stacked ``w13``) is then sent or received by the
+executor straight from or into that memory, with no staging copy; each side decides that alone, since
+the bytes on the wire are the same either way. The interleaving is a guess about memory (expert-major
+fused gate/up, as in Megatron's and vLLM's stacked experts); a wrong guess costs a staging copy on that
+side, never correctness.
+
+The ``runs`` :class:`~refit_core.contract.options.MessageMode` (benchmarking) instead lays consecutive units of
+one kind (*gather* units, fed by several transfers like Megatron's per-group QKV, or *plain* ones) back
+to back into messages of up to
+``bucket_bytes``: fewer NCCL operations, zero-copy only where neighbouring parameters are neighbours in
+memory on a side (one flat parameter buffer), staged everywhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict, deque
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
+
+import torch
+
+from refit_core.contract.options import ALIGN, MessageMode, MessageOptions, align
+from refit_core.contract.quantization import Quantization, QuantizeStep, QuantSite
+from refit_core.contract.spec import Box, dtype_size
+from refit_core.plan.reference import Transfer
+
+
+@dataclass(frozen=True)
+class SegmentScales:
+    """A sender segment that quantizes: its scales travel at byte ``offset`` of the message."""
+
+    quant: Quantization
+    offset: int
+
+    def shape(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return self.quant.scale_shape(sizes)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``box`` of local piece ``piece`` travels at byte ``offset`` of its message, as ``dtype``.
+
+    ``scales`` is set on a sender's segment that is quantized in the pack step: ``dtype`` is then
+    the FP8 dtype of the values, and the scales of the box's blocks follow at ``scales.offset``
+    (the receiver sees two plain segments: the values, and the scales into the scale piece).
+    """
+
+    piece: int
+    box: Box
+    offset: int
+    dtype: torch.dtype
+    scales: SegmentScales | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * dtype_size(self.dtype)
+
+
+_new = object.__new__
+
+
+def _segment(piece: int, box: Box, offset: int, dtype: torch.dtype) -> Segment:
+    """A :class:`Segment` from known-good fields, without the frozen dataclass' per-field setattr
+    (schedules at scale hold a million of them)."""
+    segment = object.__new__(Segment)
+    fields = segment.__dict__  # filled in place: the class' shared-key dict, half the time and memory of a new one
+    fields["piece"] = piece
+    fields["box"] = box
+    fields["offset"] = offset
+    fields["dtype"] = dtype
+    fields["scales"] = None
+    return segment
+
+
+@dataclass(frozen=True)
+class ReceiverQuantization:
+    """Gen rank ``dst`` quantizes its piece ``piece`` (received in high precision) into itself and
+    the scale piece ``scale_piece`` after every step's bytes landed."""
+
+    dst: int
+    piece: int
+    scale_piece: int
+    quant: Quantization
+    dtype: torch.dtype
+    """The high-precision dtype the piece's bytes arrive in (the source's)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One contiguous buffer from train rank ``src`` to gen rank ``dst`` (side-local ranks)."""
+
+    src: int
+    dst: int
+    nbytes: int
+    src_segments: tuple[Segment, ...]
+    dst_segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class ScheduleSummary:
+    """What a schedule moves: totals, the busiest ranks, and the largest round per rank."""
+
+    bytes: int
+    messages: int
+    segments: int
+    rounds: int
+    busiest_sender_bytes: int
+    busiest_receiver_bytes: int
+    peak_round_send_bytes: int
+    peak_round_recv_bytes: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The rounds of a refit, its fingerprint and its summary. A live setup's planner (train rank 0)
+    holds every round; every other rank its own messages only (:mod:`refit_core.plan.rankplan`)."""
+
+    num_src: int
+    num_dst: int
+    bucket_bytes: int
+    rounds: list[list[Message]]
+    fingerprint: str
+    summary: ScheduleSummary
+    receiver_quantizations: tuple[ReceiverQuantization, ...] = ()
+
+    def receiver_quantizations_of(self, rank: int) -> list[ReceiverQuantization]:
+        """The pieces gen rank ``rank`` quantizes itself (see :mod:`refit_core.plan.quant_rules`)."""
+        return [q for q in self.receiver_quantizations if q.dst == rank]
+
+    def rounds_of_source(self, rank: int) -> list[list[Message]]:
+        """This train rank's messages, round by round (rounds it has no part in are skipped)."""
+        picked = ([m for m in msgs if m.src == rank] for msgs in self.rounds)
+        return [msgs for msgs in picked if msgs]
+
+    def rounds_of_destination(self, rank: int) -> list[list[Message]]:
+        picked = ([m for m in msgs if m.dst == rank] for msgs in self.rounds)
+        return [msgs for msgs in picked if msgs]
+
+
+def _chunks(box: Box, max_numel: int, block: tuple[int, ...] | None = None) -> Iterator[Box]:
+    """Sub-boxes of ``box`` (relative offsets) of at most ``max_numel`` elements, in memory order,
+    cut only at multiples of ``block`` (quantization blocks; default: anywhere)."""
+    if box.numel <= max_numel:
+        yield box
+        return
+    block = block or (1,) * box.ndim
+    dim = next((d for d, (s, b) in enumerate(zip(box.sizes, block)) if s > b), None)
+    if dim is None:
+        raise ValueError(f"a bucket of {max_numel} elements is smaller than one quantization block {block}")
+    inner = math.prod(box.sizes[dim + 1:]) * block[dim]
+    if inner <= max_numel:
+        step = max_numel // inner * block[dim]
+        for start in range(0, box.sizes[dim], step):
+            size = min(step, box.sizes[dim] - start)
+            yield _narrow(box, dim, start, size)
+    else:
+        for start in range(0, box.sizes[dim], block[dim]):
+            yield from _chunks(_narrow(box, dim, start, min(block[dim], box.sizes[dim] - start)), max_numel, block)
+
+
+def _narrow(box: Box, dim: int, start: int, size: int) -> Box:
+    offsets = list(box.offsets)
+    sizes = list(box.sizes)
+    offsets[dim] += start
+    sizes[dim] = size
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
+    """Paired (src, dst) sub-boxes of a transfer, each at most ``max_bytes``.
+
+    A transfer quantized on the sender is cut on block boundaries, at most half the bucket of
+    values each so that the values, their scales and the alignment gap fit.
+    """
+    block = None
+    max_numel = max(1, max_bytes // dtype_size(t.dtype))
+    step = _sender_step(t)
+    if step is not None:
+        block = step.quant.block
+        max_numel = max(1, max_bytes // 2)
+    if t.src_box.numel <= max_numel:
+        yield t.src_box, t.dst_box
+        return
+    origin = Box((0,) * t.src_box.ndim, t.src_box.sizes)
+    for part in _chunks(origin, max_numel, block):
+        yield (Box(tuple(a + b for a, b in zip(t.src_box.offsets, part.offsets)), part.sizes),
+               Box(tuple(a + b for a, b in zip(t.dst_box.offsets, part.offsets)), part.sizes))
+
+
+class _MessageBuilder:
+    """Lays segments back to back (16-byte aligned) into messages of at most ``bucket_bytes``."""
+
+    def __init__(self, bucket_bytes: int, out: list[Message]) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.out = out
+        self.src_segs: list[Segment] = []
+        self.dst_segs: list[Segment] = []
+        self.used = 0
+        self.pair = (0, 0)
+
+    def add(self, t: Transfer, src_box: Box, dst_box: Box, nbytes: int) -> None:
+        """Append ``src_box`` -> ``dst_box`` of ``t`` (``nbytes`` of values on the wire; a transfer
+        quantized on the sender adds the scales of its blocks after them)."""
+        step = _sender_step(t)
+        values = nbytes
+        if step is not None:  # values, then (aligned) the scales of their blocks
+            scale_box = step.quant.scale_box(dst_box)
+            nbytes = align(values) + scale_box.numel * dtype_size(step.quant.scale_dtype)
+        offset = -(-self.used // ALIGN) * ALIGN  # align(), inlined: a million calls at scale
+        if offset + nbytes > self.bucket_bytes and self.src_segs:
+            self.close()
+            offset = 0
+        if offset + nbytes > self.bucket_bytes:
+            raise ValueError(f"{t.name}: a {nbytes}-byte segment does not fit the {self.bucket_bytes}-byte bucket")
+        self.pair = (t.src, t.dst)
+        if step is not None:
+            quant = step.quant
+            scales_at = offset + align(values)
+            self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype, SegmentScales(quant, scales_at)))
+            self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
+            self.dst_segs.append(Segment(step.scale_piece, scale_box, scales_at, quant.scale_dtype))
+        else:
+            self.src_segs.append(_segment(t.src_piece, src_box, offset, t.dtype))
+            self.dst_segs.append(_segment(t.dst_piece, dst_box, offset, t.dtype))
+        self.used = offset + nbytes
+
+    def add_plain(self, t: Transfer, nbytes: int) -> None:
+        """:meth:`add` of a whole transfer that is not quantized and fits the bucket (the common case),
+        its two segments built in place (the schedule's hot loop: a million segments at scale)."""
+        offset = -(-self.used // ALIGN) * ALIGN
+        if offset + nbytes > self.bucket_bytes and self.src_segs:
+            self.close()
+            offset = 0
+        self.pair = (t.src, t.dst)
+        dtype = t.dtype
+        segment = _new(Segment)  # as _segment() does, inlined
+        fields = segment.__dict__
+        fields["piece"] = t.src_piece
+        fields["box"] = t.src_box
+        fields["offset"] = offset
+        fields["dtype"] = dtype
+        fields["scales"] = None
+        self.src_segs.append(segment)
+        segment = _new(Segment)
+        fields = segment.__dict__
+        fields["piece"] = t.dst_piece
+        fields["box"] = t.dst_box
+        fields["offset"] = offset
+        fields["dtype"] = dtype
+        fields["scales"] = None
+        self.dst_segs.append(segment)
+        self.used = offset + nbytes
+
+    def close(self) -> None:
+        if self.src_segs:
+            self.out.append(Message(*self.pair, self.used, tuple(self.src_segs), tuple(self.dst_segs)))
+        self.src_segs, self.dst_segs, self.used = [], [], 0
+
+
+def _narrowed(t: Transfer, expert: int) -> Transfer:
+    """Expert ``expert`` (dim 0) of a grouped-expert transfer."""
+    return Transfer(t.name, t.src, t.src_piece, _narrow(t.src_box, 0, expert, 1), t.dst, t.dst_piece,
+                    _narrow(t.dst_box, 0, expert, 1), t.dtype, t.quantize)
+
+
+def _sender_step(t: Transfer) -> QuantizeStep | None:
+    """``t``'s quantization if it happens on the sender (in the pack step), else None."""
+    return t.quantize if t.quantize is not None and t.quantize.site is QuantSite.SENDER else None
+
+
+def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
+    """What sibling grouped-expert transfers of one layer share (None for other tensors)."""
+    if t.name not in expert_groups or t.src_box.ndim < 2 or t.src_box.sizes[0] < 2:
+        return None
+    step = _sender_step(t)
+    if step is not None and step.quant.block[0] != 1:
+        return None  # one expert would split a block
+    return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
+
+
+_unit_key = attrgetter("name", "dst_piece")
+
+
+def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -> Iterator[tuple[bool, list[Transfer]]]:
+    """Transfers of one pair grouped into units (see the module doc), in order: ``(gather, transfers)``,
+    ``gather`` when several transfers feed one destination piece; interleaved sibling experts come as
+    sub-transfers, one per expert."""
+    runs = [list(run) for _, run in groupby(pair_transfers, _unit_key)]
+    families = [_expert_family(run[0], expert_groups) if len(run) == 1 and run[0].name in expert_groups else None
+                for run in runs]
+    if not any(families):  # no sibling experts to interleave: every run is a unit
+        for run in runs:
+            yield len(run) > 1, run
+        return
+    i = 0
+    while i < len(runs):
+        family = families[i]
+        j = i + 1
+        while family is not None and j < len(runs) and families[j] == family and runs[j][0].name != runs[i][0].name:
+            j += 1
+        if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
+            siblings = [run[0] for run in runs[i:j]]
+            yield False, [_narrowed(t, e) for e in range(siblings[0].src_box.sizes[0]) for t in siblings]
+        else:
+            yield len(runs[i]) > 1, runs[i]
+        i = j
+
+
+def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: MessageOptions,
+              expert_groups: Collection[str]) -> list[Message]:
+    messages: list[Message] = []
+    shared = _MessageBuilder(bucket_bytes, messages)
+    kind = None
+    runs_mode, direct_min = formation.mode == MessageMode.RUNS, formation.direct_min_bytes
+    plain = not runs_mode and all(t.quantize is None for t in pair_transfers)
+    for gather, parts in _units(pair_transfers, expert_groups):
+        if plain and len(parts) == 1:  # the common case, kept short: one small plain transfer
+            t = parts[0]
+            nbytes = math.prod(t.src_box.sizes) * t.dtype.itemsize
+            if nbytes < direct_min and nbytes <= bucket_bytes:
+                shared.add_plain(t, nbytes)
+                continue
+        sizes = [math.prod(t.src_box.sizes) * t.dtype.itemsize for t in parts]
+        if runs_mode:
+            if gather != kind:  # a new run: close the last one's message
+                shared.close()
+                kind = gather
+            builder = shared
+        else:
+            builder = _MessageBuilder(bucket_bytes, messages) if sum(sizes) >= direct_min else shared
+        for t, nbytes in zip(parts, sizes):
+            if nbytes <= bucket_bytes and t.quantize is None:  # what _split_transfer would yield whole
+                builder.add_plain(t, nbytes)
+            else:
+                for src_box, dst_box in _split_transfer(t, bucket_bytes):
+                    builder.add(t, src_box, dst_box, src_box.numel * t.dtype.itemsize)
+        if builder is not shared:
+            builder.close()
+    shared.close()
+    return messages
+
+
+def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_bytes: int) -> list[list[Message]]:
+    """Messages into rounds of at most ``bucket_bytes`` per rank and direction, paced.
+
+    The busiest rank needs ``T = ceil(its bytes / bucket_bytes)`` rounds at least; if every pair moved
+    ``1 / T`` of its bytes per round, no rank would exceed the bucket and the step would take those
+    ``T`` rounds. So each round is filled in two stages, each in passes over the pairs (the pairs whose
+    two ends have the most bytes left first; a pair takes its next message per pass while both ends
+    have room): first every pair up to its even share of ``(r + 1) / T`` of its bytes, then any pair
+    into the room left. Pacing keeps every pair of a busy rank moving in every round, so the ranks
+    that bound the step (the busiest sender, a gen rank receiving from many train ranks) stay full to
+    their last round; the fill keeps rounds full where messages are too coarse to pace exactly.
+    A pair's messages keep their order.
+    """
+    queues = {pair: deque(msgs) for pair, msgs in sorted(per_pair.items()) if msgs}
+    pair_bytes = {pair: sum(align(m.nbytes) for m in msgs) for pair, msgs in queues.items()}
+    to_send: dict[int, int] = defaultdict(int)  # bytes each rank has left (messages sit 16-byte aligned)
+    to_receive: dict[int, int] = defaultdict(int)
+    for (src, dst), nbytes in pair_bytes.items():
+        to_send[src] += nbytes
+        to_receive[dst] += nbytes
+    fewest_rounds = -(-max([*to_send.values(), *to_receive.values(), 0]) // bucket_bytes)
+    moved: dict[tuple[int, int], int] = defaultdict(int)
+    rounds: list[list[Message]] = []
+    while queues:
+        share = min(1.0, (len(rounds) + 1) / fewest_rounds)
+        sent: dict[int, int] = defaultdict(int)
+        received: dict[int, int] = defaultdict(int)
+        placed: list[Message] = []
+        for paced in (True, False):
+            active = sorted(queues, key=lambda p: (-(to_send[p[0]] + to_receive[p[1]]), p))
+            while active:  # passes: each pair places one message per pass while both ends have room
+                still = []
+                for pair in active:
+                    queue = queues[pair]
+                    src, dst = pair
+                    size = align(queue[0].nbytes)
+                    if sent[src] + size > bucket_bytes or received[dst] + size > bucket_bytes:
+                        continue  # loads only grow within a round: this pair is done for the stage
+                    if paced and moved[pair] + size > pair_bytes[pair] * share:
+                        continue  # its share of this round is placed
+                    placed.append(queue.popleft())
+                    sent[src] += size
+                    received[dst] += size
+                    to_send[src] -= size
+                    to_receive[dst] -= size
+                    moved[pair] += size
+                    if queue:
+                        still.append(pair)
+                    else:
+                        del queues[pair]
+                active = still
+        if not placed:
+            raise ValueError(f"a message is larger than the bucket ({bucket_bytes} bytes)")
+        rounds.append(placed)
+    return rounds
+
+
+def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bucket_bytes: int,
+                   formation: MessageOptions | None = None, *, expert_groups: Collection[str] = (),
+                   agreed_settings: str = "") -> Schedule:
+    """Cut ``transfers`` into messages of at most ``bucket_bytes`` and place them in rounds.
+
+    ``formation`` says how messages are formed (see the module doc); ``expert_groups`` names the
+    grouped expert tensors whose siblings are interleaved expert by expert; ``agreed_settings``
+    (:meth:`RefitOptions.digest <refit_core.contract.options.RefitOptions.digest>`) is hashed into the
+    fingerprint with the rounds.
+    """
+    if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
+    formation = formation or MessageOptions()
+    groups = frozenset(expert_groups)
+    by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        by_pair[(t.src, t.dst)].append(t)
+    per_pair = {pair: _messages(ts, bucket_bytes, formation, groups) for pair, ts in by_pair.items()}
+    rounds = _place_in_rounds(per_pair, bucket_bytes)
+    quantizing = _receiver_quantizations(transfers)
+    return Schedule(num_src, num_dst, bucket_bytes, rounds,
+                    fingerprint(num_src, num_dst, bucket_bytes, rounds, agreed_settings, quantizing),
+                    summarize(rounds), quantizing)
+
+
+def _receiver_quantizations(transfers: Sequence[Transfer]) -> tuple[ReceiverQuantization, ...]:
+    seen: dict[tuple[int, int], ReceiverQuantization] = {}
+    for t in transfers:
+        if t.quantize is not None and t.quantize.site is QuantSite.RECEIVER:
+            seen.setdefault((t.dst, t.dst_piece), ReceiverQuantization(
+                t.dst, t.dst_piece, t.quantize.scale_piece, t.quantize.quant, t.dtype))
+    return tuple(seen[k] for k in sorted(seen))
+
+
+def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[Sequence[Message]],
+                agreed_settings: str = "", receiver_quantizations: Sequence[ReceiverQuantization] = ()) -> str:
+    """A digest of everything both sides must agree on: ranks, settings, every segment."""
+    h = hashlib.sha256(f"{num_src}/{num_dst}/{bucket_bytes}/{agreed_settings}".encode())
+    text: dict[object, str] = {}  # the same tuples and dtypes recur: format each once
+
+    def shown(value: object) -> str:
+        if value not in text:
+            text[value] = str(value)
+        return text[value]
+
+    # boxes recur as objects (the planner stamps one representative's boxes across its group):
+    # their text is kept by identity for the call (every box lives in ``rounds`` until it returns)
+    src_text: dict[int, str] = {}
+    dst_text: dict[int, str] = {}
+    for r, msgs in enumerate(rounds):
+        for m in msgs:
+            parts = [f"|{r}:{m.src}>{m.dst}:{m.nbytes}"]
+            targets = iter(m.dst_segments)
+            for s in m.src_segments:
+                d = next(targets)
+                src = src_text.get(id(s.box))
+                if src is None:
+                    src = src_text[id(s.box)] = shown(s.box.offsets) + shown(s.box.sizes)
+                dst = dst_text.get(id(d.box))
+                if dst is None:
+                    dst = dst_text[id(d.box)] = shown(d.box.offsets)
+                parts.append(f";{s.piece}{src}>{d.piece}{dst}@{s.offset}{shown(s.dtype)}")
+                if s.scales is not None:  # quantized on the sender: the scales' segment follows
+                    q, scale = s.scales, next(targets)
+                    parts.append(f"q{q.quant.block}{q.quant.dtype}@{q.offset}>{scale.piece}{shown(scale.box.offsets)}")
+            h.update("".join(parts).encode())  # sha256 of a concatenation: as if fed piece by piece
+    for rq in receiver_quantizations:
+        h.update(f"|rq{rq.dst}:{rq.piece}:{rq.scale_piece}{rq.quant.block}{rq.quant.dtype}{rq.dtype}".encode())
+    return h.hexdigest()[:16]
+
+
+def summarize(rounds: Sequence[Sequence[Message]]) -> ScheduleSummary:
+    """Totals and peaks of ``rounds``."""
+    sent: dict[int, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    messages = segments = 0
+    peak_send = peak_recv = 0
+    for msgs in rounds:
+        round_send: dict[int, int] = defaultdict(int)
+        round_recv: dict[int, int] = defaultdict(int)
+        for m in msgs:
+            messages += 1
+            segments += len(m.src_segments)
+            sent[m.src] += m.nbytes
+            received[m.dst] += m.nbytes
+            round_send[m.src] += align(m.nbytes)
+            round_recv[m.dst] += align(m.nbytes)
+        peak_send = max([peak_send, *round_send.values()])
+        peak_recv = max([peak_recv, *round_recv.values()])
+    return ScheduleSummary(
+        bytes=sum(sent.values()),
+        messages=messages,
+        segments=segments,
+        rounds=len(rounds),
+        busiest_sender_bytes=max(sent.values(), default=0),
+        busiest_receiver_bytes=max(received.values(), default=0),
+        peak_round_send_bytes=peak_send,
+        peak_round_recv_bytes=peak_recv,
+    )

@@ -1,0 +1,255 @@
+"""Predict a refit's time on a cluster from its static schedule: ``refit plan --simulate``.
+
+The schedule says exactly which bytes go from which train rank to which gen rank in which round; a
+:class:`Topology` says where the ranks sit (GPUs per node) and what each GPU's links move per second.
+Bytes between GPUs of one node ride NVLink, bytes between nodes ride the GPUs' NICs, and bytes
+between two ranks of one GPU are a device copy. A round lasts as long as its most loaded GPU link
+(each direction counted apart) plus one message latency per message that GPU posts; rounds run one
+after another. The **receiver-side bound** is the bytes the busiest gen GPU must receive over its
+ingress link; the **sender-side bound** the bytes the busiest train GPU must send over its egress
+link (where train ranks hold unique bytes, such as experts without DP replicas, it can be the larger).
+No schedule beats the larger of the two.
+
+The model ignores NCCL's protocol overheads and assumes links reach their rate; validated against
+`refit bench` runs on 2 and 4 x H200 (``tests/scale/test_simulate.py``): per-link bytes equal, time
+within 15 %.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+
+from refit_core.contract.errors import RefitError
+from refit_core.plan.relay import RelayPlan
+from refit_core.plan.schedule import Message, Schedule
+from refit_core.units import format_bytes, format_duration
+
+
+class LinkKind(enum.StrEnum):
+    """How two GPUs are connected."""
+
+    LOCAL = "local"  # the same GPU: a device copy
+    NVLINK = "nvlink"  # two GPUs of one node
+    NIC = "nic"  # two nodes
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A cluster of identical nodes.
+
+    Rates are per GPU and per direction, in GB/s: ``nvlink_gbps`` within a node (the measured
+    point-to-point wire: 370 on 2 x H200 here; NVLink 4's nominal 450), ``nic_gbps`` the GPU's share of
+    the node's network (8 x 400 Gb/s NICs: 50), ``copy_gbps`` a same-GPU copy (bytes moved, read +
+    write counted once). ``latency_us`` is charged per message a GPU sends or receives in a round.
+    """
+
+    gpus_per_node: int = 8
+    nvlink_gbps: float = 370.0
+    nic_gbps: float = 50.0
+    copy_gbps: float = 2000.0
+    latency_us: float = 15.0
+
+    @classmethod
+    def parse(cls, text: str) -> Topology:
+        """``"gpus_per_node=8,nvlink_gbps=370,nic_gbps=50"`` or a preset name (``h100``, ``h200``)."""
+        if text in TOPOLOGIES:
+            return TOPOLOGIES[text]
+        kinds = {f.name: f.type for f in fields(cls)}
+        values: dict[str, float | int] = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = item.partition("=")
+            if key not in kinds:
+                raise RefitError(f"topology item {item!r}: keys are {sorted(kinds)} (or a preset: "
+                                 f"{', '.join(TOPOLOGIES)})")
+            try:
+                values[key] = int(value) if key == "gpus_per_node" else float(value)
+            except ValueError:
+                raise RefitError(f"topology item {item!r}: {value!r} is not a number") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    def link(self, src_gpu: int, dst_gpu: int) -> LinkKind:
+        if src_gpu == dst_gpu:
+            return LinkKind.LOCAL
+        if src_gpu // self.gpus_per_node == dst_gpu // self.gpus_per_node:
+            return LinkKind.NVLINK
+        return LinkKind.NIC
+
+    def rate(self, kind: LinkKind) -> float:
+        """Bytes per second of one GPU's link of ``kind``, one direction."""
+        return 1e9 * {LinkKind.LOCAL: self.copy_gbps, LinkKind.NVLINK: self.nvlink_gbps,
+                      LinkKind.NIC: self.nic_gbps}[kind]
+
+
+TOPOLOGIES = {
+    "h200": Topology(),
+    "h100": Topology(copy_gbps=1500.0),
+}
+"""Defaults for 8-GPU H100 / H200 nodes with 8 x 400 Gb/s NICs (NVLink rate as measured on H200 here)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which GPU each rank uses: ``train[i]`` for train rank i, ``gen[j]`` for gen rank j."""
+
+    train: tuple[int, ...]
+    gen: tuple[int, ...]
+
+    @classmethod
+    def disaggregated(cls, train_ranks: int, gen_ranks: int, topology: Topology) -> Placement:
+        """Train ranks on the first GPUs, gen ranks from the next whole node on (separate nodes
+        whenever the train side fills whole nodes)."""
+        per_node = topology.gpus_per_node
+        first_gen = -(-train_ranks // per_node) * per_node if train_ranks >= per_node else train_ranks
+        return cls(tuple(range(train_ranks)), tuple(range(first_gen, first_gen + gen_ranks)))
+
+    def distance(self, topology: Topology) -> Callable[[int, int], int]:
+        """``distance(train_rank, gen_rank)`` for the planner's replica choice: 0 on the same GPU,
+        1 within a node (NVLink), 2 across nodes (the NICs)."""
+        order = {LinkKind.LOCAL: 0, LinkKind.NVLINK: 1, LinkKind.NIC: 2}
+        return lambda src, dst: order[topology.link(self.train[src], self.gen[dst])]
+
+    @classmethod
+    def colocated(cls, train_ranks: int, gen_ranks: int) -> Placement:
+        """Both sides share GPUs: rank i of each side on GPU i."""
+        return cls(tuple(range(train_ranks)), tuple(range(gen_ranks)))
+
+
+Direction = tuple[int, LinkKind, str]  # (gpu, link kind, "out" | "in")
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What :func:`simulate` predicts for one schedule on one topology."""
+
+    topology: Topology
+    placement: Placement
+    link_bytes: dict[tuple[int, int], int]
+    """Bytes per (source GPU, destination GPU) pair."""
+    load_bytes: dict[Direction, int]
+    """Bytes per GPU link and direction (``(gpu, kind, "out")``)."""
+    round_seconds: list[float]
+    bound_s: float
+    """Receiver-side bound: the busiest gen GPU's bytes over its ingress link."""
+    sender_bound_s: float = 0.0
+    """Sender-side bound: the busiest train GPU's bytes over its egress link."""
+    bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def predicted_s(self) -> float:
+        return sum(self.round_seconds)
+
+    @property
+    def two_sided_bound_s(self) -> float:
+        """What no schedule beats: the larger of the receiver- and sender-side bounds."""
+        return max(self.bound_s, self.sender_bound_s)
+
+    @property
+    def busiest(self) -> tuple[Direction, int]:
+        """The most loaded GPU link direction and its bytes (relative to its rate)."""
+        key = max(self.load_bytes, key=lambda d: self.load_bytes[d] / self.topology.rate(d[1]))
+        return key, self.load_bytes[key]
+
+    def lines(self) -> list[str]:
+        t = self.topology
+        (gpu, kind, way), nbytes = self.busiest
+        by_kind: dict[LinkKind, int] = defaultdict(int)
+        for (src, dst), n in self.link_bytes.items():
+            by_kind[t.link(src, dst)] += n
+        kinds = ", ".join(f"{kind.value} {format_bytes(n)}" for kind, n in sorted(by_kind.items()))
+        ratio = self.predicted_s / self.bound_s if self.bound_s else float("nan")
+        two_sided = self.predicted_s / self.two_sided_bound_s if self.two_sided_bound_s else float("nan")
+        return [
+            f"topology:     {t.gpus_per_node} GPUs/node, NVLink {t.nvlink_gbps:g} GB/s, NIC {t.nic_gbps:g} GB/s "
+            f"per GPU, {t.latency_us:g} us/message",
+            f"traffic:      {format_bytes(self.bytes)} over {len(self.link_bytes)} GPU pairs ({kinds})",
+            f"busiest link: GPU {gpu} {kind.value} {way}: {format_bytes(nbytes)}",
+            f"predicted:    {format_duration(self.predicted_s)} over {len(self.round_seconds)} rounds",
+            f"bound:        {format_duration(self.bound_s)} (receiver side: the busiest gen GPU's bytes over its "
+            f"ingress link); predicted / bound = {ratio:.2f}",
+            f"sender side:  {format_duration(self.sender_bound_s)} (the busiest train GPU's bytes over its egress "
+            f"link); predicted / the larger bound = {two_sided:.2f}",
+            *self.notes,
+        ]
+
+
+def simulate(schedule: Schedule, topology: Topology, placement: Placement | None = None,
+             relay: RelayPlan | None = None) -> Simulation:
+    """Predict ``schedule``'s time on ``topology`` (default placement: :meth:`Placement.disaggregated`).
+
+    With a ``relay`` plan, its rounds (gen GPU -> gen GPU: wave after wave, or forwarding within
+    nodes) follow the trainers' rounds: a rank forwards only once its own step has landed."""
+    placement = placement or Placement.disaggregated(schedule.num_src, schedule.num_dst, topology)
+    if len(placement.train) != schedule.num_src or len(placement.gen) != schedule.num_dst:
+        raise RefitError(f"placement has {len(placement.train)} train / {len(placement.gen)} gen GPUs, "
+                         f"the schedule {schedule.num_src} / {schedule.num_dst} ranks")
+    link_bytes: dict[tuple[int, int], int] = defaultdict(int)
+    load: dict[Direction, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    sent: dict[int, int] = defaultdict(int)  # by train GPUs
+    ingress: dict[int, LinkKind] = {}
+    egress: dict[int, LinkKind] = {}
+    rounds: list[float] = []
+    relay_rounds = relay.schedule.rounds if relay is not None else []
+    tagged: list[tuple[bool, list[Message]]] = [(False, m) for m in schedule.rounds] + [(True, m) for m in relay_rounds]
+    for relayed, msgs in tagged:
+        busy: dict[Direction, float] = defaultdict(float)
+        for m in msgs:
+            src = placement.gen[m.src] if relayed else placement.train[m.src]
+            dst = placement.gen[m.dst]
+            kind = topology.link(src, dst)
+            link_bytes[(src, dst)] += m.nbytes
+            received[dst] += m.nbytes
+            if kind is not LinkKind.LOCAL and (dst not in ingress or kind is LinkKind.NIC):
+                ingress[dst] = kind  # the slowest link a gen GPU receives through
+            if not relayed:
+                sent[src] += m.nbytes
+                if kind is not LinkKind.LOCAL and (src not in egress or kind is LinkKind.NIC):
+                    egress[src] = kind
+            seconds = m.nbytes / topology.rate(kind) + topology.latency_us * 1e-6
+            for direction in ((src, kind, "out"), (dst, kind, "in")):
+                load[direction] += m.nbytes
+                busy[direction] += seconds
+        rounds.append(max(busy.values(), default=0.0))
+    bound = max((n / topology.rate(ingress.get(gpu, LinkKind.LOCAL)) for gpu, n in received.items()), default=0.0)
+    sender_bound = max((n / topology.rate(egress.get(gpu, LinkKind.LOCAL)) for gpu, n in sent.items()), default=0.0)
+    notes = []
+    if relay is not None and relay.within_nodes:
+        relay_s = sum(rounds[len(schedule.rounds):])
+        notes.append(f"forwarding:   {format_duration(relay_s)} of the predicted time, after the trainers' rounds; the "
+                     "bound counts every byte a gen GPU holds as if it crossed its NIC, which forwarding "
+                     "within nodes avoids, so the prediction can beat it")
+    elif relay is not None:
+        relay_s = sum(rounds[len(schedule.rounds):])
+        notes.append(f"relay:        {len(relay.waves.waves) - 1} relay wave(s) after the trainers' "
+                     f"{len(relay.waves.waves[0])} replica(s): {format_duration(relay_s)} of the predicted time")
+    return Simulation(topology, placement, dict(link_bytes), dict(load), rounds, bound, sender_bound,
+                      bytes=sum(link_bytes.values()), notes=notes)
+
+
+@dataclass(frozen=True)
+class PublicAnchor:
+    """A published refit time, printed beside predictions and labelled as the publisher's."""
+
+    who: str
+    what: str
+    seconds: str
+
+
+PUBLIC_ANCHORS: Sequence[PublicAnchor] = (
+    PublicAnchor("NeMo-RL", "DeepSeek-V3, Megatron PP16 x EP16 -> vLLM TP32 x DP8, H100", "2.39-2.83 s"),
+    PublicAnchor("Perplexity", "Kimi-K2, 256 -> 128 GPUs, BF16 -> FP8 on the sender", "1.3 s"),
+    PublicAnchor("vLLM sharded_rdt", "Kimi-K2 on 384 H100", "7.53 s"),
+)
+
+
+def anchor_lines() -> list[str]:
+    return ["published refit times (theirs, not measured here):",
+            *(f"  {a.who}: {a.what}: {a.seconds}" for a in PUBLIC_ANCHORS)]
+
+
+__all__ = ["PUBLIC_ANCHORS", "TOPOLOGIES", "LinkKind", "Placement", "PublicAnchor", "Simulation", "Topology",
+           "anchor_lines", "simulate"]

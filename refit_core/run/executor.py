@@ -1,0 +1,540 @@
+"""The executor: runs this rank's part of the schedule every step.
+
+Per round, the sender packs the segments of its *staged* messages (casting to the wire dtype) into a
+contiguous staging buffer with one batched copy, then posts the round's sends as one grouped
+exchange; the receiver posts its receives, then unpacks its staged messages with one batched copy.
+A message whose segments are one contiguous, gap-free run of this side's memory in the same dtype
+(a whole parameter, the ``[Q; K; V]`` rows of a fused QKV, ``[gate_e; up_e]`` of stacked experts) is
+*direct*: sent straight from the weights or received straight into them, with no staging copy. Each
+side decides that for itself at ``bind()``: the bytes on the wire are the same either way.
+
+With ``num_buffers`` staging buffers the packing of round k+1 overlaps the transfer of round k and
+the unpacking of round k-1 on CUDA (copies on a side stream, the transport on its own stream,
+ordered by events only; a buffer is reused only after the event of its last use). Staging memory
+never exceeds ``num_buffers x bucket_bytes``, is allocated at the start of a step and released at its
+end. Refit's streams first wait for the work already queued on the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from refit_core.contract.errors import TransferError
+from refit_core.contract.failures import UpdateMode
+from refit_core.contract.options import align
+from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import contiguous_strides, dtype_size
+from refit_core.net.transport import Fence, Transport
+from refit_core.plan.schedule import Message, Segment
+from refit_core.run.copies import StagingCopies
+from refit_core.run.lanes import Lane, current_work, lane_for
+from refit_core.run.quant.batched import BoxToQuantize, QuantBatch, quantize_batch
+from refit_core.run.quant.fast import Quantizer, default_quantizer
+from refit_core.run.timeline import Mark, Phase, StepTimeline, Timeline
+
+MAGIC = 0x52454649  # "REFI"
+HEADER_WORDS = 4
+
+
+@dataclass
+class StepStats:
+    """What one step moved and how long it took on this rank."""
+
+    version: int
+    bytes: int
+    seconds: float
+    staging_bytes: int
+    direct_bytes: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StagedSegment:
+    """A segment of a staged message, laid out in the staging buffer at ``offset`` (bytes)."""
+
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    quant: Quantization | None = None
+    """Set on a sender segment quantized in the pack step: its scales sit at ``scales_offset``."""
+    scales_offset: int = 0
+
+
+def _buffer_views(buffer: torch.Tensor, segments: Sequence[StagedSegment]) -> list[torch.Tensor]:
+    """Typed, shaped views of ``buffer`` for staged segments."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views = []
+    for seg in segments:
+        flat = typed.get(seg.dtype)
+        if flat is None:
+            flat = typed[seg.dtype] = buffer.view(seg.dtype)
+        views.append(flat.as_strided(seg.sizes, seg.strides, seg.offset // dtype_size(seg.dtype)))
+    return views
+
+
+def _pack(buffer: torch.Tensor, plan: RoundPlan) -> None:
+    """Copy (casting) every plain source into its segment of ``buffer``; quantize the quantized ones."""
+    if plan.copies is not None:
+        plan.copies.run(buffer)
+    if plan.quantization is not None:
+        plan.quantization.run(buffer)
+
+
+def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nbytes: int, *,
+                  gaps_allowed: bool) -> torch.Tensor | None:
+    """A flat uint8 tensor over local memory whose bytes are exactly the message, or None.
+
+    That is so when every segment's view is contiguous, of the wire dtype, in one storage, and sits
+    at the same distance from the first as in the message. A receiver must not write the alignment
+    gaps between segments (they may be other weights), so it also needs a gap-free message; a sender
+    merely reads gap bytes, so it may allow them.
+    """
+    if not views:
+        return None
+    first = views[0]
+    storage = first.untyped_storage()
+    start = first.data_ptr() - segments[0].offset
+    expected = 0
+    for view, seg in zip(views, segments):
+        if view.dtype != seg.dtype or not view.is_contiguous() or view.device != first.device:
+            return None
+        if view.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        if view.data_ptr() - start != seg.offset or (not gaps_allowed and seg.offset != expected):
+            return None
+        expected = seg.offset + seg.nbytes
+    if expected != nbytes:
+        return None
+    begin = start - storage.data_ptr()
+    if begin < 0 or begin + nbytes > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, begin, (nbytes,), (1,))
+
+
+@dataclass(frozen=True)
+class Post:
+    """One message of a round on this rank: the peer (global rank) and where its bytes are.
+
+    ``direct`` is the local memory sent or received straight (zero-copy); when it is None the
+    message is staged at ``staging_offset`` of the round's staging buffer.
+    """
+
+    peer: int
+    nbytes: int
+    direct: torch.Tensor | None = None
+    staging_offset: int = 0
+
+
+@dataclass
+class RoundPlan:
+    """One round on this rank: its messages, and the copies between staging buffer and local views."""
+
+    posts: list[Post] = field(default_factory=list)
+    staged_bytes: int = 0
+    segments: list[StagedSegment] = field(default_factory=list)
+    views: list[torch.Tensor] = field(default_factory=list)
+    """The local views of ``segments`` (sources or destinations), in the same order."""
+    direct_pieces: set[int] = field(default_factory=set)
+    """Pieces this round's direct messages read or write (receives land in them as they arrive)."""
+    staged_pieces: set[int] = field(default_factory=set)
+    """Pieces this round's staged messages are unpacked into (or packed from)."""
+    quantization: QuantBatch | None = None
+    """A sender round's quantized segments, as one batch (None: nothing is quantized)."""
+    copies: StagingCopies | None = None
+    """The plain copies between ``views`` and the staging buffer (None: none, or not planned)."""
+
+    def pairs(self, buffer: torch.Tensor | None) -> list[tuple[int, torch.Tensor]]:
+        """``(peer, tensor)`` of every message for the transport; ``buffer`` is None when nothing is staged."""
+        if buffer is None:
+            return [(p.peer, p.direct) for p in self.posts if p.direct is not None]
+        return [(p.peer, p.direct if p.direct is not None else buffer[p.staging_offset:p.staging_offset + p.nbytes])
+                for p in self.posts]
+
+
+class _RoundRunner:
+    """State shared by both directions: rounds, peers, buffers, header checks."""
+
+    gaps_allowed = False
+    packs = False
+    """Whether this side copies local views into staging buffers (the sender) or out of them."""
+
+    def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int, *,
+                 bucket_bytes: int, num_buffers: int, zero_copy: bool, fingerprint: str,
+                 timeout_s: float, mode: UpdateMode = UpdateMode.IN_PLACE) -> None:
+        self.rounds = rounds
+        self.mode = mode
+        self.transport = transport
+        self.device = transport.device
+        self.peer_offset = peer_offset
+        self.bucket_bytes = bucket_bytes
+        self.num_buffers = max(1, num_buffers)
+        self.zero_copy = zero_copy and mode is UpdateMode.IN_PLACE  # staged: nothing lands before commit
+        self.timeout_s = timeout_s
+        self.fingerprint = int(fingerprint[:15], 16)
+        self.payload_bytes = sum(m.nbytes for msgs in rounds for m in msgs)
+        self.lane: Lane = lane_for(self.device, "refit copies")
+        self.plans: list[RoundPlan] = []
+        self.buffer_bytes = 0
+        self.direct_bytes = 0
+        self.step = 0
+        self.timeline: Timeline | None = None
+        """Set to record the next steps' spans (``refit bench --timeline``); see :mod:`refit_core.run.timeline`."""
+        self.last_timeline: StepTimeline | None = None
+        """The last recorded step's spans."""
+
+    def _begin(self) -> None:
+        """A step starts: begin recording it if asked to."""
+        if self.timeline is not None:
+            self.timeline.begin()
+            self.transport.timeline = self.timeline if self.transport.records_spans else None
+
+    def _end(self) -> None:
+        if self.timeline is not None:
+            self.transport.timeline = None
+            self.last_timeline = self.timeline.finish()
+
+    def _mark(self, phase: Phase, index: int) -> Mark | None:
+        return Mark(self.timeline, phase, index) if self.timeline is not None else None
+
+    def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                  after: Sequence[Fence], index: int) -> Fence:
+        """The transport's exchange of round ``index`` (-1: the header), recorded when asked to."""
+        timeline = self.timeline
+        if timeline is None:
+            return self.transport.exchange(sends, recvs, after=after)
+        timeline.round = index
+        posted = time.perf_counter()
+        fence = self.transport.exchange(sends, recvs, after=after)
+        if self.transport.records_spans:
+            return fence
+        return timeline.observe(fence, "transfer", Phase.HEADER if index < 0 else Phase.TRANSFER, index, posted)
+
+    def peers(self) -> list[int]:
+        return sorted({self._peer(m) for msgs in self.rounds for m in msgs})
+
+    def _peer(self, m: Message) -> int:
+        raise NotImplementedError
+
+    def _segments(self, m: Message) -> tuple[Segment, ...]:
+        raise NotImplementedError
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        """Resolve every segment to its local view (never a copy) and pick direct messages.
+
+        With ``zero_copy`` False every message is staged (for comparisons).
+        """
+        plans = []
+        for msgs in self.rounds:
+            plan = RoundPlan()
+            for m in msgs:
+                segs = self._segments(m)
+                seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
+                region = (direct_region(seg_views, segs, m.nbytes, gaps_allowed=self.gaps_allowed)
+                          if self.zero_copy else None)
+                peer = self._peer(m) + self.peer_offset
+                if region is not None:
+                    plan.posts.append(Post(peer, m.nbytes, direct=region))
+                    plan.direct_pieces.update(seg.piece for seg in segs)
+                    continue
+                base = plan.staged_bytes
+                plan.posts.append(Post(peer, m.nbytes, staging_offset=base))
+                plan.staged_bytes = align(base + m.nbytes)
+                plan.segments.extend(_staged(seg, base) for seg in segs)
+                plan.views.extend(seg_views)
+                plan.staged_pieces.update(seg.piece for seg in segs)
+            plans.append(plan)
+        buffer_bytes = max((p.staged_bytes for p in plans), default=0)
+        if buffer_bytes > self.bucket_bytes:
+            raise TransferError(f"refit bug: a round needs {buffer_bytes} staging bytes "
+                                f"but the bucket is {self.bucket_bytes}")
+        self.plans = plans
+        self.buffer_bytes = buffer_bytes
+        self.direct_bytes = sum(post.nbytes for p in plans for post in p.posts if post.direct is not None)
+        if buffer_bytes and (self.packs or self.mode is UpdateMode.IN_PLACE):  # a staged receiver copies at commit
+            self._plan_copies(self.lane.allocate(buffer_bytes, self.device))
+
+    def _plan_copies(self, template: torch.Tensor) -> None:
+        """Each staged round's plain copies, coalesced and grouped once (``template``: any buffer)."""
+        for plan in self.plans:
+            plain = [(view, staged) for view, staged, seg in
+                     zip(plan.views, _buffer_views(template, plan.segments), plan.segments) if seg.quant is None]
+            if plain:
+                plan.copies = StagingCopies([v for v, _ in plain], [s for _, s in plain],
+                                            into_buffer=self.packs)
+
+    def _settle(self, fence: Fence | None, deadline: float) -> None:
+        """On the host path, wait for ``fence`` within the step's deadline (CUDA orders by events)."""
+        if fence is not None and self.device.type != "cuda":
+            fence.synchronize(self._remaining(deadline))
+
+    def _remaining(self, deadline: float) -> float:
+        """Seconds left of this step; the step deadline counts from its start, not from the last send."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError(f"refit step {self.step} did not complete within its deadline of "
+                                f"{self.timeout_s:.0f} s (a peer is stopped or hung)")
+        return left
+
+    def _exchange_headers(self, version: int, after: Sequence[Fence], deadline: float,
+                          peers: Sequence[int] | None = None) -> int:
+        """Both sides send ``[magic, fingerprint, version, step]`` to each peer (default: this side's
+        peers) and check theirs."""
+        peers = self.peers() if peers is None else peers
+        if not peers:
+            return version
+        mine = torch.tensor([MAGIC, self.fingerprint, version, self.step], dtype=torch.int64, device=self.device)
+        theirs = {p: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device) for p in peers}
+        after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
+        fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
+                               [(p + self.peer_offset, t) for p, t in theirs.items()], after, -1)
+        fence.synchronize(self._remaining(deadline))
+        versions = set()
+        for peer, header in theirs.items():
+            magic, fp, peer_version, step = header.tolist()
+            if magic != MAGIC or fp != self.fingerprint or step != self.step:
+                raise TransferError(
+                    f"peer rank {peer + self.peer_offset} runs a different refit plan or step "
+                    f"(fingerprint {fp:x} step {step} vs ours {self.fingerprint:x} step {self.step}); "
+                    "both sides must call setup() with the same models and options")
+            versions.add(peer_version)
+        if len(versions) > 1:
+            raise TransferError(f"train ranks sent different weight versions {sorted(versions)} in one step: "
+                                "every train rank must call send() with the same version")
+        return versions.pop()
+
+    def _buffers(self) -> list[torch.Tensor]:
+        staged_rounds = sum(1 for p in self.plans if p.staged_bytes)
+        count = min(self.num_buffers, staged_rounds)
+        return [self.lane.allocate(self.buffer_bytes, self.device) for _ in range(count)]
+
+    def _finish(self, fences: list[Fence], deadline: float) -> None:
+        for fence in fences:
+            fence.synchronize(self._remaining(deadline))
+
+    def _stats(self, version: int, start: float, buffers: list[torch.Tensor]) -> StepStats:
+        self.step += 1
+        return StepStats(version, self.payload_bytes, time.perf_counter() - start,
+                         len(buffers) * self.buffer_bytes, self.direct_bytes)
+
+
+def _staged(seg: Segment, base: int) -> StagedSegment:
+    sizes = seg.box.sizes
+    if seg.scales is None:
+        return StagedSegment(seg.dtype, sizes, contiguous_strides(sizes), base + seg.offset)
+    return StagedSegment(seg.dtype, sizes, contiguous_strides(sizes), base + seg.offset, seg.scales.quant,
+                         base + seg.scales.offset)
+
+
+class SendExecutor(_RoundRunner):
+    """Runs a train rank's rounds: pack (staged messages only; quantizing where the plan says), send."""
+
+    gaps_allowed = True
+    packs = True
+    quantizer: Quantizer = default_quantizer()
+
+    def _peer(self, m: Message) -> int:
+        return m.dst
+
+    def _segments(self, m: Message) -> tuple[Segment, ...]:
+        return m.src_segments
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        super().bind(views)
+        for plan in self.plans:
+            plan.quantization = quantize_batch(
+                [BoxToQuantize(view, seg.quant, seg.offset, seg.scales_offset)
+                 for seg, view in zip(plan.segments, plan.views) if seg.quant is not None], self.quantizer)
+        self._warm_up_quantizer()
+
+    def _warm_up_quantizer(self) -> None:
+        """Compile the quantizer's kernels at setup, not inside the first step (where peers would wait)."""
+        warmed: set[object] = set()
+        for plan in self.plans:
+            if plan.quantization is not None:
+                plan.quantization.warm_up(warmed)
+
+    def run(self, version: int) -> StepStats:
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        self._begin()
+        ready = current_work(self.device, "the trainer's pending work")
+        self._exchange_headers(version, [ready], deadline)
+        buffers = self._buffers()
+        free: list[Fence | None] = [None] * len(buffers)
+        pending: list[Fence] = []
+        staged = 0
+        for index, plan in enumerate(self.plans):
+            after: list[Fence] = []
+            buffer = None
+            if plan.staged_bytes:
+                slot = staged % len(buffers)
+                staged += 1
+                buffer = buffers[slot]
+                self._settle(free[slot], deadline)
+                after.append(self.lane.run(partial(_pack, buffer, plan),
+                                           after=[ready, free[slot]], mark=self._mark(Phase.PACK, index)))
+            fence = self._exchange(plan.pairs(buffer), [], after or [ready], index)
+            pending.append(fence)
+            if plan.staged_bytes:
+                free[slot] = fence
+        self._finish(pending, deadline)
+        self._end()
+        stats = self._stats(version, start, buffers)
+        del buffers, free, pending
+        return stats
+
+
+class ReceiveExecutor(_RoundRunner):
+    """Runs a gen rank's rounds: receive (straight into the weights where possible), unpack the rest."""
+
+    def _peer(self, m: Message) -> int:
+        return m.src
+
+    def _segments(self, m: Message) -> tuple[Segment, ...]:
+        return m.dst_segments
+
+    touched: set[int]
+    _landed: tuple[torch.Tensor, list[int]] | None = None
+
+    def run(self, version_hint: int = -1) -> StepStats:
+        """Receive one step. In place: straight into the destinations (``touched`` names the pieces
+        that may have been written, also when this raises). Staged: into a step-wide staging
+        buffer only; :meth:`commit` then writes the destinations, or :meth:`discard` drops it."""
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        self.touched = set()
+        self._landed = None
+        self._begin()
+        ready = current_work(self.device, "the engine's pending work")
+        version = self._exchange_headers(version_hint, [ready], deadline)
+        if self.mode is UpdateMode.STAGED:
+            return self._run_staged(version, start, deadline, ready)
+        buffers = self._buffers()
+        free: list[Fence | None] = [None] * len(buffers)
+        pending: list[Fence] = []
+        staged = 0
+        for index, plan in enumerate(self.plans):
+            self.touched |= plan.direct_pieces
+            if not plan.staged_bytes:  # straight into the weights: after the engine's pending work
+                pending.append(self._exchange([], plan.pairs(None), [ready], index))
+                continue
+            slot = staged % len(buffers)
+            staged += 1
+            buffer = buffers[slot]
+            previous = free[slot]
+            self._settle(previous, deadline)
+            received = self._exchange([], plan.pairs(buffer), [ready] if previous is None else [ready, previous], index)
+            self._settle(received, deadline)
+            self.touched |= plan.staged_pieces
+            assert plan.copies is not None
+            unpacked = self.lane.run(partial(plan.copies.run, buffer), after=[received],
+                                     mark=self._mark(Phase.UNPACK, index))
+            free[slot] = unpacked
+            pending += [received, unpacked]
+        self._finish(pending, deadline)
+        self._end()
+        stats = self._stats(version, start, buffers)
+        del buffers, free, pending
+        return stats
+
+    def _run_staged(self, version: int, start: float, deadline: float, ready: Fence) -> StepStats:
+        """Every round's messages into one step-wide buffer; the destinations are not touched."""
+        offsets, total = [], 0
+        for plan in self.plans:
+            offsets.append(total)
+            total += plan.staged_bytes
+        buffer = self.lane.allocate(total, self.device)
+        pending = [self._exchange([], plan.pairs(buffer[off:off + plan.staged_bytes]), [ready], index)
+                   for index, (plan, off) in enumerate(zip(self.plans, offsets)) if plan.posts]
+        self._finish(pending, deadline)
+        self._end()
+        self._landed = (buffer, offsets)
+        stats = self._stats(version, start, [])
+        stats.staging_bytes = total
+        return stats
+
+    def commit(self) -> None:
+        """Staged mode: copy the landed step into the destinations (in place: nothing is left to do)."""
+        if self._landed is None:
+            return
+        buffer, offsets = self._landed
+        self._landed = None
+        for plan, off in zip(self.plans, offsets):
+            if plan.segments:
+                self.touched |= plan.staged_pieces
+                shifted = [dataclasses.replace(seg, offset=seg.offset + off) for seg in plan.segments]
+                sources = _buffer_views(buffer, shifted)  # as_strided offsets count from the storage's start
+                self.lane.run(partial(torch._foreach_copy_, plan.views, sources)).synchronize(self.timeout_s)
+
+    def discard(self) -> None:
+        """Staged mode: drop a landed step without touching the destinations."""
+        self._landed = None
+
+
+class ForwardExecutor:
+    """Runs a gen rank's forwarding within its node (:mod:`refit_core.plan.relay`) after its own step landed.
+
+    ``rounds`` are every round of the forwarding plan, each with this rank's messages of both
+    directions (empty where it has none). Each round's sends (from this rank's destinations, which
+    hold the step) and receives (into them) are posted as one exchange, so that two ranks forwarding
+    to each other never wait on each other; rounds run one after another, staged parts packed and
+    unpacked synchronously (the forwarded regions are small beside the step).
+    """
+
+    def __init__(self, rank: int, rounds: list[list[Message]], transport: Transport, peer_offset: int,
+                 **executor_args: Any) -> None:
+        self.sends = SendExecutor([[m for m in msgs if m.src == rank] for msgs in rounds], transport, peer_offset,
+                                  **executor_args)
+        self.receives = ReceiveExecutor([[m for m in msgs if m.dst == rank] for msgs in rounds], transport,
+                                        peer_offset, **executor_args)
+        self.touched: set[int] = set()
+        """The destination pieces the last step's forwarding may have written (also when it raised)."""
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        self.sends.bind(views)
+        self.receives.bind(views)
+
+    def run(self, version: int) -> StepStats:
+        """Forward one step; both directions' headers are checked first (fingerprint, step, version)."""
+        sends, receives = self.sends, self.receives
+        start = time.perf_counter()
+        deadline = time.monotonic() + receives.timeout_s
+        self.touched = set()
+        ready = current_work(receives.device, "the engine's pending work")
+        peers = sorted(set(sends.peers()) | set(receives.peers()))
+        version = receives._exchange_headers(version, [ready], deadline, peers)
+        lane = receives.lane
+        send_buffer = lane.allocate(sends.buffer_bytes, receives.device) if sends.buffer_bytes else None
+        receive_buffer = lane.allocate(receives.buffer_bytes, receives.device) if receives.buffer_bytes else None
+        for index, (out, into) in enumerate(zip(sends.plans, receives.plans)):
+            if not out.posts and not into.posts:
+                continue
+            after = [ready]
+            if out.staged_bytes:
+                assert send_buffer is not None
+                after.append(lane.run(partial(_pack, send_buffer, out), after=[ready]))
+            self.touched |= into.direct_pieces
+            fence = receives._exchange(out.pairs(send_buffer if out.staged_bytes else None),
+                                       into.pairs(receive_buffer if into.staged_bytes else None), after, index)
+            fence.synchronize(receives._remaining(deadline))
+            if into.staged_bytes:
+                assert receive_buffer is not None and into.copies is not None
+                self.touched |= into.staged_pieces
+                lane.run(partial(into.copies.run, receive_buffer), after=[fence]).synchronize(
+                    receives._remaining(deadline))
+        sends.step += 1
+        stats = receives._stats(version, start, [])
+        stats.bytes += sends.payload_bytes
+        stats.staging_bytes = sum(b.numel() for b in (send_buffer, receive_buffer) if b is not None)
+        return stats

@@ -1,0 +1,9 @@
+"""Quantization kernels that run every step (what a destination holds is :mod:`refit_core.contract.quantization`).
+
+- :mod:`.reference`: a plain-torch reference quantizer, block by block (the tests' ground truth);
+- :mod:`.fast`: the per-tensor quantizer (vectorized; ``torch.compile`` on CUDA, eager elsewhere);
+- :mod:`.batched`: every quantized segment of a round in one batch (:mod:`.triton_blocks` on CUDA);
+- :mod:`.receiver`: receiver-side quantization after the high-precision bytes landed.
+
+Where quantization happens (sender or receiver) is a planning decision: :mod:`refit_core.plan.quant_rules`.
+"""

@@ -1,0 +1,1 @@
+"""Applications built on refit: the ``refit`` command line, benchmarks, the demo, and pictures. Internal."""

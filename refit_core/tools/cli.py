@@ -1,0 +1,360 @@
+"""The ``refit`` command line: ``plugins``, ``plan``, ``demo``, ``check-plugin`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+from refit_core.contract.backend import GEN
+from refit_core.contract.errors import RefitError
+from refit_core.contract.layout import parse_backend_layout
+from refit_core.contract.plugins import get_plugin_manager
+from refit_core.kit.models import PRESETS, load_config, model_inventory
+
+if TYPE_CHECKING:
+    from refit_core.plan.simulate import Topology
+
+AUTO = "auto"
+FORWARD_FLOORS = (0, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+"""The ``forward_min_bytes`` that ``--forward-min-bytes auto`` simulates."""
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    pm = get_plugin_manager()
+    rows = [("plugin", "distribution", "version", "backends (sides)")]
+    for info in pm.plugins:
+        backends = ", ".join(f"{b.name} ({'+'.join(sorted(b.sides))})" for b in info.backends) or "-"
+        rows.append((info.name, info.distribution, info.version, backends))
+    for name, error in pm.broken.items():
+        rows.append((name, "?", "?", f"BROKEN: {error}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    described = [b for info in pm.plugins for b in info.backends if b.description]
+    if described:
+        print()
+        width = max(len(b.name) for b in described)
+        for backend in described:
+            print(f"  {backend.name.ljust(width)}  {backend.description}")
+    if len(rows) == 1:
+        print("(no refit plugins installed: pip install refit-plugin-dtensor refit-plugin-vllm ...)")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from refit_core.contract.options import RefitOptions, RelayOptions
+    from refit_core.plan.offline import plan_from_metadata
+    from refit_core.tools.demo.runner import default_device
+
+    train, train_layout = parse_backend_layout(args.train)
+    gen, gen_layout = parse_backend_layout(args.gen)
+    relay = _relay_settings(args.relay)
+    choose_floor = args.forward_within_nodes and args.forward_min_bytes == AUTO
+    if args.forward_within_nodes:
+        from refit_core.plan.simulate import Topology
+
+        relay["node_ranks"] = Topology.parse(args.topology).gpus_per_node
+        if args.forward_min_bytes is not None and not choose_floor:
+            relay["forward_min_bytes"] = args.forward_min_bytes
+    simulating = bool(args.simulate or args.explain or choose_floor
+                      or ("replicas" in relay and "direct" not in relay))
+    bucket = None if args.bucket_mb is None else args.bucket_mb << 20
+    config = load_config(args.model)
+
+    def plan(relay: dict[str, int]) -> Any:
+        return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
+                                  options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay),
+                                                      allow_unused_sources=args.allow_unused_sources),
+                                  device=args.device or ("cuda" if simulating else default_device()),
+                                  progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
+
+    summary = None
+    unforwarded_s: float | None = None  # the prediction without forwarding, where a choice simulated it
+    if "replicas" in relay and "direct" not in relay:
+        relay, summary = _best_relay(plan, relay, args.topology)
+    if choose_floor:
+        relay, summary, unforwarded_s = _best_forwarding(plan, relay, args.topology)
+    if summary is None:
+        summary = plan(relay)
+    print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
+    for line in summary.lines():
+        print("  " + line)
+    forwarding = "node_ranks" in relay
+    if forwarding and summary.relay is None:
+        print(f"  forwarding:   none: no region of at least {RelayOptions(**relay).forward_min_bytes} bytes is "
+              "held by two gen ranks of one node")
+    if args.simulate or args.explain:
+        from refit_core.plan.simulate import Topology, anchor_lines, simulate
+        from refit_core.units import format_duration
+
+        topology = Topology.parse(args.topology)
+        simulation = simulate(summary.schedule, topology, relay=summary.relay)
+        print("refit plan: simulated (disaggregated placement: gen ranks on the nodes after the train ranks')")
+        for line in [*simulation.lines(), *anchor_lines()]:
+            print("  " + line)
+        if forwarding and summary.relay is not None:
+            if unforwarded_s is None:
+                unforwarded_s = _predicted_s(plan(_without_forwarding(relay)), topology)
+            speedup = unforwarded_s / simulation.predicted_s
+            verdict = (f"forwarding is {speedup:.2f}x faster" if speedup >= 1 else
+                       f"forwarding is {1 / speedup:.2f}x slower: run without it, or raise --forward-min-bytes")
+            print("refit plan: without forwarding within nodes the same refit predicts "
+                  f"{format_duration(unforwarded_s)}; {verdict}")
+        if args.explain:
+            from refit_core.tools.explain import write_plan_picture
+
+            title = f"{args.model}: {train}:{train_layout} -> {gen}:{gen_layout}"
+            path = write_plan_picture(summary.schedule, simulation, args.explain, title)
+            print(f"refit plan: picture written to {path}")
+    return 0
+
+
+def _relay_settings(text: str | None) -> dict[str, int]:
+    """``--relay replicas=32,direct=8,fanout=1`` -> a dict for :class:`~refit_core.contract.options.RelayOptions`."""
+    if not text:
+        return {}
+    out: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in ("replicas", "direct", "fanout") or not value.isdigit():
+            raise RefitError(f"--relay item {item!r}: use replicas=N[,direct=N][,fanout=N]")
+        out[key] = int(value)
+    if "replicas" not in out:
+        raise RefitError("--relay needs replicas=N (the gen ranks' identical replicas, e.g. the gen layout's dp)")
+    return out
+
+
+def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[str, int], Any]:
+    """Simulate direct fanout (the trainers feed every replica) and relay with 1, 2, 4... replicas fed
+    directly; print each prediction and return the fastest settings and their plan."""
+    from refit_core.plan.simulate import Topology
+
+    cluster = Topology.parse(topology)
+    replicas = relay["replicas"]
+    candidates = sorted({replicas, *(1 << k for k in range(replicas.bit_length()) if 1 << k < replicas)},
+                        reverse=True)
+    print(f"refit plan: relay fanout vs direct fanout, {replicas} replicas, fanout {relay.get('fanout', 1)}, "
+          f"simulated on {topology}:")
+    baseline = best = float("inf")
+    chosen: tuple[dict[str, int], Any] | None = None
+    for direct in candidates:
+        settings = {**relay, "direct": direct}
+        summary = plan(settings)
+        seconds = _predicted_s(summary, cluster)
+        waves = len(summary.relay.waves.waves) if summary.relay is not None else 1
+        label = "direct fanout (no relay)" if direct == replicas else f"relay, {direct} fed by trainers"
+        print(f"  {label:<32} {waves} wave(s): predicted {seconds * 1e3:9.1f} ms")
+        baseline = seconds if direct == replicas else baseline
+        if seconds < best:  # only the fastest plan so far is kept: plans at scale take gigabytes
+            best, chosen = seconds, (settings, summary)
+    assert chosen is not None
+    direct = chosen[0]["direct"]
+    verdict = "direct fanout wins" if direct == replicas else f"relay wins, {baseline / best:.2f}x faster"
+    print(f"  best: direct={direct} ({verdict})")
+    return chosen
+
+
+def _predicted_s(summary: Any, topology: Topology) -> float:
+    """The simulated time of a planned refit (its relay or forwarding rounds included) on ``topology``."""
+    from refit_core.plan.simulate import simulate
+
+    return simulate(summary.schedule, topology, relay=summary.relay).predicted_s
+
+
+def _without_forwarding(relay: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in relay.items() if k not in ("node_ranks", "forward_min_bytes")}
+
+
+def _forward_min_bytes(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of bytes, or auto")
+    return int(text)
+
+
+def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[str, int], Any, float]:
+    """Simulate the refit without forwarding within nodes and with each floor of ``FORWARD_FLOORS``; print
+    each prediction and return the fastest settings (without forwarding where it never wins), their plan
+    and the prediction without forwarding."""
+    from refit_core.plan.simulate import Topology
+    from refit_core.units import format_bytes, format_duration
+
+    cluster = Topology.parse(topology)
+    print(f"refit plan: forwarding within nodes of {relay['node_ranks']} gen ranks, each floor simulated on "
+          f"{topology}:")
+    settings = _without_forwarding(relay)
+    summary = plan(settings)
+    unforwarded = _predicted_s(summary, cluster)
+    print(f"  {'no forwarding':<28} predicted {format_duration(unforwarded)}")
+    best, chosen = unforwarded, (settings, summary)  # ties go to the plan without forwarding
+    for floor in FORWARD_FLOORS:
+        settings = {**relay, "forward_min_bytes": floor}
+        summary = plan(settings)
+        label = f"forward_min_bytes {format_bytes(floor)}"
+        if summary.relay is None:
+            print(f"  {label:<28} nothing shared is that large")
+            continue
+        seconds = _predicted_s(summary, cluster)
+        print(f"  {label:<28} predicted {format_duration(seconds)}, "
+              f"{format_bytes(summary.relay.schedule.summary.bytes)} forwarded")
+        if seconds < best:  # only the fastest plan so far is kept: plans at scale take gigabytes
+            best, chosen = seconds, (settings, summary)
+    chosen_floor = chosen[0].get("forward_min_bytes")
+    verdict = ("forwarding does not win" if chosen_floor is None else
+               f"forward_min_bytes {format_bytes(chosen_floor)}, {unforwarded / best:.2f}x faster than no forwarding")
+    print(f"  best: {verdict}")
+    return (*chosen, unforwarded)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from refit_core.tools.demo.runner import DemoPlan, default_device, fit_to_gpus, pick_pair, run_demo
+
+    if args.loop:
+        from refit_core.tools.demo.rl_loop import LoopSettings, run_cli
+
+        return run_cli(LoopSettings(model=args.model if args.model != "tiny-llama" else LoopSettings.model,
+                                    steps=args.steps if args.steps != 2 else LoopSettings.steps,
+                                    device=args.device or "cpu", plot=args.plot), args.train, args.gen)
+    pm = get_plugin_manager()
+    able = [b for b in pm.backends(GEN) if args.quantize in b.demo_quantize and b.demo_gen]
+    gen_name = args.gen
+    if args.quantize and gen_name is None and able:  # the best backend that can hold quantized weights
+        gen_name = max(able, key=lambda b: b.priority).name
+    train, gen = pick_pair(pm, args.train, gen_name)
+    gen_layout = args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout
+    if args.quantize and args.gen_layout is None:
+        gen_layout = ""  # one rank holding whole 128 x 128 blocks (a tiny model's TP shards would split them)
+    plan = DemoPlan(train, gen, args.model,
+                    args.train_layout if args.train_layout is not None else train.demo_train_layout,
+                    gen_layout, args.steps, args.device or default_device(), colocate=args.colocate,
+                    quantize=args.quantize)
+    if args.quantize and args.quantize not in gen.demo_quantize:
+        raise RefitError(f"--quantize {args.quantize}: the {gen.name} backend's demo cannot hold quantized "
+                         f"weights (backends that can: {', '.join(b.name for b in able) or 'none'})")
+    if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None and not plan.colocate:
+        plan = fit_to_gpus(plan)
+    inventory = model_inventory(plan.model)  # a bad model is an error here, before anything starts
+    print(f"refit demo: {train.name} -> {gen.name} on {plan.device}, model {plan.model} "
+          f"({inventory.describe()}), {plan.steps} steps", flush=True)
+    outcome = run_demo(plan, timeout_s=args.timeout, echo=lambda line: print(line, flush=True))
+    print(outcome.summary, flush=True)
+    return 0 if outcome.ok else 1
+
+
+def cmd_check_plugin(args: argparse.Namespace) -> int:
+    from refit_core.testing import Outcome, model_free_checks, model_free_suite
+
+    suite = model_free_suite(args.name, args.model, args.train_layout, args.gen_layout)
+    print(f"refit check-plugin: {suite.plugin} (backend {suite.backend}; models "
+          f"{', '.join(m.name for m in suite.models)}), model-free checks", flush=True)
+    results = model_free_checks(suite)
+    for result in results:
+        print(result.line())
+    counts = {o: sum(r.outcome is o for r in results) for o in Outcome}
+    print(f"refit check-plugin {suite.plugin}: {counts[Outcome.PASSED]} checks passed, "
+          f"{counts[Outcome.FAILED]} failed, {counts[Outcome.SKIPPED]} skipped")
+    return 1 if counts[Outcome.FAILED] else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from refit_core.tools.bench import main as bench_main
+    except ImportError as exc:
+        raise RefitError(f"refit bench is unavailable: {exc}") from exc
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="refit", description="Move trained weights into inference engines.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress of setup and steps")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("plugins", help="list installed plugins and their backends").set_defaults(func=cmd_plugins)
+
+    models = f"preset ({', '.join(PRESETS)}) or HF model directory / config.json"
+    plan = sub.add_parser("plan", help="plan a refit from metadata alone and print its summary")
+    plan.add_argument("--model", required=True, help=models)
+    plan.add_argument("--train", required=True,
+                      help="BACKEND:LAYOUT, e.g. dtensor:fsdp=2,tp=2; layout keys tp, pp, vpp, ep, etp, dp, fsdp, "
+                           "and pp_first / pp_last (layers of megatron's first / last pipeline stage, "
+                           "e.g. megatron:pp=16,pp_first=3,pp_last=2,dp=16,ep=16)")
+    plan.add_argument("--gen", required=True, help="BACKEND:LAYOUT, e.g. vllm:tp=2,dp=2")
+    plan.add_argument("--bucket-mb", type=int,
+                      help="bucket size in MiB (default: a live refit's on --device: 512 on cuda, 64 on cpu)")
+    plan.add_argument("--device", choices=("cpu", "cuda"),
+                      help="device the live refit runs on, for its default bucket (default: cuda when present, or "
+                           "when simulating a GPU cluster: --simulate, --explain, --relay without direct)")
+    plan.add_argument("--simulate", action="store_true",
+                      help="predict the refit's time on a cluster (--topology): per-link bytes, busiest link, "
+                           "receiver- and sender-side bounds, published numbers beside it")
+    plan.add_argument("--topology", default="h200",
+                      help="h200, h100, or gpus_per_node=8,nvlink_gbps=370,nic_gbps=50,latency_us=15")
+    plan.add_argument("--explain", metavar="PNG", help="draw the plan's traffic and busiest links into PNG")
+    plan.add_argument("--allow-unused-sources", action="store_true",
+                      help="plan although some train tensors have no destination (e.g. DeepSeek-V3's MTP "
+                           "layer, which vLLM's main model does not hold)")
+    plan.add_argument("--relay", metavar="replicas=N[,direct=N][,fanout=N]",
+                      help="relay fanout: the gen ranks form N identical replicas; the trainers feed `direct` of "
+                           "them and every holder forwards to `fanout` more per wave (without direct: simulate "
+                           "each choice against direct fanout and plan the fastest)")
+    plan.add_argument("--forward-within-nodes", action="store_true",
+                      help="regions several gen ranks of one node hold (TP-replicated norms, MLA's q_a / kv_a) "
+                           "cross the network once per node and are forwarded over NVLink "
+                           "(RelayOptions.node_ranks = the topology's GPUs per node); with --simulate, also "
+                           "predicts the refit without it")
+    plan.add_argument("--forward-min-bytes", type=_forward_min_bytes, metavar="N|auto",
+                      help="with --forward-within-nodes: smaller shared regions are fed to every holder "
+                           "(RelayOptions.forward_min_bytes, default 1 MiB); auto simulates no forwarding and "
+                           f"floors of {', '.join(str(f) for f in FORWARD_FLOORS)} bytes and plans the fastest")
+    plan.set_defaults(func=cmd_plan)
+
+    demo = sub.add_parser("demo", help="run a real, verified refit between two programs on this machine")
+    demo.add_argument("--train", help="train backend (default: best installed)")
+    demo.add_argument("--gen", help="gen backend (default: best installed)")
+    demo.add_argument("--model", default="tiny-llama", help=models)
+    demo.add_argument("--steps", type=int, default=2)
+    demo.add_argument("--train-layout", help="e.g. fsdp=2 (default: the backend's demo layout)")
+    demo.add_argument("--gen-layout", help="e.g. tp=2 (default: the backend's demo layout)")
+    demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
+    demo.add_argument("--colocate", action="store_true",
+                      help="train and gen ranks share devices (CUDA: the same GPUs, pairs on one GPU through "
+                           "CUDA IPC; CPU: the host, pairs through shared memory)")
+    demo.add_argument("--timeout", type=float, default=900.0, help="seconds before both programs are stopped")
+    demo.add_argument("--loop", action="store_true",
+                      help="a real RL loop instead: GRPO on a tiny policy (Ray actors, FSDP2 -> vLLM), refit "
+                           "after every step, reward and generation-KL table and plot (needs refit-core[ray])")
+    demo.add_argument("--plot", default="refit-rl-loop.png", help="with --loop: where to write the PNG")
+    demo.add_argument("--quantize", choices=("fp8",), help="fp8: the gen side holds block-FP8 (128 x 128) linear "
+                      "weights, quantized by refit and checked against the reference quantizer")
+    demo.set_defaults(func=cmd_demo)
+
+    check = sub.add_parser("check-plugin", help="run the conformance kit's model-free checks on an installed plugin")
+    check.add_argument("name", help="the plugin's name (as `refit plugins` lists it)")
+    check.add_argument("--model", action="append", default=[],
+                       help=f"{models}; repeatable (default: the plugin's published suite, else tiny-llama, "
+                            "tiny-qwen3-moe)")
+    check.add_argument("--train-layout", action="append", help="e.g. fsdp=2,tp=2; repeatable (default: the suite's)")
+    check.add_argument("--gen-layout", action="append", help="e.g. tp=2; repeatable (default: the suite's)")
+    check.set_defaults(func=cmd_check_plugin)
+
+    bench = sub.add_parser("bench", help="GPU benchmark: wire vs baselines vs refit (see benchmarks/)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except RefitError as exc:
+        print(f"refit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
