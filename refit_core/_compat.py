@@ -1,9 +1,9 @@
-"""Old import paths of refit 0.2, kept for one release: each warns once and hands back the module that moved.
+"""Import paths from before the move into role subpackages, kept until 0.3: each warns and hands back the moved module.
 
-``docs/writing-a-plugin.md`` of refit 0.2 let plugins import ``refit_core.spec``, ``.pieces``,
+The plugin guide before the move let plugins import ``refit_core.spec``, ``.pieces``,
 ``.experts``, ``.boxindex``, ``.env``, ``.models``, ``.verify``, ``.launch`` and ``.demo.context``.
 Those modules now live in role subpackages; the names they held are public from :mod:`refit_core` and
-:mod:`refit_core.kit`. A plugin written against 0.2 keeps working unchanged; a
+:mod:`refit_core.kit`. A plugin written against that guide keeps working unchanged; a
 :class:`DeprecationWarning` names the new place.
 """
 
@@ -40,7 +40,7 @@ class _Alias(importlib.abc.Loader):
         self.target, self.public = MOVED[old]
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        warnings.warn(f"{self.old} moved in refit 0.3: import its names from {self.public}",
+        warnings.warn(f"{self.old} moved: import its names from {self.public} ({self.old} goes away in refit 0.3)",
                       DeprecationWarning, stacklevel=4)
         module = importlib.import_module(self.target)
         self._spec = module.__spec__
