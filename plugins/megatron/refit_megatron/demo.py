@@ -9,6 +9,7 @@ own pieces), then sends it as weight version ``step``. The gen side checks what 
 from __future__ import annotations
 
 import time
+
 import torch
 import torch.distributed as dist
 
