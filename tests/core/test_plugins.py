@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from refit_core import Backend, DestinationMap, PluginError, Side, hookimpl
-from refit_core.kit import DemoPrograms
 from refit_core.contract.plugins import PLUGINS_ENV, PluginManager
+from refit_core.kit import DemoPrograms
 
 
 def refit(*args, env=None):

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from refit_core.contract.backend import GEN, TRAIN, Backend
-from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
 from refit_core.contract.hookspecs import hookimpl
+from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
 from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, Quantization
 from refit_core.contract.spec import Box, TensorSpec

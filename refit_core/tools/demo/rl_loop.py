@@ -41,8 +41,8 @@ from typing import Any
 
 from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.errors import RefitError
-from refit_core.contract.side import Side
 from refit_core.contract.plugins import get_plugin_manager
+from refit_core.contract.side import Side
 from refit_core.kit.demo import installed_demos
 from refit_core.kit.models import load_config
 from refit_core.kit.rl import LogprobMismatch, Rollout, TargetSetReward, group_advantages, logprob_mismatch
