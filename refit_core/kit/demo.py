@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from refit_core.api import RefitSender
 from refit_core.contract.layout import ParallelLayout
-from refit_core.contract.options import Colocation
+from refit_core.contract.options import Colocation, RefitOptions
 from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
 from refit_core.kit import demo_hooks
@@ -227,8 +228,6 @@ def send_versions(ctx: DemoContext, model: Any, rank: int, world: int, load: Cal
 
     Rank 0 reports the setup line to ``ctx.progress``. Returns the seconds each send took.
     """
-    from refit_core.api import RefitOptions, RefitSender
-
     sender = RefitSender(model, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
                          options=RefitOptions(**ctx.options))
     began = time.perf_counter()
