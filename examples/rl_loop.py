@@ -4,7 +4,7 @@
     python examples/rl_loop.py --steps 20 --plot reward.png
 
 Two FSDP2 policy actors train a tiny Qwen3 with GRPO on a synthetic reward; a vLLM engine actor samples
-the rollouts; ``refit_core.kit.ray.RayRefit`` moves the weights into the engine after every step while
+the rollouts; ``refit_core.kit.RayRefit`` moves the weights into the engine after every step while
 evaluation requests stay in flight. The loop itself is ``refit_core.tools.demo.rl_loop.run_loop``: read it
 for the ~40 lines that wire trainers, engine and refit together.
 """

@@ -1,10 +1,13 @@
 """refit: move freshly trained weights into a running inference engine, every RL step.
 
-The public surface: :class:`RefitSender` (every train rank) and :class:`RefitReceiver` (every gen
-rank), their settings (:class:`RefitOptions` with :class:`MessageOptions`, :class:`NcclOptions` and
-:class:`RelayOptions`, and the enums of their modes), the data model plugins speak (:class:`TensorSpec`, :class:`Box`,
-:class:`SourcePiece`, :class:`DestinationPiece`, :class:`DestinationMap`, :class:`ExpertName`),
-:class:`Backend` and ``hookimpl`` for plugin authors, and the errors refit raises.
+The public surface for users and plugins: :class:`RefitSender` (every train rank) and :class:`RefitReceiver`
+(every gen rank), their settings (:class:`RefitOptions` with :class:`MessageOptions`, :class:`NcclOptions` and
+:class:`RelayOptions`, and the enums of their modes), the data model plugins speak (:class:`TensorSpec`,
+:class:`Box`, :class:`SourcePiece`, :class:`DestinationPiece`, :class:`DestinationMap`, :class:`ExpertName`,
+:class:`Quantization` and its FP8 constants, :class:`ParallelLayout`, :class:`Side`), :class:`Backend` and
+``hookimpl`` for plugin authors, and the errors refit raises. Plugin authors' helpers are
+:mod:`refit_core.kit`; the conformance kit is :mod:`refit_core.testing`. Every other module is an internal
+path that may change between releases.
 """
 
 from refit_core import _compat
@@ -33,15 +36,19 @@ from refit_core.contract.options import (
     TransportKind,
 )
 from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
-from refit_core.contract.plugins import get_plugin_manager, hookimpl
+from refit_core.contract.hookspecs import hookimpl
+from refit_core.contract.plugins import get_plugin_manager
+from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization, QuantScheme
+from refit_core.contract.side import Side
 from refit_core.contract.spec import Box, TensorSpec
 
 __all__ = [
-    "GEN", "TRAIN", "Backend", "Box", "CastPolicy", "DestinationMap", "DestinationPiece", "ExpertName",
-    "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "OptionError", "ParallelLayout", "PlanError",
-    "PluginError", "RefitError", "RefitOptions", "RefitReceiver", "RelayOptions", "RefitSender", "SourcePiece",
-    "StepStats", "TensorSpec", "TransferError", "TransportKind", "get_plugin_manager", "hookimpl",
-    "AuthenticationError", "RendezvousError", "StepFailedError", "StepFailure", "UpdateMode",
+    "BLOCK_SCALE_SUFFIX", "FP8_DTYPES", "GEN", "TRAIN", "AuthenticationError", "Backend", "Box", "CastPolicy",
+    "DestinationMap", "DestinationPiece", "ExpertName", "MessageMode", "MessageOptions", "NcclBackend",
+    "NcclOptions", "OptionError", "ParallelLayout", "PlanError", "PluginError", "QuantScheme", "Quantization",
+    "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "RelayOptions", "RendezvousError", "Side",
+    "SourcePiece", "StepFailedError", "StepFailure", "StepStats", "TensorSpec", "TransferError", "TransportKind",
+    "UpdateMode", "get_plugin_manager", "hookimpl",
 ]
 
 _compat.install()

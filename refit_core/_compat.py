@@ -1,7 +1,8 @@
 """Import paths from before the move into role subpackages, kept until 0.3: each warns and hands back the moved module.
 
 The plugin guide before the move let plugins import ``refit_core.spec``, ``.pieces``,
-``.experts``, ``.boxindex``, ``.env``, ``.models``, ``.verify``, ``.launch`` and ``.demo.context``.
+``.experts``, ``.boxindex``, ``.env``, ``.models``, ``.verify``, ``.launch`` and ``.demo.context``, and
+its example imported ``Quantization`` from ``refit_core.quant``.
 Those modules now live in role subpackages; the names they held are public from :mod:`refit_core` and
 :mod:`refit_core.kit`. A plugin written against that guide keeps working unchanged; a
 :class:`DeprecationWarning` names the new place.
@@ -21,6 +22,7 @@ MOVED: dict[str, tuple[str, str]] = {
     "refit_core.spec": ("refit_core.contract.spec", "refit_core"),
     "refit_core.pieces": ("refit_core.contract.pieces", "refit_core"),
     "refit_core.experts": ("refit_core.contract.experts", "refit_core"),
+    "refit_core.quant": ("refit_core.contract.quantization", "refit_core"),
     "refit_core.boxindex": ("refit_core.plan.regions", "refit_core.kit"),
     "refit_core.env": ("refit_core.contract.env", "refit_core.kit"),
     "refit_core.models": ("refit_core.kit.models", "refit_core.kit"),

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import pluggy
-
 from refit_core.contract.experts import ExpertName, default_expert_name, default_member_name
-
-hookimpl = pluggy.HookimplMarker("refit")
+from refit_core.contract.hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)

@@ -45,14 +45,22 @@ if TYPE_CHECKING:
     from refit_core.contract.pieces import DestinationMap, SourcePiece
 
 hookspec = pluggy.HookspecMarker("refit")
+"""Marks a hook specification: the hooks below, and hooks the kit declares above the contract."""
+hookimpl = pluggy.HookimplMarker("refit")
+"""Marks a plugin's hook implementation (re-exported as ``refit_core.hookimpl``)."""
 
+
+# -------------------------------------------------------------------------------------------------
+# Setup: once per process when a plugin is registered, then at ``setup()`` on every rank
+# -------------------------------------------------------------------------------------------------
 
 @hookspec
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
     """Register the backends this plugin provides by calling ``register(Backend(...))``.
 
-    A backend has a name (``"dtensor"``, ``"vllm"``), the side(s) it serves (``"train"``,
-    ``"gen"``) and, optionally, the demo programs ``refit demo`` runs for it.
+    A backend has a name (``"dtensor"``, ``"vllm"``), the side(s) it serves (``Side.TRAIN``,
+    ``Side.GEN``) and a description. The programs ``refit demo`` runs for it are registered through
+    the kit's own hook, :func:`refit_core.kit.demo_hooks.refit_register_demos`.
     """
 
 
@@ -68,13 +76,18 @@ def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
 
 
 @hookspec(firstresult=True)
-def refit_source_layout(
-    backend: str, config: dict[str, Any], layout: ParallelLayout, rank: int
-) -> list[SourcePiece] | None:
-    """Source pieces of ``rank`` from metadata alone (views are None), or None if not ``backend``.
+def refit_destination_map(model: Any) -> DestinationMap | None:
+    """This generation rank's destination map for a live ``model``, or None if not yours.
 
-    ``config`` is a HuggingFace ``config.json`` as a dict. Nothing is built and no tensor is
-    allocated: this is what lets ``refit plan`` reason about thousands of ranks.
+    ``pieces`` are views of engine memory to write straight into (e.g. the rows of a fused
+    ``qkv_proj`` that hold this TP rank's slice of ``k_proj``); ``loader`` lists the logical tensors
+    that must instead be received whole and handed to ``refit_load_weights``.
+    The hook is called at setup and again after every ``refit_begin_update`` that returns True,
+    and must then return the same pieces (same specs and boxes, in the same order). For an engine
+    whose ``refit_begin_update`` returns True, the setup-time views may be placeholders (right shape,
+    dtype and device, not writable): refit writes only into views obtained after ``begin_update``.
+    A piece holding FP8 values carries a :class:`~refit_core.contract.quantization.Quantization` in its spec, and
+    its scales are pieces of their own (see docs/writing-a-plugin.md, "Quantized destinations").
     """
 
 
@@ -100,19 +113,18 @@ def refit_expert_member_name(group: str, index: int) -> str | None:
     """
 
 
-@hookspec(firstresult=True)
-def refit_destination_map(model: Any) -> DestinationMap | None:
-    """This generation rank's destination map for a live ``model``, or None if not yours.
+# -------------------------------------------------------------------------------------------------
+# Metadata only: ``refit plan`` and the conformance kit describe a backend's ranks without building a model
+# -------------------------------------------------------------------------------------------------
 
-    ``pieces`` are views of engine memory to write straight into (e.g. the rows of a fused
-    ``qkv_proj`` that hold this TP rank's slice of ``k_proj``); ``loader`` lists the logical tensors
-    that must instead be received whole and handed to ``refit_load_weights``.
-    The hook is called at setup and again after every ``refit_begin_update`` that returns True,
-    and must then return the same pieces (same specs and boxes, in the same order). For an engine
-    whose ``refit_begin_update`` returns True, the setup-time views may be placeholders (right shape,
-    dtype and device, not writable): refit writes only into views obtained after ``begin_update``.
-    A piece holding FP8 values carries a :class:`~refit_core.contract.quantization.Quantization` in its spec, and
-    its scales are pieces of their own (see docs/writing-a-plugin.md, "Quantized destinations").
+@hookspec(firstresult=True)
+def refit_source_layout(
+    backend: str, config: dict[str, Any], layout: ParallelLayout, rank: int
+) -> list[SourcePiece] | None:
+    """Source pieces of ``rank`` from metadata alone (views are None), or None if not ``backend``.
+
+    ``config`` is a HuggingFace ``config.json`` as a dict. Nothing is built and no tensor is
+    allocated: this is what lets ``refit plan`` reason about thousands of ranks.
     """
 
 
@@ -122,6 +134,10 @@ def refit_destination_layout(
 ) -> DestinationMap | None:
     """The destination map of ``rank`` from metadata alone (views are None), or None."""
 
+
+# -------------------------------------------------------------------------------------------------
+# Per step: every gen step's update of a live model
+# -------------------------------------------------------------------------------------------------
 
 @hookspec(firstresult=True)
 def refit_begin_update(model: Any) -> bool | None:

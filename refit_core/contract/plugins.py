@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -19,8 +20,8 @@ from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.pieces import DestinationMap, SourcePiece
 
 ENTRY_POINT_GROUP = "refit"
+REGISTER_BACKENDS = "refit_register_backends"
 
-hookimpl = pluggy.HookimplMarker("refit")
 log = logging.getLogger("refit")
 
 
@@ -41,6 +42,7 @@ class PluginManager:
         self._pm = pluggy.PluginManager("refit")
         self._pm.add_hookspecs(hookspecs)
         self._pm.register(defaults, name="refit-core-defaults")
+        self._specs: set[str] = {hookspecs.__name__}
         self._info: dict[str, PluginInfo] = {}
         self.broken: dict[str, str] = {}
         """Plugins whose import failed: name -> error (they are skipped, and named in errors)."""
@@ -68,15 +70,39 @@ class PluginManager:
                  version: str = "") -> None:
         """Register a plugin object or module by hand (tests, notebooks, in-tree backends)."""
         self._pm.register(plugin, name=name)
-        info = PluginInfo(name, distribution, version)
-        self._info[name] = info
+        self._info[name] = PluginInfo(name, distribution, version, self._registered_by(REGISTER_BACKENDS, name))
 
-        def add(backend: Backend) -> None:
-            info.backends.append(backend)
+    def add_hookspecs(self, module: ModuleType) -> None:
+        """Declare the hooks of ``module`` (a layer above the contract's, e.g. the kit's demo hook).
 
-        impl = getattr(plugin, "refit_register_backends", None)
-        if impl is not None:
-            impl(register=add)
+        Plugins registered before implement them too (pluggy checks their signatures now). Adding a
+        module twice does nothing.
+        """
+        if module.__name__ not in self._specs:
+            self._pm.add_hookspecs(module)
+            self._specs.add(module.__name__)
+
+    def registrations(self, hook: str) -> dict[str, list[Any]]:
+        """What each plugin registers through ``hook``, a hook taking a ``register`` callback, by plugin name.
+
+        Plugins that do not implement ``hook`` are left out.
+        """
+        found = {name: self._registered_by(hook, name) for name in self._info}
+        return {name: items for name, items in found.items() if items}
+
+    def _registered_by(self, hook: str, name: str) -> list[Any]:
+        """What plugin ``name`` registers through ``hook``; an error it raises gets a note naming it."""
+        plugin = self._pm.get_plugin(name)
+        if not hasattr(self._pm.hook, hook):
+            return []
+        others = [p for p in self._pm.get_plugins() if p is not plugin]
+        items: list[Any] = []
+        try:
+            self._pm.subset_hook_caller(hook, remove_plugins=others)(register=items.append)
+        except Exception as exc:
+            exc.add_note(f"raised by {hook} of refit plugin {name!r}")
+            raise
+        return items
 
     # -- introspection ------------------------------------------------------------------------
 

@@ -1,21 +1,34 @@
-"""What a backend's demo program receives (context, progress reporter) and returns (report)."""
+"""``refit demo`` for plugin authors: what a backend registers (programs), and what a program receives and returns.
+
+A plugin offers demo programs for its backends by implementing
+:func:`~refit_core.kit.demo_hooks.refit_register_demos` and registering one :class:`DemoPrograms` per
+backend. A program receives a :class:`DemoContext` and returns a :class:`DemoReport`; a train program's
+ranks can run the whole send loop with :func:`send_versions` and :func:`train_demo`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from refit_core.api import RefitSender
 from refit_core.contract.layout import ParallelLayout
-from refit_core.contract.options import Colocation
+from refit_core.contract.options import Colocation, RefitOptions
+from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
+from refit_core.kit import demo_hooks
+from refit_core.kit.launch import spawn
 from refit_core.units import format_bytes
 
 if TYPE_CHECKING:
     import torch
 
+    from refit_core.contract.plugins import PluginManager
     from refit_core.plan.schedule import Schedule
     from refit_core.run.setuptime import SetupTimes
 
@@ -144,3 +157,94 @@ class DemoReport:
     lines: list[str] = field(default_factory=list)
     bytes_per_step: int = 0
     seconds_per_step: list[float] = field(default_factory=list)
+
+
+DemoProgram = Callable[[DemoContext], DemoReport]
+"""One side's demo program: runs that side's ranks for ``refit demo`` and reports how it went."""
+
+
+@dataclass(frozen=True)
+class DemoPrograms:
+    """What ``refit demo`` runs for one ``backend`` (named as in ``refit_register_backends``).
+
+    ``train`` / ``gen``: the program for each side the backend serves (None: no demo on that side).
+    ``train_layout`` / ``gen_layout``: the layouts ``refit demo`` uses by default (``"fsdp=2"``; empty:
+    one rank). ``priority``: the highest wins when ``refit demo`` picks the best installed pair.
+    ``rl_train_actor`` / ``rl_gen_actor``: ``"module:Class"`` import paths of the Ray actor classes
+    ``refit demo --loop`` uses (:mod:`refit_core.tools.demo.rl_loop` states their methods); empty: none.
+    ``quantize``: the quantized destinations the gen program can hold (``"fp8"``: block-FP8 linear
+    weights, for ``refit demo --quantize fp8``).
+    """
+
+    backend: str
+    train: DemoProgram | None = field(default=None, compare=False)
+    gen: DemoProgram | None = field(default=None, compare=False)
+    train_layout: str = ""
+    gen_layout: str = ""
+    priority: int = 0
+    rl_train_actor: str = ""
+    rl_gen_actor: str = ""
+    quantize: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quantize", frozenset(self.quantize))
+
+    def program(self, side: Side) -> DemoProgram | None:
+        """The program of ``side``; None if the backend offers none there."""
+        return self.train if side == Side.TRAIN else self.gen
+
+    def layout(self, side: Side) -> str:
+        """The default layout of ``side``'s program (empty: one rank)."""
+        return self.train_layout if side == Side.TRAIN else self.gen_layout
+
+    def rl_actor(self, side: Side) -> str:
+        """The ``"module:Class"`` path of ``side``'s Ray actor for ``refit demo --loop``; empty: none."""
+        return self.rl_train_actor if side == Side.TRAIN else self.rl_gen_actor
+
+
+@dataclass(frozen=True)
+class DemoCatalog:
+    """The demo programs the installed plugins registered, by backend name."""
+
+    programs: Mapping[str, DemoPrograms]
+
+    def of(self, backend: str) -> DemoPrograms:
+        """What ``backend`` registered; a record without programs if it registered none."""
+        return self.programs.get(backend, DemoPrograms(backend))
+
+
+def installed_demos(pm: PluginManager) -> DemoCatalog:
+    """The demo programs ``pm``'s plugins register through ``refit_register_demos`` (the hook is added to
+    ``pm`` here). A backend registered twice keeps its last registration."""
+    pm.add_hookspecs(demo_hooks)
+    registered: Iterable[DemoPrograms] = (item for items in pm.registrations(demo_hooks.REGISTER_DEMOS).values()
+                                          for item in items)
+    return DemoCatalog({programs.backend: programs for programs in registered})
+
+
+def send_versions(ctx: DemoContext, model: Any, rank: int, world: int, load: Callable[[int], None]) -> list[float]:
+    """One train rank's demo loop: set up a sender for ``model``, then for each of ``ctx.steps`` steps
+    ``load(step)`` (put weight version ``step`` into the model, in place) and send it.
+
+    Rank 0 reports the setup line to ``ctx.progress``. Returns the seconds each send took.
+    """
+    sender = RefitSender(model, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
+                         options=RefitOptions(**ctx.options))
+    began = time.perf_counter()
+    schedule = sender.setup()
+    if rank == 0:
+        ctx.progress.planned(schedule, time.perf_counter() - began, sender.setup_times)
+    seconds = []
+    for step in range(ctx.steps):
+        load(step)
+        seconds.append(sender.send(version=step).seconds)
+    sender.close()
+    return seconds
+
+
+def train_demo(ctx: DemoContext, rank_program: Callable[..., list[float]], *args: Any) -> DemoReport:
+    """A train program: ``ctx.layout.world_size`` processes run ``rank_program(rank, world, ctx, *args)``
+    (a top-level function returning :func:`send_versions`' seconds); the report holds the slowest rank's
+    time per step."""
+    per_rank = spawn(rank_program, ctx.layout.world_size, ctx, *args)
+    return DemoReport(True, seconds_per_step=[max(step) for step in zip(*per_rank)])

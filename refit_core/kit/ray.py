@@ -1,6 +1,6 @@
 """Drive a refit from one Ray controller: train actors -> engine actors, in a few lines.
 
-    from refit_core.kit.ray import RayRefit
+    from refit_core.kit import RayRefit
 
     refit = RayRefit(trainers, engines)   # Ray actor handles
     refit.setup()                         # rendezvous on train rank 0's node, both sides at once

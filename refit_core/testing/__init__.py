@@ -6,7 +6,7 @@ from metadata, refusals, and factories that build a model on a rank), then::
     from refit_core.testing import check_plugin
     check_plugin(SUITE)            # raises ConformanceError listing every failed check
 
-or, in pytest, subclasses :class:`~refit_core.testing.pytest_plugin.PluginConformance`.
+or, in pytest, subclasses :class:`PluginConformance` (loaded on first use: it imports pytest).
 ``refit check-plugin NAME`` runs the model-free part from the command line (a plugin publishes its
 suite under the entry-point group ``refit.conformance``).
 
@@ -16,7 +16,14 @@ checkpoint (names, shapes, full coverage, no overlap); refusals raise ``PluginEr
 equal the metadata-only ones (names, boxes, dtypes, order); destination views never share memory;
 begin / abort / finish behave as documented; and multi-process round trips against a reference side
 land the reference state dict bit for bit, over two steps, with the plan ``refit plan`` predicts.
+
+Import every name from here (``__all__``); the submodules are internal paths.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from refit_core.testing.live import round_trip, round_trips
 from refit_core.testing.reference import (
@@ -40,9 +47,19 @@ from refit_core.testing.suite import (
     TrainFactory,
 )
 
+if TYPE_CHECKING:
+    from refit_core.testing.pytest_plugin import PluginConformance
+
 __all__ = [
     "REFERENCE_BACKEND", "CheckResult", "Conformance", "ConformanceError", "GenFactory", "ModelCase", "Outcome",
-    "RankContext", "ReferenceEngine", "ReferencePlugin", "ReferenceTrainer", "Refusal", "RoundTrip", "Side",
-    "TrainFactory", "check_plugin", "installed_suite", "model_free_checks", "model_free_suite", "reference_weights",
-    "require", "round_trip", "round_trips",
+    "PluginConformance", "RankContext", "ReferenceEngine", "ReferencePlugin", "ReferenceTrainer", "Refusal",
+    "RoundTrip", "Side", "TrainFactory", "check_plugin", "installed_suite", "model_free_checks", "model_free_suite",
+    "reference_weights", "require", "round_trip", "round_trips",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`PluginConformance`, whose module imports pytest, on first access only."""
+    if name == "PluginConformance":
+        return importlib.import_module("refit_core.testing.pytest_plugin").PluginConformance
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,9 +15,9 @@ import torch
 
 from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.experts import ExpertNaming, default_expert_name, default_member_name
+from refit_core.contract.hookspecs import hookimpl
 from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
-from refit_core.contract.plugins import hookimpl
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import reference_tensor
 

@@ -7,6 +7,8 @@ from dataclasses import replace
 
 from refit_core.contract.errors import PluginError
 from refit_core.contract.plugins import PluginManager
+from refit_core.contract.side import Side
+from refit_core.kit.demo import installed_demos
 from refit_core.kit.models import load_config
 from refit_core.testing.live import round_trips
 from refit_core.testing.results import CheckResult, require
@@ -45,13 +47,15 @@ def model_free_suite(plugin: str, models: list[str], train_layouts: list[str] | 
     (their demo layouts and a single rank, on the given models)."""
     suite = installed_suite(plugin)
     if suite is None:
-        info = next((p for p in PluginManager().plugins if p.name == plugin), None)
+        pm = PluginManager()
+        info = next((p for p in pm.plugins if p.name == plugin), None)
         if info is None or not info.backends:
             raise PluginError(f"no installed refit plugin named {plugin!r} registers a backend")
         backend = info.backends[0]
+        demo = installed_demos(pm).of(backend.name)
         suite = Conformance(plugin, backend.name, models=(),
-                            train_layouts=("", backend.demo_train_layout) if "train" in backend.sides else (),
-                            gen_layouts=("", backend.demo_gen_layout) if "gen" in backend.sides else ())
+                            train_layouts=("", demo.train_layout) if Side.TRAIN in backend.sides else (),
+                            gen_layouts=("", demo.gen_layout) if Side.GEN in backend.sides else ())
     changes: dict = {"train": None, "gen": None, "round_trips": ()}
     if models:
         changes["models"] = tuple(ModelCase(m, load_config(m)) for m in models)

@@ -9,21 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 
 from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
 from refit_core.kit.models import PRESETS, checkpoint_specs
-
-
-class Side(Enum):
-    """The side of a refit a check exercises."""
-
-    TRAIN = "train"
-    GEN = "gen"
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,7 @@ def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> tuple[d
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from refit_core.kit.demo import installed_demos
     from refit_core.tools.demo.runner import DemoPlan, default_device, fit_to_gpus, pick_pair, run_demo
 
     if args.loop:
@@ -219,21 +220,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                     steps=args.steps if args.steps != 2 else LoopSettings.steps,
                                     device=args.device or "cpu", plot=args.plot), args.train, args.gen)
     pm = get_plugin_manager()
-    able = [b for b in pm.backends(GEN) if args.quantize in b.demo_quantize and b.demo_gen]
+    demos = installed_demos(pm)
+    able = [demos.of(b.name) for b in pm.backends(GEN)]
+    able = [d for d in able if args.quantize in d.quantize and d.gen]
     gen_name = args.gen
     if args.quantize and gen_name is None and able:  # the best backend that can hold quantized weights
-        gen_name = max(able, key=lambda b: b.priority).name
+        gen_name = max(able, key=lambda d: d.priority).backend
     train, gen = pick_pair(pm, args.train, gen_name)
-    gen_layout = args.gen_layout if args.gen_layout is not None else gen.demo_gen_layout
+    gen_layout = args.gen_layout if args.gen_layout is not None else demos.of(gen.name).gen_layout
     if args.quantize and args.gen_layout is None:
         gen_layout = ""  # one rank holding whole 128 x 128 blocks (a tiny model's TP shards would split them)
     plan = DemoPlan(train, gen, args.model,
-                    args.train_layout if args.train_layout is not None else train.demo_train_layout,
+                    args.train_layout if args.train_layout is not None else demos.of(train.name).train_layout,
                     gen_layout, args.steps, args.device or default_device(), colocate=args.colocate,
                     quantize=args.quantize)
-    if args.quantize and args.quantize not in gen.demo_quantize:
+    if args.quantize and args.quantize not in demos.of(gen.name).quantize:
         raise RefitError(f"--quantize {args.quantize}: the {gen.name} backend's demo cannot hold quantized "
-                         f"weights (backends that can: {', '.join(b.name for b in able) or 'none'})")
+                         f"weights (backends that can: {', '.join(d.backend for d in able) or 'none'})")
     if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None and not plan.colocate:
         plan = fit_to_gpus(plan)
     inventory = model_inventory(plan.model)  # a bad model is an error here, before anything starts

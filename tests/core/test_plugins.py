@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from refit_core import Backend, DestinationMap, PluginError, hookimpl
+from refit_core import Backend, DestinationMap, PluginError, Side, hookimpl
 from refit_core.contract.plugins import PLUGINS_ENV, PluginManager
+from refit_core.kit import DemoPrograms
 
 
 def refit(*args, env=None):
@@ -84,3 +85,39 @@ def test_loader_tensors_reach_the_engine_under_checkpoint_names():
                            "l.q_proj.weight"]
     assert torch.equal(out["l.experts.1.up_proj.weight"], grouped[1])
     assert out["l.experts.3.w1.weight"].shape == (3, 4)
+
+
+def test_a_backend_is_only_the_contract_and_its_sides_are_sides():
+    backend = Backend("b", {"train", "gen"}, "a backend")
+    assert backend.sides == frozenset({Side.TRAIN, Side.GEN}) and all(isinstance(s, Side) for s in backend.sides)
+    with pytest.raises(ValueError, match="sides must be within"):
+        Backend("b", {"train", "nope"})
+    with pytest.raises(TypeError):
+        Backend("b", {"gen"}, demo_gen=lambda ctx: None)  # demo programs are the kit's DemoPrograms
+
+
+def test_demo_programs_come_through_the_kits_own_hook():
+    from refit_core.kit.demo import installed_demos
+
+    pm = PluginManager()
+    demos = installed_demos(pm)
+    toy = demos.of("toy")
+    assert (toy.train_layout, toy.gen_layout, toy.priority) == ("dp=2", "dp=3", -100)
+    assert toy.program(Side.TRAIN) is not None and toy.program(Side.GEN) is not None
+    assert demos.of("no such backend") == DemoPrograms("no such backend")
+    assert installed_demos(pm).of("toy") == toy  # the hook is declared once however often it is asked
+
+
+class BrokenRegistration:
+    """A plugin whose registration hook fails."""
+
+    @hookimpl
+    def refit_register_backends(self, register):
+        raise RuntimeError("cannot register")
+
+
+def test_a_failing_registration_names_the_plugin():
+    pm = PluginManager(load_entry_points=False)
+    with pytest.raises(RuntimeError, match="cannot register") as raised:
+        pm.register(BrokenRegistration(), name="broken")
+    assert "refit_register_backends of refit plugin 'broken'" in "".join(raised.value.__notes__)

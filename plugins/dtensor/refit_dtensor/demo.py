@@ -19,11 +19,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_core import ParallelLayout, RefitOptions, RefitReceiver, RefitSender
-from refit_core.kit.demo import DemoContext, DemoReport
-from refit_core.kit.launch import free_port, spawn
-from refit_core.kit.models import config_dtype
-from refit_core.kit.verify import mismatches, quantized_reference
+from refit_core import ParallelLayout, RefitOptions, RefitReceiver
+from refit_core.kit import (
+    DemoContext,
+    DemoReport,
+    config_dtype,
+    free_port,
+    mismatches,
+    quantized_reference,
+    send_versions,
+    spawn,
+    train_demo,
+)
 
 from .fp8 import to_block_fp8
 from .parallel import build_model, init_mesh, shard_model
@@ -62,26 +69,16 @@ def _layout_name(layout: ParallelLayout) -> str:
     return f"{layout} ({layout.world_size} ranks)" if layout.world_size > 1 else "one rank"
 
 
-def _train_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, port: int) -> dict[str, Any]:
+def _train_rank(rank: int, world: int, ctx: DemoContext, port: int) -> list[float]:
     began = time.perf_counter()
     device = _start(rank, world, port, ctx.device, 0)
-    model = _model(ctx, layout, torch.float32, device)
+    model = _model(ctx, ctx.layout, torch.float32, device)
     if rank == 0:
-        ctx.progress.built(f"dtensor trainer, {_layout_name(layout)}, fp32 master weights",
+        ctx.progress.built(f"dtensor trainer, {_layout_name(ctx.layout)}, fp32 master weights",
                            time.perf_counter() - began)
-    sender = RefitSender(model, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
-                         options=RefitOptions(**ctx.options))
-    began = time.perf_counter()
-    schedule = sender.setup()
-    if rank == 0:
-        ctx.progress.planned(schedule, time.perf_counter() - began, sender.setup_times)
-    seconds = []
-    for step in range(ctx.steps):
-        load_hf_weights(model, ctx.reference(step))
-        seconds.append(sender.send(version=step).seconds)
-    sender.close()
+    seconds = send_versions(ctx, model, rank, world, lambda step: load_hf_weights(model, ctx.reference(step)))
     dist.destroy_process_group()
-    return {"seconds": seconds}
+    return seconds
 
 
 def _gen_rank(rank: int, world: int, ctx: DemoContext, layout: ParallelLayout, port: int,
@@ -131,10 +128,7 @@ def _all_reduce(values: torch.Tensor, op: Any, device: torch.device) -> torch.Te
 
 def demo_train(ctx: DemoContext) -> DemoReport:
     """The training program: ``ctx.layout`` ranks of FSDP2 / TP / 2-D, sending ``ctx.steps`` versions."""
-    layout = ctx.layout
-    results = spawn(_train_rank, layout.world_size, ctx, layout, free_port())
-    steps = [max(r["seconds"][i] for r in results) for i in range(ctx.steps)]
-    return DemoReport(True, seconds_per_step=steps)
+    return train_demo(ctx, _train_rank, free_port())
 
 
 def demo_gen(ctx: DemoContext) -> DemoReport:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
+from refit_core import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
 
 
 def quantization_of(model: nn.Module, param_name: str, param: torch.Tensor) -> Quantization | None:

@@ -18,8 +18,7 @@ from typing import Any
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 from refit_core import Box, ParallelLayout, PluginError, RefitError, TensorSpec
-from refit_core.contract.pieces import Piece
-from refit_core.kit.models import checkpoint_specs, config_dtype
+from refit_core.kit import Piece, checkpoint_specs, config_dtype
 
 from .names import Naming, Target, named_parameters, unwrap
 from .parallel import check_layout, is_tied, rank_coordinate, tp_shard_dim, tp_style

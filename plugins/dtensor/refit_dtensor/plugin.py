@@ -8,6 +8,7 @@ other model (a vLLM or Megatron module, for instance) gets None, so other plugin
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.tensor import DTensor
@@ -23,7 +24,7 @@ from refit_core import (
     SourcePiece,
     hookimpl,
 )
-from refit_core.kit.guard import refuse_serving, resume_serving
+from refit_core.kit import DemoPrograms, refuse_serving, resume_serving
 
 from .layout import layout_pieces
 from .names import clean_name, tied_targets, unwrap
@@ -36,15 +37,20 @@ _untied: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any]]] = weakref.WeakKey
 
 
 @hookimpl
-def refit_register_backends(register: Any) -> None:
-    from .demo import DEFAULT_GEN_LAYOUT, DEFAULT_TRAIN_LAYOUT, demo_gen, demo_train
-
+def refit_register_backends(register: Callable[[Backend], None]) -> None:
     register(Backend(
         BACKEND, {TRAIN, GEN},
         description="PyTorch DTensor / FSDP2 / tensor-parallel transformers models (source and destination)",
-        demo_train=demo_train, demo_gen=demo_gen, demo_train_layout=DEFAULT_TRAIN_LAYOUT,
-        demo_gen_layout=DEFAULT_GEN_LAYOUT, priority=10, demo_quantize={"fp8"},
-        rl_train_actor="refit_dtensor.policy:FSDPPolicyActor",
+    ))
+
+
+@hookimpl
+def refit_register_demos(register: Callable[[DemoPrograms], None]) -> None:
+    from .demo import DEFAULT_GEN_LAYOUT, DEFAULT_TRAIN_LAYOUT, demo_gen, demo_train
+
+    register(DemoPrograms(
+        BACKEND, train=demo_train, gen=demo_gen, train_layout=DEFAULT_TRAIN_LAYOUT, gen_layout=DEFAULT_GEN_LAYOUT,
+        priority=10, quantize={"fp8"}, rl_train_actor="refit_dtensor.policy:FSDPPolicyActor",
     ))
 
 

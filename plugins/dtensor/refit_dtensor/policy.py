@@ -14,9 +14,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout
-from refit_core.kit.models import reference_state_dict
-from refit_core.kit.ray import RefitTrainActor
-from refit_core.kit.rl import Rollout, completion_logprobs
+from refit_core.kit import RefitTrainActor, Rollout, completion_logprobs, reference_state_dict
 
 from .parallel import build_model, init_mesh, shard_model
 from .shards import load_hf_weights

@@ -13,9 +13,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from refit_core import Box, PluginError, TensorSpec
-from refit_core.contract.pieces import Piece
-from refit_core.contract.quantization import Quantization
+from refit_core import Box, PluginError, Quantization, TensorSpec
+from refit_core.kit import Piece
 
 from .fp8 import quantization_of
 from .names import Naming, Target, named_parameters, unwrap
@@ -110,7 +109,7 @@ def load_hf_weights(model: Any, state_dict: dict[str, torch.Tensor]) -> int:
     weights without gathering anything.
     """
     from refit_core import SourcePiece
-    from refit_core.kit.verify import reference_region
+    from refit_core.kit import reference_region
 
     written = 0
     for piece in model_pieces(model, SourcePiece):

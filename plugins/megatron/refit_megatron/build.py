@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from refit_core import ParallelLayout, PluginError
-from refit_core.kit.models import config_dtype
+from refit_core.kit import config_dtype
 
 from .families import family_of
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from refit_core import PluginError, SourcePiece, TensorSpec
-from refit_core.kit.models import checkpoint_specs, config_dtype
+from refit_core.kit import checkpoint_specs, config_dtype
 
 from .families import family_of
 from .hybrid import ATTENTION, MAMBA, MLP, hybrid_pattern, mamba_setting

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from refit_core.kit.models import PRESETS
+from refit_core.kit import PRESETS
 from refit_core.testing import Conformance, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
 
 from .checkpoint import hf_specs

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from refit_core import ParallelLayout, PluginError, SourcePiece, TensorSpec
-from refit_core.kit.models import config_dtype
+from refit_core.kit import config_dtype
 
 from .build import padded_vocab
 from .checkpoint import hf_specs, in_checkpoint_order

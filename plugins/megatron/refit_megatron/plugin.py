@@ -8,9 +8,11 @@ None, so other plugins answer. Metadata layouts (``refit plan --train megatron:t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from refit_core import TRAIN, Backend, ParallelLayout, SourcePiece, hookimpl
+from refit_core.kit import DemoPrograms
 
 from .layout import layout_pieces
 from .source import MegatronSource, live_pieces
@@ -19,12 +21,16 @@ BACKEND = "megatron"
 
 
 @hookimpl
-def refit_register_backends(register: Any) -> None:
+def refit_register_backends(register: Callable[[Backend], None]) -> None:
+    register(Backend(BACKEND, frozenset({TRAIN}),
+                     description="megatron-core GPTModel / MambaModel trainers (TP, PP, VPP, EP, expert-TP, DP)"))
+
+
+@hookimpl
+def refit_register_demos(register: Callable[[DemoPrograms], None]) -> None:
     from .demo import DEFAULT_TRAIN_LAYOUT, demo_train
 
-    register(Backend(BACKEND, frozenset({TRAIN}),
-                     description="megatron-core GPTModel / MambaModel trainers (TP, PP, VPP, EP, expert-TP, DP)",
-                     demo_train=demo_train, demo_train_layout=DEFAULT_TRAIN_LAYOUT, priority=5))
+    register(DemoPrograms(BACKEND, train=demo_train, train_layout=DEFAULT_TRAIN_LAYOUT, priority=5))
 
 
 @hookimpl

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from refit_core import TensorSpec
-from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
-from refit_core.kit.loadtrace import trace_loads
+from refit_core import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization, TensorSpec
+from refit_core.kit import trace_loads
 
 
 def holds_fp8(model: torch.nn.Module) -> bool:

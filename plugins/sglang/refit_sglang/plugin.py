@@ -30,7 +30,7 @@ BACKEND = "sglang"
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
     register(Backend(BACKEND, {GEN}, "SGLang model classes: fused qkv/gate_up/w13/w2 written in place, "
-                     "driven by SGLang's weight-update session; loader path for the rest", priority=5))
+                     "driven by SGLang's weight-update session; loader path for the rest"))
 
 
 @hookimpl

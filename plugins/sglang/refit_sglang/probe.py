@@ -14,8 +14,7 @@ import logging
 import torch
 
 from refit_core import RefitError, get_plugin_manager
-from refit_core.kit.loadplan import ModelPlan, PlannedPiece, plan_model
-from refit_core.kit.loadtrace import trace_loads
+from refit_core.kit import ModelPlan, PlannedPiece, plan_model, trace_loads
 
 from .state import ModelState
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from refit_core import RefitError, TensorSpec
-from refit_core.kit.loadplan import ModelPlan
+from refit_core.kit import ModelPlan
 
 SGLANG_MODEL_PACKAGE = "sglang.srt.models."
 
@@ -58,7 +58,7 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
 def config_specs(model: torch.nn.Module) -> list[TensorSpec]:
     """The HF tensors of ``model``'s config (per-expert names), floating ones in the model's dtype
     (those a block-FP8 model holds quantized as FP8 with their scales, :mod:`refit_sglang.fp8`)."""
-    from refit_core.kit.models import checkpoint_specs
+    from refit_core.kit import checkpoint_specs
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):

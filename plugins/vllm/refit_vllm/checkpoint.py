@@ -12,9 +12,8 @@ import logging
 import os
 from typing import Any
 
-from refit_core import RefitError, TensorSpec
-from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
-from refit_core.kit.inventory import safetensors_specs
+from refit_core import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization, RefitError, TensorSpec
+from refit_core.kit import safetensors_specs
 
 log = logging.getLogger("refit.vllm")
 
@@ -51,7 +50,7 @@ def engine_checkpoint_specs(model_config: Any) -> list[TensorSpec]:
     if os.path.isdir(model_config.model):
         specs = safetensors_specs(model_config.model)
     if specs is None:
-        from refit_core.kit.models import checkpoint_specs
+        from refit_core.kit import checkpoint_specs
 
         config = model_config.hf_config.to_dict()
         try:

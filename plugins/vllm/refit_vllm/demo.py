@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from refit_core import PluginError
-from refit_core.kit.demo import DemoContext, DemoReport
+from refit_core.kit import DemoContext, DemoReport
 
 NEW_TOKENS = 16
 INITIAL_STEP = -1  # the engine's starting weights: a step the trainer never sends
@@ -43,7 +43,7 @@ def engine_env(tp: int, device: str) -> None:
 
 def engine_kwargs(config: dict[str, Any], tp: int, **extra: Any) -> dict[str, Any]:
     """``LLM`` / ``AsyncEngineArgs`` arguments for a tiny checkpoint: eager, no tokenizer, small cache."""
-    from refit_core.kit.models import config_dtype
+    from refit_core.kit import config_dtype
 
     return {"skip_tokenizer_init": True, "enforce_eager": True,
             "dtype": str(config_dtype(config)).removeprefix("torch."),

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from refit_core import ExpertName, TensorSpec
-from refit_core.kit.loadplan import ModelPlan, PlannedPiece
-from refit_core.kit.loadplan import plan_model as _plan_with
+from refit_core.kit import ModelPlan, PlannedPiece
+from refit_core.kit import plan_model as _plan_with
 
 from .probe import trace_loads
 

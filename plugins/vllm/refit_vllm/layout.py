@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from refit_core import DestinationMap, ParallelLayout, PluginError
-from refit_core.kit.tplayout import EngineRank, decoder_pieces
+from refit_core.kit import EngineRank, decoder_pieces
 
 VOCAB_PADDING = 64
 

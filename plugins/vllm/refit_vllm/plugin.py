@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, hookimpl
-from refit_core.contract.env import read as read_env
-from refit_core.kit.guard import refuse_serving, resume_serving
+from refit_core.kit import DemoPrograms, read_env, refuse_serving, resume_serving
 
 from .state import MODE_ENV, ModelState, engine_context, model_device, state_of
 
 if TYPE_CHECKING:
-    from refit_core.kit.demo import DemoContext, DemoReport
+    from refit_core.kit import DemoContext, DemoReport
 
     from .destinations import ModelPlan
 
@@ -35,8 +34,12 @@ def _demo_gen(ctx: DemoContext) -> DemoReport:
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
     register(Backend("vllm", {GEN}, "a running vLLM engine: fused qkv/gate_up/w13 written in place, "
-                     "vLLM's layerwise reload, loader path for the rest", demo_gen=_demo_gen, priority=20,
-                     rl_gen_actor="refit_vllm.ray:VLLMEngineActor"))
+                     "vLLM's layerwise reload, loader path for the rest"))
+
+
+@hookimpl
+def refit_register_demos(register: Callable[[DemoPrograms], None]) -> None:
+    register(DemoPrograms("vllm", gen=_demo_gen, priority=20, rl_gen_actor="refit_vllm.ray:VLLMEngineActor"))
 
 
 def _plan(model: torch.nn.Module, state: ModelState) -> ModelPlan:

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import torch
 
 from refit_core import TensorSpec
-from refit_core.kit.loadtrace import Fill, Target, TensorSwap, Trace, Write, meta_copy, view_as_box
-from refit_core.kit.loadtrace import trace_loads as _trace_with
+from refit_core.kit import Fill, Target, TensorSwap, Trace, Write, meta_copy, view_as_box
+from refit_core.kit import trace_loads as _trace_with
 
 log = logging.getLogger("refit.vllm")
 

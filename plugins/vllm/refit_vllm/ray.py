@@ -19,7 +19,7 @@ import tempfile
 from typing import Any
 
 from refit_core import RefitOptions
-from refit_core.kit.rl import Rollout
+from refit_core.kit import Rollout
 
 from .demo import engine_env, engine_kwargs
 from .extension import EXTENSION

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from refit_core import RefitError
-from refit_core.contract.env import read as read_env
+from refit_core.kit import read_env
 
 from .destinations import ModelPlan
 

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from refit_core.contract.backend import GEN, TRAIN, Backend
+from refit_core.contract.hookspecs import hookimpl
 from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
-from refit_core.contract.plugins import PluginManager, get_plugin_manager, hookimpl
+from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, Quantization
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import checkpoint_specs, config_dtype, head_dim, num_experts
@@ -405,10 +406,9 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @hookimpl
 def refit_register_backends(register) -> None:
-    register(Backend("bench-megatron-style", frozenset({TRAIN}), "refit bench: synthetic Megatron-style trainer layout",
-                     priority=-200))
-    register(Backend("bench-vllm-style", frozenset({GEN}), "refit bench: synthetic vLLM-style engine layout",
-                     priority=-200))
+    register(Backend("bench-megatron-style", frozenset({TRAIN}),
+                     "refit bench: synthetic Megatron-style trainer layout"))
+    register(Backend("bench-vllm-style", frozenset({GEN}), "refit bench: synthetic vLLM-style engine layout"))
 
 
 @hookimpl

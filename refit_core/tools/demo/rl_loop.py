@@ -14,7 +14,7 @@ A progress bar, a per-step table (reward, refit ms, generation tokens/s, KL, req
 the update) and a PNG plot of reward and KL per step are the output.
 
 Backends opt in by registering ``rl_train_actor`` / ``rl_gen_actor`` (``"module:Class"`` paths of Ray
-actor classes) in their :class:`~refit_core.contract.backend.Backend`:
+actor classes) in their :class:`~refit_core.kit.demo.DemoPrograms`:
 
 - train actor: ``Class(rank, world_size, config, *, seed, lr, device)``, ``init_training(dist_address)``
   (collective over the trainers), ``train_step(rollouts, advantages) -> {"indices", "logprobs",
@@ -42,6 +42,8 @@ from typing import Any
 from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.errors import RefitError
 from refit_core.contract.plugins import get_plugin_manager
+from refit_core.contract.side import Side
+from refit_core.kit.demo import installed_demos
 from refit_core.kit.models import load_config
 from refit_core.kit.rl import LogprobMismatch, Rollout, TargetSetReward, group_advantages, logprob_mismatch
 
@@ -96,8 +98,8 @@ class LoopResult:
         return bool(self.rows) and all(r.version == str(r.step) for r in self.rows)
 
 
-def _actor_class(backend: Backend, side: str) -> type:
-    path = backend.rl_train_actor if side == TRAIN else backend.rl_gen_actor
+def _actor_class(backend: Backend, side: Side) -> type:
+    path = installed_demos(get_plugin_manager()).of(backend.name).rl_actor(side)
     if not path:
         raise RefitError(f"backend {backend.name!r} has no RL-loop {side} actor "
                          f"({'rl_train_actor' if side == TRAIN else 'rl_gen_actor'} is not registered)")

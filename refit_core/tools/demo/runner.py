@@ -25,7 +25,8 @@ from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.errors import RefitError
 from refit_core.contract.options import Colocation
 from refit_core.contract.plugins import PluginManager
-from refit_core.kit.demo import DemoReport, ProgressEvent
+from refit_core.contract.side import Side
+from refit_core.kit.demo import DemoReport, ProgressEvent, installed_demos
 from refit_core.kit.launch import free_port
 from refit_core.units import format_bytes
 
@@ -49,16 +50,18 @@ class DemoPlan:
 
 
 def pick_pair(pm: PluginManager, train: str | None, gen: str | None) -> tuple[Backend, Backend]:
-    """The requested backends, or the best installed ones (highest priority) for each side."""
-    def best(side: str, name: str | None) -> Backend:
+    """The requested backends, or the best installed ones (highest demo priority) for each side."""
+    demos = installed_demos(pm)
+
+    def best(side: Side, name: str | None) -> Backend:
         if name is not None:
             return pm.backend(name, side)
-        runnable = [b for b in pm.backends(side) if (b.demo_train if side == TRAIN else b.demo_gen)]
+        runnable = [b for b in pm.backends(side) if demos.of(b.name).program(side)]
         if not runnable:
             raise RefitError(f"no installed plugin provides a {side} demo; install refit-plugin-dtensor "
                              "and/or refit-plugin-vllm (installed plugins: "
                              f"{', '.join(p.name for p in pm.plugins) or 'none'})")
-        return max(runnable, key=lambda b: b.priority)
+        return max(runnable, key=lambda b: demos.of(b.name).priority)
     return best(TRAIN, train), best(GEN, gen)
 
 

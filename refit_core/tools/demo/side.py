@@ -12,7 +12,8 @@ from dataclasses import asdict
 from refit_core.contract.errors import RefitError
 from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.plugins import get_plugin_manager
-from refit_core.kit.demo import DemoContext, DemoReport, ProgressLog
+from refit_core.contract.side import Side
+from refit_core.kit.demo import DemoContext, DemoReport, ProgressLog, installed_demos
 from refit_core.kit.models import model_inventory
 
 
@@ -39,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = DemoContext(args.model, inventory.config, ParallelLayout.parse(args.layout), args.steps,
                           args.seed, args.rendezvous, args.device, args.peer_backend, json.loads(args.options),
                           inventory.specs, ProgressLog(args.side, args.events), quantize=args.quantize)
-        backend = get_plugin_manager().backend(args.backend, args.side)
-        program = backend.demo_train if args.side == "train" else backend.demo_gen
+        pm = get_plugin_manager()
+        backend = pm.backend(args.backend, args.side)
+        program = installed_demos(pm).of(backend.name).program(Side(args.side))
         if program is None:
             raise RefitError(f"backend {args.backend!r} has no {args.side} demo program")
         report = program(ctx)

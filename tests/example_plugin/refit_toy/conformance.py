@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from refit_core.kit.verify import mismatches
+from refit_core.kit import mismatches
 from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
 
 from .models import CHECKPOINT, ODD_CHECKPOINT, ODD_GROUPED_EXPERTS, ToyEngine, ToyTrainer, odd_member_name

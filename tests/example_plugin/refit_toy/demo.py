@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.kit.demo import DemoContext, DemoReport
-from refit_core.kit.launch import spawn
-from refit_core.kit.models import reference_tensor
-from refit_core.kit.verify import mismatches
+from refit_core import RefitOptions, RefitReceiver
+from refit_core.kit import DemoContext, DemoReport, mismatches, reference_tensor, send_versions, spawn, train_demo
 
 from .models import CHECKPOINT, EXPERTS, ODD_GROUPED_EXPERTS, ToyEngine, ToyTrainer, odd_member_name
 
@@ -33,18 +28,7 @@ def _train_rank(rank: int, world: int, ctx: DemoContext) -> list[float]:
     trainer = ToyTrainer(rank, world)
     if rank == 0:
         ctx.progress.built(f"toy trainer, {world} ranks", 0.0)
-    sender = RefitSender(trainer, rendezvous=ctx.rendezvous, rank=rank, world_size=world,
-                         options=RefitOptions(**ctx.options))
-    began = time.perf_counter()
-    schedule = sender.setup()
-    if rank == 0:
-        ctx.progress.planned(schedule, time.perf_counter() - began, sender.setup_times)
-    seconds = []
-    for step in range(ctx.steps):
-        trainer.load(reference(ctx.seed, step))
-        seconds.append(sender.send(version=step).seconds)
-    sender.close()
-    return seconds
+    return send_versions(ctx, trainer, rank, world, lambda step: trainer.load(reference(ctx.seed, step)))
 
 
 def _gen_rank(rank: int, world: int, ctx: DemoContext) -> tuple[int, list[float]]:
@@ -67,8 +51,7 @@ def _gen_rank(rank: int, world: int, ctx: DemoContext) -> tuple[int, list[float]
 
 
 def run_train(ctx: DemoContext) -> DemoReport:
-    seconds = spawn(_train_rank, ctx.layout.world_size, ctx)
-    return DemoReport(True, seconds_per_step=[max(s) for s in zip(*seconds)])
+    return train_demo(ctx, _train_rank)
 
 
 def run_gen(ctx: DemoContext) -> DemoReport:

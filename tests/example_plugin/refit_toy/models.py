@@ -6,8 +6,7 @@ import re
 
 import torch
 
-from refit_core import ExpertName
-from refit_core.contract.spec import TensorSpec
+from refit_core import ExpertName, TensorSpec
 
 HIDDEN, VOCAB, HEADS_DIM, KV_DIM, EXPERTS, EXPERT_ROWS = 32, 64, 32, 16, 4, 8
 

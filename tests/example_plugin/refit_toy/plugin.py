@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from refit_core import (
     TensorSpec,
     hookimpl,
 )
+from refit_core.kit import DemoPrograms
 
 from .models import (
     EXPERTS,
@@ -37,12 +39,15 @@ from .models import (
 
 
 @hookimpl
-def refit_register_backends(register) -> None:
+def refit_register_backends(register: Callable[[Backend], None]) -> None:
+    register(Backend("toy", {TRAIN, GEN}, "example third-party plugin (toy sharded models)"))
+
+
+@hookimpl
+def refit_register_demos(register: Callable[[DemoPrograms], None]) -> None:
     from .demo import run_gen, run_train
 
-    register(Backend("toy", {TRAIN, GEN}, "example third-party plugin (toy sharded models)",
-                     demo_train=run_train, demo_gen=run_gen, demo_train_layout="dp=2",
-                     demo_gen_layout="dp=3", priority=-100))
+    register(DemoPrograms("toy", train=run_train, gen=run_gen, train_layout="dp=2", gen_layout="dp=3", priority=-100))
 
 
 @hookimpl

@@ -1,0 +1,167 @@
+"""The declared public surface: plugins import core names only from it, it all imports, the guide lists it.
+
+The surface is ``__all__`` of :mod:`refit_core` (users and plugins), :mod:`refit_core.kit` (plugin
+authors' helpers) and :mod:`refit_core.testing` (the conformance kit). Every plugin in this repository
+(``plugins/*/refit_*``, the example ``refit_toy``) must stay within it; the 0.2 paths keep importing.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PUBLIC = ("refit_core", "refit_core.kit", "refit_core.testing")
+PLUGIN_SOURCES = sorted(ROOT.glob("plugins/*/refit_*")) + [ROOT / "tests/example_plugin/refit_toy"]
+GUIDE = ROOT / "docs/writing-a-plugin.md"
+
+
+@dataclass(frozen=True)
+class CoreImport:
+    """One import of a core module in a plugin's source: where, which module, which names (None: the module)."""
+
+    where: str
+    module: str
+    names: tuple[str, ...] | None
+
+
+def _exported(module: str) -> set[str]:
+    return set(importlib.import_module(module).__all__)
+
+
+def _core_imports(path: Path, root: Path) -> list[CoreImport]:
+    where = lambda node: f"{path.relative_to(root)}:{node.lineno}"  # noqa: E731
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                node.module == "refit_core" or node.module.startswith("refit_core.")):
+            found.append(CoreImport(where(node), node.module, tuple(alias.name for alias in node.names)))
+        elif isinstance(node, ast.Import):
+            found += [CoreImport(where(node), alias.name, None) for alias in node.names
+                      if alias.name == "refit_core" or alias.name.startswith("refit_core.")]
+    return found
+
+
+def surface_violations(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """``file:line: what`` (file relative to ``root``) for every import of a core module outside the surface,
+    or of a name not in that module's ``__all__``."""
+    exported = {module: _exported(module) for module in PUBLIC}
+    problems = []
+    for path in paths:
+        for imp in _core_imports(path, root):
+            if imp.module not in exported:
+                problems.append(f"{imp.where}: imports {imp.module}, not a public module (use one of "
+                                f"{', '.join(PUBLIC)})")
+                continue
+            for name in imp.names or ():
+                if name not in exported[imp.module]:
+                    problems.append(f"{imp.where}: imports {name} from {imp.module}, not in its __all__")
+    return problems
+
+
+def test_plugins_import_core_names_only_from_the_public_surface():
+    paths = [path for root in PLUGIN_SOURCES for path in sorted(root.rglob("*.py"))]
+    assert len(PLUGIN_SOURCES) == 5 and paths
+    problems = surface_violations(paths)
+    assert not problems, "plugins reach past the public surface:\n" + "\n".join(problems)
+
+
+def test_the_check_names_file_and_line_of_an_import_past_the_surface(tmp_path):
+    source = tmp_path / "plugin.py"
+    source.write_text("from refit_core import Box\nfrom refit_core.contract.spec import TensorSpec\n"
+                      "from refit_core.kit import not_a_helper\n\ndef f():\n    import refit_core.plan.fast\n")
+    found = surface_violations([source], root=tmp_path)
+    assert [p.split(": ", 1)[0] for p in found] == ["plugin.py:2", "plugin.py:3", "plugin.py:6"]
+    elsewhere = "not a public module (use one of refit_core, refit_core.kit, refit_core.testing)"
+    assert [p.split(": ", 1)[1] for p in found] == [f"imports refit_core.contract.spec, {elsewhere}",
+                                                    "imports not_a_helper from refit_core.kit, not in its __all__",
+                                                    f"imports refit_core.plan.fast, {elsewhere}"]
+
+
+@pytest.mark.parametrize("module", PUBLIC)
+def test_every_public_name_imports(module):
+    imported = importlib.import_module(module)
+    names = imported.__all__
+    assert len(names) == len(set(names)), f"{module}.__all__ repeats a name"
+    for name in names:
+        if module == "refit_core.kit" and name in imported._LAZY and importlib.util.find_spec("ray") is None:
+            continue  # the Ray driver needs the optional dependency
+        assert getattr(imported, name) is not None, f"{module}.{name}"
+
+
+def _listed(section: str) -> list[str]:
+    """The names the guide lists under its heading ``### `section```, in order."""
+    text = GUIDE.read_text()
+    match = re.search(rf"^### `{re.escape(section)}`\n(.*?)(?=^#|\Z)", text, re.S | re.M)
+    assert match, f"{GUIDE.name} has no section ### `{section}`"
+    return re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", match.group(1))
+
+
+@pytest.mark.parametrize("module", PUBLIC)
+def test_the_plugin_guide_lists_exactly_the_public_surface(module):
+    listed = _listed(module)
+    assert len(listed) == len(set(listed)), f"{GUIDE.name} lists a name of {module} twice"
+    assert sorted(listed) == sorted(_exported(module)), (
+        f"{GUIDE.name} and {module}.__all__ differ: only in the guide {sorted(set(listed) - _exported(module))}, "
+        f"only in __all__ {sorted(_exported(module) - set(listed))}")
+
+
+OLD_PLUGIN = '''
+"""A plugin module written against the refit 0.2 plugin guide."""
+from refit_core.boxindex import BoxIndex, first_overlap
+from refit_core.demo.context import DemoContext, DemoReport
+from refit_core.env import read
+from refit_core.experts import ExpertName
+from refit_core.launch import free_port, spawn
+from refit_core.models import checkpoint_specs, model_inventory, reference_state_dict
+from refit_core.pieces import DestinationMap, DestinationPiece, SourcePiece
+from refit_core.quant import Quantization
+from refit_core.spec import Box, TensorSpec
+from refit_core.verify import mismatches
+'''
+
+NEW_HOMES = {
+    "refit_core": ["DestinationMap", "DestinationPiece", "SourcePiece", "Box", "TensorSpec", "ExpertName",
+                   "Quantization"],
+    "refit_core.kit": ["BoxIndex", "first_overlap", "DemoContext", "DemoReport", "free_port", "spawn",
+                       "checkpoint_specs", "model_inventory", "reference_state_dict", "mismatches"],
+}
+
+
+def test_a_plugin_written_against_the_0_2_guide_still_imports_the_same_objects_and_warns(tmp_path):
+    (tmp_path / "old_plugin.py").write_text(OLD_PLUGIN)
+    probe = textwrap.dedent(f"""
+        import json, warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import old_plugin
+        import refit_core, refit_core.kit
+        homes = {json.dumps(NEW_HOMES)}
+        same = {{name: getattr(old_plugin, name) is getattr(getattr(refit_core, module.split(".")[1])
+                                                             if "." in module else refit_core, name)
+                 for module, names in homes.items() for name in names}}
+        same["read"] = old_plugin.read is refit_core.kit.read_env
+        print(json.dumps({{"same": same, "warnings": [str(w.message) for w in caught
+                                                      if issubclass(w.category, DeprecationWarning)]}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(result["same"].values()), {name: same for name, same in result["same"].items() if not same}
+    moved = ["refit_core.boxindex", "refit_core.demo.context", "refit_core.env", "refit_core.experts",
+             "refit_core.launch", "refit_core.models", "refit_core.pieces", "refit_core.quant", "refit_core.spec",
+             "refit_core.verify"]
+    for old in moved:
+        assert any(w.startswith(f"{old} moved in refit 0.3") for w in result["warnings"]), (old, result["warnings"])
