@@ -17,6 +17,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from refit_core.api import RefitSender
+from refit_core.contract.backend import Backend
 from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.options import Colocation, RefitOptions
 from refit_core.contract.side import Side
@@ -219,7 +220,18 @@ def installed_demos(pm: PluginManager) -> DemoCatalog:
     pm.add_hookspecs(demo_hooks)
     registered: Iterable[DemoPrograms] = (item for items in pm.registrations(demo_hooks.REGISTER_DEMOS).values()
                                           for item in items)
-    return DemoCatalog({programs.backend: programs for programs in registered})
+    legacy = {backend.name: _from_legacy(backend) for backend in pm.backends() if backend.legacy_demo}
+    return DemoCatalog(legacy | {programs.backend: programs for programs in registered})
+
+
+_LEGACY_NAMES = {"demo_train": "train", "demo_gen": "gen", "demo_train_layout": "train_layout",
+                 "demo_gen_layout": "gen_layout", "demo_quantize": "quantize"}
+
+
+def _from_legacy(backend: Backend) -> DemoPrograms:
+    """The programs a backend gave ``Backend`` itself, as plugins did before :class:`DemoPrograms`."""
+    fields = {_LEGACY_NAMES.get(key, key): value for key, value in backend.legacy_demo.items()}
+    return DemoPrograms(backend.name, **fields)  # type: ignore[arg-type]
 
 
 def send_versions(ctx: DemoContext, model: Any, rank: int, world: int, load: Callable[[int], None]) -> list[float]:

@@ -92,8 +92,29 @@ def test_a_backend_is_only_the_contract_and_its_sides_are_sides():
     assert backend.sides == frozenset({Side.TRAIN, Side.GEN}) and all(isinstance(s, Side) for s in backend.sides)
     with pytest.raises(ValueError, match="sides must be within"):
         Backend("b", {"train", "nope"})
-    with pytest.raises(TypeError):
-        Backend("b", {"gen"}, demo_gen=lambda ctx: None)  # demo programs are the kit's DemoPrograms
+    with pytest.raises(TypeError, match="unexpected keyword argument.*: colour"):
+        Backend("b", {"gen"}, colour="blue")
+    assert Backend("b", {"gen"}) == Backend("b", {"gen"}) and not Backend("b", {"gen"}).legacy_demo
+
+
+def test_demo_fields_given_to_backend_as_before_still_reach_refit_demo_with_a_warning():
+    from refit_core.kit.demo import installed_demos
+
+    def program(ctx):
+        return None
+
+    with pytest.warns(DeprecationWarning, match="backend 'old': Backend.*demo_gen.*deprecated.*refit_register_demos"):
+        old = Backend("old", {"gen"}, demo_gen=program, demo_gen_layout="tp=2", priority=3, demo_quantize={"fp8"})
+    pm = PluginManager(load_entry_points=False)
+
+    class OldPlugin:
+        @hookimpl
+        def refit_register_backends(self, register):
+            register(old)
+
+    pm.register(OldPlugin(), name="old")
+    demos = installed_demos(pm).of("old")
+    assert (demos.gen, demos.gen_layout, demos.priority, demos.quantize) == (program, "tp=2", 3, frozenset({"fp8"}))
 
 
 def test_demo_programs_come_through_the_kits_own_hook():
