@@ -18,8 +18,7 @@ import torch
 
 from refit_core.contract.errors import RefitError
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import FP8_DTYPES, Quantization, QuantScheme
-from refit_core.contract.spec import Box, TensorSpec, dtype_from_name
+from refit_core.contract.spec import FP8_DTYPES, Box, Quantization, QuantScheme, TensorSpec, dtype_from_name
 
 _LENGTH = struct.Struct(">I")
 MAX_DIMS = 8

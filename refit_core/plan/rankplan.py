@@ -25,8 +25,7 @@ import torch
 from refit_core.contract.backend import GEN, TRAIN
 from refit_core.contract.errors import PlanError
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import Quantization
-from refit_core.contract.spec import Box
+from refit_core.contract.spec import Box, Quantization
 from refit_core.net.wire import (
     MAX_DIMS,
     MAX_EXTENT,
@@ -40,7 +39,8 @@ from refit_core.net.wire import (
 )
 from refit_core.plan.links import Link
 from refit_core.plan.relay import RelayPlan, Waves
-from refit_core.plan.schedule import Message, ReceiverQuantization, Schedule, ScheduleSummary, Segment, SegmentScales
+from refit_core.plan.items import Message, ReceiverQuantization, Segment, SegmentScales
+from refit_core.plan.schedule import Schedule, ScheduleSummary
 
 FORMAT = 1
 """The record's layout version: a rank of another refit version fails with a named error."""

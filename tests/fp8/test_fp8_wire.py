@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import Quantization
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import Box, Quantization, TensorSpec
 from refit_core.net import wire
 
 NAME = "model.layers.0.mlp.experts.w13_weight"

@@ -15,7 +15,7 @@ import torch
 
 from refit_core import Box, PluginError, TensorSpec
 from refit_core.contract.pieces import Piece
-from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Quantization
 
 from .fp8 import quantization_of
 from .names import Naming, Target, named_parameters, unwrap

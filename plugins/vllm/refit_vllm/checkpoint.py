@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from refit_core import RefitError, TensorSpec
-from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
+from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
 from refit_core.kit.inventory import safetensors_specs
 
 log = logging.getLogger("refit.vllm")
