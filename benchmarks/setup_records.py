@@ -26,7 +26,7 @@ from refit_core.contract.pieces import DestinationPiece, PieceMeta
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.kit.models import load_config
 from refit_core.net import wire
-from refit_core.plan import rankplan
+from refit_core.plan import codec, rankplan
 from refit_core.plan.links import Link
 from refit_core.plan.relay import plan_with_relay
 
@@ -48,7 +48,7 @@ def measure(model: str, train: str, gen: str) -> dict[str, Any]:
         mapping = pm.destination_layout(gb, config, gl, r)
         metas[GEN].append([p.meta for p in mapping.pieces] + [DestinationPiece(s, s.full_box()).meta
                                                               for s in mapping.loader])
-    metadata = sum(len(wire.encode(wire.metas_to_wire(m))) for side in (TRAIN, GEN) for m in metas[side])
+    metadata = sum(len(wire.encode(codec.metas_to_wire(m))) for side in (TRAIN, GEN) for m in metas[side])
     settings = RefitOptions().resolved("cuda")
     began = time.perf_counter()
     grouped = {side: group_side(metas[side], pm.expert_name) for side in (TRAIN, GEN)}

@@ -38,7 +38,7 @@ from refit_core.contract.options import (
 from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
 from refit_core.contract.hookspecs import hookimpl
 from refit_core.contract.plugins import get_plugin_manager
-from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization, QuantScheme
+from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization, QuantScheme
 from refit_core.contract.side import Side
 from refit_core.contract.spec import Box, TensorSpec
 

@@ -22,7 +22,7 @@ MOVED: dict[str, tuple[str, str]] = {
     "refit_core.spec": ("refit_core.contract.spec", "refit_core"),
     "refit_core.pieces": ("refit_core.contract.pieces", "refit_core"),
     "refit_core.experts": ("refit_core.contract.experts", "refit_core"),
-    "refit_core.quant": ("refit_core.contract.quantization", "refit_core"),
+    "refit_core.quant": ("refit_core.contract.spec", "refit_core"),
     "refit_core.boxindex": ("refit_core.plan.regions", "refit_core.kit"),
     "refit_core.env": ("refit_core.contract.env", "refit_core.kit"),
     "refit_core.models": ("refit_core.kit.models", "refit_core.kit"),

@@ -24,7 +24,6 @@ from refit_core.contract.options import RefitOptions, UpdateMode
 from refit_core.contract.pieces import DestinationPiece, Piece, PieceMeta
 from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.spec import TensorSpec
-from refit_core.net import wire
 from refit_core.net.auth import JobCredentials
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.transport import Transport, open_transport
@@ -32,7 +31,9 @@ from refit_core.plan import rankplan
 from refit_core.plan.gcpause import gc_paused
 from refit_core.plan.links import Link, Placement, pair_links, placement_of
 from refit_core.plan.relay import RelayPlan, check_relay_pairs, plan_with_relay
-from refit_core.plan.schedule import Message, Schedule
+from refit_core.plan import codec as wire  # plan/codec.py, the metadata codec, under net/wire's old name
+from refit_core.plan.items import Message
+from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
 from refit_core.run.copies import CopyCounts
 from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats

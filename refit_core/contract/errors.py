@@ -17,6 +17,10 @@ class TransferError(RefitError):
     """A step failed: a peer died, timed out, or sent data for a different plan."""
 
 
+class WireError(RefitError):
+    """A peer sent something that is not well-formed refit data."""
+
+
 class OptionError(RefitError, ValueError):
     """A setting has a bad value or an unknown name; the message names the class and the field."""
 

@@ -86,7 +86,7 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
     and must then return the same pieces (same specs and boxes, in the same order). For an engine
     whose ``refit_begin_update`` returns True, the setup-time views may be placeholders (right shape,
     dtype and device, not writable): refit writes only into views obtained after ``begin_update``.
-    A piece holding FP8 values carries a :class:`~refit_core.contract.quantization.Quantization` in its spec, and
+    A piece holding FP8 values carries a :class:`~refit_core.contract.spec.Quantization` in its spec, and
     its scales are pieces of their own (see docs/writing-a-plugin.md, "Quantized destinations").
     """
 

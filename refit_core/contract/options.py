@@ -25,13 +25,9 @@ from typing import Any, TypeVar
 from refit_core.contract.errors import OptionError, PlanError
 
 MiB = 1 << 20
-ALIGN = 16
-"""Every message and staging slice starts at a multiple of this many bytes."""
-
-
-def align(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+_MESSAGE_ALIGN = 16
+"""Messages start at multiples of this many bytes (:data:`refit_core.plan.items.ALIGN`, which the settings
+cannot import: ``tests/core/test_options.py`` holds them equal), so ``bucket_bytes`` is a multiple of it."""
 
 
 class CastPolicy(StrEnum):
@@ -387,9 +383,10 @@ class RefitOptions(_Settings):
         if self.relay.active and self.mode is not UpdateMode.IN_PLACE:
             raise OptionError("RefitOptions.relay: relay needs mode='in_place' (a relaying gen rank "
                               f"forwards what landed in its engine memory), got mode={self.mode.value!r}")
-        if self.bucket_bytes is not None and (self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN):
+        if self.bucket_bytes is not None and (self.bucket_bytes < _MESSAGE_ALIGN
+                                              or self.bucket_bytes % _MESSAGE_ALIGN):
             raise OptionError(f"RefitOptions.bucket_bytes={self.bucket_bytes}: must be a positive "
-                              f"multiple of {ALIGN}")
+                              f"multiple of {_MESSAGE_ALIGN}")
         if self.num_buffers < 1:
             raise OptionError(f"RefitOptions.num_buffers={self.num_buffers}: must be >= 1")
         if self.job is not None and (not isinstance(self.job, str) or not 0 < len(self.job) <= 256):
@@ -472,5 +469,5 @@ def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, An
     object.__setattr__(result, "_explicit", frozenset(n for n in given if kwargs.get(n) is not None))
     return result
 
-__all__ = ["ALIGN", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
-           "RelayOptions", "StridedCopy", "TransportKind", "UpdateMode", "align"]
+__all__ = ["CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
+           "RelayOptions", "StridedCopy", "TransportKind", "UpdateMode"]

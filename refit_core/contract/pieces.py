@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from refit_core.contract.records import unchecked
 from refit_core.contract.spec import Box, TensorSpec
 
 
@@ -45,20 +46,14 @@ class Piece:
         """A metadata-only piece (view None) whose box is known to lie in ``spec``'s shape (checked on
         a piece of the same shape already), without re-checking it: layout hooks describe every rank of
         a large layout, the same boxes over and over."""
-        piece = object.__new__(cls)
-        fields = piece.__dict__
-        fields["spec"] = spec
-        fields["box"] = box
-        fields["view"] = None
-        return piece
+        return unchecked(cls)(spec, box)
 
     @property
     def meta(self) -> PieceMeta:
-        meta = object.__new__(PieceMeta)  # fields known good: skip the frozen dataclass' per-field setattr
-        fields = meta.__dict__
-        fields["spec"] = self.spec
-        fields["box"] = self.box
-        return meta
+        return _meta(self.spec, self.box)  # fields known good: skip the frozen dataclass' per-field setattr
+
+
+_meta = unchecked(PieceMeta)
 
 
 class SourcePiece(Piece):
@@ -77,7 +72,7 @@ class DestinationMap:
     tensors that are received into fresh buffers and handed to the engine's own loader
     (``refit_load_weights``), for what the fast path cannot write directly (layouts the plugin
     does not know, engines that repack on load). Quantized (FP8) tensors may be on either path: their
-    specs carry a :class:`~refit_core.contract.quantization.Quantization`. A plugin must put complete fused groups on
+    specs carry a :class:`~refit_core.contract.spec.Quantization`. A plugin must put complete fused groups on
     the loader path (q, k and v together).
     """
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from refit_core.contract.experts import ExpertName
+from refit_core.contract.experts import ExpertName, count_experts
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.loadtrace import Fill, Target, Trace, Write
+from refit_core.plan.regions import first_overlap
 
 log = logging.getLogger("refit")
 
@@ -67,24 +68,10 @@ class ModelPlan:
                 f"{len(self.loader)} loader-path tensors, {len(self.skipped)} tensors not on this rank")
 
 
-def _overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
-    """Two overlapping boxes of one tensor, if any (sweep along dim 0)."""
-    ordered = sorted(boxes, key=lambda b: (b.offsets, b.sizes))
-    active: list[Box] = []
-    for box in ordered:
-        start = box.offsets[0] if box.ndim else 0
-        active = [a for a in active if not a.ndim or a.ends[0] > start]
-        for other in active:
-            if other.intersect(box) is not None or not box.ndim:
-                return other, box
-        active.append(box)
-    return None
-
-
 def _target_status(target: Target, writes: list[Write], fills: list[Fill]) -> tuple[str | None, bool]:
     """(why not fast or None, whether untouched elements must be zeroed first)."""
     boxes = [w.dst_box for w in writes] + [f.dst_box for f in fills]
-    pair = _overlap(boxes)
+    pair = first_overlap(boxes)
     if pair is not None:
         return f"{target.name}: regions {pair[0]} and {pair[1]} are written twice", False
     written = sum(w.dst_box.numel for w in writes)
@@ -194,18 +181,9 @@ def _split(model: torch.nn.Module, specs: list[TensorSpec], trace: Trace,
         loader_reasons={m: why for m, why in reasons.items() if m in touched_modules}, skipped=skipped)
 
 
-def _group_counts(specs: Iterable[TensorSpec], namer: Callable[[str], ExpertName | None]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for spec in specs:
-        expert = namer(spec.name)
-        if expert is not None:
-            counts[expert.group] = max(counts.get(expert.group, 0), expert.index + 1)
-    return counts
-
-
 def _pieces(by_name: dict[str, TensorSpec], writes: list[Write],
             namer: Callable[[str], ExpertName | None]) -> list[PlannedPiece]:
-    counts = _group_counts(by_name.values(), namer)
+    counts = count_experts(by_name, namer)
     out: list[PlannedPiece | None] = []
     experts: dict[tuple, list[tuple[int, Write]]] = {}
     slot: dict[tuple, int] = {}
@@ -241,7 +219,7 @@ def _pieces(by_name: dict[str, TensorSpec], writes: list[Write],
 def _loader_specs(specs: list[TensorSpec], namer: Callable[[str], ExpertName | None],
                   by_name: dict[str, TensorSpec]) -> list[TensorSpec]:
     """Loader tensors, per-expert names folded into whole grouped tensors (the core splits them back)."""
-    counts = _group_counts(by_name.values(), namer)
+    counts = count_experts(by_name, namer)
     out: list[TensorSpec] = []
     seen: set[str] = set()
     for spec in specs:

@@ -31,7 +31,7 @@ from typing import Any, Self
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import Box, TensorSpec, contiguous_strides
 
 log = logging.getLogger("refit")
 
@@ -112,13 +112,6 @@ class Trace:
 
 
 # -- geometry ---------------------------------------------------------------------------------
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * max(shape[d + 1], 1)
-    return tuple(strides)
 
 
 def view_as_box(shape: tuple[int, ...], base_stride: tuple[int, ...], offset: int,

@@ -38,28 +38,45 @@ __all__ = [
     "model_inventory", "num_experts", "reference_state_dict", "reference_tensor",
 ]
 
+_TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "dtype": "float32",
+}
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+_LLAMA_3_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "dtype": "bfloat16",
+}
+_QWEN3_235B_A22B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+    "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
+}
+_DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+    "topk_group": 4, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "num_nextn_predict_layers": 1, "vocab_size": 129280, "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-llama": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "dtype": "float32",
-    },
-    "tiny-qwen3": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "dtype": "float32",
-    },
-    "tiny-qwen3-tied": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": True, "dtype": "float32",
-    },
+    "tiny-llama": _TINY_LLAMA,
+    "tiny-qwen3": {**_TINY_LLAMA, **_QWEN3},
+    "tiny-qwen3-tied": {**_TINY_LLAMA, **_QWEN3, "tie_word_embeddings": True},
     "tiny-qwen3-moe": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
@@ -75,60 +92,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2, "vocab_size": 512, "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32",
     },
-    "llama-3-8b-shape": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": False, "dtype": "bfloat16",
-    },
+    "llama-3-8b-shape": _LLAMA_3_8B,
     # Real shapes (config numbers only) for planning and simulating at scale; weights are never built.
-    "llama-3-70b-shape": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": False, "dtype": "bfloat16",
-    },
-    "qwen3-235b-a22b-shape": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
-        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
-    },
-    "deepseek-v3-shape": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
-        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
-        "topk_group": 4, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "norm_topk_prob": True,
-        "num_nextn_predict_layers": 1, "vocab_size": 129280, "max_position_embeddings": 163840,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
-    },
+    "llama-3-70b-shape": {**_LLAMA_3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                          "num_attention_heads": 64},
+    "qwen3-235b-a22b-shape": _QWEN3_235B_A22B,
+    "deepseek-v3-shape": _DEEPSEEK_V3,
     "kimi-k2-shape": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1,
-        "topk_group": 1, "routed_scaling_factor": 2.827, "topk_method": "noaux_tc", "norm_topk_prob": True,
-        "num_nextn_predict_layers": 0, "vocab_size": 163840, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
+        **_DEEPSEEK_V3, "first_k_dense_replace": 1, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
+        "num_nextn_predict_layers": 0, "vocab_size": 163840, "max_position_embeddings": 131072, "rope_theta": 50000.0,
     },
     "qwen3-30b-a3b-shape": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
+        **_QWEN3_235B_A22B, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "max_position_embeddings": 32768,
     },
 }
+"""Model configs by name: tiny ones for tests and the demo, real shapes (``-shape``) for planning at scale.
+Presets of one family are the family's base with the keys that differ."""
 
 
 def load_config(model: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Planning: pure functions of piece metadata, no model, no network.
 
-Every rank's metadata in, frozen records out: transfers (:mod:`.items`), the reference and fast
-planners (:mod:`.reference`, :mod:`.fast`), messages and rounds (:mod:`.schedule`), relay fanout and
+Every rank's metadata in (read with the schema of :mod:`.codec`), frozen records out: transfers, messages
+and segments (:mod:`.items`), the reference and fast planners (:mod:`.reference`, :mod:`.fast`) and the
+steps they share (:mod:`.regions`), messages placed in rounds (:mod:`.schedule`), relay fanout and
 forwarding within nodes (:mod:`.relay`), each rank's own part of the plan (:mod:`.rankplan`), which link
 a pair uses (:mod:`.links`), the offline driver behind ``refit plan`` (:mod:`.offline`) and the
 simulator (:mod:`.simulate`). Imports only :mod:`refit_core.contract`. Internal.

@@ -3,8 +3,8 @@
 Layouts are regular: the same tensor of every layer is cut the same way on both sides (the same
 ranks hold the same boxes), only its name and its pieces' local indices differ. This planner groups
 logical tensors by that *signature* (shape, dtype and every ``(rank, box)`` of both sides, in order),
-matches one representative per group with the reference planner's own steps
-(:mod:`refit_core.plan.reference`), and stamps the result across the group, renaming pieces; the boxes of
+matches one representative per group with the steps it shares with the reference planner
+(:mod:`refit_core.plan.regions`), and stamps the result across the group, renaming pieces; the boxes of
 the stamped transfers are shared objects. Replica choice (largest region first, to the least-loaded
 replica) runs over all regions at once in numpy where a region has one holder; only regions held by
 several replicas take a Python step each.
@@ -25,17 +25,9 @@ from refit_core.contract.errors import PlanError
 from refit_core.contract.options import CastPolicy
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, TensorSpec, dtype_size
-from refit_core.plan.reference import (
-    Transfer,
-    _check_destinations,
-    _Holder,
-    _source_regions,
-    _split_rows,
-    check_specs,
-    plan_transfers,
-    readers_per_region,
-    slab_count,
-)
+from refit_core.plan.items import Transfer, new_transfer
+from refit_core.plan.reference import check_specs, plan_transfers
+from refit_core.plan.regions import Holder, check_destinations, covering_slabs, readers_per_region, source_regions
 
 
 @dataclass
@@ -93,10 +85,10 @@ def _side(side: str, ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, _Tensor]
 
 def _match(name: str, src: _Tensor, dst: _Tensor, item: int, balance_split_bytes: int) -> _Match:
     """The reference planner's matching for one tensor, with pieces numbered by list position."""
-    dst_pieces = [_Holder(r, k, b) for k, (r, b) in enumerate(zip(dst.ranks, dst.boxes)) if b.numel]
+    dst_pieces = [Holder(r, k, b) for k, (r, b) in enumerate(zip(dst.ranks, dst.boxes)) if b.numel]
     if len(dst_pieces) != len({h.rank for h in dst_pieces}):
-        _check_destinations(name, dst_pieces)
-    regions, index = _source_regions(name, [_Holder(r, k, b) for k, (r, b) in enumerate(zip(src.ranks, src.boxes))])
+        check_destinations(name, dst_pieces)
+    regions, index = source_regions(name, [Holder(r, k, b) for k, (r, b) in enumerate(zip(src.ranks, src.boxes))])
     dst_pos: list[int] = []
     region_of: list[int] = []
     src_boxes: list[Box] = []
@@ -105,20 +97,12 @@ def _match(name: str, src: _Tensor, dst: _Tensor, item: int, balance_split_bytes
     overlaps = [list(index.overlapping(d.box)) for d in dst_pieces]
     readers = readers_per_region(len(regions), overlaps)
     for d, found in zip(dst_pieces, overlaps):
-        covered = 0
-        for i, common in found:
-            region = regions[i]
-            covered += common.numel
-            parts = slab_count(len(region.holders), readers[i]) if common.numel * item >= balance_split_bytes else 1
-            for slab in _split_rows(common, parts) if parts > 1 else (common,):
-                dst_pos.append(d.piece)
-                region_of.append(i)
-                src_boxes.append(slab.relative_to(region.box))
-                dst_boxes.append(slab.relative_to(d.box))
-                nbytes.append(slab.numel * item)
-        if covered != d.box.numel:
-            raise PlanError(f"{name}: {d.box.numel - covered} of {d.box.numel} elements of box "
-                            f"{d.box} on gen rank {d.rank} are held by no train rank")
+        for i, slab in covering_slabs(name, d, found, regions, readers, item, balance_split_bytes):
+            dst_pos.append(d.piece)
+            region_of.append(i)
+            src_boxes.append(slab.relative_to(regions[i].box))
+            dst_boxes.append(slab.relative_to(d.box))
+            nbytes.append(slab.numel * item)
     holders = [[h.piece for h in r.holders] for r in regions]
     fixed = np.array([holders[i][0] if len(holders[i]) == 1 else -1 for i in region_of], dtype=np.int64)
     multi = np.flatnonzero(fixed < 0)
@@ -137,7 +121,7 @@ def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Seq
                         distance: Callable[[int, int], int] | None = None) -> list[Transfer]:
     """:func:`refit_core.plan.reference.plan_transfers`' result (same arguments, same transfers), in seconds at scale.
 
-    Plans with quantized destinations (FP8, :mod:`refit_core.contract.quantization`) are made by the reference
+    Plans with quantized destinations (FP8, :class:`~refit_core.contract.spec.Quantization`) are made by the reference
     planner itself: their block-aligned slabs and quantization sites have no fast path yet.
     """
     if any(meta.spec.quant is not None for metas in dst_ranks for meta in metas):
@@ -161,7 +145,7 @@ def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Seq
 
     chosen = _choose_holders(order, src_by_name, len(src_ranks), distance)
     transfers: list[Transfer] = []
-    append, new = transfers.append, object.__new__
+    append = transfers.append
     start = 0
     for name, match in order:
         src, dst = src_by_name[name], dst_by_name[name]
@@ -169,18 +153,8 @@ def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Seq
         stop = start + len(match.dst_pos)
         for h, src_box, dst_rank, p, dst_box in zip(chosen[start:stop].tolist(), match.src_boxes, match.dst_ranks,
                                                      match.dst_pos, match.dst_boxes):
-            t = new(Transfer)  # known-good fields filled in place (the class' shared-key dict): no per-field setattr
-            fields = t.__dict__
-            fields["name"] = name
-            fields["src"] = src_ranks_of[h]
-            fields["src_piece"] = src_pieces_of[h]
-            fields["src_box"] = src_box
-            fields["dst"] = dst_rank
-            fields["dst_piece"] = dst_pieces_of[p]
-            fields["dst_box"] = dst_box
-            fields["dtype"] = dtype
-            fields["quantize"] = None
-            append(t)
+            append(new_transfer(name, src_ranks_of[h], src_pieces_of[h], src_box, dst_rank, dst_pieces_of[p], dst_box,
+                                dtype, None))  # known-good fields: no per-field setattr
         start = stop
     return transfers
 

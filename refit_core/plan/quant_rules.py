@@ -20,17 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from refit_core.contract.errors import PlanError
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import FP8_DTYPES, Quantization, QuantizeStep, QuantSite
-from refit_core.contract.spec import Box, TensorSpec
-
-if TYPE_CHECKING:
-    from refit_core.plan.reference import Transfer
+from refit_core.contract.spec import FP8_DTYPES, Box, Quantization, QuantizeStep, QuantSite, TensorSpec
+from refit_core.plan.items import Transfer
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_LISTED = 5

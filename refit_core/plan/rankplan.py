@@ -23,24 +23,23 @@ from typing import Any
 import torch
 
 from refit_core.contract.backend import GEN, TRAIN
-from refit_core.contract.errors import PlanError
+from refit_core.contract.errors import PlanError, WireError
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import Quantization
-from refit_core.contract.spec import Box
-from refit_core.net.wire import (
+from refit_core.contract.spec import Box, Quantization
+from refit_core.plan.codec import (
     MAX_DIMS,
     MAX_EXTENT,
-    WireError,
-    _dtype,
+    dtype_from_wire,
     dtype_name,
     meta_from_wire,
     meta_to_wire,
     quant_from_wire,
     quant_to_wire,
 )
+from refit_core.plan.items import Message, ReceiverQuantization, Segment, SegmentScales
 from refit_core.plan.links import Link
 from refit_core.plan.relay import RelayPlan, Waves
-from refit_core.plan.schedule import Message, ReceiverQuantization, Schedule, ScheduleSummary, Segment, SegmentScales
+from refit_core.plan.schedule import Schedule, ScheduleSummary
 
 FORMAT = 1
 """The record's layout version: a rank of another refit version fails with a named error."""
@@ -377,7 +376,7 @@ def _rounds_from_wire(r: _Reader, value: Any, dtypes: list[torch.dtype], quants:
 
 
 def from_wire(value: Any, side: str, rank: int) -> RankPlan:
-    """``side`` rank ``rank``'s record, every field checked; a :class:`~refit_core.net.wire.WireError`
+    """``side`` rank ``rank``'s record, every field checked; a :class:`~refit_core.contract.errors.WireError`
     names what is wrong."""
     what = f"{side} rank {rank}'s plan"
     r = _Reader(what)
@@ -387,7 +386,7 @@ def from_wire(value: Any, side: str, rank: int) -> RankPlan:
     if r.field(value, "side", str) != side or r.field(value, "rank", int) != rank:
         raise r.fail(f"the record is {value['side']!r:.20} rank {value['rank']!r:.20}'s")
     try:
-        dtypes = [_dtype(d, None, what) for d in r.field(value, "dtypes", list)]
+        dtypes = [dtype_from_wire(d, None, what) for d in r.field(value, "dtypes", list)]
         quants = [quant_from_wire(q, f"{what} quantization") for q in r.field(value, "quants", list)]
     except ValueError as exc:
         raise r.fail(str(exc)) from None

@@ -12,45 +12,22 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from refit_core.contract.errors import PlanError
 from refit_core.contract.options import CastPolicy
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import QuantizeStep, QuantSite
 from refit_core.contract.spec import Box, TensorSpec, dtype_size
+from refit_core.plan.items import Transfer
 from refit_core.plan.quant_rules import assign_sites, computed_scales, quantization_rules
-from refit_core.plan.regions import BoxIndex, first_overlap
+from refit_core.plan.regions import (
+    Holder,
+    SourceRegion,
+    check_destinations,
+    covering_slabs,
+    readers_per_region,
+    source_regions,
+)
 
 _MAX_LISTED = 5
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One region moving from a train rank to a gen rank.
-
-    Boxes are relative to the source and destination pieces; both have the same sizes.
-    ``dtype`` is the wire dtype (the destination's: the sender casts; for a tensor quantized on the
-    receiver, the source's). ``quantize`` is set for a quantized destination fed by high-precision
-    weights (None: a plain copy or cast).
-    """
-
-    name: str
-    src: int
-    src_piece: int
-    src_box: Box
-    dst: int
-    dst_piece: int
-    dst_box: Box
-    dtype: torch.dtype
-    quantize: QuantizeStep | None = None
-
-    @property
-    def nbytes(self) -> int:
-        values = self.src_box.numel * dtype_size(self.dtype)
-        if self.quantize is not None and self.quantize.site is QuantSite.SENDER:
-            return values + self.quantize.quant.scale_nbytes(self.dst_box.sizes)
-        return values
 
 
 def _listing(items: Sequence[str]) -> str:
@@ -94,83 +71,14 @@ def check_specs(src: dict[str, TensorSpec], dst: dict[str, TensorSpec], *, cast:
 
 
 @dataclass(frozen=True)
-class _Holder:
-    """Piece ``piece`` of side-local rank ``rank`` holds ``box`` of a logical tensor."""
-
-    rank: int
-    piece: int
-    box: Box
-
-
-@dataclass
-class _SourceRegion:
-    """A box of a logical tensor and the train ranks' pieces holding it (identical replicas)."""
-
-    box: Box
-    holders: list[_Holder]
-
-
-@dataclass(frozen=True)
 class _Pending:
     """A region of a destination piece to be served by one of its source region's holders."""
 
     name: str
-    dst: _Holder
+    dst: Holder
     region: Box
-    source: _SourceRegion
+    source: SourceRegion
     nbytes: int
-
-
-def _source_regions(name: str, holders: list[_Holder]) -> tuple[list[_SourceRegion], BoxIndex]:
-    by_box: dict[Box, _SourceRegion] = {}
-    for holder in holders:
-        if holder.box.numel:
-            by_box.setdefault(holder.box, _SourceRegion(holder.box, [])).holders.append(holder)
-    regions = sorted(by_box.values(), key=lambda r: (r.box.offsets, r.box.sizes))
-    index = BoxIndex([r.box for r in regions])
-    for i, a in enumerate(regions if not index.separated() else ()):
-        for j, _ in index.overlapping(a.box):
-            if j > i:
-                b = regions[j]
-                raise PlanError(f"{name}: source boxes {a.box} (train ranks {[h.rank for h in a.holders]}) and "
-                                f"{b.box} (train ranks {[h.rank for h in b.holders]}) overlap without being "
-                                "replicas of each other")
-    return regions, index
-
-
-def _check_destinations(name: str, pieces: list[_Holder]) -> None:
-    by_rank: dict[int, list[Box]] = defaultdict(list)
-    for piece in pieces:
-        by_rank[piece.rank].append(piece.box)
-    for rank, boxes in by_rank.items():
-        pair = first_overlap(boxes)
-        if pair is not None:
-            raise PlanError(f"{name}: destination boxes {pair[0]} and {pair[1]} overlap on gen rank {rank}")
-
-
-def _split_rows(box: Box, parts: int, align: int = 1) -> list[Box]:
-    """Cut a box into up to ``parts`` slabs along its first dimension, at multiples of ``align`` rows."""
-    rows = box.sizes[0]
-    parts = max(1, min(parts, rows // align))
-    cuts = [rows * i // parts // align * align for i in range(parts)] + [rows]
-    return [Box((box.offsets[0] + a, *box.offsets[1:]), (b - a, *box.sizes[1:]))
-            for a, b in zip(cuts, cuts[1:]) if b > a]
-
-
-def readers_per_region(regions: int, overlaps: Sequence[Sequence[tuple[int, Box]]]) -> list[int]:
-    """How many destination pieces read each source region (``overlaps``: per piece, ``(region, box)``)."""
-    readers = [0] * regions
-    for found in overlaps:
-        for i, _ in found:
-            readers[i] += 1
-    return readers
-
-
-def slab_count(replicas: int, readers: int) -> int:
-    """Slabs each reader's part of a large replicated region is cut into: enough that the region's
-    readers together make one row per replica (``ceil(replicas / readers)``), so every replica can
-    take a share; where readers outnumber replicas, whole parts already spread over the replicas."""
-    return -(-replicas // max(readers, 1))
 
 
 def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence[Sequence[PieceMeta]], *,
@@ -181,9 +89,9 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
 
     Each destination region is served by one replica; regions of at least ``balance_split_bytes``
     held by R replicas and read by K destination pieces are cut into ``ceil(R / K)`` slabs per piece
-    first (:func:`slab_count`: one slab per replica for a single reader, none where readers outnumber
-    replicas, so the work grows with R + K, not R x K), then every region goes to the least-loaded
-    replica, largest regions first, so the busiest sender sends as little as possible.
+    first (:func:`~refit_core.plan.regions.slab_count`: one slab per replica for a single reader, none
+    where readers outnumber replicas, so the work grows with R + K, not R x K), then every region goes
+    to the least-loaded replica, largest regions first, so the busiest sender sends as little as possible.
     ``distance(train_rank, gen_rank)`` (e.g. :meth:`refit_core.plan.simulate.Placement.distance`), when
     given, ranks replicas first: the nearest replicas to the receiver (same GPU, then same node) are
     the only candidates, and load balances among them, spreading a node's traffic over its GPUs' links.
@@ -201,28 +109,20 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     pending: list[_Pending] = []
     for name, dst_pieces in dst_by_name.items():
         dst_pieces = [p for p in dst_pieces if p.box.numel]
-        _check_destinations(name, dst_pieces)
+        check_destinations(name, dst_pieces)
         if name in computed:
             continue
-        regions, index = _source_regions(name, src_by_name[name])
+        regions, index = source_regions(name, src_by_name[name])
         item = dtype_size(dst_specs[name].dtype)
         rows = rules[name].quant.block[0] if name in rules and rules[name].quantize else 1
         overlaps = [list(index.overlapping(dst.box)) for dst in dst_pieces]
         readers = readers_per_region(len(regions), overlaps)
         for dst, found in zip(dst_pieces, overlaps):
-            covered = 0
-            for i, common in found:
-                region = regions[i]
-                covered += common.numel
-                parts = slab_count(len(region.holders), readers[i]) if common.numel * item >= balance_split_bytes else 1
-                slabs = _split_rows(common, parts, rows) if parts > 1 else [common]
-                pending.extend(_Pending(name, dst, slab, region, slab.numel * item) for slab in slabs)
-            if covered != dst.box.numel:
-                raise PlanError(f"{name}: {dst.box.numel - covered} of {dst.box.numel} elements of box "
-                                f"{dst.box} on gen rank {dst.rank} are held by no train rank")
+            pending.extend(_Pending(name, dst, slab, regions[i], slab.numel * item) for i, slab in
+                           covering_slabs(name, dst, found, regions, readers, item, balance_split_bytes, rows))
 
     load = [0] * len(src_ranks)
-    chosen: list[_Holder] = [None] * len(pending)  # type: ignore[list-item]
+    chosen: list[Holder] = [None] * len(pending)  # type: ignore[list-item]
     sizes = [p.nbytes for p in pending]
     # largest first, ties in pending order (a stable sort keeps it under reverse=True)
     for i in sorted(range(len(pending)), key=sizes.__getitem__, reverse=True):
@@ -243,9 +143,9 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     return assign_sites(transfers, rules, dst_ranks, dst_specs) if rules else transfers
 
 
-def _holders_by_name(ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, list[_Holder]]:
-    by_name: dict[str, list[_Holder]] = defaultdict(list)
+def _holders_by_name(ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, list[Holder]]:
+    by_name: dict[str, list[Holder]] = defaultdict(list)
     for rank, metas in enumerate(ranks):
         for index, meta in enumerate(metas):
-            by_name[meta.spec.name].append(_Holder(rank, index, meta.box))
+            by_name[meta.spec.name].append(Holder(rank, index, meta.box))
     return by_name

@@ -35,8 +35,8 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, dtype_size
 from refit_core.plan.fast import plan_transfers_fast
 from refit_core.plan.links import Placement
-from refit_core.plan.reference import Transfer
-from refit_core.plan.schedule import Message, Schedule, build_schedule, fingerprint, summarize
+from refit_core.plan.items import Message, Transfer
+from refit_core.plan.schedule import Schedule, build_schedule, digest_rounds, summarize
 from refit_core.units import format_bytes
 
 
@@ -194,7 +194,7 @@ def plan_relay(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]], 
         rounds += wave.rounds
         wave_rounds.append(len(wave.rounds))
     world = len(gen_metas)
-    schedule = Schedule(world, world, bucket_bytes, rounds, fingerprint(world, world, bucket_bytes, rounds),
+    schedule = Schedule(world, world, bucket_bytes, rounds, digest_rounds(world, world, bucket_bytes, rounds),
                         summarize(rounds))
     return RelayPlan(size, waves, schedule, tuple(wave_rounds))
 

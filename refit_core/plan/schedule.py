@@ -34,83 +34,18 @@ from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
 
-import torch
-
-from refit_core.contract.options import ALIGN, MessageMode, MessageOptions, align
-from refit_core.contract.quantization import Quantization, QuantizeStep, QuantSite
-from refit_core.contract.spec import Box, dtype_size
-from refit_core.plan.reference import Transfer
-
-
-@dataclass(frozen=True)
-class SegmentScales:
-    """A sender segment that quantizes: its scales travel at byte ``offset`` of the message."""
-
-    quant: Quantization
-    offset: int
-
-    def shape(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        return self.quant.scale_shape(sizes)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """``box`` of local piece ``piece`` travels at byte ``offset`` of its message, as ``dtype``.
-
-    ``scales`` is set on a sender's segment that is quantized in the pack step: ``dtype`` is then
-    the FP8 dtype of the values, and the scales of the box's blocks follow at ``scales.offset``
-    (the receiver sees two plain segments: the values, and the scales into the scale piece).
-    """
-
-    piece: int
-    box: Box
-    offset: int
-    dtype: torch.dtype
-    scales: SegmentScales | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.box.numel * dtype_size(self.dtype)
-
-
-_new = object.__new__
-
-
-def _segment(piece: int, box: Box, offset: int, dtype: torch.dtype) -> Segment:
-    """A :class:`Segment` from known-good fields, without the frozen dataclass' per-field setattr
-    (schedules at scale hold a million of them)."""
-    segment = object.__new__(Segment)
-    fields = segment.__dict__  # filled in place: the class' shared-key dict, half the time and memory of a new one
-    fields["piece"] = piece
-    fields["box"] = box
-    fields["offset"] = offset
-    fields["dtype"] = dtype
-    fields["scales"] = None
-    return segment
-
-
-@dataclass(frozen=True)
-class ReceiverQuantization:
-    """Gen rank ``dst`` quantizes its piece ``piece`` (received in high precision) into itself and
-    the scale piece ``scale_piece`` after every step's bytes landed."""
-
-    dst: int
-    piece: int
-    scale_piece: int
-    quant: Quantization
-    dtype: torch.dtype
-    """The high-precision dtype the piece's bytes arrive in (the source's)."""
-
-
-@dataclass(frozen=True)
-class Message:
-    """One contiguous buffer from train rank ``src`` to gen rank ``dst`` (side-local ranks)."""
-
-    src: int
-    dst: int
-    nbytes: int
-    src_segments: tuple[Segment, ...]
-    dst_segments: tuple[Segment, ...]
+from refit_core.contract.options import MessageMode, MessageOptions
+from refit_core.contract.spec import Box, QuantizeStep, QuantSite, dtype_size
+from refit_core.plan.items import (
+    ALIGN,
+    Message,
+    ReceiverQuantization,
+    Segment,
+    SegmentScales,
+    Transfer,
+    align,
+    new_segment,
+)
 
 
 @dataclass(frozen=True)
@@ -237,35 +172,21 @@ class _MessageBuilder:
             self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
             self.dst_segs.append(Segment(step.scale_piece, scale_box, scales_at, quant.scale_dtype))
         else:
-            self.src_segs.append(_segment(t.src_piece, src_box, offset, t.dtype))
-            self.dst_segs.append(_segment(t.dst_piece, dst_box, offset, t.dtype))
+            self.src_segs.append(new_segment(t.src_piece, src_box, offset, t.dtype, None))
+            self.dst_segs.append(new_segment(t.dst_piece, dst_box, offset, t.dtype, None))
         self.used = offset + nbytes
 
     def add_plain(self, t: Transfer, nbytes: int) -> None:
         """:meth:`add` of a whole transfer that is not quantized and fits the bucket (the common case),
-        its two segments built in place (the schedule's hot loop: a million segments at scale)."""
+        its two segments built unchecked (the schedule's hot loop: a million segments at scale)."""
         offset = -(-self.used // ALIGN) * ALIGN
         if offset + nbytes > self.bucket_bytes and self.src_segs:
             self.close()
             offset = 0
         self.pair = (t.src, t.dst)
         dtype = t.dtype
-        segment = _new(Segment)  # as _segment() does, inlined
-        fields = segment.__dict__
-        fields["piece"] = t.src_piece
-        fields["box"] = t.src_box
-        fields["offset"] = offset
-        fields["dtype"] = dtype
-        fields["scales"] = None
-        self.src_segs.append(segment)
-        segment = _new(Segment)
-        fields = segment.__dict__
-        fields["piece"] = t.dst_piece
-        fields["box"] = t.dst_box
-        fields["offset"] = offset
-        fields["dtype"] = dtype
-        fields["scales"] = None
-        self.dst_segs.append(segment)
+        self.src_segs.append(new_segment(t.src_piece, t.src_box, offset, dtype, None))
+        self.dst_segs.append(new_segment(t.dst_piece, t.dst_box, offset, dtype, None))
         self.used = offset + nbytes
 
     def close(self) -> None:
@@ -435,7 +356,7 @@ def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bu
     rounds = _place_in_rounds(per_pair, bucket_bytes)
     quantizing = _receiver_quantizations(transfers)
     return Schedule(num_src, num_dst, bucket_bytes, rounds,
-                    fingerprint(num_src, num_dst, bucket_bytes, rounds, agreed_settings, quantizing),
+                    digest_rounds(num_src, num_dst, bucket_bytes, rounds, agreed_settings, quantizing),
                     summarize(rounds), quantizing)
 
 
@@ -448,9 +369,10 @@ def _receiver_quantizations(transfers: Sequence[Transfer]) -> tuple[ReceiverQuan
     return tuple(seen[k] for k in sorted(seen))
 
 
-def fingerprint(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[Sequence[Message]],
+def digest_rounds(num_src: int, num_dst: int, bucket_bytes: int, rounds: Sequence[Sequence[Message]],
                 agreed_settings: str = "", receiver_quantizations: Sequence[ReceiverQuantization] = ()) -> str:
-    """A digest of everything both sides must agree on: ranks, settings, every segment."""
+    """A digest of everything both sides must agree on: ranks, settings, every segment (what
+    :attr:`Schedule.fingerprint` holds)."""
     h = hashlib.sha256(f"{num_src}/{num_dst}/{bucket_bytes}/{agreed_settings}".encode())
     text: dict[object, str] = {}  # the same tuples and dtypes recur: format each once
 

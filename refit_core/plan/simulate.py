@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, fields
 
 from refit_core.contract.errors import RefitError
 from refit_core.plan.relay import RelayPlan
-from refit_core.plan.schedule import Message, Schedule
+from refit_core.plan.items import Message
+from refit_core.plan.schedule import Schedule
 from refit_core.units import format_bytes, format_duration
 
 

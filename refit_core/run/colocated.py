@@ -18,7 +18,7 @@ rendezvous store; the gen rank opens them once. Every step then runs:
    into multi-tensor launches (large strided copies as ``RefitOptions.strided_copies`` says); ordered
    after the trainer's event and the engine's queued work (segments the plan quantizes on the sender,
    FP8 destinations, are quantized by the gen rank straight from the trainer's memory after the
-   copies, :mod:`refit_core.contract.quantization`); wait for it (and any verdict), publish *done*;
+   copies, :class:`~refit_core.contract.spec.Quantization`); wait for it (and any verdict), publish *done*;
 3. train rank (:meth:`ColocatedSender.wait`): wait for every peer's *done* before ``send`` returns.
 
 No staging memory on either side, casts included: one read and one write of every byte, which is
@@ -60,7 +60,7 @@ from refit_core.net.transport.memory import (
     export_storage,
     open_storage,
 )
-from refit_core.plan.schedule import Message, Segment
+from refit_core.plan.items import Message, Segment
 from refit_core.run.copies import CopyCounts, CopyProgram
 from refit_core.run.lanes import EventFence, Lane, StreamLane, current_work, lane_for
 from refit_core.run.quant.batched import QuantizeInto, TensorsToQuantize

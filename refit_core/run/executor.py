@@ -28,11 +28,9 @@ import torch
 
 from refit_core.contract.errors import TransferError
 from refit_core.contract.failures import UpdateMode
-from refit_core.contract.options import align
-from refit_core.contract.quantization import Quantization
-from refit_core.contract.spec import contiguous_strides, dtype_size
+from refit_core.contract.spec import Quantization, contiguous_strides, dtype_size
 from refit_core.net.transport import Fence, Transport
-from refit_core.plan.schedule import Message, Segment
+from refit_core.plan.items import Message, Segment, align
 from refit_core.run.copies import StagingCopies
 from refit_core.run.lanes import Lane, current_work, lane_for
 from refit_core.run.quant.batched import BoxToQuantize, QuantBatch, quantize_batch

@@ -160,3 +160,13 @@ def test_colocated_settings_are_each_ranks_own_and_typed():
     assert mine.resolved("cpu").digest() == RefitOptions().resolved("cpu").digest()
     with pytest.raises(OptionError, match="strided_copies"):
         RefitOptions(strided_copies="diagonal")
+
+
+def test_bucket_bytes_are_checked_against_the_message_alignment():
+    from refit_core.plan.items import ALIGN
+
+    for ok in (ALIGN, 3 * ALIGN):
+        assert RefitOptions(bucket_bytes=ok).bucket_bytes == ok
+    for bad in [*range(1, ALIGN), *range(ALIGN + 1, 2 * ALIGN)]:
+        with pytest.raises(OptionError, match=f"multiple of {ALIGN}"):
+            RefitOptions(bucket_bytes=bad)

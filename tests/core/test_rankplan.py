@@ -17,8 +17,7 @@ from refit_core.contract.backend import GEN, TRAIN
 from refit_core.contract.errors import PlanError
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import Quantization
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import Box, Quantization, TensorSpec
 from refit_core.net.wire import WireError, decode, encode
 from refit_core.plan import rankplan
 from refit_core.plan.links import Link

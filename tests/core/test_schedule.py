@@ -43,7 +43,8 @@ def test_rounds_are_paced_so_the_step_takes_the_rounds_its_busiest_rank_needs():
     rounds. Filling rounds by load alone lets train rank 1's long flow take rank 1's room in both
     rounds and leaves train rank 0's single message for a third; pacing gives every pair its share
     of each round, so two rounds do."""
-    from refit_core.plan.schedule import Message, _place_in_rounds
+    from refit_core.plan.items import Message
+    from refit_core.plan.schedule import _place_in_rounds
 
     sizes = {(0, 0): [96, 48, 320, 96, 320, 160, 48, 48], (0, 1): [320],
              (1, 1): [160, 48, 48, 320, 320, 96, 320, 320]}

@@ -3,10 +3,12 @@
 import pytest
 import torch
 
+from refit_core.contract.errors import WireError
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.guard import TornWeightsError, refuse_serving, resume_serving, torn_tensors
-from refit_core.net.wire import WireError, decode, meta_to_wire, metas_from_wire
+from refit_core.net.wire import decode
+from refit_core.plan.codec import meta_to_wire, metas_from_wire
 from refit_core.run.validate import ViewError, check_no_overlap, check_view
 
 SPEC = TensorSpec("w", (4, 6), torch.float32)

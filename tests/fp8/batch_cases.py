@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Quantization
 from refit_core.run.quant.batched import BoxToQuantize
 
 

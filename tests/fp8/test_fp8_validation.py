@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Quantization
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.run.validate import ViewError, check_no_overlap, check_view
 

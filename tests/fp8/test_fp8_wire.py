@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refit_core.contract.errors import WireError
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import Quantization
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import Box, Quantization, TensorSpec
 from refit_core.net import wire
+from refit_core.plan import codec
 
 NAME = "model.layers.0.mlp.experts.w13_weight"
 
@@ -25,20 +26,20 @@ def _meta(quant: Quantization, shape=(4, 256, 300), dtype=torch.float8_e4m3fn) -
 ], ids=["block", "per-channel-e5m2", "per-tensor"])
 def test_quantized_specs_round_trip_through_json(quant):
     meta = _meta(quant, dtype=quant.dtype)
-    record = wire.decode(wire.encode(wire.metas_to_wire([meta])), "test")
+    record = wire.decode(wire.encode(codec.metas_to_wire([meta])), "test")
     assert record[0]["quant"]["scale_name"] == quant.scale_name
-    (back,) = wire.metas_from_wire(record, "gen rank 0")
+    (back,) = codec.metas_from_wire(record, "gen rank 0")
     assert back == meta and back.spec.quant == quant
 
 
 def test_plain_specs_carry_no_quant_field():
     meta = PieceMeta(TensorSpec("model.norm.weight", (128,), torch.bfloat16), Box((0,), (128,)))
-    assert "quant" not in wire.meta_to_wire(meta)
-    assert wire.meta_from_wire(wire.meta_to_wire(meta), "x") == meta
+    assert "quant" not in codec.meta_to_wire(meta)
+    assert codec.meta_from_wire(codec.meta_to_wire(meta), "x") == meta
 
 
 def _bad(**changes) -> dict:
-    record = wire.meta_to_wire(_meta(Quantization.block_fp8(NAME + "_scale_inv", experts=True)))
+    record = codec.meta_to_wire(_meta(Quantization.block_fp8(NAME + "_scale_inv", experts=True)))
     record["quant"].update(changes)
     return record
 
@@ -58,6 +59,6 @@ def _bad(**changes) -> dict:
 ], ids=["scheme", "block-zero", "block-rank", "block-str", "values-dtype", "dtype-mismatch", "scale-dtype",
         "scale-name-empty", "scale-name-list", "extra-field", "null"])
 def test_malformed_quantization_records_are_refused(record, words):
-    with pytest.raises(wire.WireError, match="gen rank 1 piece 0") as info:
-        wire.metas_from_wire([record], "gen rank 1")
+    with pytest.raises(WireError, match="gen rank 1 piece 0") as info:
+        codec.metas_from_wire([record], "gen rank 1")
     assert words in str(info.value) and NAME in str(info.value)

@@ -10,8 +10,7 @@ import torch
 
 from refit_core.contract.errors import PlanError
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import Quantization, QuantScheme, QuantSite
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import Box, Quantization, QuantScheme, QuantSite, TensorSpec
 from refit_core.plan.reference import plan_transfers
 from refit_core.plan.schedule import build_schedule
 from refit_core.run.quant.fast import Quantizer

@@ -12,8 +12,7 @@ from refit_vllm.checkpoint import engine_checkpoint_specs
 from safetensors.torch import save_file
 
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import QuantScheme, QuantSite
-from refit_core.contract.spec import TensorSpec
+from refit_core.contract.spec import QuantScheme, QuantSite, TensorSpec
 from refit_core.plan.reference import plan_transfers
 
 QUANT_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Quantization
 from refit_core.kit.models import PRESETS
 from refit_core.run.quant.batched import Batches, BoxToQuantize, quantize_batch
 from refit_core.run.quant.fast import Quantizer

@@ -8,8 +8,7 @@ from relay_ranks import relay_ranks
 
 from refit_core import OptionError, RefitOptions, RelayOptions
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.quantization import Quantization
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import Box, Quantization, TensorSpec
 from refit_core.kit.launch import free_port, spawn
 from refit_core.plan.relay import plan_node_forwarding, plan_with_relay
 

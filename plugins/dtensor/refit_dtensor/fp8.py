@@ -3,7 +3,7 @@
 transformers' own block-FP8 layer (``FP8Linear`` from ``transformers.integrations.finegrained_fp8``,
 what ``FineGrainedFP8Config`` loads DeepSeek-V3 / Qwen3-FP8 checkpoints into) keeps a float8 ``weight``
 and an fp32 ``weight_scale_inv`` of one scale per ``block_size`` block. Such a parameter is a
-quantized destination tensor (:class:`refit_core.contract.quantization.Quantization`), its scales a tensor of their
+quantized destination tensor (:class:`refit_core.contract.spec.Quantization`), its scales a tensor of their
 own; refit quantizes into them (on the sender where it can) or moves them as bytes from an FP8
 trainer. Sharding follows the weights only: shard both alike (or not at all), else setup refuses
 the plan naming the tensor.

@@ -5,7 +5,7 @@ An SGLang model built with a block-FP8 quantization config (``Fp8Config(weight_b
 weights as float8 ``weight`` / ``w13_weight`` / ``w2_weight`` beside fp32 ``weight_scale_inv``
 scales, one per 128 x 128 block. Which HF tensors land in such a parameter is learned from the model's
 own ``load_weights`` (traced once on meta tensors, like every other layout): each becomes a quantized
-spec (:class:`refit_core.contract.quantization.Quantization`, block FP8) with its ``<name>_scale_inv`` scale tensor.
+spec (:class:`refit_core.contract.spec.Quantization`, block FP8) with its ``<name>_scale_inv`` scale tensor.
 refit then quantizes BF16 trainer weights into them (on the sender where transfers hold whole blocks)
 and, since their quantization methods are not plain copies, hands the FP8 values and scales to SGLang's
 own ``load_weights`` (the loader path), whose result is bit for bit that of loading a checkpoint the

@@ -1,4 +1,4 @@
-"""Quantization kernels that run every step (what a destination holds is :mod:`refit_core.contract.quantization`).
+"""Quantization kernels that run every step (what they compute: :class:`~refit_core.contract.spec.Quantization`).
 
 - :mod:`.reference`: a plain-torch reference quantizer, block by block (the tests' ground truth);
 - :mod:`.fast`: the per-tensor quantizer (vectorized; ``torch.compile`` on CUDA, eager elsewhere);

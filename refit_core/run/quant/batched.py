@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Quantization
 from refit_core.contract.spec import contiguous_strides
 from refit_core.run.quant.fast import Quantizer
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from refit_core.contract.quantization import Quantization
+from refit_core.contract.spec import Quantization
 from refit_core.run.quant.reference import block_scale_and_reciprocal
 
 log = logging.getLogger("refit.quant")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from refit_core.plan.schedule import ReceiverQuantization
+from refit_core.plan.items import ReceiverQuantization
 from refit_core.run.quant.fast import Quantizer, default_quantizer
 
 

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from refit_core.contract.quantization import EPS, Quantization
+from refit_core.contract.spec import EPS, Quantization
 
 
 def block_scale_and_reciprocal(amax: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:

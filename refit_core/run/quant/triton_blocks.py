@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from refit_core.contract.quantization import EPS
+from refit_core.contract.spec import EPS
 from refit_core.run.quant.batched import BoxToQuantize, QuantBatch
 
 try:

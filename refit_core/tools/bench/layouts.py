@@ -40,8 +40,7 @@ from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.hookspecs import hookimpl
 from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
 from refit_core.contract.plugins import PluginManager, get_plugin_manager
-from refit_core.contract.quantization import BLOCK_SCALE_SUFFIX, Quantization
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, Box, Quantization, TensorSpec
 from refit_core.kit.models import checkpoint_specs, config_dtype, head_dim, num_experts
 from refit_core.run.quant.fast import Quantizer
 
