@@ -31,7 +31,8 @@ from refit_core.net.transport import Transport, open_transport
 from refit_core.plan import rankplan
 from refit_core.plan.gcpause import gc_paused
 from refit_core.plan.links import Link, Placement, pair_links, placement_of
-from refit_core.plan.relay import RelayPlan, check_relay_pairs, plan_with_relay
+from refit_core.plan.planning import plan_with_relay
+from refit_core.plan.relay import RelayPlan, check_relay_pairs
 from refit_core.plan.schedule import Message, Schedule
 from refit_core.run.colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
 from refit_core.run.copies import CopyCounts
