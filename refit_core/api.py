@@ -38,8 +38,7 @@ from refit_core.run.colocated import ColocatedReceiver, ColocatedSender, by_peer
 from refit_core.run.copies import CopyCounts
 from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
 from refit_core.run.quant.receiver import ReceiverQuantizer
-from refit_core.run.setuptime import SetupTimes
-from refit_core.run.steptrace import StepTrace
+from refit_core.run.timing import SetupTimes, StepTrace
 from refit_core.run.validate import check_no_overlap, check_view
 from refit_core.units import format_bytes
 
@@ -324,7 +323,7 @@ class _Endpoint:
 
     @property
     def colocated_trace(self) -> StepTrace | None:
-        """The last step's colocated :class:`~refit_core.run.steptrace.StepTrace` (with
+        """The last step's colocated :class:`~refit_core.run.timing.StepTrace` (with
         ``RefitOptions(step_trace=True)`` and colocated pairs; else None)."""
         return getattr(self._colocated, "trace", None)
 

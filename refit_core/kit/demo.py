@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from refit_core.plan.schedule import Schedule
-    from refit_core.run.setuptime import SetupTimes
+    from refit_core.run.timing import SetupTimes
 
 
 class Phase(Enum):

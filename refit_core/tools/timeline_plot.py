@@ -3,7 +3,7 @@
 One row per (rank, lane): the copy lane's packing (sender) or unpacking (receiver), and each
 transport lane's transfers (one per CUDA stream on NCCL), coloured by phase, so the overlap of
 packing round k+1, sending round k and unpacking round k-1 is visible. Ranks are lined up by their
-step's start on the machine's clock (:attr:`~refit_core.run.timeline.StepTimeline.start`). Needs
+step's start on the machine's clock (:attr:`~refit_core.run.timing.StepTimeline.start`). Needs
 matplotlib (``pip install 'refit-core[plot]'``).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from refit_core.contract.errors import RefitError
-from refit_core.run.timeline import Phase, StepTimeline
+from refit_core.run.timing import Phase, StepTimeline
 
 COLORS = {Phase.HEADER: "tab:gray", Phase.PACK: "tab:blue", Phase.TRANSFER: "tab:orange", Phase.UNPACK: "tab:green"}
 

@@ -19,7 +19,7 @@ from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.options import NcclOptions, TransportKind
 
 if TYPE_CHECKING:
-    from refit_core.run.timeline import Timeline
+    from refit_core.run.timing import Timeline
 
 
 class Fence(ABC):
