@@ -106,7 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print("refit plan: without forwarding within nodes the same refit predicts "
                   f"{format_duration(unforwarded_s)}; {verdict}")
         if args.explain:
-            from refit_core.tools.explain import write_plan_picture
+            from refit_core.tools.pictures import write_plan_picture
 
             title = f"{args.model}: {train}:{train_layout} -> {gen}:{gen_layout}"
             path = write_plan_picture(summary.schedule, simulation, args.explain, title)
