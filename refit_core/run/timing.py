@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from refit_core.net.transport.base import Fence
+from refit_core.net.transport.base import Fence, Stamp
 from refit_core.units import format_bytes
 
 # -- setup ----------------------------------------------------------------------------------------------------------
@@ -154,9 +154,6 @@ class StepTimeline:
         spans = tuple(Span(str(lane), Phase(phase), int(r), float(a), float(b))
                       for lane, phase, r, a, b in data["spans"])
         return cls(float(data["start"]), float(data["seconds"]), spans)
-
-
-Stamp = float | torch.cuda.Event
 
 
 class Timeline:
