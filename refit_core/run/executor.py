@@ -35,7 +35,8 @@ from refit_core.net.transport import Fence, Transport
 from refit_core.plan.schedule import Message, Segment
 from refit_core.run.copies import StagingCopies
 from refit_core.run.lanes import Lane, current_work, lane_for
-from refit_core.run.quant.batched import BoxToQuantize, QuantBatch, quantize_batch
+from refit_core.run.quant.batched import quantize_batch
+from refit_core.run.quant.boxes import BoxToQuantize, QuantBatch
 from refit_core.run.quant.fast import Quantizer, default_quantizer
 from refit_core.run.timing import Mark, Phase, StepTimeline, Timeline
 
