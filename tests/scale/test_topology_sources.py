@@ -8,7 +8,7 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.plan.reference import plan_transfers
 from refit_core.plan.schedule import build_schedule
-from refit_core.plan.simulate import LinkKind, GpuPlacement, Topology, simulate
+from refit_core.plan.simulate import GpuPlacement, LinkKind, Topology, simulate
 
 SPEC = TensorSpec("w", (64, 1024), torch.float32)
 
