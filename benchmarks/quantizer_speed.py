@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 
 from refit_core.kit.models import checkpoint_specs, load_config
-from refit_core.run.quant.batched import BoxToQuantize, quantize_batch
+from refit_core.run.quant.batched import quantize_batch
+from refit_core.run.quant.boxes import BoxToQuantize
 from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import reference_quantize
 from refit_core.tools.bench.layouts import fp8_specs

@@ -28,7 +28,7 @@ from refit_core.kit.models import load_config
 from refit_core.net import wire
 from refit_core.plan import codec, rankplan
 from refit_core.plan.links import Link
-from refit_core.plan.relay import plan_with_relay
+from refit_core.plan.planning import plan_with_relay
 
 CASES = [
     ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2"),

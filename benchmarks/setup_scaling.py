@@ -2,7 +2,7 @@
 
 For each world size N, N processes (N/2 train ranks of ``ToyTrainer``, N/2 gen ranks of
 ``ToyEngine``, both from ``tests/example_plugin``) import everything, wait until all are ready,
-then run ``setup()`` and one verified step. Every rank reports its :class:`~refit_core.run.setuptime.SetupTimes`
+then run ``setup()`` and one verified step. Every rank reports its :class:`~refit_core.run.timing.SetupTimes`
 (pieces, metadata exchange, plan, fingerprint agreement, transport, bind) and the bytes it read from
 the rendezvous store. Printed: per world size, the slowest rank's total and each phase's slowest rank;
 the planner's (train rank 0's) own planning time and download; and the largest download of any other

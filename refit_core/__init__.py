@@ -24,6 +24,7 @@ from refit_core.contract.errors import (
 )
 from refit_core.contract.experts import ExpertName
 from refit_core.contract.failures import StepFailedError, StepFailure, UpdateMode
+from refit_core.contract.hookspecs import hookimpl
 from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.options import (
     CastPolicy,
@@ -36,11 +37,9 @@ from refit_core.contract.options import (
     TransportKind,
 )
 from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
-from refit_core.contract.hookspecs import hookimpl
 from refit_core.contract.plugins import get_plugin_manager
-from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization, QuantScheme
 from refit_core.contract.side import Side
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Box, Quantization, QuantScheme, TensorSpec
 
 __all__ = [
     "BLOCK_SCALE_SUFFIX", "FP8_DTYPES", "GEN", "TRAIN", "AuthenticationError", "Backend", "Box", "CastPolicy",

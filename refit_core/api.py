@@ -27,19 +27,19 @@ from refit_core.contract.spec import TensorSpec
 from refit_core.net.auth import JobCredentials
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.transport import Transport, open_transport
+from refit_core.plan import codec as wire  # plan/codec.py, the metadata codec, under net/wire's old name
 from refit_core.plan import rankplan
 from refit_core.plan.gcpause import gc_paused
-from refit_core.plan.links import Link, Placement, pair_links, placement_of
-from refit_core.plan.relay import RelayPlan, check_relay_pairs, plan_with_relay
-from refit_core.plan import codec as wire  # plan/codec.py, the metadata codec, under net/wire's old name
 from refit_core.plan.items import Message
+from refit_core.plan.links import Link, Placement, pair_links, placement_of
+from refit_core.plan.planning import plan_with_relay
+from refit_core.plan.relay import RelayPlan, check_relay_pairs
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedReceiver, ColocatedSender, by_peer, split_rounds
 from refit_core.run.copies import CopyCounts
 from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
 from refit_core.run.quant.receiver import ReceiverQuantizer
-from refit_core.run.setuptime import SetupTimes
-from refit_core.run.steptrace import StepTrace
+from refit_core.run.timing import SetupTimes, StepTrace
 from refit_core.run.validate import check_no_overlap, check_view
 from refit_core.units import format_bytes
 
@@ -324,7 +324,7 @@ class _Endpoint:
 
     @property
     def colocated_trace(self) -> StepTrace | None:
-        """The last step's colocated :class:`~refit_core.run.steptrace.StepTrace` (with
+        """The last step's colocated :class:`~refit_core.run.timing.StepTrace` (with
         ``RefitOptions(step_trace=True)`` and colocated pairs; else None)."""
         return getattr(self._colocated, "trace", None)
 

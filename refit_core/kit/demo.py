@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from refit_core.contract.plugins import PluginManager
     from refit_core.plan.schedule import Schedule
-    from refit_core.run.setuptime import SetupTimes
+    from refit_core.run.timing import SetupTimes
 
 
 class Phase(Enum):

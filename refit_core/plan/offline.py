@@ -16,7 +16,8 @@ from refit_core.contract.options import RefitOptions
 from refit_core.contract.pieces import DestinationPiece, PieceMeta
 from refit_core.contract.plugins import PluginManager
 from refit_core.plan.gcpause import gc_paused
-from refit_core.plan.relay import RelayPlan, plan_with_relay
+from refit_core.plan.planning import plan_with_relay
+from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
 from refit_core.units import format_bytes
 

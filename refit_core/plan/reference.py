@@ -92,7 +92,7 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     first (:func:`~refit_core.plan.regions.slab_count`: one slab per replica for a single reader, none
     where readers outnumber replicas, so the work grows with R + K, not R x K), then every region goes
     to the least-loaded replica, largest regions first, so the busiest sender sends as little as possible.
-    ``distance(train_rank, gen_rank)`` (e.g. :meth:`refit_core.plan.simulate.Placement.distance`), when
+    ``distance(train_rank, gen_rank)`` (e.g. :meth:`refit_core.plan.simulate.GpuPlacement.distance`), when
     given, ranks replicas first: the nearest replicas to the receiver (same GPU, then same node) are
     the only candidates, and load balances among them, spreading a node's traffic over its GPUs' links.
     """

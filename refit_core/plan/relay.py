@@ -30,12 +30,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from refit_core.contract.errors import PlanError
-from refit_core.contract.options import MessageOptions, RefitOptions, RelayOptions
+from refit_core.contract.options import MessageOptions, RelayOptions
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, dtype_size
-from refit_core.plan.fast import plan_transfers_fast
-from refit_core.plan.links import Placement
 from refit_core.plan.items import Message, Transfer
+from refit_core.plan.links import Placement
 from refit_core.plan.schedule import Schedule, build_schedule, digest_rounds, summarize
 from refit_core.units import format_bytes
 
@@ -281,23 +280,4 @@ def check_relay_pairs(relay: RelayPlan, gen_places: Sequence[Placement]) -> None
                                 "GPUs, or run without relay")
 
 
-def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Sequence[Sequence[PieceMeta]],
-                    settings: RefitOptions, *,
-                    expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
-    """The whole static plan from (expert-grouped) metadata and the agreed ``settings``: the trainers'
-    schedule into the replicas they feed, and the relay plan (None without relay), whose digest is
-    hashed into the schedule's fingerprint with the settings. What a live setup and ``refit plan`` run."""
-    assert settings.bucket_bytes is not None, "resolve the options first (RefitOptions.resolved)"
-    relay = plan_relay(settings.relay, gen_metas, settings.bucket_bytes, settings.messages,
-                       expert_groups=expert_groups)
-    fed = gen_metas if relay is None else relay.direct_metas(gen_metas)
-    transfers = plan_transfers_fast(train_metas, fed, cast=settings.cast,
-                                    allow_unused_sources=settings.allow_unused_sources)
-    agreed = settings.digest() if relay is None else f"{settings.digest()}|{relay.digest}"
-    schedule = build_schedule(transfers, len(train_metas), len(gen_metas), settings.bucket_bytes, settings.messages,
-                              expert_groups=expert_groups, agreed_settings=agreed)
-    return schedule, relay
-
-
-__all__ = ["RelayPlan", "Waves", "check_relay_pairs", "plan_node_forwarding", "plan_relay", "plan_waves",
-           "plan_with_relay"]
+__all__ = ["RelayPlan", "Waves", "check_relay_pairs", "plan_node_forwarding", "plan_relay", "plan_waves"]

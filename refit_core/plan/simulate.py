@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 from refit_core.contract.errors import RefitError
-from refit_core.plan.relay import RelayPlan
 from refit_core.plan.items import Message
+from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
 from refit_core.units import format_bytes, format_duration
 
@@ -92,14 +92,15 @@ TOPOLOGIES = {
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Which GPU each rank uses: ``train[i]`` for train rank i, ``gen[j]`` for gen rank j."""
+class GpuPlacement:
+    """Which GPU of the simulated cluster each rank uses: ``train[i]`` for train rank i, ``gen[j]`` for gen rank j
+    (a live rank's host and device are :class:`refit_core.plan.links.Placement`)."""
 
     train: tuple[int, ...]
     gen: tuple[int, ...]
 
     @classmethod
-    def disaggregated(cls, train_ranks: int, gen_ranks: int, topology: Topology) -> Placement:
+    def disaggregated(cls, train_ranks: int, gen_ranks: int, topology: Topology) -> GpuPlacement:
         """Train ranks on the first GPUs, gen ranks from the next whole node on (separate nodes
         whenever the train side fills whole nodes)."""
         per_node = topology.gpus_per_node
@@ -113,7 +114,7 @@ class Placement:
         return lambda src, dst: order[topology.link(self.train[src], self.gen[dst])]
 
     @classmethod
-    def colocated(cls, train_ranks: int, gen_ranks: int) -> Placement:
+    def colocated(cls, train_ranks: int, gen_ranks: int) -> GpuPlacement:
         """Both sides share GPUs: rank i of each side on GPU i."""
         return cls(tuple(range(train_ranks)), tuple(range(gen_ranks)))
 
@@ -126,7 +127,7 @@ class Simulation:
     """What :func:`simulate` predicts for one schedule on one topology."""
 
     topology: Topology
-    placement: Placement
+    placement: GpuPlacement
     link_bytes: dict[tuple[int, int], int]
     """Bytes per (source GPU, destination GPU) pair."""
     load_bytes: dict[Direction, int]
@@ -177,13 +178,13 @@ class Simulation:
         ]
 
 
-def simulate(schedule: Schedule, topology: Topology, placement: Placement | None = None,
+def simulate(schedule: Schedule, topology: Topology, placement: GpuPlacement | None = None,
              relay: RelayPlan | None = None) -> Simulation:
-    """Predict ``schedule``'s time on ``topology`` (default placement: :meth:`Placement.disaggregated`).
+    """Predict ``schedule``'s time on ``topology`` (default placement: :meth:`GpuPlacement.disaggregated`).
 
     With a ``relay`` plan, its rounds (gen GPU -> gen GPU: wave after wave, or forwarding within
     nodes) follow the trainers' rounds: a rank forwards only once its own step has landed."""
-    placement = placement or Placement.disaggregated(schedule.num_src, schedule.num_dst, topology)
+    placement = placement or GpuPlacement.disaggregated(schedule.num_src, schedule.num_dst, topology)
     if len(placement.train) != schedule.num_src or len(placement.gen) != schedule.num_dst:
         raise RefitError(f"placement has {len(placement.train)} train / {len(placement.gen)} gen GPUs, "
                          f"the schedule {schedule.num_src} / {schedule.num_dst} ranks")
@@ -252,5 +253,5 @@ def anchor_lines() -> list[str]:
             *(f"  {a.who}: {a.what}: {a.seconds}" for a in PUBLIC_ANCHORS)]
 
 
-__all__ = ["PUBLIC_ANCHORS", "TOPOLOGIES", "LinkKind", "Placement", "PublicAnchor", "Simulation", "Topology",
+__all__ = ["PUBLIC_ANCHORS", "TOPOLOGIES", "GpuPlacement", "LinkKind", "PublicAnchor", "Simulation", "Topology",
            "anchor_lines", "simulate"]

@@ -65,7 +65,7 @@ from refit_core.run.copies import CopyCounts, CopyProgram
 from refit_core.run.lanes import EventFence, Lane, StreamLane, current_work, lane_for
 from refit_core.run.quant.batched import QuantizeInto, TensorsToQuantize
 from refit_core.run.quant.fast import default_quantizer
-from refit_core.run.steptrace import StepTrace
+from refit_core.run.timing import StepTrace
 
 MAGIC = "refit-colocated"
 
@@ -128,7 +128,7 @@ class ColocatedSender:
         self.nbytes = sum(m.nbytes for msgs in messages.values() for m in msgs)
         self._tracing = trace
         self.trace: StepTrace | None = None
-        """This step's :class:`~refit_core.run.steptrace.StepTrace` (with ``trace=True``; else None)."""
+        """This step's :class:`~refit_core.run.timing.StepTrace` (with ``trace=True``; else None)."""
         self._mailboxes: dict[int, Mailbox] = {}
         self._storages: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, data_ptr, nbytes
         self._owners: list[str] = []  # a tensor name per exported storage, for errors
@@ -240,7 +240,7 @@ class ColocatedReceiver:
         self.strided = strided
         self._tracing = trace
         self.trace: StepTrace | None = None
-        """This step's :class:`~refit_core.run.steptrace.StepTrace` (with ``trace=True``; else None)."""
+        """This step's :class:`~refit_core.run.timing.StepTrace` (with ``trace=True``; else None)."""
         self._device_marks: tuple[torch.cuda.Event, list[tuple[str, torch.cuda.Event]]] | None = None
         self._verdicts: list[int] = []  # peers whose check of this step follows their ready signal
         self._mailboxes: dict[int, Mailbox] = {}

@@ -33,9 +33,10 @@ from refit_core.net.transport import Fence, Transport
 from refit_core.plan.items import Message, Segment, align
 from refit_core.run.copies import StagingCopies
 from refit_core.run.lanes import Lane, current_work, lane_for
-from refit_core.run.quant.batched import BoxToQuantize, QuantBatch, quantize_batch
+from refit_core.run.quant.batched import quantize_batch
+from refit_core.run.quant.boxes import BoxToQuantize, QuantBatch
 from refit_core.run.quant.fast import Quantizer, default_quantizer
-from refit_core.run.timeline import Mark, Phase, StepTimeline, Timeline
+from refit_core.run.timing import Mark, Phase, StepTimeline, Timeline
 
 MAGIC = 0x52454649  # "REFI"
 HEADER_WORDS = 4
@@ -187,7 +188,7 @@ class _RoundRunner:
         self.direct_bytes = 0
         self.step = 0
         self.timeline: Timeline | None = None
-        """Set to record the next steps' spans (``refit bench --timeline``); see :mod:`refit_core.run.timeline`."""
+        """Set to record the next steps' spans (``refit bench --timeline``); see :mod:`refit_core.run.timing`."""
         self.last_timeline: StepTimeline | None = None
         """The last recorded step's spans."""
 

@@ -15,7 +15,7 @@ import torch
 from refit_core.net.transport.base import DoneFence, Fence, spin_until
 
 if TYPE_CHECKING:
-    from refit_core.run.timeline import Mark
+    from refit_core.run.timing import Mark
 
 COPY_LANE = "copy"
 

@@ -5,20 +5,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from refit_core.contract.backend import GEN
 from refit_core.contract.errors import RefitError
 from refit_core.contract.layout import parse_backend_layout
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.kit.models import PRESETS, load_config, model_inventory
+from refit_core.plan.choose import FORWARD_FLOORS
 
 if TYPE_CHECKING:
-    from refit_core.plan.simulate import Topology
+    from refit_core.contract.options import RelayOptions
+    from refit_core.plan.choose import Planner, Prediction, RelayChoice
 
 AUTO = "auto"
-FORWARD_FLOORS = (0, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-"""The ``forward_min_bytes`` that ``--forward-min-bytes auto`` simulates."""
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -45,48 +45,51 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from refit_core.contract.options import RefitOptions, RelayOptions
-    from refit_core.plan.offline import plan_from_metadata
+    from refit_core.plan.choose import predicted_s, without_forwarding
+    from refit_core.plan.offline import PlanSummary, plan_from_metadata
+    from refit_core.plan.simulate import Topology
     from refit_core.tools.demo.runner import default_device
 
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
-    relay = _relay_settings(args.relay)
+    given = _relay_settings(args.relay)
     choose_floor = args.forward_within_nodes and args.forward_min_bytes == AUTO
+    choose_direct = "replicas" in given and "direct" not in given
     if args.forward_within_nodes:
-        from refit_core.plan.simulate import Topology
-
-        relay["node_ranks"] = Topology.parse(args.topology).gpus_per_node
+        given["node_ranks"] = Topology.parse(args.topology).gpus_per_node
         if args.forward_min_bytes is not None and not choose_floor:
-            relay["forward_min_bytes"] = args.forward_min_bytes
-    simulating = bool(args.simulate or args.explain or choose_floor
-                      or ("replicas" in relay and "direct" not in relay))
+            given["forward_min_bytes"] = args.forward_min_bytes
+    relay = RelayOptions(**given)
+    simulating = bool(args.simulate or args.explain or choose_floor or choose_direct)
     bucket = None if args.bucket_mb is None else args.bucket_mb << 20
     config = load_config(args.model)
 
-    def plan(relay: dict[str, int]) -> Any:
+    def plan(relay: RelayOptions) -> PlanSummary:
         return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
-                                  options=RefitOptions(bucket_bytes=bucket, relay=RelayOptions(**relay),
+                                  options=RefitOptions(bucket_bytes=bucket, relay=relay,
                                                       allow_unused_sources=args.allow_unused_sources),
                                   device=args.device or ("cuda" if simulating else default_device()),
                                   progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
 
     summary = None
     unforwarded_s: float | None = None  # the prediction without forwarding, where a choice simulated it
-    if "replicas" in relay and "direct" not in relay:
-        relay, summary = _best_relay(plan, relay, args.topology)
+    if choose_direct:
+        choice = _choose_relay(plan, relay, args.topology)
+        relay, summary = choice.relay, choice.plan
     if choose_floor:
-        relay, summary, unforwarded_s = _best_forwarding(plan, relay, args.topology)
+        choice = _choose_forwarding(plan, relay, args.topology)
+        relay, summary, unforwarded_s = choice.relay, choice.plan, choice.baseline.predicted_s
     if summary is None:
         summary = plan(relay)
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
         print("  " + line)
-    forwarding = "node_ranks" in relay
+    forwarding = relay.node_ranks > 0
     if forwarding and summary.relay is None:
-        print(f"  forwarding:   none: no region of at least {RelayOptions(**relay).forward_min_bytes} bytes is "
+        print(f"  forwarding:   none: no region of at least {relay.forward_min_bytes} bytes is "
               "held by two gen ranks of one node")
     if args.simulate or args.explain:
-        from refit_core.plan.simulate import Topology, anchor_lines, simulate
+        from refit_core.plan.simulate import anchor_lines, simulate
         from refit_core.units import format_duration
 
         topology = Topology.parse(args.topology)
@@ -96,14 +99,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print("  " + line)
         if forwarding and summary.relay is not None:
             if unforwarded_s is None:
-                unforwarded_s = _predicted_s(plan(_without_forwarding(relay)), topology)
+                unforwarded_s = predicted_s(plan(without_forwarding(relay)), topology)
             speedup = unforwarded_s / simulation.predicted_s
             verdict = (f"forwarding is {speedup:.2f}x faster" if speedup >= 1 else
                        f"forwarding is {1 / speedup:.2f}x slower: run without it, or raise --forward-min-bytes")
             print("refit plan: without forwarding within nodes the same refit predicts "
                   f"{format_duration(unforwarded_s)}; {verdict}")
         if args.explain:
-            from refit_core.tools.explain import write_plan_picture
+            from refit_core.tools.pictures import write_plan_picture
 
             title = f"{args.model}: {train}:{train_layout} -> {gen}:{gen_layout}"
             path = write_plan_picture(summary.schedule, simulation, args.explain, title)
@@ -112,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _relay_settings(text: str | None) -> dict[str, int]:
-    """``--relay replicas=32,direct=8,fanout=1`` -> a dict for :class:`~refit_core.contract.options.RelayOptions`."""
+    """``--relay replicas=32,direct=8,fanout=1`` -> the settings given, for :class:`RelayOptions`."""
     if not text:
         return {}
     out: dict[str, int] = {}
@@ -126,45 +129,24 @@ def _relay_settings(text: str | None) -> dict[str, int]:
     return out
 
 
-def _best_relay(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[str, int], Any]:
-    """Simulate direct fanout (the trainers feed every replica) and relay with 1, 2, 4... replicas fed
-    directly; print each prediction and return the fastest settings and their plan."""
+def _choose_relay(plan: Planner, relay: RelayOptions, topology: str) -> RelayChoice:
+    """:func:`~refit_core.plan.choose.choose_relay`, printing each prediction and the choice."""
+    from refit_core.plan.choose import choose_relay
     from refit_core.plan.simulate import Topology
 
-    cluster = Topology.parse(topology)
-    replicas = relay["replicas"]
-    candidates = sorted({replicas, *(1 << k for k in range(replicas.bit_length()) if 1 << k < replicas)},
-                        reverse=True)
-    print(f"refit plan: relay fanout vs direct fanout, {replicas} replicas, fanout {relay.get('fanout', 1)}, "
+    print(f"refit plan: relay fanout vs direct fanout, {relay.replicas} replicas, fanout {relay.fanout}, "
           f"simulated on {topology}:")
-    baseline = best = float("inf")
-    chosen: tuple[dict[str, int], Any] | None = None
-    for direct in candidates:
-        settings = {**relay, "direct": direct}
-        summary = plan(settings)
-        seconds = _predicted_s(summary, cluster)
-        waves = len(summary.relay.waves.waves) if summary.relay is not None else 1
-        label = "direct fanout (no relay)" if direct == replicas else f"relay, {direct} fed by trainers"
-        print(f"  {label:<32} {waves} wave(s): predicted {seconds * 1e3:9.1f} ms")
-        baseline = seconds if direct == replicas else baseline
-        if seconds < best:  # only the fastest plan so far is kept: plans at scale take gigabytes
-            best, chosen = seconds, (settings, summary)
-    assert chosen is not None
-    direct = chosen[0]["direct"]
-    verdict = "direct fanout wins" if direct == replicas else f"relay wins, {baseline / best:.2f}x faster"
-    print(f"  best: direct={direct} ({verdict})")
-    return chosen
 
+    def show(prediction: Prediction) -> None:
+        label = ("direct fanout (no relay)" if prediction.baseline else
+                 f"relay, {prediction.relay.direct} fed by trainers")
+        assert prediction.predicted_s is not None  # every relay candidate is simulated
+        print(f"  {label:<32} {prediction.waves} wave(s): predicted {prediction.predicted_s * 1e3:9.1f} ms")
 
-def _predicted_s(summary: Any, topology: Topology) -> float:
-    """The simulated time of a planned refit (its relay or forwarding rounds included) on ``topology``."""
-    from refit_core.plan.simulate import simulate
-
-    return simulate(summary.schedule, topology, relay=summary.relay).predicted_s
-
-
-def _without_forwarding(relay: dict[str, int]) -> dict[str, int]:
-    return {k: v for k, v in relay.items() if k not in ("node_ranks", "forward_min_bytes")}
+    choice = choose_relay(plan, relay, Topology.parse(topology), on_prediction=show)
+    verdict = "direct fanout wins" if choice.chose_baseline else f"relay wins, {choice.speedup:.2f}x faster"
+    print(f"  best: direct={choice.relay.direct} ({verdict})")
+    return choice
 
 
 def _forward_min_bytes(text: str) -> int | str:
@@ -175,38 +157,34 @@ def _forward_min_bytes(text: str) -> int | str:
     return int(text)
 
 
-def _best_forwarding(plan: Any, relay: dict[str, int], topology: str) -> tuple[dict[str, int], Any, float]:
-    """Simulate the refit without forwarding within nodes and with each floor of ``FORWARD_FLOORS``; print
-    each prediction and return the fastest settings (without forwarding where it never wins), their plan
-    and the prediction without forwarding."""
+def _choose_forwarding(plan: Planner, relay: RelayOptions, topology: str) -> RelayChoice:
+    """:func:`~refit_core.plan.choose.choose_forwarding` over ``FORWARD_FLOORS``, printing each prediction
+    and the choice."""
+    from refit_core.plan.choose import choose_forwarding
     from refit_core.plan.simulate import Topology
     from refit_core.units import format_bytes, format_duration
 
-    cluster = Topology.parse(topology)
-    print(f"refit plan: forwarding within nodes of {relay['node_ranks']} gen ranks, each floor simulated on "
+    print(f"refit plan: forwarding within nodes of {relay.node_ranks} gen ranks, each floor simulated on "
           f"{topology}:")
-    settings = _without_forwarding(relay)
-    summary = plan(settings)
-    unforwarded = _predicted_s(summary, cluster)
-    print(f"  {'no forwarding':<28} predicted {format_duration(unforwarded)}")
-    best, chosen = unforwarded, (settings, summary)  # ties go to the plan without forwarding
-    for floor in FORWARD_FLOORS:
-        settings = {**relay, "forward_min_bytes": floor}
-        summary = plan(settings)
-        label = f"forward_min_bytes {format_bytes(floor)}"
-        if summary.relay is None:
+
+    def show(prediction: Prediction) -> None:
+        if prediction.baseline:
+            assert prediction.predicted_s is not None  # the baseline is always simulated
+            print(f"  {'no forwarding':<28} predicted {format_duration(prediction.predicted_s)}")
+            return
+        label = f"forward_min_bytes {format_bytes(prediction.relay.forward_min_bytes)}"
+        if prediction.predicted_s is None:
             print(f"  {label:<28} nothing shared is that large")
-            continue
-        seconds = _predicted_s(summary, cluster)
-        print(f"  {label:<28} predicted {format_duration(seconds)}, "
-              f"{format_bytes(summary.relay.schedule.summary.bytes)} forwarded")
-        if seconds < best:  # only the fastest plan so far is kept: plans at scale take gigabytes
-            best, chosen = seconds, (settings, summary)
-    chosen_floor = chosen[0].get("forward_min_bytes")
-    verdict = ("forwarding does not win" if chosen_floor is None else
-               f"forward_min_bytes {format_bytes(chosen_floor)}, {unforwarded / best:.2f}x faster than no forwarding")
+            return
+        print(f"  {label:<28} predicted {format_duration(prediction.predicted_s)}, "
+              f"{format_bytes(prediction.forwarded_bytes)} forwarded")
+
+    choice = choose_forwarding(plan, relay, Topology.parse(topology), floors=FORWARD_FLOORS, on_prediction=show)
+    verdict = ("forwarding does not win" if choice.chose_baseline else
+               f"forward_min_bytes {format_bytes(choice.relay.forward_min_bytes)}, "
+               f"{choice.speedup:.2f}x faster than no forwarding")
     print(f"  best: {verdict}")
-    return (*chosen, unforwarded)
+    return choice
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

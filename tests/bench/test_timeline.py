@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from refit_core.run.timeline import Phase, StepTimeline
+from refit_core.run.timing import Phase, StepTimeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TIMING_ATTEMPTS = 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from refit_core.run.steptrace import StepTrace, breakdown
+from refit_core.run.timing import StepTrace, breakdown
 from refit_core.tools.bench.colocated import main
 
 

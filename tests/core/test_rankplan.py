@@ -21,7 +21,7 @@ from refit_core.contract.spec import Box, Quantization, TensorSpec
 from refit_core.net.wire import WireError, decode, encode
 from refit_core.plan import rankplan
 from refit_core.plan.links import Link
-from refit_core.plan.relay import plan_with_relay
+from refit_core.plan.planning import plan_with_relay
 from refit_core.plan.schedule import Schedule
 
 E4M3 = torch.float8_e4m3fn

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from refit_core.contract.spec import Quantization
-from refit_core.run.quant.batched import BoxToQuantize
+from refit_core.run.quant.boxes import BoxToQuantize
 
 
 def batch_boxes(make: Callable[[tuple[int, ...]], torch.Tensor]) -> tuple[list[BoxToQuantize], int]:

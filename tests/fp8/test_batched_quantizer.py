@@ -47,7 +47,7 @@ INTERPRETED = textwrap.dedent("""
     import torch
     sys.path.insert(0, "tests/fp8")
     from refit_core.run.quant.reference import reference_quantize
-    from refit_core.run.quant.batched import BoxToQuantize
+    from refit_core.run.quant.boxes import BoxToQuantize
     from refit_core.run.quant.triton_blocks import GroupKey, TritonBlockBatch, vector_aligned
     from batch_cases import batch_boxes, box_results, strided_targets
 

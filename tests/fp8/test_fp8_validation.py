@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_core.contract.spec import Quantization
-from refit_core.contract.spec import Box, TensorSpec
+from refit_core.contract.spec import Box, Quantization, TensorSpec
 from refit_core.run.validate import ViewError, check_no_overlap, check_view
 
 NAME = "model.layers.0.mlp.down_proj.weight"

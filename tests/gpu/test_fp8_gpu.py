@@ -15,7 +15,8 @@ import torch
 
 from refit_core.contract.spec import Quantization
 from refit_core.kit.models import PRESETS
-from refit_core.run.quant.batched import Batches, BoxToQuantize, quantize_batch
+from refit_core.run.quant.batched import Batches, quantize_batch
+from refit_core.run.quant.boxes import BoxToQuantize
 from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import reference_quantize
 

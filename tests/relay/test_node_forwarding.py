@@ -10,7 +10,8 @@ from refit_core import OptionError, RefitOptions, RelayOptions
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, Quantization, TensorSpec
 from refit_core.kit.launch import free_port, spawn
-from refit_core.plan.relay import plan_node_forwarding, plan_with_relay
+from refit_core.plan.planning import plan_with_relay
+from refit_core.plan.relay import plan_node_forwarding
 
 NORM = TensorSpec("model.norm.weight", (64,), torch.float32)
 QA = TensorSpec("model.layers.0.self_attn.q_a_proj.weight", (32, 64), torch.float32)

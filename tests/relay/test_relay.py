@@ -99,7 +99,7 @@ def test_a_dead_relaying_replica_fails_the_step_on_its_parent_and_its_child():
 
 def _one_node_into_replicas(replicas: int, direct: int):
     """8 train GPUs each holding 1/8 of a 1 GiB tensor, ``replicas`` engine replicas of one GPU each."""
-    from refit_core.plan.relay import plan_with_relay
+    from refit_core.plan.planning import plan_with_relay
 
     spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
     train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]

@@ -24,7 +24,7 @@ from refit_core.kit.models import load_config
 from refit_core.plan.fast import plan_transfers_fast
 from refit_core.plan.reference import plan_transfers
 from refit_core.plan.schedule import build_schedule
-from refit_core.plan.simulate import Placement, Topology
+from refit_core.plan.simulate import GpuPlacement, Topology
 
 Metas = list[list[PieceMeta]]
 
@@ -127,7 +127,7 @@ def test_fast_planner_equals_reference_with_topology_distance(split: int) -> Non
            for _ in range(4) for s in range(4)]
     dst = [[PieceMeta(spec, Box((r * 32 % 64, 0), (32, 1024))), PieceMeta(bias, bias.full_box())] for r in range(6)]
     topology = Topology(gpus_per_node=8, latency_us=0.0)
-    placement = Placement(train=tuple(range(16)), gen=(16, 17, 18, 3, 9, 12))
+    placement = GpuPlacement(train=tuple(range(16)), gen=(16, 17, 18, 3, 9, 12))
     _assert_same_plan(src, dst, distance=placement.distance(topology), balance_split_bytes=split)
     _assert_same_plan(src, dst, balance_split_bytes=split)
 

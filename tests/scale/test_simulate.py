@@ -18,7 +18,7 @@ from refit_core.contract.options import RefitOptions
 from refit_core.kit.models import load_config
 from refit_core.plan.reference import plan_transfers
 from refit_core.plan.schedule import Schedule, build_schedule
-from refit_core.plan.simulate import Placement, Topology, simulate
+from refit_core.plan.simulate import GpuPlacement, Topology, simulate
 from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, register
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -61,7 +61,7 @@ def test_simulator_matches_measured_bench_runs(result: str, model: str, timed: b
     (run,) = [m for m in data["models"] if m["model"] == model]
     rows = {row["method"]: row for row in run["rows"]}
     schedule = _bench_schedule(model, settings["train_tp"], settings["gen_tp"], settings["gen_dp"])
-    placement = Placement(tuple(_gpu(d) for d in run["train"]), tuple(_gpu(d) for d in run["gen"]))
+    placement = GpuPlacement(tuple(_gpu(d) for d in run["train"]), tuple(_gpu(d) for d in run["gen"]))
     topology = Topology(gpus_per_node=8, nvlink_gbps=rows["wire"]["gbps"])
     sim = simulate(schedule, topology, placement)
 
@@ -76,9 +76,9 @@ def test_simulator_matches_measured_bench_runs(result: str, model: str, timed: b
 def test_simulator_charges_the_nic_between_nodes_and_reports_the_receiver_bound() -> None:
     schedule = _bench_schedule("tiny-qwen3", 2, 1, 2)
     topology = Topology(gpus_per_node=2, nvlink_gbps=400.0, nic_gbps=50.0, latency_us=0.0)
-    across = simulate(schedule, topology, Placement((0, 1), (2, 3)))  # gen on the second node
+    across = simulate(schedule, topology, GpuPlacement((0, 1), (2, 3)))  # gen on the second node
     within = simulate(schedule, Topology(gpus_per_node=4, nvlink_gbps=400.0, latency_us=0.0),
-                      Placement((0, 1), (2, 3)))
+                      GpuPlacement((0, 1), (2, 3)))
     assert across.link_bytes == within.link_bytes
     assert across.predicted_s == pytest.approx(within.predicted_s * 8, rel=1e-6)  # 400 / 50 GB/s
     per_gen = schedule.summary.busiest_receiver_bytes
@@ -93,7 +93,7 @@ def test_a_sender_feeding_replicas_bounds_the_step_from_its_side() -> None:
     """One train GPU feeds two engine replicas on another node: it sends twice what either receives,
     so the sender-side bound is the larger, and no prediction beats it."""
     schedule = _bench_schedule("tiny-qwen3", 1, 1, 2)
-    sim = simulate(schedule, Topology(gpus_per_node=2, nic_gbps=50.0, latency_us=0.0), Placement((0,), (2, 3)))
+    sim = simulate(schedule, Topology(gpus_per_node=2, nic_gbps=50.0, latency_us=0.0), GpuPlacement((0,), (2, 3)))
     per_gen = schedule.summary.busiest_receiver_bytes
     assert schedule.summary.busiest_sender_bytes == 2 * per_gen
     assert sim.bound_s == pytest.approx(per_gen / 50e9)

@@ -8,7 +8,7 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.plan.reference import plan_transfers
 from refit_core.plan.schedule import build_schedule
-from refit_core.plan.simulate import LinkKind, Placement, Topology, simulate
+from refit_core.plan.simulate import GpuPlacement, LinkKind, Topology, simulate
 
 SPEC = TensorSpec("w", (64, 1024), torch.float32)
 
@@ -24,7 +24,7 @@ def test_each_receiver_is_served_by_the_replica_on_its_node() -> None:
     topology = Topology(gpus_per_node=4, latency_us=0.0)
     src = _replicated_rows(replicas=2, shards=2)  # train ranks 0, 1 on node 0; 2, 3 on node 1
     dst = [[PieceMeta(SPEC, SPEC.full_box())] for _ in range(4)]  # gen ranks: 2 per node
-    placement = Placement(train=(0, 1, 4, 5), gen=(2, 3, 6, 7))
+    placement = GpuPlacement(train=(0, 1, 4, 5), gen=(2, 3, 6, 7))
 
     near = plan_transfers(src, dst, distance=placement.distance(topology))
     node = {0: 0, 1: 0, 2: 1, 3: 1}
@@ -45,6 +45,6 @@ def test_load_spreads_over_replicas_at_the_same_distance() -> None:
     topology = Topology(gpus_per_node=8)
     src = _replicated_rows(replicas=4, shards=1)  # four whole copies on one node
     dst = [[PieceMeta(SPEC, SPEC.full_box())] for _ in range(4)]
-    placement = Placement(train=(0, 1, 2, 3), gen=(4, 5, 6, 7))
+    placement = GpuPlacement(train=(0, 1, 2, 3), gen=(4, 5, 6, 7))
     transfers = plan_transfers(src, dst, distance=placement.distance(topology), balance_split_bytes=1 << 30)
     assert sorted(t.src for t in transfers) == [0, 1, 2, 3]  # every replica sends once

@@ -11,15 +11,25 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from refit_core.contract.errors import RefitError, TransferError
-from refit_core.contract.options import NcclOptions, TransportKind
+from refit_core.contract.errors import TransferError
+from refit_core.contract.options import TransportKind
 
-if TYPE_CHECKING:
-    from refit_core.run.timeline import Timeline
+Stamp = float | torch.cuda.Event
+"""A moment of a recorded step: a host ``perf_counter`` value (CPU), or an event recorded on a stream (CUDA)."""
+
+
+class SpanRecorder(Protocol):
+    """What a transport calls on the step recording it (:class:`refit_core.run.timing.Timeline`)."""
+
+    def stamp(self, stream: torch.cuda.Stream | None = None) -> Stamp:
+        """Now on the host (CPU), or an event recorded on ``stream`` (CUDA)."""
+
+    def transferred(self, stream: torch.cuda.Stream, start: Stamp, end: Stamp) -> None:
+        """The transport's span of the current round on ``stream``, from ``start`` to ``end``."""
 
 
 class Fence(ABC):
@@ -72,9 +82,9 @@ class Transport(ABC):
 
     kind: TransportKind
     device: torch.device
-    timeline: Timeline | None = None
+    timeline: SpanRecorder | None = None
     """Set by an executor recording a step (``refit bench --timeline``): a transport whose work runs
-    on CUDA streams records each exchange's span there (:meth:`Timeline.transferred`)."""
+    on CUDA streams records each exchange's span there (:meth:`SpanRecorder.transferred`)."""
     records_spans = False
     """True when this transport records its own spans on a timeline (else the executor observes fences)."""
 
@@ -96,21 +106,4 @@ def check_contiguous(pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
             raise TransferError(f"refit bug: non-contiguous buffer for peer {peer} handed to a collective")
 
 
-def resolve_kind(kind: TransportKind, device: torch.device) -> TransportKind:
-    """``auto`` becomes NCCL for a rank on CUDA, gloo otherwise."""
-    if kind == TransportKind.AUTO:
-        return TransportKind.NCCL if device.type == "cuda" else TransportKind.GLOO
-    return kind
-
-
-def open_transport(kind: TransportKind, store: torch.distributed.Store, rank: int, world_size: int,
-                   device: torch.device, timeout_s: float, nccl: NcclOptions | None = None) -> Transport:
-    """Create the transport ``kind`` from the refit's store; collective over all ranks of the refit."""
-    kind = resolve_kind(TransportKind(kind), device)
-    if kind == TransportKind.GLOO:
-        from refit_core.net.transport.gloo import GlooTransport
-        return GlooTransport(store, rank, world_size, timeout_s)
-    if kind == TransportKind.NCCL:
-        from refit_core.net.transport.nccl import NcclTransport
-        return NcclTransport(store, rank, world_size, device, timeout_s, nccl or NcclOptions())
-    raise RefitError(f"unknown transport {kind!r}: use one of {', '.join(k.value for k in TransportKind)}")
+__all__ = ["DoneFence", "Fence", "SpanRecorder", "Stamp", "Transport", "check_contiguous", "spin_until"]

@@ -2,6 +2,7 @@
 
 - :mod:`.reference`: a plain-torch reference quantizer, block by block (the tests' ground truth);
 - :mod:`.fast`: the per-tensor quantizer (vectorized; ``torch.compile`` on CUDA, eager elsewhere);
+- :mod:`.boxes`: the boxes a pack step quantizes and the batch interface (a leaf);
 - :mod:`.batched`: every quantized segment of a round in one batch (:mod:`.triton_blocks` on CUDA);
 - :mod:`.receiver`: receiver-side quantization after the high-precision bytes landed.
 

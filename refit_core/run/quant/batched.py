@@ -2,7 +2,8 @@
 
 A round's quantized segments are known at bind time: their sources (views of the trainer's weights)
 and where their values and scales sit in the staging buffer. :func:`quantize_batch` turns them into
-a :class:`QuantBatch` once; each step then runs it into whichever staging buffer the round uses.
+a :class:`~refit_core.run.quant.boxes.QuantBatch` once; each step then runs it into whichever staging
+buffer the round uses.
 
 On CUDA, block schemes whose block sizes are powers of two (block-FP8's 128 x 128) run as one
 Triton launch per (source dtype, FP8 dtype, block, alignment) group: one program per block, its segment found
@@ -23,54 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_core.contract.spec import Quantization
-from refit_core.contract.spec import contiguous_strides
+from refit_core.contract.spec import Quantization, contiguous_strides
+from refit_core.run.quant.boxes import BoxToQuantize, QuantBatch
 from refit_core.run.quant.fast import Quantizer
 
 if TYPE_CHECKING:
     from refit_core.run.quant.triton_blocks import TritonBlockBatch
-
-
-@dataclass(frozen=True)
-class BoxToQuantize:
-    """One quantized segment of a staged message: its source box and where its bytes go."""
-
-    source: torch.Tensor
-    """The high-precision box (a view of a local weight), whole quantization blocks only."""
-    quant: Quantization
-    values_offset: int
-    """Byte offset of the FP8 values (the box's shape) in the staging buffer, or their address."""
-    scales_offset: int
-    """Byte offset of the scales (``quant.scale_shape``) in the staging buffer, or their address."""
-    values_strides: tuple[int, int] | None = None
-    """Element strides of the values seen as ``[G, R, C]`` along G and R (C's is 1); None: contiguous."""
-    scales_strides: tuple[int, int, int] | None = None
-    """Element strides of the scales seen as ``[G, R/bn, C/bk]``; None: contiguous."""
-
-    @classmethod
-    def into_tensors(cls, source: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
-                     quant: Quantization) -> BoxToQuantize:
-        """A box quantized straight into ``values`` and ``scales`` (2-D or 3-D, any strides but a
-        contiguous last dimension of ``values``); its offsets are addresses."""
-        if values.ndim not in (2, 3) or values.stride(-1) != 1:
-            raise ValueError(f"{quant.scale_name}: values of shape {tuple(values.shape)} and strides "
-                             f"{values.stride()} need 2 or 3 dims and a contiguous last one")
-        values_3d = values if values.ndim == 3 else values.unsqueeze(0)
-        scales_3d = scales if scales.ndim == 3 else scales.unsqueeze(0)
-        g, r, c = scales_3d.stride()
-        return cls(source, quant, values.data_ptr(), scales.data_ptr(), (values_3d.stride(0), values_3d.stride(1)),
-                   (g, r, c))
-
-
-class QuantBatch:
-    """Quantizes a fixed list of boxes into a staging buffer (any buffer of the round's layout)."""
-
-    def run(self, buffer: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def warm_up(self, warmed: set[object]) -> None:
-        """Compile what :meth:`run` needs (at setup, so that no step waits for a compiler), skipping
-        the kinds in ``warmed`` and adding its own."""
 
 
 class BoxByBox(QuantBatch):
@@ -195,4 +154,4 @@ def quantize_batch(boxes: Sequence[BoxToQuantize], quantizer: Quantizer) -> Quan
     return parts[0] if len(parts) == 1 else Batches(parts)
 
 
-__all__ = ["BoxToQuantize", "QuantBatch", "BoxByBox", "Batches", "QuantizeInto", "TensorsToQuantize", "quantize_batch"]
+__all__ = ["Batches", "BoxByBox", "QuantizeInto", "TensorsToQuantize", "quantize_batch"]

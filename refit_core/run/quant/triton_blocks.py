@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from refit_core.contract.spec import EPS
-from refit_core.run.quant.batched import BoxToQuantize, QuantBatch
+from refit_core.run.quant.boxes import BoxToQuantize, QuantBatch
 
 try:
     import triton

@@ -25,7 +25,7 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
   engine copies).
 
 ``--breakdown`` traces every timed refit step (``RefitOptions(step_trace=True)``) and prints, per
-refit method, the median of each phase of :func:`refit_core.run.steptrace.breakdown`: the trainer's
+refit method, the median of each phase of :func:`refit_core.run.timing.breakdown`: the trainer's
 check, the ready signal, the engine's queueing, the device time of each launch group, and the tail.
 ``--variants`` (for deciding the default :class:`~refit_core.contract.options.StridedCopy`) runs the copy bound
 and every ``refit:VARIANT`` plus ``refit:kernel+overlap`` and ``refit:foreach+overlap`` side by side
@@ -61,7 +61,7 @@ from refit_core.contract.options import Colocation, StridedCopy
 from refit_core.kit.launch import free_port, spawn
 from refit_core.kit.models import load_config
 from refit_core.net.transport.memory import SharedStorage, export_storage, open_storage
-from refit_core.run.steptrace import StepTrace, breakdown
+from refit_core.run.timing import StepTrace, breakdown
 from refit_core.tools.bench import layouts
 from refit_core.tools.bench.methods import hf_tensors, scatter
 
@@ -379,14 +379,14 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _breakdown(train: list[dict[str, Any]], gen: list[dict[str, Any]]) -> dict[str, float]:
-    """The median of each phase of :func:`~refit_core.run.steptrace.breakdown` over the timed steps."""
+    """The median of each phase of :func:`~refit_core.run.timing.breakdown` over the timed steps."""
     steps = [breakdown(StepTrace(t["marks"], t["gpu_ms"]), StepTrace(g["marks"], g["gpu_ms"]))
              for t, g in zip(train, gen)]
     return {key: _median([s[key] for s in steps]) for key in steps[0]} if steps else {}
 
 
 BREAKDOWN_NOTE = """
-Breakdown columns (ms, medians; `refit_core.run.steptrace.breakdown`): `total` the trainer's `send`;
+Breakdown columns (ms, medians; `refit_core.run.timing.breakdown`): `total` the trainer's `send`;
 `check` its moved-parameter check; `post` writing *ready*; `signal` *ready* written -> the engine read
 and checked it; `enqueue` the engine's host time queueing its copies; `device_wait` device time from
 queueing to the stream passing its events; `device_contiguous` / `device_strided` / `device_batched`

@@ -32,7 +32,7 @@ from refit_core.contract.experts import default_expert_name
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import checkpoint_specs
-from refit_core.run.timeline import Timeline
+from refit_core.run.timing import Timeline
 
 PACKED_TARGET_BYTES = 1 << 30
 PACKED_BUFFERS = 2

@@ -505,8 +505,8 @@ def _timeline_path(path: str, model: str, first: bool) -> str:
 
 def _draw_timeline(job: dict[str, Any], results: list[dict[str, Any]], path: str, model: str) -> str:
     """The first refit method's recorded step of every rank, drawn into ``path``."""
-    from refit_core.run.timeline import StepTimeline
-    from refit_core.tools.timeline_plot import write_timeline_picture
+    from refit_core.run.timing import StepTimeline
+    from refit_core.tools.pictures import write_timeline_picture
 
     method = next((m for m in job["methods"] if m.startswith("refit")), None)
     ranks = []
