@@ -8,7 +8,8 @@ rank), their settings (:class:`RefitOptions` with :class:`MessageOptions`, :clas
 """
 
 from refit_core import _compat
-from refit_core.api import RefitReceiver, RefitSender, StepStats
+from refit_core.receiver import RefitReceiver, StepStats
+from refit_core.sender import RefitSender
 from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.errors import (
     AuthenticationError,

@@ -79,7 +79,7 @@ class ProgressLog:
 
     def planned(self, schedule: Schedule, seconds: float, times: SetupTimes | None = None) -> None:
         """The setup line: the agreed plan's size, messages and fingerprint; with ``times`` (the
-        endpoint's :attr:`~refit_core.api.RefitSender.setup_times`) a second line breaks setup down."""
+        endpoint's :attr:`~refit_core.sender.RefitSender.setup_times`) a second line breaks setup down."""
         summary = schedule.summary
         self.report(Phase.SETUP, f"plan {format_bytes(summary.bytes)} in {summary.segments} segments, "
                                  f"{summary.messages} messages in {summary.rounds} rounds, "
