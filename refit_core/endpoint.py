@@ -239,7 +239,7 @@ class RefitEndpoint:
     def _is_network(self, m: Message) -> bool:
         return self.links[(m.src, m.dst)] is Link.NETWORK
 
-    def _network_executor_args(self, schedule: Schedule, settings: RefitOptions) -> dict:
+    def _network_executor_args(self, schedule: Schedule, settings: RefitOptions) -> dict[str, Any]:
         assert settings.bucket_bytes is not None
         return dict(bucket_bytes=settings.bucket_bytes, num_buffers=settings.num_buffers,
                     zero_copy=settings.messages.zero_copy, fingerprint=schedule.fingerprint,
