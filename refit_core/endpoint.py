@@ -21,7 +21,7 @@ from refit_core.contract.env import with_overrides
 from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.experts import ExpertNaming, group_meta, group_piece
 from refit_core.contract.options import RefitOptions, UpdateMode
-from refit_core.contract.pieces import Piece
+from refit_core.contract.pieces import Piece, PieceMeta
 from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.side import Side
 from refit_core.net.auth import JobCredentials
@@ -141,8 +141,9 @@ class RefitEndpoint:
                                                    self.host_id, pieces)
             self.sizes = exchange.sizes
             settings = exchange.settings
+            metas = agreement.gather_metadata(self._rdv, self.sizes) if self.plans else None
             self._phases["metadata"] = time.perf_counter() - began
-            schedule = self._plan(settings, pieces)  # records "plan" and "agree"
+            schedule = self._plan(settings, pieces, metas)  # records "plan" and "agree"
             began = time.perf_counter()
             if self._network:  # the planner's answer, the same on every rank (relay always uses it)
                 self.transport = self._open_transport(settings)
@@ -165,14 +166,15 @@ class RefitEndpoint:
                  summary.messages, summary.rounds, schedule.fingerprint)
         return schedule
 
-    def _plan(self, settings: RefitOptions, pieces: list[Piece]) -> Schedule:
-        """The planner plans the whole refit and publishes every rank's part; every other rank reads
-        its own part (:mod:`refit_core.plan.rankplan`). Each rank holds its part against its own pieces,
-        then all agree on the plan's fingerprint (a barrier) before any collective."""
+    def _plan(self, settings: RefitOptions, pieces: list[Piece],
+              metas: dict[Side, list[list[PieceMeta]]] | None) -> Schedule:
+        """The planner (given every rank's ``metas``) plans the whole refit and publishes every rank's
+        part; every other rank reads its own part (:mod:`refit_core.plan.rankplan`). Each rank holds its
+        part against its own pieces, then all agree on the plan's fingerprint (a barrier) before any
+        collective."""
         began = time.perf_counter()
         rdv = self._require_rendezvous()
-        if self.plans:
-            metas = agreement.gather_metadata(rdv, self.sizes)
+        if metas is not None:
             whole = agreement.plan_for_all(rdv, self.me, settings, self.sizes, metas, self.plugins, self._experts)
             plan, schedule, self.relay, self.links = whole.mine, whole.schedule, whole.relay, whole.links
         else:
