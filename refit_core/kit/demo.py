@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from refit_core.api import RefitSender
 from refit_core.contract.backend import Backend
 from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.options import Colocation, RefitOptions
@@ -24,6 +23,7 @@ from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
 from refit_core.kit import demo_hooks
 from refit_core.kit.launch import spawn
+from refit_core.sender import RefitSender
 from refit_core.units import format_bytes
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class ProgressLog:
 
     def planned(self, schedule: Schedule, seconds: float, times: SetupTimes | None = None) -> None:
         """The setup line: the agreed plan's size, messages and fingerprint; with ``times`` (the
-        endpoint's :attr:`~refit_core.api.RefitSender.setup_times`) a second line breaks setup down."""
+        endpoint's :attr:`~refit_core.sender.RefitSender.setup_times`) a second line breaks setup down."""
         summary = schedule.summary
         self.report(Phase.SETUP, f"plan {format_bytes(summary.bytes)} in {summary.segments} segments, "
                                  f"{summary.messages} messages in {summary.rounds} rounds, "

@@ -31,8 +31,10 @@ from typing import Any
 
 import ray
 
-from refit_core.api import RefitOptions, RefitReceiver, RefitSender
 from refit_core.contract.errors import RefitError
+from refit_core.contract.options import RefitOptions
+from refit_core.receiver import RefitReceiver
+from refit_core.sender import RefitSender
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 from refit_core.contract.errors import AuthenticationError, PlanError, PluginError, RefitError, RendezvousError
 from refit_core.net import wire
 from refit_core.net.auth import JobCredentials
+from refit_core.net.keys import barrier_keys, publisher, rank_name
 from refit_core.net.store import ERROR_KEY, WAIT_SLICE_S, Endpoint, StoreClient, StoreServer
 
 POLL_S = 0.02
@@ -25,31 +26,9 @@ HANDSHAKE_S = 5.0
 _KINDS = {cls.__name__: cls for cls in (PlanError, PluginError, RendezvousError, AuthenticationError)}
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    endpoint = Endpoint.parse(address)
-    return endpoint.host, endpoint.port
-
-
-def rank_name(identity: str) -> str:
-    """``"train/1"`` (or a key ending so) -> ``"train rank 1"``."""
-    parts = identity.split("/")
-    if len(parts) >= 2 and parts[-1].isdigit():
-        return f"{parts[-2]} rank {parts[-1]}"
-    if parts[-1] in ("train", "gen"):  # a side-wide key that side's rank 0 publishes
-        return f"{parts[-1]} rank 0"
-    return identity
-
-
-def _publisher(key: str) -> str:
-    """The rank (``"gen/0"``) that publishes ``key``: ``done/gen/0`` -> ``gen/0``; ``size/gen`` -> ``gen/0``."""
-    parts = key.split("/")
-    if parts[-1] in ("train", "gen"):
-        return f"{parts[-1]}/0"
-    return "/".join(parts[-2:])
-
-
 class Rendezvous:
-    """One setup's store: hosted here when ``host``, joined as rank ``who`` (``"train/0"``) always."""
+    """One setup's store: hosted here when ``host``, joined always as rank ``who`` (the store identity of a
+    :class:`~refit_core.net.keys.RankId`, ``"train/0"``); its keys are :mod:`refit_core.net.keys`."""
 
     def __init__(self, address: str, *, host: bool, who: str, timeout_s: float,
                  credentials: JobCredentials | None = None, handshake_s: float = HANDSHAKE_S) -> None:
@@ -112,10 +91,10 @@ class Rendezvous:
         then one key the last arrival sets). ``arrived`` are the keys the ranks published before
         arriving; on timeout the error names the ranks whose key is missing."""
         deadline = time.monotonic() + self.timeout_s
-        done = f"{name}/all"
-        if self.client.add(f"{name}/count", 1) >= count:
-            self.client.set(done, b"1")
-        while self.client.try_get(done, wait_s=WAIT_SLICE_S) is None:
+        keys = barrier_keys(name)
+        if self.client.add(keys.count, 1) >= count:
+            self.client.set(keys.all, b"1")
+        while self.client.try_get(keys.all, wait_s=WAIT_SLICE_S) is None:
             self._check_failures()
             if time.monotonic() > deadline:
                 missing = [rank_name(k) for k in arrived if not self.client.check([k])]
@@ -154,7 +133,7 @@ class Rendezvous:
         while time.monotonic() < deadline:
             try:
                 gone = set(self.client.gone())
-                pending = [k for k in keys if _publisher(k) not in gone]
+                pending = [k for k in keys if (who := publisher(k)) is None or str(who) not in gone]
                 if not pending or self.client.check(pending):
                     return
             except RefitError:  # a slow client must not make the host leave early

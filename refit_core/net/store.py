@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from refit_core.contract.errors import AuthenticationError, RendezvousError
 from refit_core.net.auth import PROTOCOL, JobCredentials, new_nonce
+from refit_core.net.keys import RankRecord, rank_key, rank_name
 from refit_core.net.wire import WireError, recv_frame, send_frame
 
 log = logging.getLogger("refit")
@@ -177,7 +178,7 @@ class StoreServer:
             return None
         with self._cond:  # a failed setup still admits the ranks that have not yet read its error
             busy = ("closed" if self._closed else "sealed" if self._sealed else
-                    "failed" if ERROR_KEY in self._data and f"done/{who}" in self._data else None)
+                    "failed" if ERROR_KEY in self._data and rank_key(RankRecord.DONE, who) in self._data else None)
         if busy:
             send_frame(conn, {"refused": "busy", "state": busy})
             return None
@@ -192,7 +193,7 @@ class StoreServer:
         with self._cond:
             holder = self._members.get(who)
             if holder is not None:
-                message = (f"{who.replace('/', ' rank ')} joined the refit rendezvous twice (from {holder} "
+                message = (f"{rank_name(who)} joined the refit rendezvous twice (from {holder} "
                            f"and {peer}): two jobs share this port with the same job name, or a rank was "
                            "started twice")
                 self._data.setdefault(ERROR_KEY, _error_record("RendezvousError", message))

@@ -40,7 +40,7 @@ being reused while a receiver has it open), so a mistake yields an error, never 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from functools import partial
 
@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.options import StridedCopy
+from refit_core.net.keys import ColocatedRecord, colocated_key
 from refit_core.net.transport.base import Fence
 from refit_core.net.transport.mailbox import Mailbox
 from refit_core.net.transport.memory import (
@@ -70,32 +71,27 @@ from refit_core.run.timing import StepTrace
 MAGIC = "refit-colocated"
 
 
-def _pair(src: int, dst: int) -> str:
-    return f"{src}>{dst}"
-
-
 class _Channel:
     """Setup records between the two ranks of colocated pairs (JSON, through the rendezvous store)."""
 
     def __init__(self, store: dist.Store, timeout_s: float) -> None:
-        # prefixed here, not with torch's PrefixStore: refit's own store is a Python dist.Store, whose
-        # methods (delete_key among them) torch's C++ wrappers do not all reach
+        # keys are whole (net.keys.colocated_key), not under torch's PrefixStore: refit's own store is a
+        # Python dist.Store, whose methods (delete_key among them) torch's C++ wrappers do not all reach
         self.store = store
-        self.prefix = "colocated/"
         self.timeout_s = timeout_s
 
     def put(self, key: str, value: dict | bytes) -> None:
         try:
-            self.store.set(self.prefix + key, value if isinstance(value, bytes) else json.dumps(value).encode())  # type: ignore[arg-type]
+            self.store.set(key, value if isinstance(value, bytes) else json.dumps(value).encode())  # type: ignore[arg-type]
         except Exception as exc:
             raise TransferError(f"lost the refit rendezvous (train rank 0 hosts it): {exc}") from exc
 
     def take(self, key: str, what: str, *, delete: bool = True) -> bytes:
         """The value of ``key`` once it exists (then removed); :class:`TransferError` after the timeout."""
         try:
-            raw = self.store.get(self.prefix + key)  # waits up to the store's timeout, the refit's timeout_s
+            raw = self.store.get(key)  # waits up to the store's timeout, the refit's timeout_s
             if delete:
-                self.store.delete_key(self.prefix + key)
+                self.store.delete_key(key)
         except Exception as exc:
             raise TransferError(f"{what} did not arrive within {self.timeout_s:.0f} s (a peer died or "
                                 f"hung): {exc}") from exc
@@ -112,11 +108,12 @@ class _Channel:
         return value
 
 
-class ColocatedSender:
-    """A train rank's colocated pairs: exports its memory once, then posts a header per step."""
+class _ColocatedPairs:
+    """What both ends of a rank's colocated pairs hold: its messages by peer, the setup channel, the
+    plan's fingerprint, the step count, the peers' mailboxes and the step trace."""
 
     def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
-                 device: torch.device, fingerprint: str, timeout_s: float, trace: bool = False) -> None:
+                 device: torch.device, fingerprint: str, timeout_s: float, trace: bool) -> None:
         self.messages = messages
         self.channel = _Channel(store, timeout_s)
         self.rank = rank
@@ -130,13 +127,21 @@ class ColocatedSender:
         self.trace: StepTrace | None = None
         """This step's :class:`~refit_core.run.timing.StepTrace` (with ``trace=True``; else None)."""
         self._mailboxes: dict[int, Mailbox] = {}
-        self._storages: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, data_ptr, nbytes
-        self._owners: list[str] = []  # a tensor name per exported storage, for errors
-        self._event: StepEvent | None = None
 
     @property
     def peers(self) -> list[int]:
         return sorted(self.messages)
+
+
+class ColocatedSender(_ColocatedPairs):
+    """A train rank's colocated pairs: exports its memory once, then posts a header per step."""
+
+    def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
+                 device: torch.device, fingerprint: str, timeout_s: float, trace: bool = False) -> None:
+        super().__init__(messages, store, rank, device, fingerprint, timeout_s, trace)
+        self._storages: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, data_ptr, nbytes
+        self._owners: list[str] = []  # a tensor name per exported storage, for errors
+        self._event: StepEvent | None = None
 
     def export(self, views: Sequence[torch.Tensor], names: Sequence[str]) -> None:
         """Export the storages of every piece a colocated message reads and publish them (once)."""
@@ -167,8 +172,9 @@ class ColocatedSender:
             page = Mailbox.allocate()
             mailbox = export_storage(page.untyped_storage())
             self._mailboxes[peer] = Mailbox(page, self.timeout_s, f"gen rank {peer}")
-            self.channel.put(f"{_pair(self.rank, peer)}/exports", raw)
-            self.channel.put(f"{_pair(self.rank, peer)}/control", {**control, "mailbox": asdict(mailbox)})
+            self.channel.put(colocated_key(self.rank, peer, ColocatedRecord.EXPORTS), raw)
+            self.channel.put(colocated_key(self.rank, peer, ColocatedRecord.CONTROL),
+                             {**control, "mailbox": asdict(mailbox)})
 
     def mark(self, name: str) -> None:
         """Record host mark ``name`` of this step (``start`` begins a new trace); no-op unless tracing."""
@@ -222,28 +228,16 @@ class ColocatedSender:
         self._storages, self._event, self._mailboxes = [], None, {}
 
 
-class ColocatedReceiver:
+class ColocatedReceiver(_ColocatedPairs):
     """A gen rank's colocated pairs: opens the trainers' memory once, copies out of it every step."""
 
     def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
                  device: torch.device, fingerprint: str, timeout_s: float,
                  strided: StridedCopy = StridedCopy.FOREACH, trace: bool = False) -> None:
-        self.messages = messages
-        self.channel = _Channel(store, timeout_s)
-        self.rank = rank
-        self.device = device
-        self.fingerprint = fingerprint
-        self._fingerprint_word = int(fingerprint[:15], 16)
-        self.timeout_s = timeout_s
-        self.step = 0
-        self.nbytes = sum(m.nbytes for msgs in messages.values() for m in msgs)
+        super().__init__(messages, store, rank, device, fingerprint, timeout_s, trace)
         self.strided = strided
-        self._tracing = trace
-        self.trace: StepTrace | None = None
-        """This step's :class:`~refit_core.run.timing.StepTrace` (with ``trace=True``; else None)."""
         self._device_marks: tuple[torch.cuda.Event, list[tuple[str, torch.cuda.Event]]] | None = None
         self._verdicts: list[int] = []  # peers whose check of this step follows their ready signal
-        self._mailboxes: dict[int, Mailbox] = {}
         self.lane: Lane = lane_for(device, "colocated copies")
         self._sources: dict[int, dict[int, torch.Tensor]] = {}  # peer -> piece -> view of its memory
         self._opened: list[torch.UntypedStorage] = []
@@ -265,19 +259,17 @@ class ColocatedReceiver:
         return ((self._program.counts.launches if self._program is not None else 0)
                 + (self._quantize.launches if self._quantize is not None else 0))
 
-    @property
-    def peers(self) -> list[int]:
-        return sorted(self.messages)
-
     def open(self) -> None:
         """Open every colocated train peer's exported memory (once, at setup)."""
         for peer in self.peers:
             what = f"train rank {peer}'s shared memory description"
-            storages, views = decode_exports(self.channel.take(f"{_pair(peer, self.rank)}/exports", what))
+            storages, views = decode_exports(self.channel.take(colocated_key(peer, self.rank, ColocatedRecord.EXPORTS),
+                                                               what))
             opened = [open_storage(s, self.device) for s in storages]
             self._opened += opened
             self._sources[peer] = {piece: v.open(opened[v.storage], self.device) for piece, v in views.items()}
-            control = self.channel.take_json(f"{_pair(peer, self.rank)}/control", f"train rank {peer}'s mailbox")
+            control = self.channel.take_json(colocated_key(peer, self.rank, ColocatedRecord.CONTROL),
+                                             f"train rank {peer}'s mailbox")
             try:
                 page_storage = open_storage(SharedStorage(**control["mailbox"]), torch.device("cpu"))
             except (KeyError, TypeError) as exc:
@@ -421,23 +413,4 @@ def _copy_and_quantize(program: CopyProgram | None, quantize: QuantizeInto | Non
         quantize.run()
 
 
-def split_rounds(rounds: list[list[Message]], network: Callable[[Message], bool]
-                 ) -> tuple[list[list[Message]], list[Message]]:
-    """A rank's rounds split into the network part (rounds kept in order) and the colocated messages."""
-    kept, colocated = [], []
-    for msgs in rounds:
-        net = [m for m in msgs if network(m)]
-        colocated += [m for m in msgs if not network(m)]
-        if net:
-            kept.append(net)
-    return kept, colocated
-
-
-def by_peer(messages: Sequence[Message], peer: Callable[[Message], int]) -> dict[int, list[Message]]:
-    out: dict[int, list[Message]] = {}
-    for m in messages:
-        out.setdefault(peer(m), []).append(m)
-    return out
-
-
-__all__ = ["ColocatedReceiver", "ColocatedSender", "split_rounds"]
+__all__ = ["ColocatedReceiver", "ColocatedSender"]

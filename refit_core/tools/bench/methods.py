@@ -26,13 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_core.api import RefitReceiver, RefitSender
 from refit_core.contract.errors import RefitError
 from refit_core.contract.experts import default_expert_name
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import checkpoint_specs
+from refit_core.receiver import RefitReceiver
 from refit_core.run.timing import Timeline
+from refit_core.sender import RefitSender
 
 PACKED_TARGET_BYTES = 1 << 30
 PACKED_BUFFERS = 2

@@ -1,0 +1,149 @@
+"""How every rank of a refit agrees on one plan at setup: metadata exchange, planning, link assignment, agreement.
+
+The steps, in the order an endpoint's ``setup()`` runs them (:mod:`refit_core.endpoint`); every key
+they write is :mod:`refit_core.net.keys`':
+
+1. :func:`exchange_metadata`: every rank adopts the train side's rank 0's options, publishes its piece
+   metadata and placement, and learns both sides' sizes;
+2. the planner (train rank 0) reads every rank's metadata (:func:`gather_metadata`), plans the whole
+   refit, gives every pair its link (:func:`assign_links`) and publishes every other rank its own part
+   (:func:`plan_for_all`); every other rank reads its part (:func:`read_own_part`);
+3. :func:`agree`: every rank publishes the fingerprint of the plan it holds and waits at one barrier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from refit_core.contract.errors import RefitError
+from refit_core.contract.experts import ExpertNaming, group_side
+from refit_core.contract.options import Colocation, RefitOptions
+from refit_core.contract.pieces import Piece, PieceMeta
+from refit_core.contract.plugins import PluginManager
+from refit_core.contract.side import Side
+from refit_core.net.keys import AGREED, OPTIONS, RankId, RankRecord, rank_key, rank_keys, side_rank_keys, size_key
+from refit_core.net.rendezvous import Rendezvous
+from refit_core.plan import codec, rankplan
+from refit_core.plan.gcpause import gc_paused
+from refit_core.plan.links import Link, Placement, pair_links, placement_of
+from refit_core.plan.planning import plan_with_relay
+from refit_core.plan.relay import RelayPlan, check_relay_pairs
+from refit_core.plan.schedule import Schedule
+
+MAX_WORLD_SIZE = 1 << 20
+"""The largest world size a rendezvous may hold (anything larger is a corrupt or hostile value)."""
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What the metadata exchange tells every rank: the agreed settings and both sides' world sizes."""
+
+    settings: RefitOptions
+    sizes: dict[Side, int]
+    """Each side's world size, the train side first."""
+
+
+@dataclass(frozen=True)
+class WholePlan:
+    """The planner's plan: its own part, the whole schedule, the relay plan (None without relay) and
+    every pair's link."""
+
+    mine: rankplan.RankPlan
+    schedule: Schedule
+    relay: RelayPlan | None
+    links: dict[tuple[int, int], Link]
+
+
+def exchange_metadata(rdv: Rendezvous, me: RankId, world_size: int, options: RefitOptions, device: torch.device,
+                      host_id: str | None, pieces: list[Piece]) -> Exchange:
+    """Publish this rank's piece metadata and placement; return the agreed settings and both sides' sizes.
+
+    The train side's rank 0 publishes its resolved options; every rank adopts them or, where it set a
+    setting explicitly to another value, fails with a :class:`~refit_core.contract.errors.PlanError`
+    naming it.
+    """
+    if me.rank == 0:
+        rdv.publish(size_key(me.side), world_size)
+    if me == RankId(Side.TRAIN, 0):
+        rdv.publish(OPTIONS, options.resolved(device.type).to_wire())
+    (published,) = rdv.wait([OPTIONS], "the train side's options")
+    settings = options.agree_with(RefitOptions.from_wire(published), me.name)
+    rdv.publish(rank_key(RankRecord.META, me), codec.metas_to_wire([p.meta for p in pieces]))
+    rdv.publish(rank_key(RankRecord.PLACEMENT, me), placement_of(device, host_id).encode())
+    sizes = rdv.wait([size_key(side) for side in Side], "both sides' sizes")
+    if not all(type(n) is int and 0 < n <= MAX_WORLD_SIZE for n in sizes):
+        raise RefitError(f"the rendezvous holds invalid world sizes {sizes!r:.80}")
+    return Exchange(settings, dict(zip(Side, sizes)))
+
+
+def gather_metadata(rdv: Rendezvous, sizes: dict[Side, int]) -> dict[Side, list[list[PieceMeta]]]:
+    """Every rank's piece metadata, per side in rank order (the planner's read)."""
+    return {side: [codec.metas_from_wire(m, RankId(side, r).name) for r, m in enumerate(
+                rdv.wait(side_rank_keys(RankRecord.META, side, sizes[side]), f"{side.value} metadata"))]
+            for side in Side}
+
+
+def read_own_part(rdv: Rendezvous, me: RankId) -> rankplan.RankPlan:
+    """This rank's part of the plan, once the planner has published it."""
+    (record,) = rdv.wait([rank_key(RankRecord.PLAN, me)], f"{me.name}'s part of the plan from train rank 0")
+    return rankplan.from_wire(record, me.side, me.rank)
+
+
+def plan_for_all(rdv: Rendezvous, me: RankId, settings: RefitOptions, sizes: dict[Side, int],
+                 metas: dict[Side, list[list[PieceMeta]]], plugins: PluginManager, experts: ExpertNaming) -> WholePlan:
+    """The planner: plan once and publish every other rank's part.
+
+    With relay fanout the trainers feed only the first wave's replicas; the relay plan (waves, parents,
+    relay messages) is hashed into the fingerprint with the settings. ``experts`` learns every rank's
+    expert names.
+    """
+    grouped = {side: group_side(metas[side], plugins.expert_name) for side in Side}
+    for side in Side:
+        experts.learn(metas[side])
+    groups = set(grouped[Side.GEN].counts) | set(grouped[Side.TRAIN].counts)
+    with gc_paused():
+        schedule, relay = plan_with_relay(grouped[Side.TRAIN].metas, grouped[Side.GEN].metas, settings,
+                                          expert_groups=groups)
+    links = assign_links(rdv, schedule, sizes, settings.colocate, relay)
+    facts = rankplan.PlanFacts(
+        schedule.fingerprint, schedule.num_src, schedule.num_dst, schedule.bucket_bytes, schedule.summary,
+        relay is not None or any(link is Link.NETWORK for link in links.values()),
+        {side: grouped[side].counts for side in Side},
+        None if relay is None else rankplan.RelayFacts(relay.replica_size, relay.waves, relay.wave_rounds,
+                                                       relay.schedule.fingerprint, relay.schedule.summary,
+                                                       relay.node_ranks))
+    record = rankplan.facts_to_wire(facts)
+    mine = None
+    for part in rankplan.rank_plans(facts, schedule, relay, links, {side: grouped[side].metas for side in Side},
+                                    dict(experts.seen)):
+        who = RankId(Side(part.side), part.rank)
+        if who == me:
+            mine = part
+        else:
+            rdv.publish(rank_key(RankRecord.PLAN, who), rankplan.to_wire(part, record))
+    assert mine is not None
+    return WholePlan(mine, schedule, relay, links)
+
+
+def assign_links(rdv: Rendezvous, schedule: Schedule, sizes: dict[Side, int], colocate: Colocation,
+                 relay: RelayPlan | None) -> dict[tuple[int, int], Link]:
+    """Every pair's link (:mod:`~refit_core.plan.links`), on the planner; a pair no transport can
+    connect (same GPU, colocation off) is refused before any collective."""
+    places = {side: [Placement.decode(text) for text in
+                     rdv.wait(side_rank_keys(RankRecord.PLACEMENT, side, n), f"{side.value} placements")]
+              for side, n in sizes.items()}
+    pairs = {(m.src, m.dst) for msgs in schedule.rounds for m in msgs}
+    links = pair_links(pairs, places[Side.TRAIN], places[Side.GEN], colocate)
+    if relay is not None:
+        check_relay_pairs(relay, places[Side.GEN])
+    return links
+
+
+def agree(rdv: Rendezvous, me: RankId, fingerprint: str, sizes: dict[Side, int]) -> None:
+    """Publish the fingerprint of the plan this rank holds and wait until every rank of both sides has
+    (a barrier before any collective)."""
+    rdv.publish(rank_key(RankRecord.FINGERPRINT, me), fingerprint)
+    rdv.barrier(AGREED, sum(sizes.values()), rank_keys(RankRecord.FINGERPRINT, sizes),
+                f"every rank to agree on plan {fingerprint}")

@@ -1,0 +1,128 @@
+"""The setup protocol's store keys: every key refit's ranks write into the store is built, and parsed back, here.
+
+Every process of one job must build the same strings, so they never change lightly. A rank's
+store identity is ``SIDE/RANK`` (``"train/0"``); a per-rank key is ``KIND/SIDE/RANK``
+(``"meta/gen/1"``), a side-wide key ``size/SIDE`` (its rank 0 publishes it), a staged step's landing
+vote ``landed/STEP/gen/RANK`` and a colocated pair's setup record ``colocated/SRC>DST/RECORD``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from refit_core.contract.side import Side
+
+OPTIONS = "options"
+"""Train rank 0's resolved options, which every other rank adopts."""
+AGREED = "agreed"
+"""The barrier every rank passes once it holds its part of the plan (:func:`barrier_keys`)."""
+
+
+class RankRecord(StrEnum):
+    """What a per-rank key holds; each rank publishes its own (the planner: every rank's ``PLAN``)."""
+
+    META = "meta"
+    """The rank's piece metadata."""
+    PLACEMENT = "placement"
+    """Where its memory lives (which link each of its pairs can use)."""
+    PLAN = "plan"
+    """Its part of the plan, published by the planner."""
+    FINGERPRINT = "fingerprint"
+    """The fingerprint of the plan it holds (the agreement barrier's arrival)."""
+    DONE = "done"
+    """It read a failed setup's error (the store's host lingers until every rank has)."""
+
+
+class ColocatedRecord(StrEnum):
+    """A colocated pair's setup record, written by its train rank, read once by its gen rank."""
+
+    EXPORTS = "exports"
+    """The shared memory of the train rank's source pieces."""
+    CONTROL = "control"
+    """The pair's mailbox page and the trainer's step event."""
+
+
+@dataclass(frozen=True)
+class RankId:
+    """One rank of a refit: its side and its rank there. ``str()`` is its store identity (``"train/0"``)."""
+
+    side: Side
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.side.value}/{self.rank}"
+
+    @property
+    def name(self) -> str:
+        """How errors name it: ``"train rank 0"``."""
+        return f"{self.side.value} rank {self.rank}"
+
+
+@dataclass(frozen=True)
+class BarrierKeys:
+    """The two keys of one barrier: the arrivals' counter and the key the last arrival sets."""
+
+    count: str
+    all: str
+
+
+def rank_key(record: RankRecord, who: RankId | str) -> str:
+    """The key under which rank ``who`` (a :class:`RankId` or its store identity) publishes ``record``."""
+    return f"{record.value}/{who}"
+
+
+def rank_keys(record: RankRecord, sizes: Mapping[Side, int]) -> list[str]:
+    """Every rank's ``record`` key, side by side in the order of ``sizes`` (each side's world size)."""
+    return [rank_key(record, RankId(side, r)) for side, n in sizes.items() for r in range(n)]
+
+
+def side_rank_keys(record: RankRecord, side: Side, size: int) -> list[str]:
+    """The ``record`` keys of one side's ``size`` ranks, in rank order."""
+    return [rank_key(record, RankId(side, r)) for r in range(size)]
+
+
+def size_key(side: Side) -> str:
+    """The key under which ``side``'s rank 0 publishes that side's world size."""
+    return f"size/{side.value}"
+
+
+def landed_key(step: int, gen_rank: int) -> str:
+    """Gen rank ``gen_rank``'s vote on whether it landed staged step ``step``."""
+    return f"landed/{step}/{RankId(Side.GEN, gen_rank)}"
+
+
+def landed_keys(step: int, gen_size: int) -> list[str]:
+    """Every gen rank's landing vote on staged step ``step``, in rank order."""
+    return [landed_key(step, r) for r in range(gen_size)]
+
+
+def colocated_key(src: int, dst: int, record: ColocatedRecord) -> str:
+    """The ``record`` of the colocated pair (train rank ``src``, gen rank ``dst``)."""
+    return f"colocated/{src}>{dst}/{record.value}"
+
+
+def barrier_keys(name: str) -> BarrierKeys:
+    """The keys of the barrier called ``name``."""
+    return BarrierKeys(f"{name}/count", f"{name}/all")
+
+
+def publisher(key: str) -> RankId | None:
+    """The rank that publishes ``key``, or that a store identity names; None for any other key.
+
+    ``done/gen/0``, ``landed/3/gen/0`` and ``gen/0`` -> gen rank 0; a side-wide ``size/gen`` -> gen rank 0.
+    """
+    parts = key.split("/")
+    if parts[-1] in tuple(Side):
+        return RankId(Side(parts[-1]), 0)
+    if len(parts) >= 2 and parts[-2] in tuple(Side) and parts[-1].isdigit():
+        return RankId(Side(parts[-2]), int(parts[-1]))
+    return None
+
+
+def rank_name(key: str) -> str:
+    """The rank that publishes ``key`` (or that a store identity names) as errors name it:
+    ``"train/1"`` -> ``"train rank 1"``; ``key`` itself if no rank publishes it."""
+    who = publisher(key)
+    return key if who is None else who.name

@@ -1,0 +1,225 @@
+"""The gen side of a refit: a :class:`RefitReceiver` on every gen rank lands one weight version per ``receive()``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from refit_core import landing
+from refit_core.contract.errors import PlanError, RefitError, TransferError
+from refit_core.contract.failures import StepFailedError, StepFailure
+from refit_core.contract.options import RefitOptions, UpdateMode
+from refit_core.contract.pieces import DestinationPiece, Piece
+from refit_core.contract.plugins import PluginManager
+from refit_core.contract.side import Side
+from refit_core.contract.spec import TensorSpec
+from refit_core.endpoint import RefitEndpoint, by_peer, combined_stats, split_rounds
+from refit_core.plan.relay import RelayPlan
+from refit_core.plan.schedule import Schedule
+from refit_core.run.colocated import ColocatedReceiver
+from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
+from refit_core.run.quant.receiver import ReceiverQuantizer
+from refit_core.units import format_bytes
+
+log = logging.getLogger("refit")
+
+TORN_NAMES_SHOWN = 6
+"""How many torn destination tensors a failed step's error names."""
+
+
+class RefitReceiver(RefitEndpoint):
+    """The gen side of a refit, one per gen rank. ``receive()`` every step lands one weight version."""
+
+    side = Side.GEN
+
+    def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
+                 options: RefitOptions | None = None, plugins: PluginManager | None = None,
+                 host_id: str | None = None) -> None:
+        super().__init__(model, rendezvous=rendezvous, rank=rank, world_size=world_size, options=options,
+                         plugins=plugins, host_id=host_id)
+        self.version: int | None = None
+        """The weight version the engine holds (None: none from refit yet)."""
+        self.last_failure: StepFailure | None = None
+        """What the last step touched if it failed (None after a successful step)."""
+        self._loader: list[TensorSpec] = []
+        """The logical tensors of the loader path (received whole, handed to ``refit_load_weights``)."""
+        self._quantizing = ReceiverQuantizer(())
+        """This rank's receiver-side quantizations (set at setup from the schedule)."""
+
+    def _local_pieces(self) -> list[Piece]:
+        """The destination map's pieces, then one whole piece per loader tensor (recorded in ``_loader``)."""
+        mapping = self.plugins.destination_map(self.model)
+        self._loader = list(mapping.loader)
+        loader: list[Piece] = [DestinationPiece(spec, spec.full_box()) for spec in self._loader]
+        return [*mapping.pieces, *loader]
+
+    def _make_executors(self, schedule: Schedule, settings: RefitOptions) -> None:
+        self._quantizing = ReceiverQuantizer(schedule.receiver_quantizations_of(self.rank))
+        network, colocated = split_rounds(schedule.rounds_of_destination(self.rank), self._is_network)
+        if network:
+            assert self.transport is not None
+            self._executor = ReceiveExecutor(network, self.transport, 0,
+                                             **self._network_executor_args(schedule, settings))
+        if self.relay is not None:
+            self._make_relay_executors(self.relay, schedule, settings)
+        if colocated:
+            receiver = ColocatedReceiver(by_peer(colocated, lambda m: m.src), self._require_rendezvous().store,
+                                         self.rank, self.device, schedule.fingerprint, settings.timeout_s,
+                                         strided=settings.strided_copies, trace=settings.step_trace)
+            receiver.open()
+            self._colocated = receiver
+
+    def _make_relay_executors(self, relay: RelayPlan, schedule: Schedule, settings: RefitOptions) -> None:
+        """A relayed rank receives its step from its parent replica's rank (its network executor); a
+        rank with children forwards to them after its own step landed (``_relay_out``). Forwarding
+        within nodes: after its own step landed, a rank sends the regions it leads to its node's other
+        holders and receives the ones they lead, in one exchange per round (``_relay_out``)."""
+        assert self.transport is not None  # always opened with relay
+        offset = self.sizes[Side.TRAIN]  # relay peers are gen ranks: global rank = train ranks + gen rank
+        if relay.within_nodes:
+            rounds = relay.schedule.rounds  # this rank's part: every round, both directions
+            if any(rounds):
+                self._relay_out = ForwardExecutor(self.rank, rounds, self.transport, offset,
+                                                  **self._network_executor_args(schedule, settings))
+            return
+        incoming = relay.schedule.rounds_of_destination(self.rank)
+        if incoming:
+            if self._executor is not None:
+                raise PlanError(f"refit bug: gen rank {self.rank} is fed by trainers and by a relay")
+            self._executor = ReceiveExecutor(incoming, self.transport, offset,
+                                             **self._network_executor_args(schedule, settings))
+        outgoing = relay.schedule.rounds_of_source(self.rank)
+        if outgoing:
+            self._relay_out = SendExecutor(outgoing, self.transport, offset,
+                                           **self._network_executor_args(schedule, settings))
+
+    def _bound_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._quantizing.bind(views)  # receiver-quantized pieces land in high precision first
+
+    def _bind_step(self) -> list[tuple[str, torch.Tensor]]:
+        """(Re)bind destination views for this step; returns the fresh loader-path tensors."""
+        rebind = self.plugins.begin_update(self.model)
+        if rebind:
+            pieces = self._local_pieces()
+            if [p.meta for p in pieces] != [p.meta for p in self._pieces]:
+                raise RefitError("the generation model's destination pieces changed after "
+                                 "refit_begin_update; a plugin must return the same pieces every time")
+            self._pieces = pieces
+        if not self._loader:
+            if rebind or not self._bound:
+                self._bind(self._pieces)
+            return []
+        fast = len(self._pieces) - len(self._loader)
+        buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in self._loader]
+        loaded: list[Piece] = [DestinationPiece(s, s.full_box(), b) for s, b in zip(self._loader, buffers)]
+        self._bind(self._pieces[:fast] + loaded)
+        return [(s.name, b) for s, b in zip(self._loader, buffers)]
+
+    @property
+    def needs_refit(self) -> bool:
+        """True while the engine holds weights a failed in-place step tore: serve nothing until the
+        next successful ``receive()`` (after ``close()`` and ``setup()``)."""
+        return self.last_failure is not None and not self.last_failure.clean
+
+    def receive(self) -> StepStats:
+        """Receive one step's weights into the engine; ``stats.version`` is the sender's version.
+
+        On failure raises :class:`~refit_core.contract.failures.StepFailedError`, whose ``failure`` names the
+        destination tensors the step touched (none in staged mode, unless colocated pairs, which land in
+        place, had started); ``version`` is not advanced, the plugin's ``refit_abort_update`` is told,
+        and the endpoint needs ``close()`` + ``setup()``.
+        """
+        self._require_step()
+        step, self._steps = self._steps, self._steps + 1
+        touched: set[int] = set()
+        self._quantizing.begin_step()
+        for executor in (self._executor, self._relay_out):
+            if isinstance(executor, ReceiveExecutor | ForwardExecutor):
+                executor.touched = set()  # this step's, also if binding fails before it runs
+        loader_weights: list[tuple[str, torch.Tensor]] = []
+        voted = False
+        try:
+            loader_weights = self._bind_step()
+            stats = self._receive_parts(touched)
+            if self._relay_out is not None:  # forward only what has fully landed here
+                self._relay_out.run(stats.version)
+            if self._mode is UpdateMode.STAGED:
+                rdv = self._require_rendezvous()
+                landing.vote(rdv, step, self.rank)
+                voted = True
+                landing.await_landing(rdv, step, self.sizes[Side.GEN])
+                if isinstance(self._executor, ReceiveExecutor):
+                    self._executor.commit()
+            self._quantizing.finish()
+            if loader_weights:
+                touched.update(range(len(self._bound_names) - len(loader_weights), len(self._bound_names)))
+                self.plugins.load_weights(self.model, self._experts.ungrouped(loader_weights))
+        except Exception as exc:
+            raise self._step_failed(step, exc, voted, touched) from exc
+        self.plugins.finish_update(self.model, stats.version)
+        self.version = stats.version
+        self.last_failure = None
+        log.info("refit received version %d: %s in %.3f s (%.2f GB/s)", stats.version,
+                 format_bytes(stats.bytes), stats.seconds, stats.gbps)
+        return stats
+
+    def _receive_parts(self, touched: set[int]) -> StepStats:
+        """This step's network part and colocated part; colocated peers hear of any failure.
+        ``touched`` gathers the bound pieces whose destinations may have been written."""
+        executor, colocated = self._executor, self._colocated
+        assert executor is None or isinstance(executor, ReceiveExecutor)
+        if not isinstance(colocated, ColocatedReceiver):
+            assert executor is not None
+            return executor.run()
+        start = time.perf_counter()
+        version = colocated.start()  # on a bad header it has told its peers already
+        touched |= colocated.pieces  # colocated copies land in place, also in staged mode
+        try:
+            stats = executor.run(version) if executor is not None else None
+            if stats is not None and stats.version != version:
+                raise TransferError(f"train ranks sent different weight versions {sorted({version, stats.version})} "
+                                    "in one step: every train rank must call send() with the same version")
+        except Exception as exc:
+            colocated.finish(error=f"gen rank {self.rank}: {exc}")
+            raise
+        colocated.finish()
+        return combined_stats(stats, version, colocated, start)
+
+    def _step_failed(self, step: int, exc: Exception, voted: bool, touched: set[int]) -> StepFailedError:
+        """Record what a failed step touched, tell the peers and the plugin; the error to raise."""
+        executor = self._executor
+        if isinstance(executor, ReceiveExecutor):
+            touched |= executor.touched
+            executor.discard()
+        if isinstance(self._relay_out, ForwardExecutor):
+            touched |= self._relay_out.touched
+        touched = self._quantizing.torn(touched)  # receiver-quantized pieces land in stand-ins first
+        if self._mode is UpdateMode.STAGED and not voted and self._rdv is not None:
+            try:
+                landing.vote(self._rdv, step, self.rank, failure=str(exc))
+            except RefitError:
+                pass  # the store's host is gone: the others fail on that too
+        names = sorted({self._bound_names[i] for i in touched if i < len(self._bound_names)})
+        failure = StepFailure(step, self._mode, str(exc), tuple(names))
+        self.last_failure = failure
+        self._break(str(exc))
+        handled = self.plugins.abort_update(self.model, list(failure.torn))
+        if failure.clean:
+            outcome = "the engine's weights are unchanged"
+        else:
+            shown = TORN_NAMES_SHOWN
+            outcome = (f"{len(names)} destination tensor(s) may be partly written (torn): "
+                       f"{', '.join(names[:shown])}{' ...' if len(names) > shown else ''}; the engine needs a new "
+                       f"refit and stays at version {self.version}")
+        error = StepFailedError(f"refit step {step} failed on gen rank {self.rank}: {exc}; {outcome}", failure)
+        if handled is False:
+            error.add_note(f"refit: gen rank {self.rank}: the engine could not restore its previous weights "
+                           "(refit_abort_update returned False); it may hold a mix of versions until the "
+                           "next successful receive()")
+        return error
+
+
+__all__ = ["RefitReceiver", "StepStats"]
