@@ -39,8 +39,8 @@ from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourceP
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.contract.side import Side
 from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Box, Quantization, QuantScheme, TensorSpec
-from refit_core.receiver import RefitReceiver, StepStats
-from refit_core.sender import RefitSender
+from refit_core.endpoints.receiver import RefitReceiver, StepStats
+from refit_core.endpoints.sender import RefitSender
 
 __all__ = [
     "BLOCK_SCALE_SUFFIX", "FP8_DTYPES", "GEN", "TRAIN", "AuthenticationError", "Backend", "Box", "CastPolicy",

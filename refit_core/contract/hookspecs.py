@@ -60,7 +60,7 @@ def refit_register_backends(register: Callable[[Backend], None]) -> None:
 
     A backend has a name (``"dtensor"``, ``"vllm"``), the side(s) it serves (``Side.TRAIN``,
     ``Side.GEN``) and a description. The programs ``refit demo`` runs for it are registered through
-    the kit's own hook, :func:`refit_core.kit.demo_hooks.refit_register_demos`.
+    the kit's own hook, :meth:`refit_core.kit.demo.DemoHookspecs.refit_register_demos`.
     """
 
 

@@ -72,15 +72,17 @@ class PluginManager:
         self._pm.register(plugin, name=name)
         self._info[name] = PluginInfo(name, distribution, version, self._registered_by(REGISTER_BACKENDS, name))
 
-    def add_hookspecs(self, module: ModuleType) -> None:
-        """Declare the hooks of ``module`` (a layer above the contract's, e.g. the kit's demo hook).
+    def add_hookspecs(self, specs: ModuleType | type) -> None:
+        """Declare the hooks of ``specs``, a module or a class of a layer above the contract's (e.g. the kit's
+        demo hook, :class:`refit_core.kit.demo.DemoHookspecs`).
 
-        Plugins registered before implement them too (pluggy checks their signatures now). Adding a
-        module twice does nothing.
+        Plugins registered before implement them too (pluggy checks their signatures now). Adding the same
+        specs twice does nothing.
         """
-        if module.__name__ not in self._specs:
-            self._pm.add_hookspecs(module)
-            self._specs.add(module.__name__)
+        key = f"{specs.__module__}.{specs.__qualname__}" if isinstance(specs, type) else specs.__name__
+        if key not in self._specs:
+            self._pm.add_hookspecs(specs)
+            self._specs.add(key)
 
     def registrations(self, hook: str) -> dict[str, list[Any]]:
         """What each plugin registers through ``hook``, a hook taking a ``register`` callback, by plugin name.

@@ -4,7 +4,7 @@ What a plugin speaks to refit (the data model, ``Backend``, ``hookimpl``, settin
 :mod:`refit_core`; what it may use to build its pieces, its demo programs and its tests is here: model
 inventories and reference weights, load tracing and planning for engines, tensor-parallel decoder layouts,
 bitwise verification, the serving guard, rank launching, ``refit demo`` programs (:class:`DemoPrograms`,
-registered through the hook ``refit_register_demos`` of :mod:`refit_core.kit.demo_hooks`), RL-loop pieces
+registered through the hook ``refit_register_demos`` of :class:`refit_core.kit.demo.DemoHookspecs`), RL-loop pieces
 and the Ray driver. The conformance kit is :mod:`refit_core.testing`.
 
 The submodules of this package are internal paths: import their names from here. The Ray names

@@ -1,7 +1,7 @@
 """``refit demo`` for plugin authors: what a backend registers (programs), and what a program receives and returns.
 
 A plugin offers demo programs for its backends by implementing
-:func:`~refit_core.kit.demo_hooks.refit_register_demos` and registering one :class:`DemoPrograms` per
+:meth:`DemoHookspecs.refit_register_demos` and registering one :class:`DemoPrograms` per
 backend. A program receives a :class:`DemoContext` and returns a :class:`DemoReport`; a train program's
 ranks can run the whole send loop with :func:`send_versions` and :func:`train_demo`.
 """
@@ -17,13 +17,13 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from refit_core.contract.backend import Backend
+from refit_core.contract.hookspecs import hookspec
 from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.options import Colocation, RefitOptions
 from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
-from refit_core.kit import demo_hooks
+from refit_core.endpoints.sender import RefitSender
 from refit_core.kit.launch import spawn
-from refit_core.sender import RefitSender
 from refit_core.units import format_bytes
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class ProgressLog:
 
     def planned(self, schedule: Schedule, seconds: float, times: SetupTimes | None = None) -> None:
         """The setup line: the agreed plan's size, messages and fingerprint; with ``times`` (the
-        endpoint's :attr:`~refit_core.sender.RefitSender.setup_times`) a second line breaks setup down."""
+        endpoint's :attr:`~refit_core.endpoints.sender.RefitSender.setup_times`) a second line breaks setup down."""
         summary = schedule.summary
         self.report(Phase.SETUP, f"plan {format_bytes(summary.bytes)} in {summary.segments} segments, "
                                  f"{summary.messages} messages in {summary.rounds} rounds, "
@@ -203,6 +203,26 @@ class DemoPrograms:
         return self.rl_train_actor if side == Side.TRAIN else self.rl_gen_actor
 
 
+class DemoHookspecs:
+    """The hook a plugin implements to offer ``refit demo`` programs: declared by the kit, not the contract.
+
+    The contract's plugin manager knows nothing of demos; :func:`installed_demos` adds this hook to it when
+    ``refit demo`` (or the conformance kit) needs it. Plugins implement it with ``refit_core.hookimpl``
+    like every other hook.
+    """
+
+    @hookspec
+    def refit_register_demos(self, register: Callable[[DemoPrograms], None]) -> None:
+        """Register what ``refit demo`` runs for your backends by calling ``register(DemoPrograms(...))``.
+
+        One :class:`DemoPrograms` per backend (named as in ``refit_register_backends``): its train and gen
+        programs, default layouts, priority, Ray actors and quantized destinations.
+        """
+
+
+REGISTER_DEMOS = DemoHookspecs.refit_register_demos.__name__
+
+
 @dataclass(frozen=True)
 class DemoCatalog:
     """The demo programs the installed plugins registered, by backend name."""
@@ -217,8 +237,8 @@ class DemoCatalog:
 def installed_demos(pm: PluginManager) -> DemoCatalog:
     """The demo programs ``pm``'s plugins register through ``refit_register_demos`` (the hook is added to
     ``pm`` here). A backend registered twice keeps its last registration."""
-    pm.add_hookspecs(demo_hooks)
-    registered: Iterable[DemoPrograms] = (item for items in pm.registrations(demo_hooks.REGISTER_DEMOS).values()
+    pm.add_hookspecs(DemoHookspecs)
+    registered: Iterable[DemoPrograms] = (item for items in pm.registrations(REGISTER_DEMOS).values()
                                           for item in items)
     legacy = {backend.name: _from_legacy(backend) for backend in pm.backends() if backend.legacy_demo}
     return DemoCatalog(legacy | {programs.backend: programs for programs in registered})

@@ -33,8 +33,8 @@ import ray
 
 from refit_core.contract.errors import RefitError
 from refit_core.contract.options import RefitOptions
-from refit_core.receiver import RefitReceiver
-from refit_core.sender import RefitSender
+from refit_core.endpoints.receiver import RefitReceiver
+from refit_core.endpoints.sender import RefitSender
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.pieces import DestinationPiece, Piece
 from refit_core.contract.plugins import PluginManager
+from refit_core.endpoints.receiver import RefitReceiver
+from refit_core.endpoints.sender import RefitSender
 from refit_core.kit.launch import RankFailure, free_port, spawn
 from refit_core.kit.verify import mismatches, reference_region
 from refit_core.plan.offline import plan_from_metadata
-from refit_core.receiver import RefitReceiver
-from refit_core.sender import RefitSender
 from refit_core.testing.memory import overlapping_views, uncovered
 from refit_core.testing.reference import (
     REFERENCE_BACKEND,

@@ -24,7 +24,7 @@ def _entry(fn: Callable[..., Any], rank: int, events: Any, go: Any, args: tuple)
     os.environ.update(ENV)
     import refit_toy.plugin  # noqa: F401
 
-    import refit_core.endpoint  # noqa: F401 - the slow imports happen before the start line
+    import refit_core.endpoints.base  # noqa: F401 - the slow imports happen before the start line
 
     events.put((rank, "ready", None))
     go.wait()

@@ -30,10 +30,10 @@ from refit_core.contract.errors import RefitError
 from refit_core.contract.experts import default_expert_name
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.spec import Box, TensorSpec
+from refit_core.endpoints.receiver import RefitReceiver
+from refit_core.endpoints.sender import RefitSender
 from refit_core.kit.models import checkpoint_specs
-from refit_core.receiver import RefitReceiver
 from refit_core.run.timing import Timeline
-from refit_core.sender import RefitSender
 
 PACKED_TARGET_BYTES = 1 << 30
 PACKED_BUFFERS = 2

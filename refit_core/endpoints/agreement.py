@@ -1,6 +1,6 @@
 """How every rank of a refit agrees on one plan at setup: metadata exchange, planning, link assignment, agreement.
 
-The steps, in the order an endpoint's ``setup()`` runs them (:mod:`refit_core.endpoint`); every key
+The steps, in the order an endpoint's ``setup()`` runs them (:mod:`refit_core.endpoints.base`); every key
 they write is :mod:`refit_core.net.keys`':
 
 1. :func:`exchange_metadata`: every rank adopts the train side's rank 0's options, publishes its piece

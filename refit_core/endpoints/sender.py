@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from refit_core import landing
 from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.options import RefitOptions, UpdateMode
 from refit_core.contract.pieces import Piece
 from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
 from refit_core.contract.spec import Box, TensorSpec
-from refit_core.endpoint import RefitEndpoint, by_peer, combined_stats, split_rounds
+from refit_core.endpoints import landing
+from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, split_rounds
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedSender
 from refit_core.run.executor import SendExecutor, StepStats

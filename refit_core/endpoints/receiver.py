@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from refit_core import landing
 from refit_core.contract.errors import PlanError, RefitError, TransferError
 from refit_core.contract.failures import StepFailedError, StepFailure
 from refit_core.contract.options import RefitOptions, UpdateMode
@@ -16,7 +15,8 @@ from refit_core.contract.pieces import DestinationPiece, Piece
 from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
-from refit_core.endpoint import RefitEndpoint, by_peer, combined_stats, split_rounds
+from refit_core.endpoints import landing
+from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, split_rounds
 from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedReceiver

@@ -2,8 +2,8 @@
 
 Both sides call ``setup()`` once (metadata exchange through the rendezvous store, planning once on
 train rank 0, which publishes every other rank its own part of the plan, agreement on the plan's
-fingerprint, transport creation: :mod:`refit_core.agreement`), then every step the train side calls
-``send(version)`` (:mod:`refit_core.sender`) and the gen side ``receive()`` (:mod:`refit_core.receiver`).
+fingerprint, transport creation: :mod:`.agreement`), then every step the train side calls ``send(version)``
+(:mod:`.sender`) and the gen side ``receive()`` (:mod:`.receiver`).
 The two sides are separate programs; train rank 0 hosts the rendezvous store.
 """
 
@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from refit_core import agreement
 from refit_core.contract.env import with_overrides
 from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.experts import ExpertNaming, group_meta, group_piece
@@ -24,6 +23,7 @@ from refit_core.contract.options import RefitOptions, UpdateMode
 from refit_core.contract.pieces import Piece, PieceMeta
 from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.side import Side
+from refit_core.endpoints import agreement
 from refit_core.net.auth import JobCredentials
 from refit_core.net.keys import RankId, RankRecord, rank_key, rank_keys, size_key
 from refit_core.net.rendezvous import Rendezvous
