@@ -2,7 +2,9 @@
 
 A module's floor is one above the highest floor it imports (modules importing nothing of refit's stand
 on floor 0); a circle is a set of modules that import each other in a loop (imports under TYPE_CHECKING
-and inside functions count). ``python scripts/import-graph.py [--package refit_core]``
+and inside functions count). ``--rooms`` counts each subpackage of the package as one room (its modules
+folded into it), the way a reader sees the folders. ``python scripts/import-graph.py [--package refit_core]
+[--rooms]``
 """
 
 from __future__ import annotations
@@ -60,10 +62,19 @@ def strongly_connected(nodes: set[str], edges: dict[str, set[str]]) -> list[set[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--package", default="refit_core")
+    parser.add_argument("--rooms", action="store_true", help="fold every subpackage into one node")
     args = parser.parse_args()
     graph = grimp.build_graph(args.package)
-    nodes = set(graph.modules)
-    edges = {m: {i for i in graph.find_modules_directly_imported_by(m) if i in nodes} for m in nodes}
+    depth = args.package.count(".") + 2
+
+    def room(module: str) -> str:
+        return ".".join(module.split(".")[:depth]) if args.rooms else module
+
+    nodes = {room(m) for m in graph.modules}
+    edges: dict[str, set[str]] = {n: set() for n in nodes}
+    for module in graph.modules:
+        edges[room(module)] |= {room(i) for i in graph.find_modules_directly_imported_by(module)
+                                if room(i) in nodes and room(i) != room(module)}
     components = strongly_connected(nodes, edges)
     owner = {m: n for n, c in enumerate(components) for m in c}
     floor: dict[int, int] = {}
@@ -72,7 +83,7 @@ def main() -> int:
         floor[n] = 1 + max((floor[b] for b in below), default=-1)
     circles = [sorted(c) for c in components if len(c) > 1]
     arrows = sum(len(e) for e in edges.values())
-    print(f"{args.package}: {len(nodes)} modules, {arrows} import arrows, "
+    print(f"{args.package}: {len(nodes)} {'rooms' if args.rooms else 'modules'}, {arrows} import arrows, "
           f"{1 + max(floor.values())} floors, {len(circles)} circles")
     for circle in circles:
         print("  circle: " + " <-> ".join(m.removeprefix(args.package + ".") for m in circle))
