@@ -3,7 +3,8 @@
 Every process of one job must build the same strings, so they never change lightly. A rank's
 store identity is ``SIDE/RANK`` (``"train/0"``); a per-rank key is ``KIND/SIDE/RANK``
 (``"meta/gen/1"``), a side-wide key ``size/SIDE`` (its rank 0 publishes it), a staged step's landing
-vote ``landed/STEP/gen/RANK`` and a colocated pair's setup record ``colocated/SRC>DST/RECORD``.
+vote ``landed/STEP/gen/RANK``, a colocated pair's setup record ``colocated/SRC>DST/RECORD`` and the NCCL
+transport's ``nccl/gpu/RANK`` and ``nccl/{world/K,pair/I/J/K}/uid``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,30 @@ def landed_keys(step: int, gen_size: int) -> list[str]:
 def colocated_key(src: int, dst: int, record: ColocatedRecord) -> str:
     """The ``record`` of the colocated pair (train rank ``src``, gen rank ``dst``)."""
     return f"colocated/{src}>{dst}/{record.value}"
+
+
+NCCL_PREFIX = "nccl/"
+"""The NCCL transport's keys live under this prefix (a ``PrefixStore``); the functions below build the rest."""
+
+
+def nccl_gpu_key(rank: int) -> str:
+    """Where refit rank ``rank`` publishes its GPU's UUID (ranks sharing a GPU need pairwise communicators)."""
+    return f"gpu/{rank}"
+
+
+def nccl_comm_key(pair: tuple[int, int] | None, index: int) -> str:
+    """The ``index``-th communicator of every rank (``pair`` None) or of the two ranks ``pair``."""
+    return f"world/{index}" if pair is None else f"pair/{pair[0]}/{pair[1]}/{index}"
+
+
+def nccl_group_prefix(comm_key: str) -> str:
+    """The prefix under which torch's NCCL process group for communicator ``comm_key`` keeps its own keys."""
+    return f"{comm_key}/"
+
+
+def nccl_unique_id_key(comm_key: str) -> str:
+    """Where the first rank of communicator ``comm_key`` publishes NCCL's unique id."""
+    return f"{comm_key}/uid"
 
 
 def barrier_keys(name: str) -> BarrierKeys:

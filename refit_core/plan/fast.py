@@ -24,6 +24,7 @@ import numpy as np
 from refit_core.contract.errors import PlanError
 from refit_core.contract.options import CastPolicy
 from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.side import Side
 from refit_core.contract.spec import Box, TensorSpec, dtype_size
 from refit_core.plan.items import Transfer, new_transfer
 from refit_core.plan.reference import check_specs, plan_transfers
@@ -64,7 +65,7 @@ class _Match:
     """``[len(multi), replicas, 2]``: each such row's holders as (position, train rank), padded with -1."""
 
 
-def _side(side: str, ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, _Tensor]:
+def _side(side: Side, ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, _Tensor]:
     """Every logical tensor of one side; the reference planner's spec agreement check on the way."""
     out: dict[str, _Tensor] = {}
     for rank, metas in enumerate(ranks):
@@ -127,8 +128,8 @@ def plan_transfers_fast(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Seq
     if any(meta.spec.quant is not None for metas in dst_ranks for meta in metas):
         return plan_transfers(src_ranks, dst_ranks, cast=cast, allow_unused_sources=allow_unused_sources,
                               balance_split_bytes=balance_split_bytes, distance=distance)
-    src_by_name = _side("train", src_ranks)
-    dst_by_name = _side("gen", dst_ranks)
+    src_by_name = _side(Side.TRAIN, src_ranks)
+    dst_by_name = _side(Side.GEN, dst_ranks)
     check_specs({n: t.spec for n, t in src_by_name.items()}, {n: t.spec for n, t in dst_by_name.items()},
                 cast=cast, allow_unused_sources=allow_unused_sources)
 

@@ -29,11 +29,6 @@ class Link(enum.Enum):
     CUDA_IPC = "cuda-ipc"
     """Same GPU: the receiver copies straight out of the trainer's parameters through CUDA IPC."""
 
-    @property
-    def reads_peer_memory(self) -> bool:
-        return self is not Link.NETWORK
-
-
 @dataclass(frozen=True)
 class Placement:
     """Where a rank's pieces live: its host and its device (``cpu`` or ``cuda:<uuid>``)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from refit_core.contract.errors import PlanError
 from refit_core.contract.options import CastPolicy
 from refit_core.contract.pieces import PieceMeta
+from refit_core.contract.side import Side
 from refit_core.contract.spec import Box, TensorSpec, dtype_size
 from refit_core.plan.items import Transfer
 from refit_core.plan.quant_rules import assign_sites, computed_scales, quantization_rules
@@ -35,7 +36,7 @@ def _listing(items: Sequence[str]) -> str:
     return shown + (f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
 
 
-def _specs_by_name(side: str, ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, TensorSpec]:
+def _specs_by_name(side: Side, ranks: Sequence[Sequence[PieceMeta]]) -> dict[str, TensorSpec]:
     specs: dict[str, TensorSpec] = {}
     for rank, metas in enumerate(ranks):
         for meta in metas:
@@ -96,8 +97,8 @@ def plan_transfers(src_ranks: Sequence[Sequence[PieceMeta]], dst_ranks: Sequence
     given, ranks replicas first: the nearest replicas to the receiver (same GPU, then same node) are
     the only candidates, and load balances among them, spreading a node's traffic over its GPUs' links.
     """
-    src_specs = _specs_by_name("train", src_ranks)
-    dst_specs = _specs_by_name("gen", dst_ranks)
+    src_specs = _specs_by_name(Side.TRAIN, src_ranks)
+    dst_specs = _specs_by_name(Side.GEN, dst_ranks)
     rules = quantization_rules(src_specs, dst_specs)
     computed = computed_scales(rules)  # scale tensors refit computes: no source, no transfers
     check_specs(src_specs, {n: s for n, s in dst_specs.items() if n not in computed}, cast=cast,

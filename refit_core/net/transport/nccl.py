@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.options import NcclBackend, NcclOptions, TransportKind
+from refit_core.net.keys import NCCL_PREFIX, nccl_comm_key, nccl_gpu_key, nccl_group_prefix, nccl_unique_id_key
 from refit_core.net.transport.base import Fence, Transport, check_contiguous, spin_until
 
 log = logging.getLogger("refit")
@@ -80,8 +81,8 @@ class NcclComm:
         self.nranks, self.rank, self.device = nranks, rank, device
         if rank == 0:
             uid = nccl.get_unique_id()
-            store.set(f"{key}/uid", bytes(uid.as_bytes))  # type: ignore[arg-type]  # torch's stub says str
-        raw = store.get(f"{key}/uid")
+            store.set(nccl_unique_id_key(key), bytes(uid.as_bytes))  # type: ignore[arg-type]  # torch's stub says str
+        raw = store.get(nccl_unique_id_key(key))
         with torch.cuda.device(device):
             self.comm = nccl.Communicator.init(nranks, rank, nccl.UniqueId.from_bytes(raw))
 
@@ -122,7 +123,7 @@ class TorchNcclComm:
         opts.is_high_priority_stream = True
         opts._timeout = timedelta(seconds=timeout_s)
         self.nranks, self.rank, self.device = nranks, rank, device
-        self.pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore(f"{key}/", store), rank, nranks, opts)
+        self.pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore(nccl_group_prefix(key), store), rank, nranks, opts)
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
              stream: torch.cuda.Stream) -> None:
@@ -249,10 +250,10 @@ class NcclTransport(Transport):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        store = dist.PrefixStore("nccl/", store)
+        store = dist.PrefixStore(NCCL_PREFIX, store)
         uuid = str(torch.cuda.get_device_properties(device).uuid)
-        store.set(f"gpu/{rank}", uuid)
-        gpus = [store.get(f"gpu/{r}").decode() for r in range(world_size)]
+        store.set(nccl_gpu_key(rank), uuid)
+        gpus = [store.get(nccl_gpu_key(r)).decode() for r in range(world_size)]
         self.gpus = gpus
         self._comms: list[Communicator] | None = []
         self._links: dict[int, list[_Link]] = {}  # peer -> one link per communicator
@@ -262,7 +263,7 @@ class NcclTransport(Transport):
         count = options.comms_per_link if self.backend == NcclBackend.NCCL4PY else 1
         if len(set(gpus)) == world_size:
             for k in range(count):
-                comm = open_comm(store, f"world/{k}", world_size, rank, device, timeout_s, self.backend)
+                comm = open_comm(store, nccl_comm_key(None, k), world_size, rank, device, timeout_s, self.backend)
                 stream = _stream_for(device)
                 self._comms.append(comm)
                 for peer in range(world_size):
@@ -279,7 +280,7 @@ class NcclTransport(Transport):
                         continue
                     peer = j if rank == i else i
                     for k in range(count):
-                        comm = open_comm(store, f"pair/{i}/{j}/{k}", 2, 0 if rank == i else 1, device, timeout_s,
+                        comm = open_comm(store, nccl_comm_key((i, j), k), 2, 0 if rank == i else 1, device, timeout_s,
                                          self.backend)
                         self._comms.append(comm)
                         self._links.setdefault(peer, []).append(_Link(comm, 1 if rank == i else 0,

@@ -19,7 +19,7 @@ from refit_core.kit.models import model_inventory
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="refit-demo-side")
-    parser.add_argument("--side", choices=("train", "gen"), required=True)
+    parser.add_argument("--side", choices=[side.value for side in Side], required=True)
     parser.add_argument("--backend", required=True)
     parser.add_argument("--peer-backend", required=True)
     parser.add_argument("--model", required=True)
