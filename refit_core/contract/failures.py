@@ -7,8 +7,9 @@
   until the next successful refit.
 - :attr:`UpdateMode.STAGED`: every byte of the step lands in a staging buffer first (extra memory on
   each gen rank: the bytes that rank receives per step); only once the whole step landed on *every*
-  gen rank (they agree through the rendezvous) is it copied into engine memory. A failed step leaves
-  every destination exactly as it was: old or new, never a mix.
+  gen rank (every gen rank votes, train rank 0 decides: :mod:`refit_core.endpoints.commit`) is it
+  copied into engine memory. A failed step leaves every destination exactly as it was: old or new,
+  never a mix; a rank that cannot learn the decision keeps its old weights and refuses to serve.
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ class StepFailure:
     mode: UpdateMode
     reason: str
     torn: tuple[str, ...]
+    undecided: bool = False
+    """True when this rank could not learn train rank 0's decision on a staged step (the store's host
+    stopped or died): it kept its previous weights, but other gen ranks may have applied the step, so
+    its engine must not serve until the next successful step. False: the decision was read, or none
+    was needed."""
 
     @property
     def clean(self) -> bool:
+        """True when the step wrote no destination tensor of this rank."""
         return not self.torn
 
 

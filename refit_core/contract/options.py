@@ -342,6 +342,9 @@ class RefitOptions(_Settings):
       (counted from the step's start). This rank's own deadline: the sides need not agree on it.
     - ``mode``: :class:`UpdateMode` (``in_place`` by default; ``staged`` costs each gen rank the
       bytes it receives per step in extra memory and guarantees old-or-new, never a mix).
+    - ``confirm``: in place, ``send()`` returns only once train rank 0 heard that every gen rank landed
+      the step, and raises if one did not (on by default; off saves the gen ranks' vote and train rank
+      0's decision per step, a few store round trips). Staged mode always confirms: it needs the vote.
     - ``job`` / ``secret``: this refit job's name and shared secret (local settings; defaults:
       the ``REFIT_JOB`` / ``REFIT_SECRET`` environment variables, else ``"refit"`` and none). Every
       rank proves both (HMAC) before it may read or write the rendezvous; the secret is never sent.
@@ -371,6 +374,7 @@ class RefitOptions(_Settings):
     nccl: NcclOptions = _nested(NcclOptions)
     timeout_s: float = _setting(300.0, float, local=True)
     mode: UpdateMode = _setting(UpdateMode.IN_PLACE, UpdateMode)
+    confirm: bool = _setting(True, bool)
     job: str | None = _setting(None, str, local=True)
     secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
     relay: RelayOptions = _nested(RelayOptions)

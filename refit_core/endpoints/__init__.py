@@ -3,7 +3,7 @@
 - :mod:`.base`: what both share: rendezvous, setup, binding, teardown;
 - :mod:`.agreement`: the setup protocol's steps: metadata exchange, planning on train rank 0, each rank's
   part of the plan, link assignment, the fingerprint barrier;
-- :mod:`.landing`: the staged-mode vote that every gen rank landed a step before any applies it;
+- :mod:`.commit`: the commit point of every step: the gen ranks vote, train rank 0 decides, every rank reads it;
 - :mod:`.sender`, :mod:`.receiver`: the two sides.
 
 Both are public from :mod:`refit_core`.

@@ -90,7 +90,7 @@ class RefitEndpoint:
         self._colocated: ColocatedSender | ColocatedReceiver | None = None
         self._bound = False  # whether this setup's executors hold the views (a gen rank binds at its first step)
         self._bound_names: list[str] = []
-        self._steps = 0  # steps since setup (landing keys of staged mode)
+        self._steps = 0  # steps since setup (the commit keys of each step)
         self._broken: str | None = None  # why the last step failed; a new setup() clears it
         self._phases: dict[str, float] = {}
         self._bind_s: float | None = None
@@ -361,6 +361,18 @@ def device_of(pieces: list[Piece]) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
+def first_moved(current: Sequence[Piece], bound: Sequence[Piece]) -> Piece | None:
+    """The first of the ``current`` pieces whose view no longer is the memory of its ``bound`` twin (the
+    model replaced the tensor or moved it since it was bound); None if every view is where it was."""
+    for now, then in zip(current, bound):
+        if now.view is None or then.view is None:
+            continue
+        if (now.view.data_ptr() != then.view.data_ptr()
+                or now.view.untyped_storage().data_ptr() != then.view.untyped_storage().data_ptr()):
+            return now
+    return None
+
+
 def split_rounds(rounds: list[list[Message]], network: Callable[[Message], bool]
                  ) -> tuple[list[list[Message]], list[Message]]:
     """A rank's rounds split into the network part (rounds kept in order) and the colocated messages."""
@@ -391,4 +403,4 @@ def combined_stats(network: StepStats | None, version: int, colocated: Colocated
                      network.staging_bytes, network.direct_bytes + extra)
 
 
-__all__ = ["RefitEndpoint", "by_peer", "combined_stats", "device_of", "split_rounds"]
+__all__ = ["RefitEndpoint", "by_peer", "combined_stats", "device_of", "first_moved", "split_rounds"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,8 +16,8 @@ from refit_core.contract.pieces import DestinationPiece, Piece
 from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
-from refit_core.endpoints import landing
-from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, split_rounds
+from refit_core.endpoints import commit
+from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, first_moved, split_rounds
 from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedReceiver
@@ -28,6 +29,14 @@ log = logging.getLogger("refit")
 
 TORN_NAMES_SHOWN = 6
 """How many torn destination tensors a failed step's error names."""
+
+
+@dataclass
+class _Ballot:
+    """Where this step's commit stands on this rank: whether it voted, and the decision it read."""
+
+    voted: bool = False
+    decision: commit.Decision | None = None
 
 
 class RefitReceiver(RefitEndpoint):
@@ -108,6 +117,12 @@ class RefitReceiver(RefitEndpoint):
                 raise RefitError("the generation model's destination pieces changed after "
                                  "refit_begin_update; a plugin must return the same pieces every time")
             self._pieces = pieces
+        elif self._bound:  # the steps write into the views bound earlier: a replaced tensor would go stale
+            moved = first_moved(self._local_pieces(), self._pieces)
+            if moved is not None:
+                raise RefitError(f"destination tensor {moved.spec.name}{moved.box} now lives at a different address "
+                                 "than when refit bound it (the engine replaced or moved it): its plugin's "
+                                 "refit_begin_update must return True after replacing destination tensors")
         if not self._loader:
             if rebind or not self._bound:
                 self._bind(self._pieces)
@@ -120,9 +135,12 @@ class RefitReceiver(RefitEndpoint):
 
     @property
     def needs_refit(self) -> bool:
-        """True while the engine holds weights a failed in-place step tore: serve nothing until the
-        next successful ``receive()`` (after ``close()`` and ``setup()``)."""
-        return self.last_failure is not None and not self.last_failure.clean
+        """True while this rank must not serve until the next successful ``receive()`` (after ``close()``
+        and ``setup()``): a failed step tore some of its weights, or it could not learn whether a staged
+        step was applied by the other gen ranks. False: its weights are one whole version (an engine
+        whose ranks hold different versions must still not serve: the engine plugins check that)."""
+        failure = self.last_failure
+        return failure is not None and (not failure.clean or failure.undecided)
 
     def receive(self) -> StepStats:
         """Receive one step's weights into the engine; ``stats.version`` is the sender's version.
@@ -140,31 +158,51 @@ class RefitReceiver(RefitEndpoint):
             if isinstance(executor, ReceiveExecutor | ForwardExecutor):
                 executor.touched = set()  # this step's, also if binding fails before it runs
         loader_weights: list[tuple[str, torch.Tensor]] = []
-        voted = False
+        ballot = _Ballot()
         try:
             loader_weights = self._bind_step()
             stats = self._receive_parts(touched)
             if self._relay_out is not None:  # forward only what has fully landed here
                 self._relay_out.run(stats.version)
             if self._mode is UpdateMode.STAGED:
-                rdv = self._require_rendezvous()
-                landing.vote(rdv, step, self.rank)
-                voted = True
-                landing.await_landing(rdv, step, self.sizes[Side.GEN])
+                self._await_commit(step, ballot)
                 if isinstance(self._executor, ReceiveExecutor):
                     self._executor.commit()
             self._quantizing.finish()
             if loader_weights:
                 touched.update(range(len(self._bound_names) - len(loader_weights), len(self._bound_names)))
                 self.plugins.load_weights(self.model, self._experts.ungrouped(loader_weights))
+            if self._mode is UpdateMode.IN_PLACE and self._votes:
+                commit.vote(self._require_rendezvous(), step, commit.Vote(self.rank))
+                ballot.voted = True
         except Exception as exc:
-            raise self._step_failed(step, exc, voted, touched) from exc
+            raise self._step_failed(step, exc, ballot, touched) from exc
         self.plugins.finish_update(self.model, stats.version)
         self.version = stats.version
         self.last_failure = None
+        if ballot.decision is not None and self._rdv is not None:
+            commit.settle(self._rdv, step, commit.Settlement(self.rank, self.version))
         log.info("refit received version %d: %s in %.3f s (%.2f GB/s)", stats.version,
                  format_bytes(stats.bytes), stats.seconds, stats.gbps)
         return stats
+
+    @property
+    def _votes(self) -> bool:
+        """Whether this rank votes on every step (staged mode always; in place with ``confirm``)."""
+        assert self.settings is not None
+        return self.settings.mode is UpdateMode.STAGED or self.settings.confirm
+
+    def _await_commit(self, step: int, ballot: _Ballot) -> None:
+        """Vote that staged ``step`` landed here and read train rank 0's decision into ``ballot``; raise
+        unless it commits the step (:class:`~refit_core.endpoints.commit.DecisionUnknown` if it cannot
+        be read in time)."""
+        rdv = self._require_rendezvous()
+        commit.vote(rdv, step, commit.Vote(self.rank))
+        ballot.voted = True
+        timeout_s = self.options.timeout_s
+        ballot.decision = commit.await_decision(rdv, step, timeout_s)
+        if ballot.decision.verdict is commit.Verdict.ABORT:
+            raise TransferError(f"train rank 0 aborted step {step}: {ballot.decision.reason}")
 
     def _receive_parts(self, touched: set[int]) -> StepStats:
         """This step's network part and colocated part; colocated peers hear of any failure.
@@ -188,7 +226,7 @@ class RefitReceiver(RefitEndpoint):
         colocated.finish()
         return combined_stats(stats, version, colocated, start)
 
-    def _step_failed(self, step: int, exc: Exception, voted: bool, touched: set[int]) -> StepFailedError:
+    def _step_failed(self, step: int, exc: Exception, ballot: _Ballot, touched: set[int]) -> StepFailedError:
         """Record what a failed step touched, tell the peers and the plugin; the error to raise."""
         executor = self._executor
         if isinstance(executor, ReceiveExecutor):
@@ -197,17 +235,24 @@ class RefitReceiver(RefitEndpoint):
         if isinstance(self._relay_out, ForwardExecutor):
             touched |= self._relay_out.touched
         touched = self._quantizing.torn(touched)  # receiver-quantized pieces land in stand-ins first
-        if self._mode is UpdateMode.STAGED and not voted and self._rdv is not None:
+        if self.settings is not None and self._votes and not ballot.voted and self._rdv is not None:
             try:
-                landing.vote(self._rdv, step, self.rank, failure=str(exc))
+                commit.vote(self._rdv, step, commit.Vote(self.rank, str(exc)))
             except RefitError:
                 pass  # the store's host is gone: the others fail on that too
         names = sorted({self._bound_names[i] for i in touched if i < len(self._bound_names)})
-        failure = StepFailure(step, self._mode, str(exc), tuple(names))
+        undecided = isinstance(exc, commit.DecisionUnknown)
+        failure = StepFailure(step, self._mode, str(exc), tuple(names), undecided)
         self.last_failure = failure
+        if ballot.decision is not None and self._rdv is not None:  # train rank 0 waits to hear what we did
+            commit.settle(self._rdv, step, commit.Settlement(self.rank, self.version,
+                                                             None if failure.clean else str(exc)))
         self._break(str(exc))
         handled = self.plugins.abort_update(self.model, list(failure.torn))
-        if failure.clean:
+        if undecided:
+            outcome = (f"this rank keeps version {self.version}, but other gen ranks may have applied the step: "
+                       "it refuses to serve (needs_refit) until the next successful refit")
+        elif failure.clean:
             outcome = "the engine's weights are unchanged"
         else:
             shown = TORN_NAMES_SHOWN

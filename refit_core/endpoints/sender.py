@@ -13,8 +13,8 @@ from refit_core.contract.pieces import Piece
 from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
 from refit_core.contract.spec import Box, TensorSpec
-from refit_core.endpoints import landing
-from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, split_rounds
+from refit_core.endpoints import commit
+from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, first_moved, split_rounds
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedSender
 from refit_core.run.executor import SendExecutor, StepStats
@@ -47,6 +47,8 @@ class RefitSender(RefitEndpoint):
                          plugins=plugins, host_id=host_id)
         self._signature: list[SourceAddress] | None = None
         """The source pieces bound at setup (None before one succeeded)."""
+        self._decided = -1
+        """The last step train rank 0 published a decision on."""
 
     def _local_pieces(self) -> list[Piece]:
         pieces: list[Piece] = list(self.plugins.source_pieces(self.model))
@@ -67,17 +69,19 @@ class RefitSender(RefitEndpoint):
                                               trace=settings.step_trace)
 
     def setup(self) -> Schedule:
+        self._decided = -1
         schedule = super().setup()
         self._bind(self._pieces)
         self._signature = source_signature(self._pieces)
         return schedule
 
-    def _moved_sources(self, colocated: ColocatedSender) -> str | None:
-        """What the trainer freed, replaced or moved since setup (colocated engines read it in place).
+    def _moved_sources(self, colocated: ColocatedSender | None) -> str | None:
+        """What the trainer freed, replaced or moved since setup: colocated engines read the memory shared
+        at setup in place, and the network path sends from the views bound at setup.
 
-        Runs before every colocated step, on its critical path: the common case (nothing changed) is
-        one comparison of (spec, box, address) per piece; only a difference is diagnosed in detail."""
-        problem = colocated.check()
+        Runs before every step, on its critical path: the common case (nothing changed) is one
+        comparison of (spec, box, address) per piece; only a difference is diagnosed in detail."""
+        problem = colocated.check() if colocated is not None else None
         if problem is not None:
             return problem
         current = self._local_pieces()
@@ -85,21 +89,67 @@ class RefitSender(RefitEndpoint):
             return None
         if [p.meta for p in current] != [p.meta for p in self._pieces]:
             return "the trainer's source pieces changed since setup(); call setup() again after changing the model"
-        for now, bound in zip(current, self._pieces):
-            assert now.view is not None and bound.view is not None
-            if (now.view.data_ptr() != bound.view.data_ptr()
-                    or now.view.untyped_storage().data_ptr() != bound.view.untyped_storage().data_ptr()):
-                return (f"source tensor {now.spec.name}{now.box} now lives at a different address than at "
-                        "setup (the trainer replaced or moved the parameter; a colocated engine reads it in "
-                        "place: update parameters in place between setup() and close())")
+        now = first_moved(current, self._pieces)
+        if now is not None:
+            return (f"source tensor {now.spec.name}{now.box} now lives at a different address than at "
+                    "setup (the trainer replaced or moved the parameter, and refit reads the memory it "
+                    "bound at setup: update parameters in place between setup() and close(), or call "
+                    "setup() again after replacing them)")
         return None
+
+    @property
+    def _confirms(self) -> bool:
+        """Whether this step ends with train rank 0's decision (staged mode always; in place with ``confirm``)."""
+        assert self.settings is not None
+        return self.settings.mode is UpdateMode.STAGED or self.settings.confirm
+
+    def _confirm(self, step: int, version: int) -> None:
+        """The step's commit point (:mod:`refit_core.endpoints.commit`): train rank 0 collects the gen ranks'
+        votes and decides; in staged mode it returns once every gen rank that landed the step has read the
+        decision and said what it did. Every other train rank reads the decision. Raises unless the step
+        was committed everywhere."""
+        rdv = self._require_rendezvous()
+        timeout_s = self.options.timeout_s
+        staged = self._mode is UpdateMode.STAGED
+        if not self.plans:
+            decision = commit.await_decision(rdv, step, timeout_s)
+        else:
+            decision, votes = commit.decide(rdv, step, version, self.sizes[Side.GEN], timeout_s)
+            self._decided = step
+            if staged:  # the ranks that landed the step must read the decision before this rank may exit
+                landed = [v.rank for v in votes if v.landed]
+                settled = commit.await_settlements(rdv, step, landed, timeout_s)
+                if decision.verdict is commit.Verdict.COMMIT:
+                    report = commit.unsettled_report(decision, landed, settled)
+                    if report is not None:
+                        raise TransferError(report)
+        if decision.verdict is commit.Verdict.ABORT:
+            outcome = ("no gen rank applied it (staged mode): the engine keeps its previous weights" if staged else
+                       "in place, gen ranks that landed it hold the new weights and the others do not: the "
+                       "engine must not serve until the next successful step")
+            raise TransferError(f"step {step} (version {version}) failed: {decision.reason}; {outcome}")
+
+    def _abort(self, step: int, version: int, reason: str) -> None:
+        """Train rank 0 failed its own part of ``step``: publish the abort and let the gen ranks that
+        landed it read it (best effort: the store may be gone)."""
+        self._decided = step
+        rdv = self._rdv
+        if rdv is None:
+            return
+        try:
+            commit.decide(rdv, step, version, self.sizes[Side.GEN], self.options.timeout_s, failure=reason)
+            commit.drain(rdv, step, self.sizes[Side.GEN], self.options.timeout_s)
+        except RefitError:
+            pass
 
     def send(self, version: int) -> StepStats:
         """Send the model's current weights as weight ``version``; returns this rank's step stats.
 
-        With colocated peers this first checks that every source tensor is still the memory shared at
-        setup; if not, the step fails on this rank and on its colocated peers, naming the tensor.
-        In staged mode it returns once every gen rank has landed the step. After a failure
+        It first checks that every source tensor is still the memory bound (shared with colocated
+        peers) at setup; if not, the step fails, naming the tensor, before any byte moves. In staged
+        mode it returns once every gen rank has read train rank 0's decision and applied the step; in
+        place with ``confirm`` (the default) once every gen rank said it landed it. A step that did not
+        land everywhere raises :class:`~refit_core.contract.errors.TransferError` naming the ranks. After a failure
         (:class:`~refit_core.contract.errors.TransferError`), ``close()`` and ``setup()`` again.
         """
         self._require_step()
@@ -118,18 +168,22 @@ class RefitSender(RefitEndpoint):
                 else:
                     problem = self._moved_sources(colocated)
                     colocated.post(version, problem)
-                if problem is not None:
-                    raise TransferError(f"train rank {self.rank}: {problem}")
+            else:  # the network path reads the memory bound at setup: a replaced tensor would go stale
+                problem = self._moved_sources(None)
+            if problem is not None:
+                raise TransferError(f"train rank {self.rank}: {problem}")
             stats = executor.run(version) if executor is not None else None
             if isinstance(colocated, ColocatedSender):
                 colocated.wait()
             stats = combined_stats(stats, version, colocated, start)
-            if self._mode is UpdateMode.STAGED:
-                landing.await_landing(self._require_rendezvous(), step, self.sizes[Side.GEN])
+            if self._confirms:
+                self._confirm(step, version)
             if isinstance(colocated, ColocatedSender):
                 colocated.mark("end")
         except Exception as exc:
-            self._break(str(exc))
+            self._break(str(exc))  # first: peers blocked on this rank's transfers fail now and vote
+            if self._confirms and self.plans and self._decided < step:  # tell the gen ranks it failed here
+                self._abort(step, version, f"train rank 0 failed: {exc}")
             if isinstance(exc, RefitError):
                 raise
             raise TransferError(f"refit step {step} failed on train rank {self.rank}: {exc}") from exc

@@ -2,8 +2,9 @@
 
 Every process of one job must build the same strings, so they never change lightly. A rank's
 store identity is ``SIDE/RANK`` (``"train/0"``); a per-rank key is ``KIND/SIDE/RANK``
-(``"meta/gen/1"``), a side-wide key ``size/SIDE`` (its rank 0 publishes it), a staged step's landing
-vote ``landed/STEP/gen/RANK``, a colocated pair's setup record ``colocated/SRC>DST/RECORD`` and the NCCL
+(``"meta/gen/1"``), a side-wide key ``size/SIDE`` (its rank 0 publishes it), a step's landing
+vote ``landed/STEP/gen/RANK``, its decision ``decision/STEP`` and each gen rank's report that it settled the
+step ``settled/STEP/gen/RANK``, a colocated pair's setup record ``colocated/SRC>DST/RECORD`` and the NCCL
 transport's ``nccl/gpu/RANK`` and ``nccl/{world/K,pair/I/J/K}/uid``.
 """
 
@@ -90,13 +91,23 @@ def size_key(side: Side) -> str:
 
 
 def landed_key(step: int, gen_rank: int) -> str:
-    """Gen rank ``gen_rank``'s vote on whether it landed staged step ``step``."""
+    """Gen rank ``gen_rank``'s vote on whether it landed step ``step``."""
     return f"landed/{step}/{RankId(Side.GEN, gen_rank)}"
 
 
 def landed_keys(step: int, gen_size: int) -> list[str]:
-    """Every gen rank's landing vote on staged step ``step``, in rank order."""
+    """Every gen rank's landing vote on step ``step``, in rank order."""
     return [landed_key(step, r) for r in range(gen_size)]
+
+
+def decision_key(step: int) -> str:
+    """The one decision on step ``step`` (train rank 0 writes it once every gen rank voted)."""
+    return f"decision/{step}"
+
+
+def settled_key(step: int, gen_rank: int) -> str:
+    """Gen rank ``gen_rank``'s report that it read the decision on ``step`` and what it did."""
+    return f"settled/{step}/{RankId(Side.GEN, gen_rank)}"
 
 
 def colocated_key(src: int, dst: int, record: ColocatedRecord) -> str:

@@ -13,6 +13,7 @@ and :meth:`Rendezvous.barrier` costs each rank O(1) requests whatever the world 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
 from refit_core.contract.errors import AuthenticationError, PlanError, PluginError, RefitError, RendezvousError
@@ -63,9 +64,12 @@ class Rendezvous:
         except RefitError:
             return default
 
-    def wait(self, keys: list[str], what: str) -> list[Any]:
-        """Values of ``keys`` once all exist; raises on timeout, on another rank's error or departure."""
-        deadline = time.monotonic() + self.timeout_s
+    def wait(self, keys: list[str], what: str, *, timeout_s: float | None = None,
+             watched: Collection[str] | None = None) -> list[Any]:
+        """Values of ``keys`` once all exist; raises on timeout (``timeout_s``, None: the rendezvous'),
+        on a failed setup's error or on the departure of a rank in ``watched`` (store identities;
+        None: any rank)."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         values: dict[str, Any] = {}
         while True:
             blocked = False  # the store held the first missing key's read open: no need to sleep
@@ -76,12 +80,13 @@ class Rendezvous:
                     if raw is not None:
                         self.downloaded += len(raw)
                         values[key] = wire.decode(raw, f"{what} ({key})")
-            self._check_failures()
+            self._check_failures(watched)
             if len(values) == len(keys):
                 return [values[k] for k in keys]
             if time.monotonic() > deadline:
                 missing = [rank_name(k) for k in keys if k not in values]
-                raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
+                waited = self.timeout_s if timeout_s is None else timeout_s
+                raise RefitError(f"timed out after {waited:.0f} s waiting for {what}: "
                                  f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} did not arrive")
             if not blocked:
                 time.sleep(POLL_S)
@@ -113,7 +118,7 @@ class Rendezvous:
         except RefitError:  # best effort: the store's host may have exited already
             pass
 
-    def _check_failures(self) -> None:
+    def _check_failures(self, watched: Collection[str] | None = None) -> None:
         raw = self.client.try_get(ERROR_KEY)
         if raw is not None:
             record = wire.decode(raw, "another rank's error")
@@ -121,9 +126,9 @@ class Rendezvous:
             message = record.get("message") if isinstance(record, dict) else None
             cls = _KINDS.get(kind, RefitError)  # a bad plan is a bad plan everywhere
             raise cls(f"refit setup failed on another rank: {str(message)[:4000]}")
-        gone = self.client.gone()
+        gone = [who for who in self.client.gone() if watched is None or who in watched]
         if gone:
-            raise RendezvousError(f"{', '.join(map(rank_name, gone))} left the refit during setup "
+            raise RendezvousError(f"{', '.join(map(rank_name, gone))} left the refit "
                                   "(its connection to the rendezvous closed: it exited or was killed)")
 
     def linger(self, keys: list[str], timeout_s: float) -> None:

@@ -1,0 +1,105 @@
+"""The commit point, real processes over gloo: every gen rank votes, train rank 0 decides, every rank applies
+the decision it read; a rank that cannot read it refuses to serve; every error is true and in time."""
+
+import pytest
+from commit_ranks import VERSIONS, CommitScenario, Trick, commit_rank
+from harness import Ranks
+
+from refit_core.kit.launch import free_port
+
+TRAIN, GEN = 2, 2
+OLD, NEW = VERSIONS
+
+
+def run(scenario: CommitScenario, survivors: list[int] | None = None) -> dict[int, dict]:
+    ranks = Ranks()
+    address = f"127.0.0.1:{free_port()}"
+    everyone = list(range(scenario.train + scenario.gen))
+    try:
+        for rank in everyone:
+            ranks.start(commit_rank, rank, address, scenario)
+        ranks.release()
+        wanted = everyone if survivors is None else survivors
+        results = ranks.wait_for([(r, "result") for r in wanted], timeout_s=120)
+        return {rank: results[(rank, "result")] for rank in wanted}
+    finally:
+        ranks.close()
+
+
+def engine_serves(gen: list[dict]) -> bool:
+    """The rule the engine plugins apply: an engine serves only while no rank needs a refit and every rank
+    holds the same version."""
+    return not any(r["needs_refit"] for r in gen) and len({r["version"] for r in gen}) == 1
+
+
+def gen_results(results: dict[int, dict], train: int = TRAIN) -> list[dict]:
+    return [results[r] for r in sorted(results) if r >= train]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exits", [False, True], ids=["closes", "exits-right-after-send"])
+def test_an_engine_rank_descheduled_after_its_vote_still_lands_the_version_its_peers_landed(exits):
+    """Gen rank 1 sleeps 2 s after voting; the trainer then closes normally, or exits without close():
+    train rank 0's send() waits until gen rank 1 read the decision, so both gen ranks hold the new version
+    and nobody raises (before: gen rank 1 raised a false "not applied on any gen rank")."""
+    tricks = ((TRAIN + 1, Trick.PAUSE_AFTER_VOTE),) + (((0, Trick.EXIT_AFTER_SEND),) if exits else ())
+    scenario = CommitScenario(TRAIN, GEN, "staged", tricks)
+    results = run(scenario, survivors=None if not exits else [1, 2, 3])
+    for rank, r in results.items():
+        assert "error" not in r, (rank, r)
+    gen = gen_results(results)
+    for r in gen:
+        assert r["version"] == NEW and set(r["state"].values()) == {"new"} and not r["needs_refit"], r
+    assert gen[1]["seconds"] >= 2.0  # the pause really happened inside the step
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_learn_the_decision_keeps_its_weights_refuses_to_serve_and_says_why():
+    """Train rank 0 dies half a second after deciding; gen rank 1 was descheduled and never read the
+    decision. Gen rank 0 applied it; gen rank 1 keeps the old version, marks itself needs_refit, and its
+    error says it could not learn the decision; the engine does not serve split weights."""
+    tricks = ((0, Trick.DIE_AFTER_DECIDING), (TRAIN + 1, Trick.PAUSE_AFTER_VOTE))
+    scenario = CommitScenario(TRAIN, GEN, "staged", tricks)
+    results = run(scenario, survivors=[1, 2, 3])
+    gen0, gen1 = gen_results(results)
+    assert "error" not in gen0 and gen0["version"] == NEW and set(gen0["state"].values()) == {"new"}, gen0
+    assert gen1["error"] == "StepFailedError" and "could not learn train rank 0's decision" in gen1["message"], gen1
+    assert "refuses to serve" in gen1["message"], gen1["message"]
+    assert gen1["version"] == OLD and set(gen1["state"].values()) == {"old"} and gen1["needs_refit"], gen1
+    assert not engine_serves([gen0, gen1])
+    deadline = scenario.timeout_s + min(scenario.timeout_s, 2.0) + 2.0  # the decision's wait, the pause
+    assert gen1["seconds"] < deadline + 3, gen1
+
+
+@pytest.mark.slow
+def test_the_surviving_sender_learns_that_the_step_did_not_land():
+    """In place, train rank 1 is killed mid-step: every gen rank fails, and train rank 0's send() now
+    raises naming a gen rank's failure (before: it returned success)."""
+    import signal
+
+    from fault_ranks import Fault, Scenario
+    from test_transfer_faults import run as run_faulty
+
+    results = run_faulty(Scenario(TRAIN, GEN, {"mode": "in_place", "timeout_s": 8}, Fault(1, signal.SIGKILL)))
+    survivor = results[0]
+    assert survivor.get("error") == "TransferError", survivor
+    assert "did not land step 1" in survivor["message"] or "did not vote on step 1" in survivor["message"], survivor
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trick,rank,name", [
+    (Trick.REPLACE_SOURCE, 0, "source tensor model.embed_tokens.weight"),
+    (Trick.REPLACE_DESTINATION, TRAIN, "destination tensor model.norm.weight"),
+], ids=["source", "destination"])
+def test_weights_replaced_after_setup_are_named_instead_of_sent_stale(trick, rank, name):
+    """On the network path a parameter replaced after setup used to be sent stale (or landed in the
+    replaced tensor) without an error; now the step fails on that rank, naming the tensor, before any byte
+    moves, and no gen rank applies the step."""
+    results = run(CommitScenario(TRAIN, GEN, "staged", ((rank, trick),)))
+    culprit = results[rank]
+    assert "error" in culprit and name in culprit["message"], culprit
+    assert "now lives at a different address" in culprit["message"], culprit
+    for r in gen_results(results):
+        # the trick itself zeroed the culprit's norm
+        held = {n: s for n, s in r["state"].items() if r is not culprit or n != "model.norm.weight"}
+        assert "error" in r and r["version"] == OLD and set(held.values()) == {"old"}, r
