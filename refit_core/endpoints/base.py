@@ -226,6 +226,8 @@ class RefitEndpoint:
     def _abort_setup(self, exc: Exception) -> None:
         """Tell every rank why setup failed; the store's host waits until they have read it."""
         rdv = self._require_rendezvous()
+        if self.me.rank == 0 or not self.sizes:  # the host learns how many ranks must read the error
+            rdv.offer(size_key(self.side), self.world_size)
         rdv.fail(exc, self.me.name, rank_key(RankRecord.DONE, self.me))
         if self._hosts_store:
             if not self.sizes:  # failed before learning the gen side's size: wait for it to show up

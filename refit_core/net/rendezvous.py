@@ -53,6 +53,13 @@ class Rendezvous:
     def publish(self, key: str, value: Any) -> None:
         self.client.set(key, wire.encode(value))
 
+    def offer(self, key: str, value: Any) -> None:
+        """Publish ``value`` under ``key`` unless the key holds a value already (best effort: never raises)."""
+        try:
+            self.client.compare_set(key, b"", wire.encode(value))
+        except RefitError:
+            pass
+
     def read(self, key: str, default: Any = None) -> Any:
         """The value under ``key`` now, or ``default``; never waits, never raises."""
         try:

@@ -102,3 +102,17 @@ def commit_rank(rank: int, report, address: str, scenario: CommitScenario) -> di
         outcome.update(state=_state(model, endpoint), version=endpoint.version, needs_refit=endpoint.needs_refit)
     endpoint.close()
     return outcome
+
+
+def unrecognized_engine_rank(rank: int, report, address: str, train: int, gen: int, options: dict) -> dict:
+    """A gen rank whose engine no plugin recognizes: its setup fails on its own checks, before it
+    publishes anything but its failure."""
+    local = rank - train
+    start = time.monotonic()
+    receiver = RefitReceiver(object(), rendezvous=address, rank=local, world_size=gen,
+                             options=RefitOptions(**options))
+    try:
+        receiver.setup()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"ok": True}

@@ -103,3 +103,25 @@ def test_weights_replaced_after_setup_are_named_instead_of_sent_stale(trick, ran
         # the trick itself zeroed the culprit's norm
         held = {n: s for n, s in r["state"].items() if r is not culprit or n != "model.norm.weight"}
         assert "error" in r and r["version"] == OLD and set(held.values()) == {"old"}, r
+
+
+@pytest.mark.slow
+def test_an_engine_rank_failing_its_own_checks_at_setup_reaches_the_trainer_at_once_with_its_text():
+    """Before: train rank 0 waited its whole deadline for the gen side's size (the failing rank never
+    published it) before raising."""
+    from commit_ranks import unrecognized_engine_rank
+    from fault_ranks import setup_rank
+
+    address = f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        ranks.start(setup_rank, 0, address, 1, 1, {"timeout_s": 30})
+        ranks.start(unrecognized_engine_rank, 1, address, 1, 1, {"timeout_s": 30})
+        ranks.release()
+        results = ranks.wait_for([(0, "result"), (1, "result")], timeout_s=120)
+    finally:
+        ranks.close()
+    trainer, engine = results[(0, "result")], results[(1, "result")]
+    assert engine["error"] == "PluginError" and "no installed refit plugin recognizes" in engine["message"], engine
+    assert trainer["error"] == "PluginError" and f"gen rank 0: {engine['message']}" in trainer["message"], trainer
+    assert trainer["seconds"] < 10, trainer  # its deadline is 30 s
