@@ -39,8 +39,12 @@ def _entry(fn: Callable[..., Any], rank: int, events: Any, go: Any, args: tuple)
 class Ranks:
     """A set of rank processes and the events they report."""
 
-    def __init__(self) -> None:
-        self._ctx = mp.get_context("spawn")
+    def __init__(self, context: str = "spawn") -> None:
+        """``context``: how rank processes start (``"forkserver"`` forks them from a server that imported
+        torch and refit once: a fraction of a second each instead of seconds)."""
+        self._ctx = mp.get_context(context)
+        if context == "forkserver":
+            self._ctx.set_forkserver_preload(["torch", "refit_core.endpoints", "refit_toy.plugin", "harness"])
         self.events = self._ctx.Queue()
         self.go = self._ctx.Event()  # ranks start their programs together, once all have imported
         self.procs: dict[int, mp.Process] = {}
