@@ -427,6 +427,8 @@ class RefitOptions(_Settings):
         for f in fields(self):
             if f.metadata.get("local"):
                 wire.pop(f.name, None)
+        if self.confirm:  # the default: the same fingerprints as before the setting existed
+            wire.pop("confirm")
         if not self.relay.active:  # no relay: the same fingerprints as before relay existed
             wire.pop("relay", None)
         elif not self.relay.forwards_within_nodes:  # nor does node forwarding change replica relay's
