@@ -87,9 +87,9 @@ class Rendezvous:
                     if raw is not None:
                         self.downloaded += len(raw)
                         values[key] = wire.decode(raw, f"{what} ({key})")
-            self._check_failures(watched)
-            if len(values) == len(keys):
+            if len(values) == len(keys):  # every value arrived: no need to look for failures
                 return [values[k] for k in keys]
+            self._check_failures(watched)
             if time.monotonic() > deadline:
                 missing = [rank_name(k) for k in keys if k not in values]
                 waited = self.timeout_s if timeout_s is None else timeout_s

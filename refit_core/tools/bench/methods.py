@@ -396,7 +396,8 @@ def _size(text: str) -> int:
 
 def method_class(name: str) -> type[Method]:
     """A method by name; ``refit@bucket=256M+buffers=2+messages=runs+direct=64M+zero_copy=0+comms=1``
-    is a refit variant (``refit@replicas=3+relay=1``: relay fanout, the trainers feed 1 of 3 replicas),
+    is a refit variant (``refit@mode=staged``: staged commits; ``refit@confirm=0``: in place without the
+    landing vote) (``refit@replicas=3+relay=1``: relay fanout, the trainers feed 1 of 3 replicas),
     ``wire@ops=64`` the wire cut into 64 operations of one NCCL group."""
     if name in METHODS:
         return METHODS[name]
@@ -427,5 +428,7 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "replicas": ("relay.replicas", int),
     "relay": ("relay.direct", int),
     "fanout": ("relay.fanout", int),
+    "mode": ("mode", str),
+    "confirm": ("confirm", lambda v: v not in ("0", "false", "False")),
 }
 """``refit@KEY=VALUE`` variant keys: the :class:`RefitOptions` setting each sets, and its parser."""
