@@ -46,6 +46,11 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not isinstance(self.dtype, torch.dtype):
+            known = _DTYPES.get(str(self.dtype).removeprefix("torch."))
+            hint = f" (torch.{dtype_name(known)})" if known is not None else ""
+            raise TypeError(f"TensorSpec {self.name!r}: dtype {self.dtype!r} is a {type(self.dtype).__name__}, "
+                            f"not a torch.dtype{hint}")
         if self.quant is not None:
             if self.quant.dtype != self.dtype:
                 raise ValueError(f"{self.name}: dtype {self.dtype} differs from its quantization's "
@@ -287,12 +292,17 @@ def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (:func:`dtype_from_name` reads it back)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def dtype_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return dtype.itemsize
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+_DTYPES = {dtype_name(d): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
 )}

@@ -16,7 +16,7 @@ import torch
 
 from refit_core.contract.errors import WireError
 from refit_core.contract.pieces import PieceMeta
-from refit_core.contract.spec import FP8_DTYPES, Box, Quantization, QuantScheme, TensorSpec, dtype_from_name
+from refit_core.contract.spec import FP8_DTYPES, Box, Quantization, QuantScheme, TensorSpec, dtype_from_name, dtype_name
 
 MAX_DIMS = 8
 """Most dimensions a tensor of a record may have."""
@@ -124,6 +124,3 @@ def metas_from_wire(value: Any, what: str) -> list[PieceMeta]:
     return [meta_from_wire(v, f"{what} piece {i}") for i, v in enumerate(value)]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (:func:`dtype_from_wire` reads it back)."""
-    return str(dtype).removeprefix("torch.")

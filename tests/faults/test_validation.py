@@ -66,3 +66,9 @@ def test_a_refused_module_raises_until_it_is_resumed():
     assert torn_tensors(layer) == {"layer.weight"}
     resume_serving(layer)
     assert layer(torch.zeros(1, 2)).shape == (1, 2) and not torn_tensors(layer)
+
+
+def test_a_string_dtype_is_named_with_the_torch_dtype_it_means():
+    expected = r"TensorSpec 'w': dtype 'float32' is a str, not a torch.dtype \(torch.float32\)"
+    with pytest.raises(TypeError, match=expected):
+        TensorSpec("w", (2, 2), "float32")
