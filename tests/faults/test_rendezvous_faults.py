@@ -111,7 +111,8 @@ def test_a_second_job_on_a_busy_port_gets_named_errors_and_the_first_job_is_unto
         ranks.close()
     host, gen = b[(10, "result")], b[(11, "result")]
     assert host["error"] == "RendezvousError" and "could not host" in host["message"], host
-    assert gen["error"] == "AuthenticationError" and "job 'job-a'" in gen["message"], gen
+    assert gen["error"] == "AuthenticationError" and "a different refit job (job names differ)" in gen["message"], gen
+    assert "job-a" not in gen["message"], gen  # a refusal keeps the job's name to itself
     assert "job-b" in gen["message"] and gen["seconds"] < 15, gen
     assert all(r.get("ok") and r["bitwise"] for r in a.values()), a
 
