@@ -54,8 +54,10 @@ class Rendezvous:
 
     # -- values -------------------------------------------------------------------------------
 
-    def publish(self, key: str, value: Any) -> None:
-        self.client.set(key, wire.encode(value))
+    def publish(self, key: str, value: Any, within: float | None = None) -> None:
+        """Write ``value`` (JSON) under ``key``; ``within``: what is left of the caller's deadline, which
+        bounds how long a stopped host may keep this rank waiting (None: ``min(timeout_s, 30 s)``)."""
+        self.client.set(key, wire.encode(value), within)
 
     def read(self, key: str, default: Any = None) -> Any:
         """The value under ``key`` now, or ``default``; never waits, never raises."""

@@ -553,9 +553,11 @@ class StoreClient(dist.Store):
             raise RendezvousError(f"the refit rendezvous at {self.endpoint} answered without {name!r}")
         return reply[name]
 
-    def set(self, key: str, value: bytes | str) -> None:
+    def set(self, key: str, value: bytes | str, within: float | None = None) -> None:
+        """Store ``value`` under ``key``; ``within``: what is left of the caller's deadline (None: a
+        plain request's :attr:`answer_s`)."""
         data = value.encode() if isinstance(value, str) else bytes(value)
-        self._request({"op": "set", "key": key, "value": _encode_value(data)})
+        self._request({"op": "set", "key": key, "value": _encode_value(data)}, within=within)
 
     def try_get(self, key: str, wait_s: float = 0.0, within: float | None = None) -> bytes | None:
         """The value of ``key``, waiting at most ``wait_s`` (capped at a quarter second); None if missing.
