@@ -333,15 +333,16 @@ class StoreLimits(_Settings):
     - ``max_value_bytes``: one value (256 MiB; the largest of a 1032-rank plan, a rank's part of it,
       is 4.8 MB). Also bounds a request's frame (base64 of this, plus 64 KiB).
     - ``max_stored_bytes``: keys and values held at once (2 GiB; a 1032-rank setup holds 180 MB).
-    - ``max_keys``: keys held at once (2**20; a setup holds a few per rank, and staged mode one landing
-      vote per gen rank and step).
+    - ``max_keys``: keys held at once (2**22; a setup holds a few per rank, but staged mode adds one
+      landing vote per gen rank and step, which nothing deletes yet: 256 gen ranks reach it after
+      16,384 staged steps).
     - ``max_rank``: store identities are ``train/N`` or ``gen/N`` with N below the side's published
       world size, or below this (65536) until it is published.
     """
 
     max_value_bytes: int = _setting(256 * MiB, int)
     max_stored_bytes: int = _setting(2048 * MiB, int)
-    max_keys: int = _setting(1 << 20, int)
+    max_keys: int = _setting(1 << 22, int)
     max_rank: int = _setting(1 << 16, int)
 
     def __post_init__(self) -> None:
