@@ -110,5 +110,5 @@ def warn_without_secret(credentials: JobCredentials, where: str) -> None:
     log.warning("refit: job %r runs without a secret: any process that can reach the rendezvous at %s, every "
                 "local process of this host included, can join the job, read its setup data and break its "
                 "setup. Give every rank the same random secret: RefitOptions(secret=...) or REFIT_SECRET "
-                "(e.g. REFIT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))')); RayRefit and "
-                "`refit demo` make one themselves.", credentials.job, where)
+                "(e.g. REFIT_SECRET=$(refit secret)); RayRefit and `refit demo` make one themselves.",
+                credentials.job, where)

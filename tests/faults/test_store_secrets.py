@@ -7,6 +7,7 @@ import pytest
 
 from refit_core.contract.env import with_overrides
 from refit_core.contract.options import RefitOptions
+from refit_core.tools.cli import main
 from refit_core.tools.demo.runner import side_environment
 
 HEX_SECRET = re.compile(r"[0-9a-f]{32}")
@@ -31,3 +32,9 @@ def test_the_ray_helper_gives_every_actor_the_same_fresh_secret_unless_one_is_gi
     assert HEX_SECRET.fullmatch(first.options.secret or "") and first.options.secret != second.options.secret
     assert second.options.timeout_s == 5 and "secret" not in second.options.explicit  # the options, otherwise as given
     assert RayRefit([object()], [object()], options=RefitOptions(secret="mine")).options.secret == "mine"
+
+
+def test_refit_secret_prints_a_fresh_secret(capsys):
+    assert main(["secret"]) == 0 and main(["secret"]) == 0
+    first, second = capsys.readouterr().out.split()
+    assert HEX_SECRET.fullmatch(first) and first != second
