@@ -285,3 +285,14 @@ def test_a_job_without_a_secret_warns_once_per_process(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="refit"):
         _host(free_port()).close()
     assert not [r for r in caplog.records if "without a secret" in r.getMessage()]
+
+
+def test_store_limits_are_train_rank_0s_own_setting_outside_the_fingerprint():
+    mine = RefitOptions(store={"max_keys": 5})
+    assert mine.store == StoreLimits(max_keys=5) and mine.explicit == {"store.max_keys"}
+    adopted = mine.agree_with(RefitOptions(num_buffers=2, store={"max_keys": 9}), "gen rank 1")
+    assert adopted.store.max_keys == 5 and adopted.num_buffers == 2  # no disagreement: each rank's own
+    assert mine.resolved("cpu").digest() == RefitOptions().resolved("cpu").digest()
+    assert RefitOptions.from_wire(mine.to_wire()).store == mine.store
+    with pytest.raises(ValueError, match=r"StoreLimits\(max_value_bytes=0.*each must be >= 1"):
+        StoreLimits(max_value_bytes=0)
