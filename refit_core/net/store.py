@@ -35,8 +35,8 @@ certificates would need a PKI every launcher distributes. pyzmq's CURVE (install
 public-key, so a shared secret would have to be turned into key pairs plus a ZAP handler, it adds a core
 dependency, and its sockets hide connection lifetime, which the store needs to name a rank that died
 within seconds. The channel refit needs is authentication and integrity, not secrecy (setup data is
-shapes and plans): HMAC-SHA256 from the standard library gives that in a few lines (NCCL's unique ids travel here too,
-but NCCL's own sockets authenticate nobody either).
+shapes and plans; NCCL's unique ids travel here too, but NCCL's own sockets authenticate nobody
+either): HMAC-SHA256 from the standard library gives that in a few lines.
 
 :class:`StoreClient` is a ``torch.distributed.Store``, so gloo and NCCL build their communicators on it.
 """
