@@ -325,6 +325,35 @@ class RelayOptions(_Settings):
 
 @_tracks_explicit
 @dataclass(frozen=True)
+class StoreLimits(_Settings):
+    """What the rendezvous store on train rank 0 accepts from an authenticated rank (train rank 0's own
+    setting: only the host's values count). Each limit refuses the request with a named
+    :class:`~refit_core.contract.errors.RendezvousError` and keeps serving the job.
+
+    - ``max_value_bytes``: one value (256 MiB; the largest of a 1032-rank plan, a rank's part of it,
+      is 4.8 MB). Also bounds a request's frame (base64 of this, plus 64 KiB).
+    - ``max_stored_bytes``: keys and values held at once (2 GiB; a 1032-rank setup holds 180 MB).
+    - ``max_keys``: keys held at once (2**22; a setup holds a few per rank, and each step's commit two
+      per gen rank, deleted two steps later).
+    - ``max_rank``: store identities are ``train/N`` or ``gen/N`` with N below the side's published
+      world size, or below this (65536) until it is published.
+    """
+
+    max_value_bytes: int = _setting(256 * MiB, int)
+    max_stored_bytes: int = _setting(2048 * MiB, int)
+    max_keys: int = _setting(1 << 22, int)
+    max_rank: int = _setting(1 << 16, int)
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        if min(self.max_value_bytes, self.max_stored_bytes, self.max_keys, self.max_rank) < 1:
+            raise OptionError(f"StoreLimits(max_value_bytes={self.max_value_bytes}, max_stored_bytes="
+                              f"{self.max_stored_bytes}, max_keys={self.max_keys}, max_rank={self.max_rank}): "
+                              "each must be >= 1")
+
+
+@_tracks_explicit
+@dataclass(frozen=True)
 class RefitOptions(_Settings):
     """Every knob of one refit. The train side's rank 0 decides; see the module doc.
 
@@ -348,6 +377,8 @@ class RefitOptions(_Settings):
     - ``job`` / ``secret``: this refit job's name and shared secret (local settings; defaults:
       the ``REFIT_JOB`` / ``REFIT_SECRET`` environment variables, else ``"refit"`` and none). Every
       rank proves both (HMAC) before it may read or write the rendezvous; the secret is never sent.
+      Without a secret any process that can reach the rendezvous, local ones included, can join.
+    - ``store``: :class:`StoreLimits`: what the rendezvous store accepts (train rank 0's own setting).
 
     - ``strided_copies``: :class:`StridedCopy`: how a colocated gen rank moves large strided copies
       (a local setting; ``foreach`` by default, the fastest on an H200:
@@ -378,6 +409,7 @@ class RefitOptions(_Settings):
     job: str | None = _setting(None, str, local=True)
     secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
     relay: RelayOptions = _nested(RelayOptions)
+    store: StoreLimits = field(default_factory=StoreLimits, metadata={"kind": StoreLimits, "local": True})
     strided_copies: StridedCopy = _setting(StridedCopy.FOREACH, StridedCopy, local=True)
     step_trace: bool = _setting(False, bool, local=True)
     overlap_check: bool = _setting(False, bool, local=True)
@@ -449,12 +481,13 @@ class RefitOptions(_Settings):
         mine = self.leaves()
         theirs = published.leaves()
         local = {f.name for f in fields(self) if f.metadata.get("local")}
-        for name in sorted(self.explicit - local):
-            if mine[name] != theirs[name]:
+        for name in sorted(self.explicit):
+            if name.partition(".")[0] not in local and mine[name] != theirs[name]:
                 raise PlanError(f"setting {name!r} disagrees: {who} set {_shown(mine[name])} but the train "
                                 f"side's rank 0 uses {_shown(theirs[name])}; set it the same on both sides "
                                 "or only on the train side")
-        return published.overridden({name: getattr(self, name) for name in local}, explicit=False)
+        return published.overridden({name: value for name, value in mine.items() if name.partition(".")[0] in local},
+                                     explicit=False)
 
 
 def _shown(value: Any) -> str:
@@ -476,4 +509,4 @@ def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, An
     return result
 
 __all__ = ["CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
-           "RelayOptions", "StridedCopy", "TransportKind", "UpdateMode"]
+           "RelayOptions", "StoreLimits", "StridedCopy", "TransportKind", "UpdateMode"]

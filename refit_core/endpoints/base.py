@@ -125,7 +125,7 @@ class RefitEndpoint:
             self.close()
         credentials = JobCredentials.of(self.options.job, self.options.secret)
         self._rdv = Rendezvous(self.address, host=self._hosts_store, who=str(self.me),
-                               timeout_s=self.options.timeout_s, credentials=credentials)
+                               timeout_s=self.options.timeout_s, credentials=credentials, limits=self.options.store)
         self.sizes = {}
         self._phases, self._bind_s = {}, None
         try:

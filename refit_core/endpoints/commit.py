@@ -29,7 +29,7 @@ from typing import Any
 
 from refit_core.contract.errors import RefitError, TransferError, WireError
 from refit_core.contract.side import Side
-from refit_core.net.keys import RankId, decision_key, landed_key, settled_key
+from refit_core.net.keys import RankId, decision_key, landed_key, settled_key, step_prefixes
 from refit_core.net.rendezvous import Rendezvous
 
 REASON_CHARS = 500
@@ -173,7 +173,20 @@ def decide(rdv: Rendezvous, step: int, version: int, gen_size: int, timeout_s: f
                 break
     decision = Decision(step, version, Verdict.COMMIT if reason is None else Verdict.ABORT, reason)
     rdv.publish(decision_key(step), decision.to_wire())
+    forget_old_steps(rdv, step)
     return decision, votes
+
+
+KEPT_STEPS = 2
+"""How many recent steps' commit keys the store keeps (older ones are deleted as each step is decided):
+every rank has long read them (a step cannot start on the gen side before the previous one settled)."""
+
+
+def forget_old_steps(rdv: Rendezvous, step: int) -> None:
+    """Train rank 0, once ``step`` is decided: delete the commit keys of step ``step - KEPT_STEPS``
+    (one request, whatever the world size)."""
+    if step >= KEPT_STEPS:
+        rdv.client.delete_prefixed(step_prefixes(step - KEPT_STEPS))
 
 
 def await_settlements(rdv: Rendezvous, step: int, ranks: Collection[int], timeout_s: float) -> list[Settlement]:
@@ -230,4 +243,5 @@ def unsettled_report(decision: Decision, ranks: Collection[int], settled: list[S
 
 
 __all__ = ["DECIDER", "DECISION_GRACE_S", "Decision", "DecisionUnknown", "Settlement", "Verdict", "Vote",
-           "await_decision", "await_settlements", "decide", "drain", "settle", "unsettled_report", "vote"]
+           "await_decision", "await_settlements", "decide", "drain", "forget_old_steps", "settle", "unsettled_report",
+           "vote"]

@@ -35,6 +35,7 @@ from refit_core.contract.errors import RefitError
 from refit_core.contract.options import RefitOptions
 from refit_core.endpoints.receiver import RefitReceiver
 from refit_core.endpoints.sender import RefitSender
+from refit_core.net.auth import new_secret
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,9 @@ class RayRefit:
     ``engines``: gen actors (:class:`RefitReceiveActor` protocol, or a plugin's engine actor holding
     several gen ranks); their gen ranks are numbered in the order given. ``names`` label actors in
     errors (default ``train actor i`` / ``engine actor j``). Every blocking call fails after
-    ``timeout_s`` naming the actors that did not answer.
+    ``timeout_s`` naming the actors that did not answer. Without a secret in ``options``, a fresh random
+    one is made here and reaches every actor with the options (over Ray's own channel, never the
+    rendezvous): no other process can join the refit.
     """
 
     def __init__(self, trainers: Sequence[Any], engines: Sequence[Any], *, options: RefitOptions | None = None,
@@ -134,7 +137,10 @@ class RayRefit:
             raise RefitError("a refit needs at least one train actor and one engine actor")
         self.trainers = list(trainers)
         self.engines = list(engines)
-        self.options = options or RefitOptions(timeout_s=timeout_s)
+        options = options or RefitOptions(timeout_s=timeout_s)
+        if options.secret is None:
+            options = options.overridden({"secret": new_secret()}, explicit=False)
+        self.options = options
         self.timeout_s = timeout_s
         self.train_names = list(train_names or (f"train actor {i}" for i in range(len(trainers))))
         self.engine_names = list(engine_names or (f"engine actor {j}" for j in range(len(engines))))

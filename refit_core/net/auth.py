@@ -5,22 +5,38 @@ Every rank of one refit job is given the same ``job`` name and ``secret`` (``Ref
 :mod:`refit_core.contract.env`). The
 rendezvous host and each joining rank prove to each other that they know the secret by an HMAC-SHA256
 over both sides' fresh nonces, the job name and the rank's identity; the secret itself never travels.
-Without a secret the job name still keeps two jobs apart, but anyone who can reach the port can join:
-set a secret whenever the rendezvous address is reachable from other hosts.
+Every later frame of the connection carries an HMAC-SHA256 tag under a key of its own (derived from the
+secret, both nonces and the direction) over a sequence number and the frame (:class:`SessionMac`), so a
+relay on the path can neither inject, alter, reorder nor replay a request or an answer.
+
+Without a secret the job name still keeps two jobs apart, but any process that can reach the port, every
+process of the same host included, can join the job, read its metadata and write into it; the frame tags
+are then keyed with public values only and catch corruption, not forgery. A rendezvous without a secret
+logs a warning once per process (:func:`warn_without_secret`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
+import threading
 from dataclasses import dataclass, field
 
+from refit_core.contract.errors import WireError
+
 DEFAULT_JOB = "refit"
-PROTOCOL = "refit-rendezvous/1"
+PROTOCOL = "refit-rendezvous/2"
+log = logging.getLogger("refit")
 
 
 def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def new_secret() -> str:
+    """A fresh random secret (128 bits, hex) for launchers that start every rank of a job themselves."""
     return secrets.token_hex(16)
 
 
@@ -39,6 +55,7 @@ class JobCredentials:
 
     @property
     def authenticated(self) -> bool:
+        """True when a secret is set (an empty secret authenticates nobody)."""
         return bool(self.secret)
 
     def proof(self, role: str, *parts: str) -> str:
@@ -48,3 +65,50 @@ class JobCredentials:
 
     def verify(self, proof: object, role: str, *parts: str) -> bool:
         return isinstance(proof, str) and hmac.compare_digest(proof, self.proof(role, *parts))
+
+    def session(self, role: str, who: str, rank_nonce: str, host_nonce: str) -> SessionMac:
+        """The frame tags of one authenticated connection, seen from ``role`` ("host" or "rank")."""
+        keys = {sender: bytes.fromhex(self.proof(f"session:{sender}", who, rank_nonce, host_nonce))
+                for sender in ("host", "rank")}
+        other = "rank" if role == "host" else "host"
+        return SessionMac(keys[role], keys[other])
+
+
+class SessionMac:
+    """HMAC-SHA256 tags over ``sequence number || frame``, one key and one counter per direction: a
+    frame from the other side is accepted only once, in order, unaltered (a
+    :class:`~refit_core.net.wire.FrameSeal`). Not thread-safe: one connection, one reader, one writer."""
+
+    tag_bytes = hashlib.sha256().digest_size
+
+    def __init__(self, send_key: bytes, receive_key: bytes) -> None:
+        self._send_key, self._receive_key = send_key, receive_key
+        self._sent = self._received = 0
+
+    def seal(self, body: bytes) -> bytes:
+        tag = hmac.new(self._send_key, self._sent.to_bytes(8, "big") + body, hashlib.sha256).digest()
+        self._sent += 1
+        return tag
+
+    def check(self, body: bytes, tag: bytes, what: str) -> None:
+        expected = hmac.new(self._receive_key, self._received.to_bytes(8, "big") + body, hashlib.sha256).digest()
+        if not hmac.compare_digest(expected, tag):
+            raise WireError(f"{what}: a frame failed its authentication (HMAC): altered, injected or replayed "
+                            "on the way (a relay on the path?), or sent by a program that is not this job's")
+        self._received += 1
+
+
+_warned = threading.Event()
+
+
+def warn_without_secret(credentials: JobCredentials, where: str) -> None:
+    """Log a warning (once per process) when ``credentials`` carry no secret: anyone who can reach
+    the rendezvous at ``where`` can join the job, local processes included."""
+    if credentials.authenticated or _warned.is_set():
+        return
+    _warned.set()
+    log.warning("refit: job %r runs without a secret: any process that can reach the rendezvous at %s, every "
+                "local process of this host included, can join the job, read its setup data and break its "
+                "setup. Give every rank the same random secret: RefitOptions(secret=...) or REFIT_SECRET "
+                "(e.g. REFIT_SECRET=$(refit secret)); RayRefit and `refit demo` make one themselves.",
+                credentials.job, where)

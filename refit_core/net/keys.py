@@ -3,7 +3,7 @@
 Every process of one job must build the same strings, so they never change lightly. A rank's
 store identity is ``SIDE/RANK`` (``"train/0"``); a per-rank key is ``KIND/SIDE/RANK``
 (``"meta/gen/1"``), a side-wide key ``size/SIDE`` (its rank 0 publishes it), a step's landing
-vote ``landed/STEP/gen/RANK``, its decision ``decision/STEP`` and each gen rank's report that it settled the
+vote ``landed/STEP/gen/RANK``, its decision ``decision/STEP/train/0`` and each gen rank's report that it settled the
 step ``settled/STEP/gen/RANK``, a colocated pair's setup record ``colocated/SRC>DST/RECORD`` and the NCCL
 transport's ``nccl/gpu/RANK`` and ``nccl/{world/K,pair/I/J/K}/uid``.
 """
@@ -102,12 +102,17 @@ def landed_keys(step: int, gen_size: int) -> list[str]:
 
 def decision_key(step: int) -> str:
     """The one decision on step ``step`` (train rank 0 writes it once every gen rank voted)."""
-    return f"decision/{step}"
+    return f"decision/{step}/{RankId(Side.TRAIN, 0)}"
 
 
 def settled_key(step: int, gen_rank: int) -> str:
     """Gen rank ``gen_rank``'s report that it read the decision on ``step`` and what it did."""
     return f"settled/{step}/{RankId(Side.GEN, gen_rank)}"
+
+
+def step_prefixes(step: int) -> list[str]:
+    """The prefixes of every key of step ``step``'s commit (votes, decision, settlements)."""
+    return [f"{kind}/{step}/" for kind in ("landed", "decision", "settled")]
 
 
 def colocated_key(src: int, dst: int, record: ColocatedRecord) -> str:

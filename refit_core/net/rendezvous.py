@@ -17,8 +17,9 @@ from collections.abc import Collection
 from typing import Any
 
 from refit_core.contract.errors import AuthenticationError, PlanError, PluginError, RefitError, RendezvousError
+from refit_core.contract.options import StoreLimits
 from refit_core.net import wire
-from refit_core.net.auth import JobCredentials
+from refit_core.net.auth import JobCredentials, warn_without_secret
 from refit_core.net.keys import barrier_keys, publisher, rank_name
 from refit_core.net.store import ERROR_KEY, WAIT_SLICE_S, Endpoint, StoreClient, StoreServer
 
@@ -29,14 +30,18 @@ _KINDS = {cls.__name__: cls for cls in (PlanError, PluginError, RendezvousError,
 
 class Rendezvous:
     """One setup's store: hosted here when ``host``, joined always as rank ``who`` (the store identity of a
-    :class:`~refit_core.net.keys.RankId`, ``"train/0"``); its keys are :mod:`refit_core.net.keys`."""
+    :class:`~refit_core.net.keys.RankId`, ``"train/0"``); its keys are :mod:`refit_core.net.keys`.
+    ``limits`` bound what the store accepts (the host's only; None: :class:`StoreLimits` defaults).
+    Without a secret in ``credentials`` it logs a warning, once per process."""
 
     def __init__(self, address: str, *, host: bool, who: str, timeout_s: float,
-                 credentials: JobCredentials | None = None, handshake_s: float = HANDSHAKE_S) -> None:
+                 credentials: JobCredentials | None = None, handshake_s: float = HANDSHAKE_S,
+                 limits: StoreLimits | None = None) -> None:
         endpoint = Endpoint.parse(address)
         credentials = credentials or JobCredentials()
+        warn_without_secret(credentials, str(endpoint))
         self.timeout_s = timeout_s
-        self.server = StoreServer(endpoint, credentials, handshake_s=handshake_s) if host else None
+        self.server = StoreServer(endpoint, credentials, handshake_s=handshake_s, limits=limits) if host else None
         try:
             self.client = StoreClient(endpoint, credentials, who, timeout_s=timeout_s, handshake_s=handshake_s)
         except BaseException:
@@ -50,8 +55,10 @@ class Rendezvous:
 
     # -- values -------------------------------------------------------------------------------
 
-    def publish(self, key: str, value: Any) -> None:
-        self.client.set(key, wire.encode(value))
+    def publish(self, key: str, value: Any, within: float | None = None) -> None:
+        """Write ``value`` (JSON) under ``key``; ``within``: what is left of the caller's deadline, which
+        bounds how long a stopped host may keep this rank waiting (None: ``min(timeout_s, 30 s)``)."""
+        self.client.set(key, wire.encode(value), within)
 
     def offer(self, key: str, value: Any) -> None:
         """Publish ``value`` under ``key`` unless the key holds a value already (best effort: never raises)."""
@@ -82,14 +89,15 @@ class Rendezvous:
             blocked = False  # the store held the first missing key's read open: no need to sleep
             for key in keys:
                 if key not in values:
-                    raw = self.client.try_get(key, wait_s=0.0 if blocked else WAIT_SLICE_S)
+                    raw = self.client.try_get(key, wait_s=0.0 if blocked else WAIT_SLICE_S,
+                                              within=deadline - time.monotonic())
                     blocked = blocked or raw is None
                     if raw is not None:
                         self.downloaded += len(raw)
                         values[key] = wire.decode(raw, f"{what} ({key})")
             if len(values) == len(keys):  # every value arrived: no need to look for failures
                 return [values[k] for k in keys]
-            self._check_failures(watched)
+            self._check_failures(deadline - time.monotonic(), watched)
             if time.monotonic() > deadline:
                 missing = [rank_name(k) for k in keys if k not in values]
                 waited = self.timeout_s if timeout_s is None else timeout_s
@@ -106,8 +114,8 @@ class Rendezvous:
         keys = barrier_keys(name)
         if self.client.add(keys.count, 1) >= count:
             self.client.set(keys.all, b"1")
-        while self.client.try_get(keys.all, wait_s=WAIT_SLICE_S) is None:
-            self._check_failures()
+        while self.client.try_get(keys.all, wait_s=WAIT_SLICE_S, within=deadline - time.monotonic()) is None:
+            self._check_failures(deadline - time.monotonic())
             if time.monotonic() > deadline:
                 missing = [rank_name(k) for k in arrived if not self.client.check([k])]
                 raise RefitError(f"timed out after {self.timeout_s:.0f} s waiting for {what}: "
@@ -125,15 +133,17 @@ class Rendezvous:
         except RefitError:  # best effort: the store's host may have exited already
             pass
 
-    def _check_failures(self, watched: Collection[str] | None = None) -> None:
-        raw = self.client.try_get(ERROR_KEY)
+    def _check_failures(self, within: float | None = None, watched: Collection[str] | None = None) -> None:
+        """Raise another rank's error, or name the ranks in ``watched`` (store identities; None: any) that
+        left; ``within``: what is left of the caller's deadline (bounds how long the host may take to answer)."""
+        raw = self.client.try_get(ERROR_KEY, within=within)
         if raw is not None:
             record = wire.decode(raw, "another rank's error")
             kind = record.get("kind") if isinstance(record, dict) else None
             message = record.get("message") if isinstance(record, dict) else None
             cls = _KINDS.get(kind, RefitError)  # a bad plan is a bad plan everywhere
             raise cls(f"refit setup failed on another rank: {str(message)[:4000]}")
-        gone = [who for who in self.client.gone() if watched is None or who in watched]
+        gone = [who for who in self.client.gone(within) if watched is None or who in watched]
         if gone:
             raise RendezvousError(f"{', '.join(map(rank_name, gone))} left the refit "
                                   "(its connection to the rendezvous closed: it exited or was killed)")

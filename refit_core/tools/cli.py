@@ -240,6 +240,13 @@ def cmd_check_plugin(args: argparse.Namespace) -> int:
     return 1 if counts[Outcome.FAILED] else 0
 
 
+def cmd_secret(args: argparse.Namespace) -> int:
+    from refit_core.net.auth import new_secret
+
+    print(new_secret())
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
         from refit_core.tools.bench import main as bench_main
@@ -324,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GPU benchmark: wire vs baselines vs refit (see benchmarks/)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
+
+    secret = sub.add_parser("secret", help="print a fresh random secret for a job: REFIT_SECRET=$(refit secret), "
+                                           "the same on every rank")
+    secret.set_defaults(func=cmd_secret)
     return parser
 
 

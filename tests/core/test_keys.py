@@ -9,8 +9,11 @@ from refit_core.net.keys import (
     RankRecord,
     barrier_keys,
     colocated_key,
+    decision_key,
     landed_key,
     landed_keys,
+    settled_key,
+    step_prefixes,
     publisher,
     rank_key,
     rank_keys,
@@ -32,6 +35,10 @@ def test_the_key_strings_stay_what_other_processes_expect():
     assert side_rank_keys(RankRecord.META, Side.TRAIN, 2) == ["meta/train/0", "meta/train/1"]
     assert (size_key(Side.TRAIN), size_key(Side.GEN)) == ("size/train", "size/gen")
     assert landed_key(3, 1) == "landed/3/gen/1" and landed_keys(0, 2) == ["landed/0/gen/0", "landed/0/gen/1"]
+    assert decision_key(3) == "decision/3/train/0" and settled_key(3, 1) == "settled/3/gen/1"
+    keys = [landed_key(3, 1), decision_key(3), settled_key(3, 0)]
+    assert all(any(k.startswith(p) for p in step_prefixes(3)) for k in keys)
+    assert not any(k.startswith(p) for p in step_prefixes(1) for k in [*keys, decision_key(13), landed_key(10, 0)])
     assert colocated_key(0, 2, ColocatedRecord.EXPORTS) == "colocated/0>2/exports"
     assert colocated_key(1, 0, ColocatedRecord.CONTROL) == "colocated/1>0/control"
     assert barrier_keys(AGREED) == barrier_keys("agreed") and barrier_keys("agreed").all == "agreed/all"

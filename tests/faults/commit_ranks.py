@@ -116,3 +116,24 @@ def unrecognized_engine_rank(rank: int, report, address: str, train: int, gen: i
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
     return {"ok": True}
+
+
+def many_steps_rank(rank: int, report, address: str, train: int, gen: int, options: dict) -> dict:
+    """Refit ``steps`` times; train rank 0 reports how many keys its store holds after each step."""
+    is_train = rank < train
+    local, size = (rank, train) if is_train else (rank - train, gen)
+    steps = options.pop("steps")
+    model = ToyTrainer(local, size) if is_train else ToyEngine(local, size)
+    endpoint = (RefitSender if is_train else RefitReceiver)(model, rendezvous=address, rank=local, world_size=size,
+                                                            options=RefitOptions(**options))
+    endpoint.setup()
+    held = []
+    for step in range(steps):
+        if is_train:
+            model.load(reference(0, step % 2))
+            endpoint.send(version=step)
+            held.append(endpoint._rdv.client.num_keys())
+        else:
+            endpoint.receive()
+    endpoint.close()
+    return {"held": held}

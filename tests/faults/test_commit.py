@@ -125,3 +125,23 @@ def test_an_engine_rank_failing_its_own_checks_at_setup_reaches_the_trainer_at_o
     assert engine["error"] == "PluginError" and "no installed refit plugin recognizes" in engine["message"], engine
     assert trainer["error"] == "PluginError" and f"gen rank 0: {engine['message']}" in trainer["message"], trainer
     assert trainer["seconds"] < 10, trainer  # its deadline is 30 s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+def test_the_store_forgets_old_steps_commit_keys(mode):
+    """Every step writes a vote (and, staged, a settlement) per gen rank and one decision; train rank 0
+    deletes them two steps later, so a long run holds as many keys after its 8th step as after its 2nd."""
+    from commit_ranks import many_steps_rank
+
+    address = f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        for r in range(3):
+            ranks.start(many_steps_rank, r, address, 1, 2, {"timeout_s": 30, "mode": mode, "steps": 8})
+        ranks.release()
+        results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
+    finally:
+        ranks.close()
+    held = results[(0, "result")]["held"]
+    assert held[0] < held[1] and held[1:] == [held[1]] * 7, held  # grows for two steps, then stays

@@ -52,7 +52,8 @@ def _attack(port: int, marker: Path, secret: str | None = None) -> str:
 @pytest.mark.slow
 def test_a_pickle_written_into_the_store_never_runs(tmp_path):
     """The issue's attack, both ways: with a secret the attacker cannot write at all and the refit
-    completes bitwise; without one it can write, and the ranks fail naming bad data. Nothing runs."""
+    completes bitwise; without one it can write (as a rank of the job), and the ranks fail naming bad
+    data. Nothing runs."""
     marker = tmp_path / "pwned"
     for secret in ("s3cret", None):
         port = free_port()
@@ -71,8 +72,9 @@ def test_a_pickle_written_into_the_store_never_runs(tmp_path):
                 ranks.start(setup_rank, 2, address, 2, 1, options)
                 results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
                 assert all(r["ok"] and r["bitwise"] for r in results.values()), results
-            else:
-                assert "no secret: wrote" in log, log
+            else:  # its made-up identity (train/7) is refused once the train side's size is out; a real one is not
+                assert "no secret: wrote" in log or "train rank 7 is not a rank of this refit job" in log, log
+                _write_pickle(port, marker, "gen/0")
                 results = ranks.wait_for([(r, "result") for r in range(2)], timeout_s=60)
                 for r in results.values():
                     assert "not refit data" in r["message"], r  # failed on the data, not at the deadline
@@ -80,6 +82,21 @@ def test_a_pickle_written_into_the_store_never_runs(tmp_path):
             ranks.close()
         time.sleep(0.5)
         assert not marker.exists(), "the pickle ran"
+
+
+def _write_pickle(port: int, marker: Path, who: str) -> None:
+    """What attacker.py writes, as a rank the job has not seen yet (possible without a secret)."""
+    import pickle
+
+    from attacker import Payload
+
+    from refit_core.net.store import Endpoint, StoreClient
+
+    evil = pickle.dumps(Payload(str(marker)))
+    client = StoreClient(Endpoint("127.0.0.1", port), JobCredentials(), who, timeout_s=5, handshake_s=3)
+    for key in ("error", "meta/gen/0", "size/gen"):
+        client.set(key, evil)
+    client.close()
 
 
 def _wait_listening(port: int, timeout_s: float = 60) -> None:
@@ -111,7 +128,8 @@ def test_a_second_job_on_a_busy_port_gets_named_errors_and_the_first_job_is_unto
         ranks.close()
     host, gen = b[(10, "result")], b[(11, "result")]
     assert host["error"] == "RendezvousError" and "could not host" in host["message"], host
-    assert gen["error"] == "AuthenticationError" and "job 'job-a'" in gen["message"], gen
+    assert gen["error"] == "AuthenticationError" and "a different refit job (job names differ)" in gen["message"], gen
+    assert "job-a" not in gen["message"], gen  # a refusal keeps the job's name to itself
     assert "job-b" in gen["message"] and gen["seconds"] < 15, gen
     assert all(r.get("ok") and r["bitwise"] for r in a.values()), a
 

@@ -16,18 +16,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from refit_core.contract.backend import GEN, TRAIN, Backend
+from refit_core.contract.env import read
 from refit_core.contract.errors import RefitError
 from refit_core.contract.options import Colocation
 from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
 from refit_core.kit.demo import DemoReport, ProgressEvent, installed_demos
 from refit_core.kit.launch import free_port
+from refit_core.net.auth import new_secret
 from refit_core.units import format_bytes
 
 
@@ -112,15 +114,24 @@ class DemoOutcome:
     summary: str
 
 
+def side_environment(options: dict, environ: Mapping[str, str]) -> dict[str, str]:
+    """The side programs' environment: ``environ``, and in ``REFIT_SECRET`` the job's secret, the same
+    for both sides: ``environ``'s own, else ``options["secret"]`` (taken out of ``options``: a command
+    line is visible to every local user), else a fresh random one."""
+    given = options.pop("secret", None)
+    secret = read("REFIT_SECRET", environ) or given or new_secret()
+    return {**environ, "PYTHONUNBUFFERED": "1", "REFIT_SECRET": secret}
+
+
 class _SideProcess:
     """One side's program in its own session, so that it and every process it starts can be killed."""
 
-    def __init__(self, side: str, command: list[str], files: SideFiles) -> None:
+    def __init__(self, side: str, command: list[str], files: SideFiles, env: dict[str, str]) -> None:
         self.side = side
         self.files = files
         with open(files.log, "w") as log:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         start_new_session=True, env=env)
         self.failed_at: float | None = None
         self.stopped = False
 
@@ -194,6 +205,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 900.0, options: dict | None =
     options = {"timeout_s": min(timeout_s, 300.0), **(options or {})}
     if plan.colocate:
         options.setdefault("colocate", Colocation.SHARED.value)
+    env = side_environment(options, os.environ)
     start = time.perf_counter()
     log_dir = tempfile.mkdtemp(prefix="refit-demo-")
     events = _EventPrinter(os.path.join(log_dir, "events.jsonl"), echo)
@@ -203,7 +215,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 900.0, options: dict | None =
         for side in (TRAIN, GEN):
             files = SideFiles(os.path.join(log_dir, f"{side}.log"), os.path.join(log_dir, f"{side}.json"))
             sides[side] = _SideProcess(side, _side_command(plan, side, rendezvous, files, events.path, options),
-                                       files)
+                                       files, env)
         _wait(list(sides.values()), time.monotonic() + timeout_s, events)
     finally:
         for process in sides.values():
