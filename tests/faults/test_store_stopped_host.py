@@ -110,7 +110,7 @@ def test_ranks_waiting_for_a_stopped_planner_get_a_named_error_within_their_dead
 def test_a_store_host_stopped_mid_step_costs_the_survivors_their_deadline_not_a_hang(mode):
     """Train rank 0 stops inside the step's transfer; train rank 1 and the gen rank fail the step
     with a named error and close; their results (sent after close()) arrive within seconds. (The gen
-    rank may still be reading step 0's landing votes when the host stops: then step 0 fails.)"""
+    rank may still be reading step 0's decision when the host stops: then step 0 fails.)"""
     scenario = Scenario(2, 1, {"mode": mode, "timeout_s": TIMEOUT_S}, Fault(0, signal.SIGSTOP))
     ranks = Ranks()
     address = f"127.0.0.1:{free_port()}"
@@ -128,8 +128,9 @@ def test_a_store_host_stopped_mid_step_costs_the_survivors_their_deadline_not_a_
     assert "error" in gen, gen
     for rank, r in ((1, results[(1, "result")]), (2, gen)):
         if "error" in r:
-            assert r["error"] in ("TransferError", "StepFailedError", "RendezvousError"), (rank, r)
+            assert r["error"] in ("TransferError", "StepFailedError", "RendezvousError", "DecisionUnknown"), (rank, r)
             assert r["seconds"] < 2 * TIMEOUT_S + 3, (rank, r)  # the transport's deadline, then one store answer
     assert after_failing < 2 * TIMEOUT_S + 2 * CLOSE_S + 3, after_failing  # close() did not wait for the host
-    if mode == "staged":  # which version the gen rank then holds is the commit protocol's business
+    if mode == "staged":  # old weights, or the rank refuses to serve (it could not learn the decision)
         assert "error" in results[(1, "result")], results
+        assert set(gen["state"].values()) == {"old"} or gen["needs_refit"], gen
