@@ -118,13 +118,32 @@ def test_mismatched_model_fails_at_setup_and_engine_keeps_serving() -> None:
     assert result["still_generates"] and result["matches_hf_initial"]
 
 
-def test_failed_step_keeps_previous_weights() -> None:
-    """Trainers die after setup: update_weights fails, vLLM's reload is rolled back, old weights serve."""
+def test_failed_step_keeps_previous_weights_and_a_torn_engine_refuses_to_serve() -> None:
+    """Trainers die after setup: update_weights fails, vLLM's reload is rolled back, old weights serve.
+    Then vLLM's loader fails on the loader path (the plugin cannot tell how far it got: those tensors
+    count as torn): every rank reports it needs a refit, generation raises a named refusal, also in a
+    new session before its first step; the new session's step lifts it and the engine equals HF."""
     result = run_scenario("abort", model="tiny-qwen3-moe")
     error = result["step_error"]  # a StepFailedError (a TransferError) that names nothing torn
     assert error is not None and "StepFailedError" in error and "the engine's weights are unchanged" in error, error
     assert result["same_tokens_after"]
     assert result["engine_version"] == "default"
+    assert result["states_after_clean_failure"] == [[0, None, False]]
+
+    refusal = "engine refuses to serve: gen rank 0 holds the engine's initial weights and needs a refit"
+    error = result["torn_step_error"]
+    assert error is not None and "EngineRefusesError" in error and refusal in error, error
+    assert "vLLM's loader refused the weights" in error, error  # the rank's own failure, named
+    assert result["states_after_torn_step"] == [[0, None, True]]
+    assert result["refusals"][0] is not None and result["refusals"][0].startswith(refusal), result["refusals"]
+    assert result["generate_error"] is not None and refusal in result["generate_error"], result["generate_error"]
+    assert result["states_in_new_session"] == [[0, None, True]]
+    assert result["still_refuses_in_new_session"], "a new session lifted the refusal before any step landed"
+
+    assert result["recovery_trainer_error"] is None, result["recovery_trainer_error"]
+    assert result["states_after_recovery"] == [[0, 2, False]]
+    assert result["recovered_equal_hf"], "after the recovery step vLLM does not generate HF's tokens"
+    assert result["version_after_recovery"] == "2"
 
 
 def test_inflight_refit_asyncllm() -> None:

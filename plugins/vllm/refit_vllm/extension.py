@@ -57,6 +57,25 @@ class RefitWorkerExtension:
         state = state_of(self._refit_model())
         return None if state is None else state.version
 
+    def refit_rank_state(self) -> tuple[int, int | None, bool]:
+        """This worker's (gen rank, weight version it holds, needs_refit), either route: see
+        :class:`refit_vllm.serving.RankState` (the rank is the worker's index before any session)."""
+        from .serving import own_state
+        from .transfer import worker_rank
+
+        model = self._refit_model()
+        engine = getattr(self, "weight_transfer_engine", None)
+        receiver = getattr(self, "_refit_receiver", None) or getattr(engine, "receiver", None)
+        state = own_state(receiver, model, worker_rank(self.vllm_config.parallel_config)[0],
+                          state_of(model).version)
+        return state.rank, state.version, state.needs_refit
+
+    def refit_refusal(self) -> str | None:
+        """Why this worker's model refuses to serve (:mod:`refit_vllm.serving`), or None when it serves."""
+        from .serving import refused
+
+        return refused(self._refit_model())
+
     def refit_destination_metas(self) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]]:
         """This worker's destination map as plain data: (name, shape, dtype, box offsets, box sizes)."""
         from refit_core import get_plugin_manager

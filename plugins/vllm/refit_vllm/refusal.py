@@ -1,0 +1,62 @@
+"""An engine that refuses ``init_weight_transfer_engine`` tells the trainers why, through refit's setup.
+
+refit's setup broadcasts a failure inside ``RefitReceiver.setup()`` to every rank of both sides at
+once (the rendezvous' error record). A worker that fails *before* its setup (init info vLLM cannot
+parse, a gen rank outside the refit's world size, a model it cannot attach) would otherwise leave the
+trainers waiting for it until their deadline, with only a timeout to show. :func:`publish` runs a
+setup whose only plugin fails with the worker's error, so the trainers raise with its text.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from refit_core import RefitError, RefitOptions, RefitReceiver, hookimpl
+from refit_core.contract.plugins import PluginManager
+
+log = logging.getLogger("refit.vllm")
+
+
+class EngineSetupError(RefitError):
+    """A vLLM worker refused to join a refit session before its setup started."""
+
+
+class _Refuses:
+    """A plugin whose destination map is the worker's error: setup fails with it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    @hookimpl
+    def refit_destination_map(self, model: Any) -> None:
+        raise self.error
+
+
+def engine_error(error: Exception) -> EngineSetupError:
+    """The error the trainers see for ``error`` (its type and text, and where it happened)."""
+    return EngineSetupError(f"the vLLM engine refused init_weight_transfer_engine: {type(error).__name__}: {error}")
+
+
+def publish(error: EngineSetupError, *, rendezvous: str, rank: int, world_size: int,
+            options: dict[str, Any] | None = None) -> None:
+    """Tell every rank of the refit at ``rendezvous`` that this worker failed with ``error``, as gen rank
+    ``rank`` (clamped into ``world_size``; best effort: a rendezvous this worker cannot join, or where
+    that rank already joined, hears nothing and the trainers see their own timeout)."""
+    plugins = PluginManager(load_entry_points=False)
+    plugins.register(_Refuses(error), name="refit-vllm-refusal")
+    world_size = max(int(world_size), 1)
+    try:
+        settings = RefitOptions(**(options or {}))
+    except Exception:  # noqa: BLE001 - the options may be what was refused: the deadline is all that is needed
+        settings = RefitOptions()
+    receiver = RefitReceiver(None, rendezvous=rendezvous, rank=min(max(rank, 0), world_size - 1),
+                             world_size=world_size, options=settings, plugins=plugins)
+    try:
+        receiver.setup()
+    except Exception as exc:  # noqa: BLE001 - the expected outcome is our own error; anything else is logged
+        if exc is not error:
+            log.warning("refit: could not tell the trainers at %s why this engine refused (%s: %s)",
+                        rendezvous, type(exc).__name__, exc)
+    finally:
+        receiver.close()

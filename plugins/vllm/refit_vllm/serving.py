@@ -1,0 +1,157 @@
+"""Whether a vLLM engine may serve: every rank's weight version, agreed after every refit step.
+
+After each step (landed or failed) every worker of the engine states its :class:`RankState` and the
+workers exchange them (vLLM's world group, as int64 tensors: nothing is unpickled). If any rank needs
+a refit (a failed step tore weights vLLM could not restore, or a staged commit this rank could not
+confirm) or the ranks hold different versions, every worker's model refuses to serve: its forward
+raises :class:`EngineRefusesError` naming the ranks and their versions -- on every rank at once, so no
+rank waits in a collective for a peer that refused. The next step that lands on every rank with one
+version lifts the refusal. ``RefitWorkerExtension.refit_rank_state`` (through ``collective_rpc``) and
+:func:`engine_rank_states` show each rank's state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from refit_core import RefitError
+from refit_core.kit import torn_tensors
+
+if TYPE_CHECKING:
+    from refit_core import RefitReceiver
+
+RANKS_SHOWN = 8
+"""How many ranks a refusal names."""
+
+
+class EngineRefusesError(RefitError):
+    """The engine's ranks hold different weight versions, or one needs a refit: serve nothing until a
+    refit lands on every rank."""
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One engine rank as refit left it. ``rank``: its gen rank in the refit (its worker index before
+    any refit session); ``version``: the weight version it holds (None: the engine's own, none from
+    refit yet); ``needs_refit``: True while its weights may be partly written or ahead of or behind
+    its peers' (a failed or unconfirmed step), False when they are one whole version."""
+
+    rank: int
+    version: int | None
+    needs_refit: bool
+
+    def describe(self) -> str:
+        held = "the engine's initial weights" if self.version is None else f"version {self.version}"
+        return f"gen rank {self.rank} holds {held}{' and needs a refit' if self.needs_refit else ''}"
+
+
+def refusal(states: Sequence[RankState]) -> str | None:
+    """Why an engine whose ranks are ``states`` must not serve; None when it may."""
+    needy = [s for s in states if s.needs_refit]
+    versions = {s.version for s in states}
+    if not needy and len(versions) <= 1:
+        return None
+    ordered = sorted(states, key=lambda s: (not s.needs_refit, s.rank))
+    shown = ", ".join(s.describe() for s in ordered[:RANKS_SHOWN])
+    more = f" (and {len(ordered) - RANKS_SHOWN} more)" if len(ordered) > RANKS_SHOWN else ""
+    why = ("a failed step left weights partly written, or a staged commit could not be confirmed" if needy
+           else "a step landed on some ranks only")
+    return (f"engine refuses to serve: {shown}{more} ({why}); refit again "
+            "(init_weight_transfer_engine / refit_init, then a step that lands on every rank)")
+
+
+class _Refusal:
+    def __init__(self, model: torch.nn.Module, message: str) -> None:
+        self.message = message
+        self.handle = model.register_forward_pre_hook(self, prepend=True)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        raise EngineRefusesError(self.message)
+
+
+_REFUSALS: weakref.WeakKeyDictionary[torch.nn.Module, _Refusal] = weakref.WeakKeyDictionary()
+_NEEDS_REFIT: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Models whose own weights a step left suspect; cleared only by a step that lands (not by a new session)."""
+
+
+def refuse(model: torch.nn.Module, message: str) -> None:
+    """Make every forward of ``model`` raise :class:`EngineRefusesError` with ``message`` until :func:`resume`."""
+    resume(model)
+    _REFUSALS[model] = _Refusal(model, message)
+
+
+def resume(model: torch.nn.Module) -> None:
+    """``model`` serves again (no-op when it was not refused)."""
+    refused = _REFUSALS.pop(model, None)
+    if refused is not None:
+        refused.handle.remove()
+
+
+def refused(model: torch.nn.Module) -> str | None:
+    """Why ``model`` refuses to serve, or None when it serves."""
+    found = _REFUSALS.get(model)
+    return None if found is None else found.message
+
+
+def own_state(receiver: RefitReceiver | None, model: torch.nn.Module, rank: int, version: int | None) -> RankState:
+    """This rank's state right after a step (or at any time): a landed step clears ``needs_refit``; a
+    failed one sets it when the core says the rank needs a refit, except where vLLM restored every
+    tensor the step touched (the plugin's reload path puts the old kernel tensors back)."""
+    if receiver is not None:
+        failure = receiver.last_failure
+        if failure is None and receiver.version is not None:
+            _NEEDS_REFIT.pop(model, None)
+        elif failure is not None and receiver.needs_refit:
+            restored = bool(failure.torn) and not torn_tensors(model)
+            if not restored:
+                _NEEDS_REFIT[model] = True
+        rank = receiver.rank
+    return RankState(rank, version, _NEEDS_REFIT.get(model, False))
+
+
+def gather(state: RankState) -> list[RankState]:
+    """Every worker's state, over vLLM's world group (all ranks of the engine; one rank: no collective)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    if group.world_size == 1:
+        return [state]
+    mine = torch.tensor([state.rank, -1 if state.version is None else state.version, int(state.needs_refit)],
+                        dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(group.world_size)]
+    torch.distributed.all_gather(everyone, mine, group=group.cpu_group)
+    return [RankState(int(r), None if v < 0 else int(v), bool(n)) for r, v, n in (t.tolist() for t in everyone)]
+
+
+def settle(states: Sequence[RankState], model: torch.nn.Module) -> str | None:
+    """Refuse or resume serving on this worker by the engine's ``states``; the refusal, or None."""
+    message = refusal(states)
+    if message is None:
+        resume(model)
+    else:
+        refuse(model, message)
+    return message
+
+
+def after_step(receiver: RefitReceiver, model: torch.nn.Module) -> str | None:
+    """Every worker, right after a step (landed or failed): agree with the others whether the engine
+    may serve, and refuse or resume on this worker; the refusal, or None."""
+    from .state import state_of
+
+    state = state_of(model)
+    mine = own_state(receiver, model, receiver.rank, None if state is None else state.version)
+    return settle(gather(mine), model)
+
+
+def engine_rank_states(llm: Any) -> list[RankState]:
+    """Each worker's :class:`RankState` of an ``LLM`` built with ``worker_extension_cls=EXTENSION``
+    (:mod:`refit_vllm.extension`), through ``collective_rpc``."""
+    return [RankState(*row) for row in llm.collective_rpc("refit_rank_state")]
+
+
+__all__ = ["EngineRefusesError", "RankState", "engine_rank_states", "refusal", "refused"]
