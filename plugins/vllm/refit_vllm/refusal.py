@@ -17,6 +17,9 @@ from refit_core.contract.plugins import PluginManager
 
 log = logging.getLogger("refit.vllm")
 
+PUBLISH_S = 5.0
+"""The longest a refusing worker tries to reach the rendezvous (the trainers host it as they set up)."""
+
 
 class EngineSetupError(RefitError):
     """A vLLM worker refused to join a refit session before its setup started."""
@@ -41,15 +44,18 @@ def engine_error(error: Exception) -> EngineSetupError:
 def publish(error: EngineSetupError, *, rendezvous: str, rank: int, world_size: int,
             options: dict[str, Any] | None = None) -> None:
     """Tell every rank of the refit at ``rendezvous`` that this worker failed with ``error``, as gen rank
-    ``rank`` (clamped into ``world_size``; best effort: a rendezvous this worker cannot join, or where
-    that rank already joined, hears nothing and the trainers see their own timeout)."""
+    ``rank`` (clamped into ``world_size``). Best effort, within :data:`PUBLISH_S`: a rendezvous this
+    worker cannot join, or where that rank already joined, hears nothing (the trainers see their own
+    timeout, and the engine's error reaches the trainer rank whose client called it as a note)."""
     plugins = PluginManager(load_entry_points=False)
     plugins.register(_Refuses(error), name="refit-vllm-refusal")
     world_size = max(int(world_size), 1)
+    wishes = dict(options or {})
     try:
-        settings = RefitOptions(**(options or {}))
-    except Exception:  # noqa: BLE001 - the options may be what was refused: the deadline is all that is needed
-        settings = RefitOptions()
+        deadline = min(float(wishes.get("timeout_s") or PUBLISH_S), PUBLISH_S)
+        settings = RefitOptions(**{**wishes, "timeout_s": deadline})
+    except Exception:  # noqa: BLE001 - the options may be what was refused: job, secret and a deadline suffice
+        settings = RefitOptions(job=wishes.get("job"), secret=wishes.get("secret"), timeout_s=PUBLISH_S)
     receiver = RefitReceiver(None, rendezvous=rendezvous, rank=min(max(rank, 0), world_size - 1),
                              world_size=world_size, options=settings, plugins=plugins)
     try:

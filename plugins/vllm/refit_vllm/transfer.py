@@ -105,7 +105,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
             return super().parse_init_info(init_dict)
         except Exception as exc:
             rendezvous = init_dict.get("rendezvous") if isinstance(init_dict, dict) else None
-            if isinstance(rendezvous, str):
+            if isinstance(rendezvous, str) and rendezvous:
                 self._refuse(exc, rendezvous, init_dict.get("world_size"), init_dict.get("rank_offset"),
                              init_dict.get("options"))
             raise
