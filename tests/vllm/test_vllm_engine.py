@@ -128,20 +128,21 @@ def test_failed_step_keeps_previous_weights_and_a_torn_engine_refuses_to_serve()
     assert error is not None and "StepFailedError" in error and "the engine's weights are unchanged" in error, error
     assert result["same_tokens_after"]
     assert result["engine_version"] == "default"
-    assert result["states_after_clean_failure"] == [[0, None, False]]
+    assert result["states_after_clean_failure"] == [[0, None, 0]]  # (rank, version, suspect)
 
-    refusal = "engine refuses to serve: gen rank 0 holds the engine's initial weights and needs a refit"
+    refusal = ("engine refuses to serve: gen rank 0 holds the engine's initial weights and needs a refit (a failed "
+               "step left weights partly written); refit again")
     error = result["torn_step_error"]
     assert error is not None and "EngineRefusesError" in error and refusal in error, error
     assert "vLLM's loader refused the weights" in error, error  # the rank's own failure, named
-    assert result["states_after_torn_step"] == [[0, None, True]]
+    assert result["states_after_torn_step"] == [[0, None, 1]]
     assert result["refusals"][0] is not None and result["refusals"][0].startswith(refusal), result["refusals"]
     assert result["generate_error"] is not None and refusal in result["generate_error"], result["generate_error"]
-    assert result["states_in_new_session"] == [[0, None, True]]
+    assert result["states_in_new_session"] == [[0, None, 1]]
     assert result["still_refuses_in_new_session"], "a new session lifted the refusal before any step landed"
 
     assert result["recovery_trainer_error"] is None, result["recovery_trainer_error"]
-    assert result["states_after_recovery"] == [[0, 2, False]]
+    assert result["states_after_recovery"] == [[0, 2, 0]]
     assert result["recovered_equal_hf"], "after the recovery step vLLM does not generate HF's tokens"
     assert result["version_after_recovery"] == "2"
 

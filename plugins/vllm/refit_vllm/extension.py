@@ -57,8 +57,9 @@ class RefitWorkerExtension:
         state = state_of(self._refit_model())
         return None if state is None else state.version
 
-    def refit_rank_state(self) -> tuple[int, int | None, bool]:
-        """This worker's (gen rank, weight version it holds, needs_refit), either route: see
+    def refit_rank_state(self) -> tuple[int, int | None, int]:
+        """This worker's (gen rank, weight version it holds, why it needs a refit: 0 when it does not,
+        else a :class:`refit_vllm.serving.Suspect`), either route; see
         :class:`refit_vllm.serving.RankState` (the rank is the worker's index before any session)."""
         from .serving import own_state
         from .transfer import worker_rank
@@ -68,7 +69,7 @@ class RefitWorkerExtension:
         receiver = getattr(self, "_refit_receiver", None) or getattr(engine, "receiver", None)
         state = own_state(receiver, model, worker_rank(self.vllm_config.parallel_config)[0],
                           state_of(model).version)
-        return state.rank, state.version, state.needs_refit
+        return state.rank, state.version, int(state.suspect or 0)
 
     def refit_refusal(self) -> str | None:
         """Why this worker's model refuses to serve (:mod:`refit_vllm.serving`), or None when it serves."""

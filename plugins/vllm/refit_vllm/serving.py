@@ -12,6 +12,7 @@ version lifts the refusal. ``RefitWorkerExtension.refit_rank_state`` (through ``
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,34 +35,51 @@ class EngineRefusesError(RefitError):
     refit lands on every rank."""
 
 
+class Suspect(enum.IntEnum):
+    """Why a rank's weights need a refit."""
+
+    TORN = 1
+    """A failed step left some of its tensors partly written."""
+    UNCONFIRMED = 2
+    """It could not learn whether a staged step was committed: its peers may hold another version."""
+
+    def describe(self) -> str:
+        return "a failed step left weights partly written" if self is Suspect.TORN else \
+            "a staged commit could not be confirmed"
+
+
 @dataclass(frozen=True)
 class RankState:
     """One engine rank as refit left it. ``rank``: its gen rank in the refit (its worker index before
     any refit session); ``version``: the weight version it holds (None: the engine's own, none from
-    refit yet); ``needs_refit``: True while its weights may be partly written or ahead of or behind
-    its peers' (a failed or unconfirmed step), False when they are one whole version."""
+    refit yet); ``suspect``: why its weights need a refit (a failed or unconfirmed step), None when
+    they are one whole version."""
 
     rank: int
     version: int | None
-    needs_refit: bool
+    suspect: Suspect | None = None
+
+    @property
+    def needs_refit(self) -> bool:
+        """True while this rank must not serve until a refit lands on it."""
+        return self.suspect is not None
 
     def describe(self) -> str:
         held = "the engine's initial weights" if self.version is None else f"version {self.version}"
-        return f"gen rank {self.rank} holds {held}{' and needs a refit' if self.needs_refit else ''}"
+        why = "" if self.suspect is None else f" and needs a refit ({self.suspect.describe()})"
+        return f"gen rank {self.rank} holds {held}{why}"
 
 
 def refusal(states: Sequence[RankState]) -> str | None:
     """Why an engine whose ranks are ``states`` must not serve; None when it may."""
-    needy = [s for s in states if s.needs_refit]
-    versions = {s.version for s in states}
-    if not needy and len(versions) <= 1:
+    needy = any(s.needs_refit for s in states)
+    if not needy and len({s.version for s in states}) <= 1:
         return None
     ordered = sorted(states, key=lambda s: (not s.needs_refit, s.rank))
     shown = ", ".join(s.describe() for s in ordered[:RANKS_SHOWN])
     more = f" (and {len(ordered) - RANKS_SHOWN} more)" if len(ordered) > RANKS_SHOWN else ""
-    why = ("a failed step left weights partly written, or a staged commit could not be confirmed" if needy
-           else "a step landed on some ranks only")
-    return (f"engine refuses to serve: {shown}{more} ({why}); refit again "
+    split = "" if needy else " (the last step landed on some ranks only)"
+    return (f"engine refuses to serve: {shown}{more}{split}; refit again "
             "(init_weight_transfer_engine / refit_init, then a step that lands on every rank)")
 
 
@@ -75,7 +93,7 @@ class _Refusal:
 
 
 _REFUSALS: weakref.WeakKeyDictionary[torch.nn.Module, _Refusal] = weakref.WeakKeyDictionary()
-_NEEDS_REFIT: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+_SUSPECT: weakref.WeakKeyDictionary[torch.nn.Module, Suspect] = weakref.WeakKeyDictionary()
 """Models whose own weights a step left suspect; cleared only by a step that lands (not by a new session)."""
 
 
@@ -105,13 +123,14 @@ def own_state(receiver: RefitReceiver | None, model: torch.nn.Module, rank: int,
     if receiver is not None:
         failure = receiver.last_failure
         if failure is None and receiver.version is not None:
-            _NEEDS_REFIT.pop(model, None)
+            _SUSPECT.pop(model, None)
         elif failure is not None and receiver.needs_refit:
-            restored = bool(failure.torn) and not torn_tensors(model)
-            if not restored:
-                _NEEDS_REFIT[model] = True
+            if not failure.torn:  # nothing written, yet the core says refit: the commit was not learned
+                _SUSPECT[model] = Suspect.UNCONFIRMED
+            elif torn_tensors(model):  # what vLLM could not restore (the plugin's abort hook names it)
+                _SUSPECT[model] = Suspect.TORN
         rank = receiver.rank
-    return RankState(rank, version, _NEEDS_REFIT.get(model, False))
+    return RankState(rank, version, _SUSPECT.get(model))
 
 
 def gather(state: RankState) -> list[RankState]:
@@ -121,11 +140,16 @@ def gather(state: RankState) -> list[RankState]:
     group = get_world_group()
     if group.world_size == 1:
         return [state]
-    mine = torch.tensor([state.rank, -1 if state.version is None else state.version, int(state.needs_refit)],
+    return gather_over(state, group.cpu_group, group.world_size)
+
+
+def gather_over(state: RankState, group: Any, size: int) -> list[RankState]:
+    """Every member's state over the gloo ``group`` of ``size`` ranks, as int64 tensors (no pickle)."""
+    mine = torch.tensor([state.rank, -1 if state.version is None else state.version, int(state.suspect or 0)],
                         dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(group.world_size)]
-    torch.distributed.all_gather(everyone, mine, group=group.cpu_group)
-    return [RankState(int(r), None if v < 0 else int(v), bool(n)) for r, v, n in (t.tolist() for t in everyone)]
+    everyone = [torch.empty_like(mine) for _ in range(size)]
+    torch.distributed.all_gather(everyone, mine, group=group)
+    return [RankState(r, None if v < 0 else v, Suspect(s) if s else None) for r, v, s in (t.tolist() for t in everyone)]
 
 
 def settle(states: Sequence[RankState], model: torch.nn.Module) -> str | None:
@@ -151,7 +175,8 @@ def after_step(receiver: RefitReceiver, model: torch.nn.Module) -> str | None:
 def engine_rank_states(llm: Any) -> list[RankState]:
     """Each worker's :class:`RankState` of an ``LLM`` built with ``worker_extension_cls=EXTENSION``
     (:mod:`refit_vllm.extension`), through ``collective_rpc``."""
-    return [RankState(*row) for row in llm.collective_rpc("refit_rank_state")]
+    return [RankState(rank, version, Suspect(suspect) if suspect else None)
+            for rank, version, suspect in llm.collective_rpc("refit_rank_state")]
 
 
-__all__ = ["EngineRefusesError", "RankState", "engine_rank_states", "refusal", "refused"]
+__all__ = ["EngineRefusesError", "RankState", "Suspect", "engine_rank_states", "refusal", "refused"]
