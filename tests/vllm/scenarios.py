@@ -255,9 +255,50 @@ def _plan_summary(worker: Any) -> dict[str, Any]:
             "loader_modules": sorted(plan.loader_reasons)}
 
 
+def _split_then_recover(llm: Any, cfg: dict[str, Any], torn_rank: int, tokens: Callable[[], list[list[int]]],
+                        want: Callable[[int], list[list[int]]]) -> dict[str, Any]:
+    """A step (version 3) that lands on every worker but ``torn_rank``, whose loader fails: the engine
+    must refuse on every worker, naming both versions; then a new session's step (4) must lift it."""
+    from refit_core.kit.launch import free_port
+
+    out: dict[str, Any] = {}
+    options = {"timeout_s": 60}
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [3], options)
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": options,
+                                                   "loader": [r"layers\.1\.self_attn\.q_proj"]}})
+    llm.collective_rpc(_fail_next_load_weights, kwargs={"rank": torn_rank})
+    llm.start_weight_update()
+    out["step_error"] = _error_text(lambda: llm.update_weights({"update_info": {"version": 3}}))
+    trainers.join()
+    out["states"] = llm.collective_rpc("refit_rank_state")
+    out["refusals"] = llm.collective_rpc("refit_refusal")
+    from refit_vllm.serving import check_serving
+
+    out["check_serving_error"] = _error_text(lambda: check_serving(llm))
+    out["generate_error"] = _error_text(tokens)
+    out["alive_after_refusal"] = _error_text(lambda: llm.collective_rpc("refit_rank_state")) is None
+    if not out["alive_after_refusal"]:
+        return out
+    _abort_requests(llm)
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [4], options)
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": options}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 4}})
+    llm.finish_weight_update(weight_version="4")
+    llm.reset_prefix_cache()
+    error = trainers.join()
+    out["recovery_trainer_error"] = None if error is None else str(error)
+    out["states_after_recovery"] = llm.collective_rpc("refit_rank_state")
+    out["recovered_equal_hf"] = tokens() == want(4)
+    return out
+
+
 def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", loader: list[str] | None = None,
-                   steps: list[int] | None = None) -> dict[str, Any]:
-    """FSDP2 (2 ranks) -> vLLM (``tp`` workers): after each refit, vLLM's greedy tokens vs HF's."""
+                   steps: list[int] | None = None, torn_rank: int | None = None) -> dict[str, Any]:
+    """FSDP2 (2 ranks) -> vLLM (``tp`` workers): after each refit, vLLM's greedy tokens vs HF's; then,
+    with ``torn_rank``, a step that lands on every worker but that one, and the recovery."""
     _engine_env(tp)
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.extension import EXTENSION
@@ -327,6 +368,10 @@ def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", load
     result["replanned_equal"] = [a == b for a, b in zip(replanned, llm.collective_rpc("refit_destination_metas"))]
     error = trainers.join()
     result["trainer_error"] = None if error is None else str(error)
+    if torn_rank is not None:
+        result["split"] = _split_then_recover(llm, cfg, torn_rank,
+                                              lambda: [list(o.outputs[0].token_ids) for o in generate()],
+                                              lambda step: hf_tokens(cfg, step, prompts, tmp))
     llm.llm_engine.engine_core.shutdown()
     return result
 
@@ -381,8 +426,11 @@ def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
     return result
 
 
-def _fail_next_load_weights(worker: Any) -> None:
-    """The model's next ``load_weights`` call raises (vLLM's own loader refusing the loader path's tensors)."""
+def _fail_next_load_weights(worker: Any, rank: int | None = None) -> None:
+    """The model's next ``load_weights`` call raises (vLLM's own loader refusing the loader path's
+    tensors), on worker ``rank`` only if given."""
+    if rank is not None and worker.rank != rank:
+        return
     model = worker.model_runner.get_model()
     original = model.load_weights
 

@@ -10,9 +10,10 @@ import torch
 
 pytest.importorskip("refit_vllm")
 
-from refit_vllm.serving import EngineRefusesError, RankState, Suspect, refusal, refuse, refused, resume
+from refit_vllm.serving import EngineRefusesError, RankState, StepOutcome, Suspect, refusal, refuse, refused, resume
 from serving_ranks import gather_rank
 
+from refit_core import RefitError
 from refit_core.kit import TornWeightsError, refuse_serving, resume_serving
 from refit_core.kit.launch import free_port, spawn
 
@@ -54,5 +55,17 @@ def test_a_refused_model_raises_the_engine_verdict_first_until_it_resumes() -> N
 def test_workers_exchange_their_states_over_gloo() -> None:
     states = [(0, 4, 0), (1, 3, int(Suspect.UNCONFIRMED))]
     results = spawn(gather_rank, 2, free_port(), states, timeout_s=120)
-    expected = [[0, 4, None], [1, 3, "UNCONFIRMED"]]
+    expected = [[0, 4, None, False], [1, 3, "UNCONFIRMED", True]]
     assert [[list(row) for row in r] for r in results] == [expected, expected]
+
+
+def test_one_error_per_step_names_the_verdict_and_the_failed_ranks() -> None:
+    own = RuntimeError("gloo: peer closed")
+    refused = StepOutcome("engine refuses to serve: gen rank 1 holds version 3", (1,), reports=True).error(own)
+    assert isinstance(refused, EngineRefusesError) and str(refused) == (
+        "engine refuses to serve: gen rank 1 holds version 3; the step failed on gen rank(s) [1]. "
+        "This worker's step failed: gloo: peer closed")
+    assert StepOutcome(None, (0, 1), reports=True).error(own) is own  # the engine serves: the step's own error
+    assert StepOutcome(None, (), reports=True).error(None) is None
+    others = StepOutcome(None, (0,), reports=True).error(None)
+    assert type(others) is RefitError and str(others).startswith("refit step failed on gen rank(s) [0]")

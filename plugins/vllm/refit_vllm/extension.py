@@ -42,8 +42,10 @@ class RefitWorkerExtension:
         self._refit_receiver = receiver
         return rank_offset + rank
 
-    def refit_receive(self, version: int | None = None) -> int:
-        """Receive one step (the engine keeps its previous weights if it fails); returns its version."""
+    def refit_receive(self, version: int | None = None) -> int | None:
+        """Receive one step (the engine keeps its previous weights where it can if it fails); returns
+        the version this worker holds. A failed step, or an engine that refuses to serve after it, is
+        raised by the last worker only (:class:`refit_vllm.serving.StepOutcome`)."""
         from .transfer import receive_step
 
         receiver = getattr(self, "_refit_receiver", None)

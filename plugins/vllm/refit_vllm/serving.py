@@ -133,23 +133,34 @@ def own_state(receiver: RefitReceiver | None, model: torch.nn.Module, rank: int,
     return RankState(rank, version, _SUSPECT.get(model))
 
 
-def gather(state: RankState) -> list[RankState]:
-    """Every worker's state, over vLLM's world group (all ranks of the engine; one rank: no collective)."""
+@dataclass(frozen=True)
+class WorkerReport:
+    """One worker's word after a step: its state, and whether its step failed."""
+
+    state: RankState
+    failed: bool
+
+
+def gather(report: WorkerReport) -> tuple[list[WorkerReport], int]:
+    """Every worker's report over vLLM's world group (all ranks of the engine; one rank: no
+    collective), and this worker's index among them."""
     from vllm.distributed.parallel_state import get_world_group
 
     group = get_world_group()
     if group.world_size == 1:
-        return [state]
-    return gather_over(state, group.cpu_group, group.world_size)
+        return [report], 0
+    return gather_over(report, group.cpu_group, group.world_size), group.rank_in_group
 
 
-def gather_over(state: RankState, group: Any, size: int) -> list[RankState]:
-    """Every member's state over the gloo ``group`` of ``size`` ranks, as int64 tensors (no pickle)."""
-    mine = torch.tensor([state.rank, -1 if state.version is None else state.version, int(state.suspect or 0)],
-                        dtype=torch.int64)
+def gather_over(report: WorkerReport, group: Any, size: int) -> list[WorkerReport]:
+    """Every member's report over the gloo ``group`` of ``size`` ranks, as int64 tensors (no pickle)."""
+    state = report.state
+    mine = torch.tensor([state.rank, -1 if state.version is None else state.version, int(state.suspect or 0),
+                         int(report.failed)], dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(size)]
     torch.distributed.all_gather(everyone, mine, group=group)
-    return [RankState(r, None if v < 0 else v, Suspect(s) if s else None) for r, v, s in (t.tolist() for t in everyone)]
+    return [WorkerReport(RankState(r, None if v < 0 else v, Suspect(s) if s else None), bool(f))
+            for r, v, s, f in (t.tolist() for t in everyone)]
 
 
 def settle(states: Sequence[RankState], model: torch.nn.Module) -> str | None:
@@ -162,14 +173,42 @@ def settle(states: Sequence[RankState], model: torch.nn.Module) -> str | None:
     return message
 
 
-def after_step(receiver: RefitReceiver, model: torch.nn.Module) -> str | None:
-    """Every worker, right after a step (landed or failed): agree with the others whether the engine
-    may serve, and refuse or resume on this worker; the refusal, or None."""
+@dataclass(frozen=True)
+class StepOutcome:
+    """What every worker learned after a step. ``refusal``: why the engine refuses to serve (None: it
+    serves); ``failed``: the gen ranks whose step failed; ``reports``: True on the one worker that
+    raises the engine's error -- the last: vLLM reads its workers' replies in rank order and stops at
+    the first error, so an error from an earlier worker would leave the later ones' replies to answer
+    its next call."""
+
+    refusal: str | None
+    failed: tuple[int, ...]
+    reports: bool
+
+    def error(self, own: Exception | None) -> Exception | None:
+        """The engine's error for this step (None: none), given this worker's own (None: it landed)."""
+        others = f"; the step failed on gen rank(s) {list(self.failed)}" if self.failed else ""
+        if self.refusal is not None:
+            mine = "" if own is None else f". This worker's step failed: {own}"
+            return EngineRefusesError(f"{self.refusal}{others}{mine}")
+        if own is not None:
+            return own
+        if self.failed:
+            return RefitError(f"refit step failed on gen rank(s) {list(self.failed)}; every rank holds the "
+                              "same version and serves it (their own errors are in their logs)")
+        return None
+
+
+def after_step(receiver: RefitReceiver, model: torch.nn.Module, *, failed: bool) -> StepOutcome:
+    """Every worker, right after a step (``failed``: this worker's failed): agree with the others
+    whether the engine may serve, refuse or resume on this worker, and say who reports."""
     from .state import state_of
 
     state = state_of(model)
     mine = own_state(receiver, model, receiver.rank, None if state is None else state.version)
-    return settle(gather(mine), model)
+    reports, index = gather(WorkerReport(mine, failed))
+    refused = settle([r.state for r in reports], model)
+    return StepOutcome(refused, tuple(r.state.rank for r in reports if r.failed), index == len(reports) - 1)
 
 
 def engine_rank_states(llm: Any) -> list[RankState]:
@@ -179,4 +218,14 @@ def engine_rank_states(llm: Any) -> list[RankState]:
             for rank, version, suspect in llm.collective_rpc("refit_rank_state")]
 
 
-__all__ = ["EngineRefusesError", "RankState", "Suspect", "engine_rank_states", "refusal", "refused"]
+def check_serving(llm: Any) -> None:
+    """Raise :class:`EngineRefusesError` if any worker of ``llm`` (built with ``worker_extension_cls=
+    EXTENSION``) refuses to serve: call it before generating after a failed step, since vLLM's
+    multiprocess engine core stops for good at the first forward that raises."""
+    for message in llm.collective_rpc("refit_refusal"):
+        if message is not None:
+            raise EngineRefusesError(message)
+
+
+__all__ = ["EngineRefusesError", "RankState", "StepOutcome", "Suspect", "check_serving", "engine_rank_states",
+           "refusal", "refused"]

@@ -158,29 +158,34 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
 
 
 def receive_step(receiver: RefitReceiver, model: torch.nn.Module,
-                 expected: int | None = None) -> tuple[int, dict[str, Any]]:
+                 expected: int | None = None) -> tuple[int | None, dict[str, Any]]:
     """One refit step into ``model`` -> (version, stats); on failure the core calls
     ``refit_abort_update`` and the engine keeps its old weights where it can. Either way, every
     worker then agrees whether the engine may serve (:mod:`.serving`): where a rank needs a refit or
-    the ranks' versions differ, every worker raises :class:`~refit_vllm.serving.EngineRefusesError`
-    and the model refuses to serve until a step lands on every rank."""
-    from .serving import EngineRefusesError, after_step
+    the ranks' versions differ, the model refuses to serve on every worker until a step lands on
+    every rank. The engine's error (:class:`~refit_vllm.serving.EngineRefusesError`, or the step's
+    own) is raised by its last worker only (see :class:`~refit_vllm.serving.StepOutcome`); the
+    others log theirs and return the version they hold, with no stats."""
+    from .serving import after_step
 
     try:
         result = receiver.receive()
     except Exception as exc:
-        refused = after_step(receiver, model)
-        if refused is not None:
-            raise EngineRefusesError(f"{refused}. gen rank {receiver.rank}'s step failed: {exc}") from exc
-        raise
-    refused = after_step(receiver, model)
-    if refused is not None:
-        raise EngineRefusesError(refused)
+        outcome = after_step(receiver, model, failed=True)
+        if outcome.reports:
+            raise outcome.error(exc) from exc  # type: ignore[misc]  # never None with an error of its own
+        log.error("refit: the step failed on gen rank %d (the engine's last worker reports it): %s",
+                  receiver.rank, exc)
+        return receiver.version, {}
+    outcome = after_step(receiver, model, failed=False)
     version = result.version
-    stats = {"version": result.version, "bytes": result.bytes, "seconds": result.seconds}
-    if expected is not None and version != expected:
-        raise RefitError(f"refit received weight version {version}, but update_weights asked for {expected}")
-    return version, stats
+    error = outcome.error(None) or (
+        RefitError(f"refit received weight version {version}, but update_weights asked for {expected}")
+        if expected is not None and version != expected else None)
+    if error is not None and outcome.reports:
+        raise error
+    return version, {} if error is not None else {"version": version, "bytes": result.bytes,
+                                                   "seconds": result.seconds}
 
 
 # -- trainer side ---------------------------------------------------------------------------
