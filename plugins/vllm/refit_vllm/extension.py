@@ -33,11 +33,17 @@ class RefitWorkerExtension:
         from .transfer import worker_rank
 
         self.refit_close()
-        rank, workers = worker_rank(self.vllm_config.parallel_config)
-        model = self._refit_model()
-        attach(model, self.vllm_config, loader=loader or ())
-        receiver = RefitReceiver(model, rendezvous=rendezvous, rank=rank_offset + rank,
-                                 world_size=world_size or workers, options=RefitOptions(**(options or {})))
+        try:
+            rank, workers = worker_rank(self.vllm_config.parallel_config)
+            model = self._refit_model()
+            attach(model, self.vllm_config, loader=loader or ())
+            receiver = RefitReceiver(model, rendezvous=rendezvous, rank=rank_offset + rank,
+                                     world_size=world_size or workers, options=RefitOptions(**(options or {})))
+        except Exception as exc:  # before setup: the trainers would only see their deadline pass
+            from .refusal import refuse_before_setup
+
+            refuse_before_setup(exc, self.vllm_config.parallel_config, rendezvous, world_size, rank_offset, options)
+            raise
         receiver.setup()
         self._refit_receiver = receiver
         return rank_offset + rank

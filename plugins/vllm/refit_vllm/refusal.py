@@ -66,3 +66,16 @@ def publish(error: EngineSetupError, *, rendezvous: str, rank: int, world_size: 
                         rendezvous, type(exc).__name__, exc)
     finally:
         receiver.close()
+
+
+def refuse_before_setup(error: Exception, parallel_config: Any, rendezvous: str, world_size: Any,
+                        rank_offset: Any, options: Any) -> None:
+    """Publish ``error`` to the refit at ``rendezvous`` as the gen rank of this worker (of
+    ``parallel_config``), from init info that may itself be malformed (wrong types are ignored)."""
+    from .transfer import worker_rank
+
+    rank, workers = worker_rank(parallel_config)
+    offset = rank_offset if isinstance(rank_offset, int) else 0
+    world = world_size if isinstance(world_size, int) and world_size > 0 else workers
+    publish(engine_error(error), rendezvous=rendezvous, rank=offset + rank, world_size=world,
+            options=options if isinstance(options, dict) else None)

@@ -208,7 +208,12 @@ def after_step(receiver: RefitReceiver, model: torch.nn.Module, *, failed: bool)
     mine = own_state(receiver, model, receiver.rank, None if state is None else state.version)
     reports, index = gather(WorkerReport(mine, failed))
     refused = settle([r.state for r in reports], model)
-    return StepOutcome(refused, tuple(r.state.rank for r in reports if r.failed), index == len(reports) - 1)
+    if state is not None:  # the last worker of this engine core's executor (with DP, of this replica)
+        parallel = state.vllm_config.parallel_config
+        last = parallel.rank == parallel.world_size - 1
+    else:
+        last = index == len(reports) - 1
+    return StepOutcome(refused, tuple(r.state.rank for r in reports if r.failed), last)
 
 
 def engine_rank_states(llm: Any) -> list[RankState]:

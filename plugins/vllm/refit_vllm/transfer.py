@@ -125,14 +125,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         self.receiver = receiver
 
     def _refuse(self, error: Exception, rendezvous: str, world_size: Any, rank_offset: Any, options: Any) -> None:
-        """Publish ``error`` to the refit at ``rendezvous`` as this worker's gen rank (see :mod:`.refusal`)."""
-        from . import refusal
+        from .refusal import refuse_before_setup
 
-        rank, workers = worker_rank(self.parallel_config)
-        offset = rank_offset if isinstance(rank_offset, int) else 0
-        world = world_size if isinstance(world_size, int) and world_size > 0 else workers
-        refusal.publish(refusal.engine_error(error), rendezvous=rendezvous, rank=offset + rank, world_size=world,
-                        options=options if isinstance(options, dict) else None)
+        refuse_before_setup(error, self.parallel_config, rendezvous, world_size, rank_offset, options)
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
