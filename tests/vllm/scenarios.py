@@ -255,9 +255,50 @@ def _plan_summary(worker: Any) -> dict[str, Any]:
             "loader_modules": sorted(plan.loader_reasons)}
 
 
+def _split_then_recover(llm: Any, cfg: dict[str, Any], torn_rank: int, tokens: Callable[[], list[list[int]]],
+                        want: Callable[[int], list[list[int]]]) -> dict[str, Any]:
+    """A step (version 3) that lands on every worker but ``torn_rank``, whose loader fails: the engine
+    must refuse on every worker, naming both versions; then a new session's step (4) must lift it."""
+    from refit_core.kit.launch import free_port
+
+    out: dict[str, Any] = {}
+    options = {"timeout_s": 60}
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [3], options)
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": options,
+                                                   "loader": [r"layers\.1\.self_attn\.q_proj"]}})
+    llm.collective_rpc(_fail_next_load_weights, kwargs={"rank": torn_rank})
+    llm.start_weight_update()
+    out["step_error"] = _error_text(lambda: llm.update_weights({"update_info": {"version": 3}}))
+    trainers.join()
+    out["states"] = llm.collective_rpc("refit_rank_state")
+    out["refusals"] = llm.collective_rpc("refit_refusal")
+    from refit_vllm.serving import check_serving
+
+    out["check_serving_error"] = _error_text(lambda: check_serving(llm))
+    out["generate_error"] = _error_text(tokens)
+    out["alive_after_refusal"] = _error_text(lambda: llm.collective_rpc("refit_rank_state")) is None
+    if not out["alive_after_refusal"]:
+        return out
+    _abort_requests(llm)
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [4], options)
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": options}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 4}})
+    llm.finish_weight_update(weight_version="4")
+    llm.reset_prefix_cache()
+    error = trainers.join()
+    out["recovery_trainer_error"] = None if error is None else str(error)
+    out["states_after_recovery"] = llm.collective_rpc("refit_rank_state")
+    out["recovered_equal_hf"] = tokens() == want(4)
+    return out
+
+
 def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", loader: list[str] | None = None,
-                   steps: list[int] | None = None) -> dict[str, Any]:
-    """FSDP2 (2 ranks) -> vLLM (``tp`` workers): after each refit, vLLM's greedy tokens vs HF's."""
+                   steps: list[int] | None = None, torn_rank: int | None = None) -> dict[str, Any]:
+    """FSDP2 (2 ranks) -> vLLM (``tp`` workers): after each refit, vLLM's greedy tokens vs HF's; then,
+    with ``torn_rank``, a step that lands on every worker but that one, and the recovery."""
     _engine_env(tp)
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.extension import EXTENSION
@@ -327,6 +368,10 @@ def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", load
     result["replanned_equal"] = [a == b for a, b in zip(replanned, llm.collective_rpc("refit_destination_metas"))]
     error = trainers.join()
     result["trainer_error"] = None if error is None else str(error)
+    if torn_rank is not None:
+        result["split"] = _split_then_recover(llm, cfg, torn_rank,
+                                              lambda: [list(o.outputs[0].token_ids) for o in generate()],
+                                              lambda step: hf_tokens(cfg, step, prompts, tmp))
     llm.llm_engine.engine_core.shutdown()
     return result
 
@@ -336,6 +381,7 @@ def _refit_engine(cfg: dict[str, Any]) -> tuple[Any, list[list[int]], str, Calla
     ``(llm, prompts, tmp dir, generate)``, where ``generate()`` returns greedy tokens per prompt."""
     _engine_env(1)
     from refit_vllm.demo import engine_kwargs, prompts_for
+    from refit_vllm.extension import EXTENSION
     from refit_vllm.reference import reference_dir
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
@@ -343,7 +389,8 @@ def _refit_engine(cfg: dict[str, Any]) -> tuple[Any, list[list[int]], str, Calla
     prompts = prompts_for(cfg)
     tmp = scratch_dir()
     llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
-              **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit")))
+              **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit"),
+                              worker_extension_cls=EXTENSION))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     def generate() -> list[list[int]]:
@@ -379,8 +426,38 @@ def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
     return result
 
 
+def _fail_next_load_weights(worker: Any, rank: int | None = None) -> None:
+    """The model's next ``load_weights`` call raises (vLLM's own loader refusing the loader path's
+    tensors), on worker ``rank`` only if given."""
+    if rank is not None and worker.rank != rank:
+        return
+    model = worker.model_runner.get_model()
+    original = model.load_weights
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        model.load_weights = original
+        raise RuntimeError("test: vLLM's loader refused the weights")
+
+    model.load_weights = failing
+
+
+def _abort_requests(llm: Any) -> None:
+    """Drop the requests a refused generate left in the engine (their scheduled step never ran)."""
+    llm.llm_engine.abort_request(list(llm.llm_engine.output_processor.request_states), internal=True)
+
+
+def _error_text(call: Callable[[], Any]) -> str | None:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def scenario_abort(model: str) -> dict[str, Any]:
-    """The trainers die after setup: the step fails, and the engine keeps its previous weights."""
+    """The trainers die after setup: the step fails, and the engine keeps its previous weights. Then a
+    step that tears weights (vLLM's loader fails on the loader path): the engine refuses to serve,
+    naming its ranks' versions, until a new session's step lands, after which it generates HF's tokens."""
     from refit_core.kit.launch import free_port
 
     cfg = tiny_config(model)
@@ -401,6 +478,37 @@ def scenario_abort(model: str) -> dict[str, Any]:
     llm.reset_prefix_cache()
     result["same_tokens_after"] = generate() == before
     result["engine_version"] = llm.get_weight_version()
+    result["states_after_clean_failure"] = llm.collective_rpc("refit_rank_state")
+
+    options = {"timeout_s": 60}
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [1], options)
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": options,
+                                                   "loader": [r"layers\.1\.self_attn\.q_proj"]}})
+    llm.collective_rpc(_fail_next_load_weights)
+    llm.start_weight_update()
+    result["torn_step_error"] = _error_text(lambda: llm.update_weights({"update_info": {"version": 1}}))
+    trainers.join()
+    result["states_after_torn_step"] = llm.collective_rpc("refit_rank_state")
+    result["refusals"] = llm.collective_rpc("refit_refusal")
+    result["generate_error"] = _error_text(generate)
+    _abort_requests(llm)
+
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [2], options)
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": options}})
+    result["states_in_new_session"] = llm.collective_rpc("refit_rank_state")
+    result["still_refuses_in_new_session"] = _error_text(generate) is not None
+    _abort_requests(llm)
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 2}})
+    llm.finish_weight_update(weight_version="2")
+    llm.reset_prefix_cache()
+    error = trainers.join()
+    result["recovery_trainer_error"] = None if error is None else str(error)
+    result["states_after_recovery"] = llm.collective_rpc("refit_rank_state")
+    result["recovered_equal_hf"] = generate() == hf_tokens(cfg, 2, prompts, tmp)
+    result["version_after_recovery"] = llm.get_weight_version()
     llm.llm_engine.engine_core.shutdown()
     return result
 

@@ -80,11 +80,30 @@ def test_fsdp2_to_vllm_tp1(model: str) -> None:
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-llama-mqa"])
 def test_fsdp2_to_vllm_tp2(model: str) -> None:
     """TP 2 (two CPU workers); ``tiny-llama-mqa`` has one KV head, replicated on both ranks, and a
-    vocabulary of 500 that vLLM pads to 512 (256 rows per rank, the last 12 padding)."""
-    result = run_scenario("refit", model=model, tp=2)
+    vocabulary of 500 that vLLM pads to 512 (256 rows per rank, the last 12 padding). On it, a third
+    step then lands on worker 0 only (worker 1's loader fails): the engine must refuse on both."""
+    torn = {"torn_rank": 1} if model == "tiny-llama-mqa" else {}
+    result = run_scenario("refit", model=model, tp=2, **torn)
     check_refits(result, tp=2)
     assert all(p["loader"] == [] for p in result["plan"])
     assert result["load_weights_calls_during_steps"] == [0, 0]
+    if torn:
+        check_split_engine_refuses(result["split"])
+
+
+def check_split_engine_refuses(split: dict[str, Any]) -> None:
+    verdict = ("engine refuses to serve: gen rank 1 holds version 2 and needs a refit (a failed step left weights "
+               "partly written), gen rank 0 holds version 3; refit again")
+    error = split["step_error"]  # one error from the last worker: vLLM's RPC replies stay in step
+    assert error is not None and verdict in error and "the step failed on gen rank(s) [1]" in error, error
+    assert "vLLM's loader refused the weights" in error, error
+    assert split["states"] == [[0, 3, 0], [1, 2, 1]]  # (gen rank, version, suspect: 1 torn)
+    assert len(split["refusals"]) == 2 and all(r.startswith(verdict) for r in split["refusals"]), split
+    assert split["check_serving_error"] is not None and verdict in split["check_serving_error"]
+    assert split["generate_error"] is not None, "an engine on two versions generated"
+    if split["alive_after_refusal"]:  # vLLM 0.32's multiprocess engine core stops at the refused forward
+        assert split["recovery_trainer_error"] is None and split["states_after_recovery"] == [[0, 4, 0], [1, 4, 0]]
+        assert split["recovered_equal_hf"]
 
 
 def test_loader_path() -> None:
@@ -118,13 +137,33 @@ def test_mismatched_model_fails_at_setup_and_engine_keeps_serving() -> None:
     assert result["still_generates"] and result["matches_hf_initial"]
 
 
-def test_failed_step_keeps_previous_weights() -> None:
-    """Trainers die after setup: update_weights fails, vLLM's reload is rolled back, old weights serve."""
+def test_failed_step_keeps_previous_weights_and_a_torn_engine_refuses_to_serve() -> None:
+    """Trainers die after setup: update_weights fails, vLLM's reload is rolled back, old weights serve.
+    Then vLLM's loader fails on the loader path (the plugin cannot tell how far it got: those tensors
+    count as torn): every rank reports it needs a refit, generation raises a named refusal, also in a
+    new session before its first step; the new session's step lifts it and the engine equals HF."""
     result = run_scenario("abort", model="tiny-qwen3-moe")
     error = result["step_error"]  # a StepFailedError (a TransferError) that names nothing torn
     assert error is not None and "StepFailedError" in error and "the engine's weights are unchanged" in error, error
     assert result["same_tokens_after"]
     assert result["engine_version"] == "default"
+    assert result["states_after_clean_failure"] == [[0, None, 0]]  # (rank, version, suspect)
+
+    refusal = ("engine refuses to serve: gen rank 0 holds the engine's initial weights and needs a refit (a failed "
+               "step left weights partly written); refit again")
+    error = result["torn_step_error"]
+    assert error is not None and "EngineRefusesError" in error and refusal in error, error
+    assert "vLLM's loader refused the weights" in error, error  # the rank's own failure, named
+    assert result["states_after_torn_step"] == [[0, None, 1]]
+    assert result["refusals"][0] is not None and result["refusals"][0].startswith(refusal), result["refusals"]
+    assert result["generate_error"] is not None and refusal in result["generate_error"], result["generate_error"]
+    assert result["states_in_new_session"] == [[0, None, 1]]
+    assert result["still_refuses_in_new_session"], "a new session lifted the refusal before any step landed"
+
+    assert result["recovery_trainer_error"] is None, result["recovery_trainer_error"]
+    assert result["states_after_recovery"] == [[0, 2, 0]]
+    assert result["recovered_equal_hf"], "after the recovery step vLLM does not generate HF's tokens"
+    assert result["version_after_recovery"] == "2"
 
 
 def test_inflight_refit_asyncllm() -> None:

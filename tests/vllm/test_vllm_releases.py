@@ -46,6 +46,13 @@ def check_api(result: dict[str, Any]) -> None:
     assert trainer["class"] == "RefitTrainerWeightTransferEngine" and trainer["version"] == 3
     assert trainer["calls"] == ["init", "start", "update", "finish"] and trainer["weight_versions"] == ["3"]
     assert trainer["bitwise_equal"], "the refit through vLLM's trainer factory did not land bitwise"
+    refused = result["refused_init"]  # an engine refusing before its setup: its text reaches the trainer
+    assert refused["engine_error"] == "RefitError: gen rank 1 is outside world_size 1", refused
+    assert ("refit setup failed on another rank: gen rank 0: the vLLM engine refused init_weight_transfer_engine: "
+            "RefitError: gen rank 1 is outside world_size 1") in refused["trainer_error"], refused
+    # the trainer's store host still waits timeout_s for the gen side's size after the error (refit_core's
+    # _abort_setup); it used to wait for the engine twice that long and raise a bare timeout
+    assert refused["seconds"] < 1.5 * refused["timeout_s"], refused
 
 
 def test_weight_transfer_api_installed_vllm() -> None:

@@ -54,6 +54,54 @@ class LocalClient:
         self.versions.append(weight_version)
 
 
+class WorkerClient:
+    """A ``VLLMWeightSyncClient`` whose engine is the plugin's worker-side engine, driven as vLLM's worker
+    drives it (``parse_init_info`` then ``init_transfer_engine``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.error: str | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        try:
+            self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            raise
+
+
+REFUSAL_TIMEOUT_S = 6.0
+
+
+def refused_init(source: Any, model: Any) -> dict[str, Any]:
+    """The engine's second worker (of 2) joins a refit the trainer sized for one gen rank: it refuses
+    before its setup; the trainer must fail with the engine's text, not wait for it."""
+    import time
+
+    import torch
+    from refit_vllm import transfer
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from refit_core.kit.launch import free_port
+
+    parallel = SimpleNamespace(world_size=2, rank=1, data_parallel_index=0, data_parallel_size=1)
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="refit"), SimpleNamespace(parallel_config=parallel, model_config=None),
+        torch.device("cpu"), model)
+    client = WorkerClient(engine)
+    info = transfer.RefitTrainerInitInfo(rank=0, rendezvous=f"127.0.0.1:{free_port()}", world_size=1,
+                                         gen_world_size=1, options={"timeout_s": REFUSAL_TIMEOUT_S})
+    start = time.perf_counter()
+    try:
+        WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+        trainer_error = None
+    except Exception as exc:  # noqa: BLE001 - the expected outcome
+        trainer_error = f"{type(exc).__name__}: {exc}"
+    return {"seconds": time.perf_counter() - start, "timeout_s": REFUSAL_TIMEOUT_S, "trainer_error": trainer_error,
+            "engine_error": client.error}
+
+
 def check() -> dict[str, Any]:
     import torch
     from refit_dtensor import build_model
@@ -85,7 +133,7 @@ def check() -> dict[str, Any]:
     update = engine.parse_update_info({"version": 7})
     result["worker_engine"] = [type(engine).__name__, init.rendezvous, init.options, init.loader, update.version]
     try:
-        engine.parse_init_info({"rendezvous": "host:1", "no_such_field": 1})
+        engine.parse_init_info({"rendezvous": "", "no_such_field": 1})  # "": no trainer to tell
         result["bad_init_info"] = None
     except Exception as exc:  # noqa: BLE001 - the test reports what vLLM raised
         result["bad_init_info"] = f"{type(exc).__name__}: {exc}"
@@ -109,6 +157,7 @@ def check() -> dict[str, Any]:
     version = trainer.send_weights(version=3)
     trainer.shutdown()
     client.receiver.close()
+    result["refused_init"] = refused_init(source, build_model(config, dtype=torch.float32, seed=3))
     target = dict(target_model.named_parameters())
     result["trainer"] = {"class": type(trainer).__name__, "version": version, "calls": client.calls,
                          "weight_versions": client.versions,

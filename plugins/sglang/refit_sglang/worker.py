@@ -14,6 +14,9 @@ so an exception would take the whole engine down (sglang 0.5.23, ``Scheduler.pro
 The error is logged, kept for :func:`last_error`, and the worker's receiver is dropped so the next
 ticket sets up afresh. The trainer learns of it through refit itself: setup and transfer errors
 are raised on every rank of both sides, so its ``RefitSender`` raises (and the client with it).
+After every step the TP workers agree whether the engine may serve (:mod:`refit_sglang.serving`):
+where a worker's weights are torn or unconfirmed, or the workers' versions differ, the model's
+forward raises until a step lands on every worker; :func:`rank_state` shows a worker's state.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import torch
 
 from refit_core import RefitError, RefitReceiver
 
+from . import serving
+from .serving import Exchange, sglang_exchange
+from .state import state_of
 from .ticket import RefitTicket
 
 log = logging.getLogger("refit.sglang")
@@ -34,6 +40,7 @@ log = logging.getLogger("refit.sglang")
 _receivers: weakref.WeakKeyDictionary[torch.nn.Module, tuple[RefitTicket, RefitReceiver]] = \
     weakref.WeakKeyDictionary()
 _errors: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+_states: weakref.WeakKeyDictionary[torch.nn.Module, serving.RankState] = weakref.WeakKeyDictionary()
 
 
 def sglang_tp_rank() -> int:
@@ -43,27 +50,62 @@ def sglang_tp_rank() -> int:
     return get_parallel().tp_rank
 
 
-def receive(model: torch.nn.Module, named_tensors: Any, *, tp_rank: Callable[[], int] = sglang_tp_rank) -> None:
+def receive(model: torch.nn.Module, named_tensors: Any, *, tp_rank: Callable[[], int] = sglang_tp_rank,
+            exchange: Exchange = sglang_exchange) -> None:
     """SGLang custom weight loader: land the weight version the ticket in ``named_tensors`` announces.
 
     On failure (a malformed ticket, a setup or transfer error, another version than announced) the
     error is logged and kept for :func:`last_error` instead of raised (see the module docstring).
+    Either way the TP workers then ``exchange`` their states and agree whether the engine may serve
+    (:mod:`refit_sglang.serving`): where a worker needs a refit or the versions differ, the model's
+    forward raises until a step lands on every worker.
     """
     _errors.pop(model, None)
+    rank = tp_rank()
+    receiver: RefitReceiver | None = None
+    failed: str | None = None
     try:
         ticket = RefitTicket.parse(named_tensors)
+        rank += ticket.rank_offset
         receiver = _receiver_for(model, ticket, tp_rank())
         stats = receiver.receive()
         if stats.version != ticket.version:
             raise RefitError(f"the trainer announced weight version {ticket.version} but sent {stats.version}")
     except Exception as exc:  # noqa: BLE001 - SGLang's scheduler must survive a failed step
-        _errors[model] = f"{type(exc).__name__}: {exc}"
+        failed = f"{type(exc).__name__}: {exc}"
+    refused = _agree(model, rank, receiver, exchange)
+    if refused is not None:
+        failed = refused if failed is None else f"{refused}. This worker's step failed: {failed}"
+    if failed is not None:
+        _errors[model] = failed
         close(model)
-        log.error("refit: weight update failed in this SGLang TP worker (the engine keeps serving; the "
-                  "trainer's ranks get the error too): %s", _errors[model])
+        log.error("refit: weight update failed in this SGLang TP worker (the trainer's ranks get the error "
+                  "too): %s", failed)
         return
     log.info("refit: SGLang TP rank %d landed weight version %d", receiver.rank - ticket.rank_offset,
              stats.version)
+
+
+def _agree(model: torch.nn.Module, rank: int, receiver: RefitReceiver | None, exchange: Exchange) -> str | None:
+    """This worker's state, exchanged with its TP peers; refuse or resume serving by all of them."""
+    held = state_of(model)
+    version = None if held is None else held.version
+    mine = (serving.own_state(receiver, model, version) if receiver is not None
+            else serving.RankState(rank, version, serving.suspect(model)))
+    _states[model] = mine
+    try:
+        return serving.settle(exchange(mine), model)
+    except Exception as exc:  # noqa: BLE001 - a worker that cannot hear its peers must not serve
+        message = (f"engine refuses to serve: gen rank {rank} could not learn its TP peers' weight versions "
+                   f"({type(exc).__name__}: {exc}); refit again")
+        serving.refuse(model, message)
+        return message
+
+
+def rank_state(model: torch.nn.Module) -> serving.RankState | None:
+    """This worker's state (gen rank, version, why it needs a refit) as its last step left it; None
+    before any step."""
+    return _states.get(model)
 
 
 def last_error(model: torch.nn.Module) -> str | None:

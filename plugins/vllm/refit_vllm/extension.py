@@ -33,17 +33,25 @@ class RefitWorkerExtension:
         from .transfer import worker_rank
 
         self.refit_close()
-        rank, workers = worker_rank(self.vllm_config.parallel_config)
-        model = self._refit_model()
-        attach(model, self.vllm_config, loader=loader or ())
-        receiver = RefitReceiver(model, rendezvous=rendezvous, rank=rank_offset + rank,
-                                 world_size=world_size or workers, options=RefitOptions(**(options or {})))
+        try:
+            rank, workers = worker_rank(self.vllm_config.parallel_config)
+            model = self._refit_model()
+            attach(model, self.vllm_config, loader=loader or ())
+            receiver = RefitReceiver(model, rendezvous=rendezvous, rank=rank_offset + rank,
+                                     world_size=world_size or workers, options=RefitOptions(**(options or {})))
+        except Exception as exc:  # before setup: the trainers would only see their deadline pass
+            from .refusal import refuse_before_setup
+
+            refuse_before_setup(exc, self.vllm_config.parallel_config, rendezvous, world_size, rank_offset, options)
+            raise
         receiver.setup()
         self._refit_receiver = receiver
         return rank_offset + rank
 
-    def refit_receive(self, version: int | None = None) -> int:
-        """Receive one step (the engine keeps its previous weights if it fails); returns its version."""
+    def refit_receive(self, version: int | None = None) -> int | None:
+        """Receive one step (the engine keeps its previous weights where it can if it fails); returns
+        the version this worker holds. A failed step, or an engine that refuses to serve after it, is
+        raised by the last worker only (:class:`refit_vllm.serving.StepOutcome`)."""
         from .transfer import receive_step
 
         receiver = getattr(self, "_refit_receiver", None)
@@ -56,6 +64,26 @@ class RefitWorkerExtension:
         """The last weight version refit landed in this worker (None before the first)."""
         state = state_of(self._refit_model())
         return None if state is None else state.version
+
+    def refit_rank_state(self) -> tuple[int, int | None, int]:
+        """This worker's (gen rank, weight version it holds, why it needs a refit: 0 when it does not,
+        else a :class:`refit_vllm.serving.Suspect`), either route; see
+        :class:`refit_vllm.serving.RankState` (the rank is the worker's index before any session)."""
+        from .serving import own_state
+        from .transfer import worker_rank
+
+        model = self._refit_model()
+        engine = getattr(self, "weight_transfer_engine", None)
+        receiver = getattr(self, "_refit_receiver", None) or getattr(engine, "receiver", None)
+        state = own_state(receiver, model, worker_rank(self.vllm_config.parallel_config)[0],
+                          state_of(model).version)
+        return state.rank, state.version, int(state.suspect or 0)
+
+    def refit_refusal(self) -> str | None:
+        """Why this worker's model refuses to serve (:mod:`refit_vllm.serving`), or None when it serves."""
+        from .serving import refused
+
+        return refused(self._refit_model())
 
     def refit_destination_metas(self) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]]:
         """This worker's destination map as plain data: (name, shape, dtype, box offsets, box sizes)."""

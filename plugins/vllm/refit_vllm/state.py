@@ -58,9 +58,11 @@ def is_vllm_model(model: Any) -> bool:
 
 
 def attach(model: torch.nn.Module, vllm_config: Any, *, loader: Sequence[str] = ()) -> ModelState:
-    """Register ``model`` (the worker's model) with its engine config; returns its fresh state."""
+    """Register ``model`` (the worker's model) with its engine config; returns its fresh state (a new
+    plan; the weight version it holds carries over)."""
     patterns = tuple(loader) + tuple(p for p in (read_env(LOADER_ENV) or "").split(",") if p)
-    state = ModelState(vllm_config, patterns)
+    previous = _STATES.get(model)
+    state = ModelState(vllm_config, patterns, version=None if previous is None else previous.version)
     _STATES[model] = state
     return state
 

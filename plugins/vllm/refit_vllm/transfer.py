@@ -98,15 +98,36 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         self.version: int | None = None
         self.last_stats: dict[str, Any] = {}
 
+    def parse_init_info(self, init_dict: dict[str, Any]) -> RefitWeightTransferInitInfo:
+        """vLLM's parsing; init info it refuses is also reported to the trainers at its rendezvous (if it
+        names one), so that they fail with its text instead of waiting for this worker."""
+        try:
+            return super().parse_init_info(init_dict)
+        except Exception as exc:
+            rendezvous = init_dict.get("rendezvous") if isinstance(init_dict, dict) else None
+            if isinstance(rendezvous, str) and rendezvous:
+                self._refuse(exc, rendezvous, init_dict.get("world_size"), init_dict.get("rank_offset"),
+                             init_dict.get("options"))
+            raise
+
     def init_transfer_engine(self, init_info: RefitWeightTransferInitInfo) -> None:
         self.shutdown()
-        rank, workers = worker_rank(self.parallel_config)
-        attach(self.model, self.vllm_config, loader=init_info.loader)
-        receiver = RefitReceiver(self.model, rendezvous=init_info.rendezvous, rank=init_info.rank_offset + rank,
-                                 world_size=init_info.world_size or workers,
-                                 options=RefitOptions(**init_info.options))
+        try:
+            rank, workers = worker_rank(self.parallel_config)
+            attach(self.model, self.vllm_config, loader=init_info.loader)
+            receiver = RefitReceiver(self.model, rendezvous=init_info.rendezvous,
+                                     rank=init_info.rank_offset + rank, world_size=init_info.world_size or workers,
+                                     options=RefitOptions(**init_info.options))
+        except Exception as exc:  # before setup: the trainers would only see their deadline pass
+            self._refuse(exc, init_info.rendezvous, init_info.world_size, init_info.rank_offset, init_info.options)
+            raise
         receiver.setup()
         self.receiver = receiver
+
+    def _refuse(self, error: Exception, rendezvous: str, world_size: Any, rank_offset: Any, options: Any) -> None:
+        from .refusal import refuse_before_setup
+
+        refuse_before_setup(error, self.parallel_config, rendezvous, world_size, rank_offset, options)
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
@@ -132,15 +153,34 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
 
 
 def receive_step(receiver: RefitReceiver, model: torch.nn.Module,
-                 expected: int | None = None) -> tuple[int, dict[str, Any]]:
+                 expected: int | None = None) -> tuple[int | None, dict[str, Any]]:
     """One refit step into ``model`` -> (version, stats); on failure the core calls
-    ``refit_abort_update`` and the engine keeps its old weights."""
-    result = receiver.receive()
+    ``refit_abort_update`` and the engine keeps its old weights where it can. Either way, every
+    worker then agrees whether the engine may serve (:mod:`.serving`): where a rank needs a refit or
+    the ranks' versions differ, the model refuses to serve on every worker until a step lands on
+    every rank. The engine's error (:class:`~refit_vllm.serving.EngineRefusesError`, or the step's
+    own) is raised by its last worker only (see :class:`~refit_vllm.serving.StepOutcome`); the
+    others log theirs and return the version they hold, with no stats."""
+    from .serving import after_step
+
+    try:
+        result = receiver.receive()
+    except Exception as exc:
+        outcome = after_step(receiver, model, failed=True)
+        if outcome.reports:
+            raise outcome.error(exc) from exc  # type: ignore[misc]  # never None with an error of its own
+        log.error("refit: the step failed on gen rank %d (the engine's last worker reports it): %s",
+                  receiver.rank, exc)
+        return receiver.version, {}
+    outcome = after_step(receiver, model, failed=False)
     version = result.version
-    stats = {"version": result.version, "bytes": result.bytes, "seconds": result.seconds}
-    if expected is not None and version != expected:
-        raise RefitError(f"refit received weight version {version}, but update_weights asked for {expected}")
-    return version, stats
+    error = outcome.error(None) or (
+        RefitError(f"refit received weight version {version}, but update_weights asked for {expected}")
+        if expected is not None and version != expected else None)
+    if error is not None and outcome.reports:
+        raise error
+    return version, {} if error is not None else {"version": version, "bytes": result.bytes,
+                                                   "seconds": result.seconds}
 
 
 # -- trainer side ---------------------------------------------------------------------------
@@ -262,16 +302,18 @@ def _concurrently(remote: Any, local: Any) -> None:
     """Run the engine-side call on a thread while this rank runs its half of the collective.
 
     If the local half fails, the remote call is not awaited (it may be blocked on a peer that will
-    never come); if the remote call fails first, its error is raised once the local half returns
-    or fails.
+    never come); the remote error, if it already failed, is added to the local one as a note. If the
+    remote call fails first, its error is raised once the local half returns or fails (an engine
+    that refuses before its setup tells the local half through refit's rendezvous: :mod:`.refusal`).
     """
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-vllm-client")
     future: Future = pool.submit(remote)
     try:
         local()
-    except BaseException:
-        if future.done() and future.exception() is not None:
-            log.error("refit: the engine side failed too: %r", future.exception())
+    except BaseException as exc:
+        remote_error = future.exception() if future.done() else None
+        if remote_error is not None:
+            exc.add_note(f"refit: the engine side failed too: {type(remote_error).__name__}: {remote_error}")
         raise
     finally:
         pool.shutdown(wait=False)
