@@ -19,4 +19,4 @@ fi
 export PYTHONPATH=$PWD:$PWD/plugins/megatron:$PYTHONPATH
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e plugins/megatron 2>&1 | tail -2
 $PY benchmarks/megatron_bench.py --device cuda --model llama-3-8b-shape --steps ${MEGATRON_STEPS:-6} \
-  --timeout-s ${MEGATRON_TIMEOUT:-240} --out "$OUT/h200x2-megatron-$DATE"
+  --timeout-s ${MEGATRON_TIMEOUT:-240} --out "$OUT/${MACHINE:-gpu}-megatron-$DATE"

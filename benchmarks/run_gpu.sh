@@ -90,7 +90,7 @@ fi
 if step bench; then
   CMD="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit-staged} --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
   limit ${BENCH_TIMEOUT:-300} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 120 \
-    --command "$CMD" --out "$OUT/h200x2-$DATE" 2>&1 | tee -a "$LOG"
+    --command "$CMD" --out "$OUT/$MACHINE-bench-$DATE" 2>&1 | tee -a "$LOG"
   echo "bench exit: $?" | tee -a "$LOG"
 fi
 
@@ -102,14 +102,14 @@ fi
 if step reshard; then
   CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
   limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
-    --command "$CMD" --out "$OUT/h200x2-reshard-$DATE" 2>&1 | tee -a "$LOG"
+    --command "$CMD" --out "$OUT/$MACHINE-reshard-$DATE" 2>&1 | tee -a "$LOG"
   echo "reshard exit: $?" | tee -a "$LOG"
 fi
 
 if step reshard-dp; then
   CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
   limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
-    --command "$CMD" --out "$OUT/h200x2-reshard-dp-$DATE" 2>&1 | tee -a "$LOG"
+    --command "$CMD" --out "$OUT/$MACHINE-reshard-dp-$DATE" 2>&1 | tee -a "$LOG"
   echo "reshard-dp exit: $?" | tee -a "$LOG"
 fi
 if step demo; then
@@ -134,7 +134,7 @@ if step relay; then
   echo "relay exit: $?" | tee -a "$LOG"
 fi
 if step megatron; then
-  OUT="$OUT" PY="$PY" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"
+  OUT="$OUT" PY="$PY" MACHINE="$MACHINE" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"
   echo "megatron exit: $?" | tee -a "$LOG"
 fi
 fp8_bench() {
@@ -165,7 +165,7 @@ EOF
   local cmd="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --fp8-block 128,128 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
   [ -n "${FP8_TIMELINE:-}" ] && cmd="$cmd --timeline $OUT/timeline-fp8-$MACHINE-$DATE.png"
   limit ${FP8_TIMEOUT:-540} $PY -m refit_core.tools.bench ${cmd#refit bench } --timeout-s 150 \
-    --command "$cmd" --out "$OUT/h200x2-fp8-$DATE" 2>&1 | tee -a "$LOG"
+    --command "$cmd" --out "$OUT/$MACHINE-fp8-$DATE" 2>&1 | tee -a "$LOG"
   echo "fp8 exit: $?" | tee -a "$LOG"
 }
 if step fp8; then
