@@ -120,7 +120,7 @@ class GlooTransport(Transport):
         self.rank = rank
         self.timeout_s = timeout_s
         self.watch = watch
-        options: Any = dist.ProcessGroupGloo._Options()
+        options: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=interface) if interface
                             else dist.ProcessGroupGloo.create_default_device()]

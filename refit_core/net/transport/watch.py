@@ -96,7 +96,7 @@ class StoreWatch:
 
     def give_up(self, rank: int, reason: str) -> None:
         try:
-            self.store.compare_set(FAILED_KEY, b"", f"{rank} {reason[:REASON_CHARS]}".encode())
+            self.store.compare_set(FAILED_KEY, "", f"{rank} {reason[:REASON_CHARS]}")
         except RuntimeError:  # RefitError too; best effort: the store's host may be gone already
             pass
 
