@@ -9,6 +9,9 @@ transferred is never completed nor failed until gloo's own timeout (its pair err
 operations that have not started moving bytes). So the caller waits on the helper in slices and asks
 its :class:`~refit_core.net.transport.watch.PeerWatch` whether the step is lost; when it is, it raises
 at once, and the helper stays parked in that wait until gloo's timeout (``timeout_s``) releases it.
+An exchange of at most :data:`INLINE_WAIT_BYTES` (headers, small rounds) is waited for on the
+caller's thread, saving the hand-over: a peer dying leaves such a message half transferred only in
+the microseconds its bytes are on the wire, and that wait still ends at the step's deadline.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from refit_core.contract.errors import TransferError
 from refit_core.contract.options import TransportKind
 from refit_core.net.transport.base import Fence, Transport, check_contiguous
 from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
+
+
+INLINE_WAIT_BYTES = 64 << 10
 
 
 def _failure(rank: int, peer: int, what: str, exc: BaseException) -> str:
@@ -90,9 +96,10 @@ class _Waiter:
 class _WorkFence(Fence):
     """Completion of the posted operations, each with the peer it talks to."""
 
-    def __init__(self, works: list[tuple[int, dist.Work]], transport: GlooTransport) -> None:
+    def __init__(self, works: list[tuple[int, dist.Work]], transport: GlooTransport, nbytes: int) -> None:
         self._works = works
         self._transport = transport
+        self._inline = nbytes <= INLINE_WAIT_BYTES
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         self.synchronize(timeout_s=0)
@@ -102,7 +109,7 @@ class _WorkFence(Fence):
         or one that is gone or gave up (the watch), ends the wait within about a second."""
         if self._works:
             works, self._works = self._works, []
-            self._transport._await(works, timeout_s if timeout_s > 0 else self._transport.timeout_s)
+            self._transport._await(works, timeout_s if timeout_s > 0 else self._transport.timeout_s, self._inline)
 
 
 class GlooTransport(Transport):
@@ -145,7 +152,7 @@ class GlooTransport(Transport):
         for peer, tensor in sends:
             works.append((peer, self._post(pg.send, tensor, peer)))
         self._in_flight += bool(works)
-        return _WorkFence(works, self)
+        return _WorkFence(works, self, sum(t.nbytes for _, t in (*sends, *recvs)))
 
     def _post(self, operation: Callable[[list[torch.Tensor], int, int], dist.Work], tensor: torch.Tensor,
               peer: int) -> dist.Work:
@@ -154,8 +161,17 @@ class GlooTransport(Transport):
         except Exception as exc:  # every transport failure is a TransferError
             raise self._give_up(_failure(self.rank, peer, "post", exc)) from exc
 
-    def _await(self, works: list[tuple[int, dist.Work]], timeout_s: float) -> None:
-        """Wait for ``works`` on the helper thread, asking the watch while it takes long."""
+    def _await(self, works: list[tuple[int, dist.Work]], timeout_s: float, inline: bool) -> None:
+        """Wait for ``works`` (``inline``: on this thread; else on the helper, asking the watch while it
+        takes long)."""
+        if inline:
+            for peer, work in works:
+                try:
+                    work.wait(timedelta(seconds=timeout_s))
+                except Exception as exc:  # gloo raises RuntimeError subclasses on peer loss
+                    raise self._give_up(_failure(self.rank, peer, "exchange", exc)) from exc
+            self._in_flight -= 1
+            return
         job = self._waiter.submit(works, timedelta(seconds=timeout_s))
         deadline = time.monotonic() + timeout_s
         interval = FIRST_CHECK_S
@@ -165,20 +181,21 @@ class GlooTransport(Transport):
                                     f"within {timeout_s:.0f} s (a peer is stopped, hung or much slower)")
             loss = self.watch.lost(job.peer) if self.watch is not None else None
             if loss is not None:
-                assert self.watch is not None
+                assert self.watch is not None  # published too: ranks waiting on this one may not see the loss
                 raise self._give_up(f"gloo exchange between rank {self.rank} and rank {job.peer} abandoned: "
-                                    f"{loss.describe(self.watch.names)}", publish=False)
+                                    f"{loss.describe(self.watch.names)}")
             interval = min(2 * interval, MAX_CHECK_S)
         if job.error is not None:
-            peer, exc = job.error
-            raise self._give_up(_failure(self.rank, peer, "exchange", exc)) from exc
+            peer, error = job.error
+            raise self._give_up(_failure(self.rank, peer, "exchange", error)) from error
         self._in_flight -= 1
 
-    def _give_up(self, reason: str, publish: bool = True) -> TransferError:
-        """This rank abandons the step: nothing more is posted, and (``publish``) the others hear why."""
+    def _give_up(self, reason: str) -> TransferError:
+        """This rank abandons the step: nothing more is posted, and the others hear why (the first
+        rank to give up is the one they hear of)."""
         if self._broken is None:
             self._broken = reason
-            if publish and self.watch is not None:
+            if self.watch is not None:
                 self.watch.give_up(self.rank, reason)
         return TransferError(reason)
 

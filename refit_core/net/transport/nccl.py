@@ -391,8 +391,7 @@ class NcclTransport(Transport):
         if self.watch is not None and peers and self._watching.due():
             for peer in sorted(set(peers)):
                 loss = self.watch.lost(peer)
-                if loss is not None:
-                    self._broken = "a peer was lost"  # heard from the watch: not published again
+                if loss is not None:  # the fence's abort() publishes it: ranks waiting on this one may not see it
                     raise TransferError(f"NCCL exchange of rank {self.rank} abandoned: "
                                         f"{loss.describe(self.watch.names)}")
 
