@@ -27,7 +27,7 @@ from refit_core.endpoints import agreement
 from refit_core.net.auth import JobCredentials
 from refit_core.net.keys import RankId, RankRecord, rank_key, rank_keys, size_key
 from refit_core.net.rendezvous import Rendezvous
-from refit_core.net.transport import Transport, open_transport
+from refit_core.net.transport import StoreWatch, Transport, open_transport
 from refit_core.plan import rankplan
 from refit_core.plan.items import Message
 from refit_core.plan.links import Link
@@ -207,7 +207,8 @@ class RefitEndpoint:
         rdv = self._require_rendezvous()
         try:
             return open_transport(settings.transport, rdv.store, self._global_rank(), sum(self.sizes.values()),
-                                  self.device, settings.timeout_s, settings.nccl)
+                                  self.device, settings.timeout_s, settings.nccl,
+                                  watch=StoreWatch(rdv.store, self.sizes), rendezvous=self.address)
         except RefitError:
             raise
         except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
+import big_model
 import torch
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
@@ -26,6 +28,8 @@ class Fault:
     rank: int
     sig: int = signal.SIGKILL
     after_exchanges: int = 3
+    delay_s: float | None = None
+    """When set: signal ``delay_s`` after that exchange was posted (while its messages are in flight)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Scenario:
     options: dict = field(default_factory=dict)
     fault: Fault | None = None
     recover: bool = False  # survivors close() and set up again on the same address, then refit once
+    big: bool = False  # the big model (:mod:`big_model`, 1 MiB messages) instead of the toy one
 
 
 def _inject(endpoint, fault: Fault) -> None:
@@ -46,7 +51,10 @@ def _inject(endpoint, fault: Fault) -> None:
     def exchange(sends, recvs, after=()):
         calls["n"] += 1
         if calls["n"] == fault.after_exchanges:
-            os.kill(os.getpid(), fault.sig)
+            if fault.delay_s is None:
+                os.kill(os.getpid(), fault.sig)
+            else:
+                threading.Timer(fault.delay_s, os.kill, (os.getpid(), fault.sig)).start()
         return real(sends, recvs, after)
 
     transport.exchange = exchange
@@ -66,10 +74,15 @@ def _state(engine: ToyEngine, receiver: RefitReceiver) -> dict[str, str]:
 def run_rank(rank: int, report, address: str, scenario: Scenario) -> dict:
     train = rank < scenario.train
     local, size = (rank, scenario.train) if train else (rank - scenario.train, scenario.gen)
-    options = RefitOptions(**{"timeout_s": 8, "bucket_bytes": 1024, "num_buffers": 2, **scenario.options})
-    model = ToyTrainer(local, size) if train else ToyEngine(local, size)
+    bucket = big_model.BUCKET_BYTES if scenario.big else 1024
+    options = RefitOptions(**{"timeout_s": 8, "bucket_bytes": bucket, "num_buffers": 2, **scenario.options})
+    if scenario.big:
+        model = big_model.BigTrainer(local, size) if train else big_model.BigEngine(local, size)
+    else:
+        model = ToyTrainer(local, size) if train else ToyEngine(local, size)
     cls = RefitSender if train else RefitReceiver
-    endpoint = cls(model, rendezvous=address, rank=local, world_size=size, options=options)
+    endpoint = cls(model, rendezvous=address, rank=local, world_size=size, options=options,
+                   plugins=big_model.plugins() if scenario.big else None)
     endpoint.setup()
     outcome: dict = {"side": "train" if train else "gen"}
     for step in (OLD_STEP, NEW_STEP):
@@ -78,7 +91,7 @@ def run_rank(rank: int, report, address: str, scenario: Scenario) -> dict:
         start = time.monotonic()
         try:
             if train:
-                model.load(reference(0, step))
+                model.load(big_model.reference(step) if scenario.big else reference(0, step))
                 endpoint.send(version=100 + step)
             else:
                 endpoint.receive()
@@ -89,7 +102,8 @@ def run_rank(rank: int, report, address: str, scenario: Scenario) -> dict:
             report("failed", outcome.get("error"))
             break
     if not train:
-        outcome.update(state=_state(model, endpoint), version=endpoint.version, needs_refit=endpoint.needs_refit,
+        state = model.state(OLD_STEP, NEW_STEP) if scenario.big else _state(model, endpoint)
+        outcome.update(state=state, version=endpoint.version, needs_refit=endpoint.needs_refit,
                        engine_version=model.version, serves=_serves(model))
     if scenario.recover and "error" in outcome:
         endpoint.close()

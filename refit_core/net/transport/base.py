@@ -93,6 +93,12 @@ class Transport(ABC):
                  after: Sequence[Fence] = ()) -> Fence:
         """Post all ``(peer, tensor)`` sends and receives at once, once ``after`` completed."""
 
+    def abort(self, reason: str) -> None:
+        """This rank gives up on the step in progress (``reason``): peers still waiting on it stop within
+        about a second instead of at their deadline (they hear why through the transport's watch); then
+        :meth:`close`. Safe at any time, and after ``close()``."""
+        self.close()
+
     @abstractmethod
     def close(self) -> None:
         """Release the communicator."""

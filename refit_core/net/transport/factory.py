@@ -7,6 +7,7 @@ import torch
 from refit_core.contract.errors import RefitError
 from refit_core.contract.options import NcclOptions, TransportKind
 from refit_core.net.transport.base import Transport
+from refit_core.net.transport.watch import PeerWatch
 
 
 def resolve_kind(kind: TransportKind, device: torch.device) -> TransportKind:
@@ -17,15 +18,23 @@ def resolve_kind(kind: TransportKind, device: torch.device) -> TransportKind:
 
 
 def open_transport(kind: TransportKind, store: torch.distributed.Store, rank: int, world_size: int,
-                   device: torch.device, timeout_s: float, nccl: NcclOptions | None = None) -> Transport:
-    """Create the transport ``kind`` from the refit's store; collective over all ranks of the refit."""
+                   device: torch.device, timeout_s: float, nccl: NcclOptions | None = None, *,
+                   watch: PeerWatch | None = None, rendezvous: str | None = None) -> Transport:
+    """Create the transport ``kind`` from the refit's store; collective over all ranks of the refit.
+
+    ``watch`` (None: none) tells a slow wait that a peer is gone or gave up
+    (:mod:`refit_core.net.transport.watch`); gloo listens on the interface that reaches the
+    ``rendezvous`` address (``host:port``; None: on gloo's default, the hostname's).
+    """
     kind = resolve_kind(TransportKind(kind), device)
     if kind == TransportKind.GLOO:
-        from refit_core.net.transport.gloo import GlooTransport
-        return GlooTransport(store, rank, world_size, timeout_s)
+        from refit_core.net.transport.gloo import GlooTransport, interface_toward
+        host, _, port = (rendezvous or "").rpartition(":")
+        interface = interface_toward(host.strip("[]"), int(port)) if rendezvous else None
+        return GlooTransport(store, rank, world_size, timeout_s, watch, interface)
     if kind == TransportKind.NCCL:
         from refit_core.net.transport.nccl import NcclTransport
-        return NcclTransport(store, rank, world_size, device, timeout_s, nccl or NcclOptions())
+        return NcclTransport(store, rank, world_size, device, timeout_s, nccl or NcclOptions(), watch)
     raise RefitError(f"unknown transport {kind!r}: use one of {', '.join(k.value for k in TransportKind)}")
 
 

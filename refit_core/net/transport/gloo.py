@@ -1,8 +1,27 @@
-"""The CPU transport: a private gloo process group built from the refit's own store."""
+"""The CPU transport: a private gloo process group built from the refit's own store.
+
+gloo listens on the interface this rank reaches the rendezvous through (a local job's ``127.0.0.1``
+rendezvous keeps it on loopback), not on whatever the hostname resolves to.
+
+Waits run on a helper thread (:class:`_Waiter`) while the caller watches: gloo's ``wait`` cannot be
+interrupted (not by ``ProcessGroupGloo.abort()`` either), and a message that a dead peer left half
+transferred is never completed nor failed until gloo's own timeout (its pair error reaches only
+operations that have not started moving bytes). So the caller waits on the helper in slices and asks
+its :class:`~refit_core.net.transport.watch.PeerWatch` whether the step is lost; when it is, it raises
+at once, and the helper stays parked in that wait until gloo's timeout (``timeout_s``) releases it.
+An exchange of at most :data:`INLINE_WAIT_BYTES` (headers, small rounds) is waited for on the
+caller's thread, saving the hand-over: a peer dying leaves such a message half transferred only in
+the microseconds its bytes are on the wire, and that wait still ends at the step's deadline.
+"""
 
 from __future__ import annotations
 
+import queue
+import socket
+import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -12,49 +31,110 @@ import torch.distributed as dist
 from refit_core.contract.errors import TransferError
 from refit_core.contract.options import TransportKind
 from refit_core.net.transport.base import Fence, Transport, check_contiguous
+from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
 
 
-def _failure(rank: int, peer: int, what: str, exc: BaseException) -> TransferError:
+INLINE_WAIT_BYTES = 64 << 10
+
+
+def _failure(rank: int, peer: int, what: str, exc: BaseException) -> str:
     text = str(exc)
     cause = ("timed out: a peer is stopped, hung or much slower" if "imed out" in text
              else "a peer died or closed its connection")
-    return TransferError(f"gloo {what} between rank {rank} and rank {peer} failed "
-                         f"({cause}): {text.splitlines()[0] if text else type(exc).__name__}")
+    return (f"gloo {what} between rank {rank} and rank {peer} failed "
+            f"({cause}): {text.splitlines()[0] if text else type(exc).__name__}")
+
+
+def interface_toward(host: str, port: int) -> str:
+    """This machine's address on the interface its packets to ``host`` leave through (no packet is sent)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.connect(address)
+        return str(probe.getsockname()[0])
+
+
+@dataclass(eq=False)
+class _Job:
+    """Works the helper thread waits for, in order; ``peer`` is the one it waits on now."""
+
+    works: list[tuple[int, dist.Work]]
+    limit: timedelta
+    peer: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: tuple[int, BaseException] | None = None
+
+
+class _Waiter:
+    """One daemon thread that runs a transport's blocking gloo waits, one job at a time."""
+
+    def __init__(self, rank: int) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"refit-gloo-wait-{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, works: list[tuple[int, dist.Work]], limit: timedelta) -> _Job:
+        job = _Job(works, limit, works[0][0])
+        self._jobs.put(job)
+        return job
+
+    def stop(self) -> None:
+        """Let the thread end after its current job (a job given up on ends at gloo's timeout)."""
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            for peer, work in job.works:
+                job.peer = peer
+                try:
+                    work.wait(job.limit)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it named
+                    job.error = (peer, exc)
+                    break
+            job.done.set()
 
 
 class _WorkFence(Fence):
     """Completion of the posted operations, each with the peer it talks to."""
 
-    def __init__(self, works: list[tuple[int, dist.Work]], rank: int) -> None:
+    def __init__(self, works: list[tuple[int, dist.Work]], transport: GlooTransport, nbytes: int) -> None:
         self._works = works
-        self._rank = rank
+        self._transport = transport
+        self._inline = nbytes <= INLINE_WAIT_BYTES
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         self.synchronize(timeout_s=0)
 
     def synchronize(self, timeout_s: float) -> None:
-        """Wait at most ``timeout_s`` (0: the process group's own timeout). A peer that exited or was
-        killed is noticed as soon as its connection closes."""
-        limit = timedelta(seconds=timeout_s) if timeout_s > 0 else timedelta(0)
-        while self._works:
-            peer, work = self._works[0]
-            try:
-                work.wait(limit)
-            except Exception as exc:  # gloo raises RuntimeError subclasses on peer loss
-                raise _failure(self._rank, peer, "exchange", exc) from exc
-            self._works.pop(0)
+        """Wait at most ``timeout_s`` (0: the transport's timeout). A peer that closed its connection,
+        or one that is gone or gave up (the watch), ends the wait within about a second."""
+        if self._works:
+            works, self._works = self._works, []
+            self._transport._await(works, timeout_s if timeout_s > 0 else self._transport.timeout_s, self._inline)
 
 
 class GlooTransport(Transport):
-    """Point-to-point over gloo; never the process's default group (trainers and engines own theirs)."""
+    """Point-to-point over gloo; never the process's default group (trainers and engines own theirs).
+
+    ``watch`` (None: none) is asked while a wait is slow; ``interface`` is the address gloo listens on
+    (None: gloo's default, the hostname's).
+    """
 
     kind = TransportKind.GLOO
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                 watch: PeerWatch | None = None, interface: str | None = None) -> None:
         self.device = torch.device("cpu")
         self.rank = rank
-        self._pg: Any = dist.ProcessGroupGloo(
-            dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
+        self.timeout_s = timeout_s
+        self.watch = watch
+        options: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
+        options._timeout = timedelta(seconds=timeout_s)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=interface) if interface
+                            else dist.ProcessGroupGloo.create_default_device()]
+        self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, options)
+        self._waiter = _Waiter(rank)
+        self._broken: str | None = None  # why this transport gave up on a step; it posts nothing more
+        self._in_flight = 0  # fences posted and not yet waited for
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                  after: Sequence[Fence] = ()) -> Fence:
@@ -63,27 +143,76 @@ class GlooTransport(Transport):
         for fence in after:
             fence.wait()
         pg = self._pg
-        if pg is None:
-            raise TransferError(f"the gloo transport of rank {self.rank} is closed")
+        if pg is None or self._broken is not None:
+            raise TransferError(f"the gloo transport of rank {self.rank} is closed"
+                                + (f" (it gave up on a step: {self._broken})" if self._broken else ""))
         works: list[tuple[int, dist.Work]] = []
         for peer, tensor in recvs:
             works.append((peer, self._post(pg.recv, tensor, peer)))
         for peer, tensor in sends:
             works.append((peer, self._post(pg.send, tensor, peer)))
-        return _WorkFence(works, self.rank)
+        self._in_flight += bool(works)
+        return _WorkFence(works, self, sum(t.nbytes for _, t in (*sends, *recvs)))
 
     def _post(self, operation: Callable[[list[torch.Tensor], int, int], dist.Work], tensor: torch.Tensor,
               peer: int) -> dist.Work:
         try:  # posting fails too: gloo reports a peer that already closed its connection here
             return operation([tensor], peer, 0)
         except Exception as exc:  # every transport failure is a TransferError
-            raise _failure(self.rank, peer, "post", exc) from exc
+            raise self._give_up(_failure(self.rank, peer, "post", exc)) from exc
+
+    def _await(self, works: list[tuple[int, dist.Work]], timeout_s: float, inline: bool) -> None:
+        """Wait for ``works`` (``inline``: on this thread; else on the helper, asking the watch while it
+        takes long)."""
+        if inline:
+            for peer, work in works:
+                try:
+                    work.wait(timedelta(seconds=timeout_s))
+                except Exception as exc:  # gloo raises RuntimeError subclasses on peer loss
+                    raise self._give_up(_failure(self.rank, peer, "exchange", exc)) from exc
+            self._in_flight -= 1
+            return
+        job = self._waiter.submit(works, timedelta(seconds=timeout_s))
+        deadline = time.monotonic() + timeout_s
+        interval = FIRST_CHECK_S
+        while not job.done.wait(max(0.0, min(interval, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise self._give_up(f"gloo exchange between rank {self.rank} and rank {job.peer} did not complete "
+                                    f"within {timeout_s:.0f} s (a peer is stopped, hung or much slower)")
+            loss = self.watch.lost(job.peer) if self.watch is not None else None
+            if loss is not None:
+                assert self.watch is not None  # published too: ranks waiting on this one may not see the loss
+                raise self._give_up(f"gloo exchange between rank {self.rank} and rank {job.peer} abandoned: "
+                                    f"{loss.describe(self.watch.names)}")
+            interval = min(2 * interval, MAX_CHECK_S)
+        if job.error is not None:
+            peer, error = job.error
+            raise self._give_up(_failure(self.rank, peer, "exchange", error)) from error
+        self._in_flight -= 1
+
+    def _give_up(self, reason: str) -> TransferError:
+        """This rank abandons the step: nothing more is posted, and the others hear why (the first
+        rank to give up is the one they hear of)."""
+        if self._broken is None:
+            self._broken = reason
+            if self.watch is not None:
+                self.watch.give_up(self.rank, reason)
+        return TransferError(reason)
+
+    def abort(self, reason: str) -> None:
+        if self._in_flight:  # peers may be waiting on half a message from us: they must not wait for gloo
+            self._give_up(f"rank {self.rank} left the step ({reason})")
+        self.close()
 
     def close(self) -> None:
         """Drop the process group (and its connections); safe after a failed or timed-out step."""
         pg, self._pg = self._pg, None
-        if pg is not None:
-            try:
-                pg.abort()
-            except Exception:  # noqa: BLE001 - already broken: dropping it is all that is left
-                pass
+        if pg is None:
+            return
+        if self._in_flight and self._broken is None:
+            self._give_up(f"rank {self.rank} closed its transport with messages in flight")
+        self._waiter.stop()
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - already broken: dropping it is all that is left
+            pass

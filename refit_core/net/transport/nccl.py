@@ -30,6 +30,7 @@ enforces.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -42,6 +43,7 @@ from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.options import NcclBackend, NcclOptions, TransportKind
 from refit_core.net.keys import NCCL_PREFIX, nccl_comm_key, nccl_gpu_key, nccl_group_prefix, nccl_unique_id_key
 from refit_core.net.transport.base import Fence, Transport, check_contiguous, spin_until
+from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
 
 log = logging.getLogger("refit")
 
@@ -65,6 +67,9 @@ class Communicator(Protocol):
     def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None: ...
 
     def error(self) -> str | None: ...
+
+    def abort(self) -> None:
+        """Tear the communicator down now, ending its kernels that wait on a peer (any thread)."""
 
     def close(self) -> None: ...
 
@@ -108,6 +113,9 @@ class NcclComm:
             return None
         return f"{self._nccl.get_error_string(result)} ({result})"
 
+    def abort(self) -> None:
+        self.comm.abort()
+
     def close(self) -> None:
         self.comm.destroy()
 
@@ -148,10 +156,32 @@ class TorchNcclComm:
     def error(self) -> str | None:
         return None
 
+    def abort(self) -> None:
+        self.pg.abort()
+
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+class _Cadence:
+    """When a slow wait asks the watch: first after ``FIRST_CHECK_S``, then at most every ``MAX_CHECK_S``."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self._interval = FIRST_CHECK_S
+        self._next = time.monotonic() + FIRST_CHECK_S
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._interval = min(2 * self._interval, MAX_CHECK_S)
+        self._next = now + self._interval
+        return True
 
 
 def resolve_backend(backend: NcclBackend) -> NcclBackend:
@@ -214,8 +244,18 @@ class _NcclFence(Fence):
                 stream.wait_event(event)
 
     def synchronize(self, timeout_s: float) -> None:
-        what = f"NCCL exchange of rank {self.transport.rank} with rank(s) {sorted(set(self.peers))}"
-        spin_until(lambda: all(e.query() for e in self.events), timeout_s, what, poll=self.transport.check)
+        transport = self.transport
+        what = f"NCCL exchange of rank {transport.rank} with rank(s) {sorted(set(self.peers))}"
+        transport._watching.restart()
+        try:
+            spin_until(lambda: all(e.query() for e in self.events), timeout_s, what,
+                       poll=lambda: transport.check(self.peers))
+        except TransferError as exc:
+            transport.abort(str(exc))
+            raise
+        if self.events:
+            self.events = []
+            transport._in_flight -= 1
 
 
 class _AllFence(Fence):
@@ -238,7 +278,7 @@ class NcclTransport(Transport):
     records_spans = True
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float, options: NcclOptions) -> None:
+                 timeout_s: float, options: NcclOptions, watch: PeerWatch | None = None) -> None:
         if not torch.cuda.is_available():
             raise RefitError("the nccl transport needs CUDA; use transport='gloo' on CPU")
         device = torch.device(device)
@@ -250,6 +290,11 @@ class NcclTransport(Transport):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.watch = watch
+        """Asked while a fence is slow (NCCL never reports a dead peer process: its kernels just wait)."""
+        self._watching = _Cadence()
+        self._in_flight = 0  # fences posted and not yet seen complete
+        self._broken: str | None = None
         store = dist.PrefixStore(NCCL_PREFIX, store)
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         store.set(nccl_gpu_key(rank), uuid)
@@ -302,7 +347,8 @@ class NcclTransport(Transport):
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                  after: Sequence[Fence] = ()) -> Fence:
         if self._comms is None:
-            raise TransferError(f"the nccl transport of rank {self.rank} is closed")
+            raise TransferError(f"the nccl transport of rank {self.rank} is closed"
+                                + (f" (it gave up on a step: {self._broken})" if self._broken else ""))
         check_contiguous(sends)
         check_contiguous(recvs)
         groups: dict[int, _Group] = {}
@@ -332,16 +378,40 @@ class NcclTransport(Transport):
             event = torch.cuda.Event()
             event.record(stream)
             events.append(event)
+        self._in_flight += 1
         return _NcclFence(events, self, peers)
 
-    def check(self) -> None:
-        """Raise :class:`TransferError` if NCCL reported an asynchronous error."""
+    def check(self, peers: Sequence[int] = ()) -> None:
+        """Raise :class:`TransferError` if NCCL reported an asynchronous error, or (while a fence on
+        ``peers`` is slow, about once a second) the watch says one of them is gone or a rank gave up."""
         for comm in self._comms or ():
             message = comm.error()
             if message is not None:
                 raise TransferError(f"NCCL failed on rank {self.rank}: {message}")
+        if self.watch is not None and peers and self._watching.due():
+            for peer in sorted(set(peers)):
+                loss = self.watch.lost(peer)
+                if loss is not None:  # the fence's abort() publishes it: ranks waiting on this one may not see it
+                    raise TransferError(f"NCCL exchange of rank {self.rank} abandoned: "
+                                        f"{loss.describe(self.watch.names)}")
+
+    def abort(self, reason: str) -> None:
+        """Give up on the step: tell the peers (if this rank is the first to know), then abort every
+        communicator, which ends kernels still waiting on a lost peer (``close()`` would wait for them)."""
+        comms, self._comms = self._comms, None
+        if self._broken is None and self._in_flight and self.watch is not None:
+            self.watch.give_up(self.rank, reason)
+        self._broken = self._broken or reason
+        for comm in comms or ():
+            try:
+                comm.abort()
+            except Exception as exc:  # noqa: BLE001 - aborting must not mask the caller's outcome
+                log.warning("refit: aborting an NCCL communicator failed: %s", exc)
+        self._links = {}
 
     def close(self) -> None:
+        if self._in_flight:  # a step is abandoned half way: its kernels may wait on a peer forever
+            self.abort(f"rank {self.rank} closed its transport with messages in flight")
         comms, self._comms = self._comms, None
         if not comms:
             return

@@ -1,0 +1,104 @@
+"""Seeing a lost peer while a step's messages are in flight.
+
+A transport's wait on a peer can outlive that peer: gloo never completes nor fails a message a dead
+peer left half transferred (its pair error reaches only operations not yet started), so the wait
+would end only at its timeout; NCCL has no notion of a dead process at all. So while a wait is slow,
+the transport asks a :class:`PeerWatch` every so often (first after :data:`FIRST_CHECK_S`, then at
+most every :data:`MAX_CHECK_S`) whether the step is lost, and stops with a
+:class:`~refit_core.contract.errors.TransferError` naming the rank if it is.
+
+:class:`StoreWatch` answers from the rendezvous store: a rank whose store connection closed without a
+goodbye is *gone* (it exited or was killed), and a rank whose transport gave up on a step publishes
+why under :data:`FAILED_KEY` (the first one wins), so that ranks waiting on it, which may be waiting
+on half a message from it, stop too. Each check costs two O(1) store requests (the failure key, the
+awaited peer's *gone* record); a healthy step whose waits end within :data:`FIRST_CHECK_S` makes none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch.distributed as dist
+
+from refit_core.contract.side import Side
+from refit_core.net.keys import RankId
+from refit_core.net.store import GONE_PREFIX
+
+FAILED_KEY = "transport/failed"
+"""Where the first rank whose transport gave up on a step says which rank it is and why."""
+FIRST_CHECK_S = 0.25
+MAX_CHECK_S = 1.0
+REASON_CHARS = 400
+
+
+@dataclass(frozen=True)
+class PeerLoss:
+    """Why the current step cannot finish: ``rank`` (a global rank) is gone or gave up, for ``reason``."""
+
+    rank: int
+    reason: str
+
+    def describe(self, names: RankNames) -> str:
+        who = f"rank {self.rank} ({names.name(self.rank)})" if self.rank >= 0 else "a rank"
+        return f"{who} {self.reason}"
+
+
+@dataclass(frozen=True)
+class RankNames:
+    """Global ranks (train ranks first, then gen ranks) as the store and errors name them."""
+
+    train: int
+    """The train side's world size."""
+
+    def rank_id(self, rank: int) -> RankId:
+        return RankId(Side.TRAIN, rank) if rank < self.train else RankId(Side.GEN, rank - self.train)
+
+    def name(self, rank: int) -> str:
+        return self.rank_id(rank).name
+
+    def global_rank(self, who: RankId) -> int:
+        return who.rank if who.side is Side.TRAIN else self.train + who.rank
+
+
+class PeerWatch(Protocol):
+    """What a transport asks while a wait is slow."""
+
+    names: RankNames
+
+    def lost(self, peer: int) -> PeerLoss | None:
+        """The loss that dooms the current step (``peer``, the one waited on, is gone, or any rank gave
+        up), or None."""
+
+    def give_up(self, rank: int, reason: str) -> None:
+        """Rank ``rank`` (this one) gives up on the current step: tell the others (best effort)."""
+
+
+class StoreWatch:
+    """A :class:`PeerWatch` over the rendezvous store (the refit's :class:`~refit_core.net.store.StoreClient`)."""
+
+    def __init__(self, store: dist.Store, sizes: Mapping[Side, int]) -> None:
+        self.store = store
+        self.names = RankNames(sizes[Side.TRAIN])
+
+    def lost(self, peer: int) -> PeerLoss | None:
+        try:
+            if self.store.check([FAILED_KEY]):
+                rank, _, reason = bytes(self.store.get(FAILED_KEY)).decode(errors="replace").partition(" ")
+                return PeerLoss(int(rank) if rank.isdigit() else -1, f"gave up on the step: {reason[:REASON_CHARS]}")
+            if self.store.check([GONE_PREFIX + str(self.names.rank_id(peer))]):
+                return PeerLoss(peer, "is gone: its connection to the rendezvous closed without a goodbye "
+                                      "(it exited or was killed)")
+        except RuntimeError as exc:  # RefitError too: the store's host (train rank 0) is unreachable
+            return PeerLoss(0, f"hosts the rendezvous, which is unreachable ({str(exc)[:REASON_CHARS]})")
+        return None
+
+    def give_up(self, rank: int, reason: str) -> None:
+        try:
+            self.store.compare_set(FAILED_KEY, "", f"{rank} {reason[:REASON_CHARS]}")
+        except RuntimeError:  # RefitError too; best effort: the store's host may be gone already
+            pass
+
+
+__all__ = ["FAILED_KEY", "FIRST_CHECK_S", "MAX_CHECK_S", "PeerLoss", "PeerWatch", "RankNames", "StoreWatch"]

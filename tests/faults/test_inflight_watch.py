@@ -1,0 +1,83 @@
+"""The gloo transport's watch, in one process: a wait on a peer that will never complete ends within
+about a second once the store says the peer is gone or a rank gave up, naming it; a transport closed
+with messages in flight tells the others. Two real gloo transports (threads) on an in-memory store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from refit_core.contract.errors import TransferError
+from refit_core.contract.side import Side
+from refit_core.net.store import GONE_PREFIX
+from refit_core.net.transport.gloo import GlooTransport
+from refit_core.net.transport.watch import FAILED_KEY, StoreWatch
+
+SIZES = {Side.TRAIN: 1, Side.GEN: 1}  # global rank 0 is train rank 0, rank 1 gen rank 0
+MIB = 1 << 20
+SEEN_WITHIN_S = 3.0  # the watch's first check comes after 0.25 s, the next within a second
+DEADLINE_S = 20
+
+
+def _pair(store: dist.Store) -> list[GlooTransport]:
+    transports: list[GlooTransport | None] = [None, None]
+
+    def open_one(rank: int) -> None:
+        transports[rank] = GlooTransport(store, rank, 2, DEADLINE_S, StoreWatch(store, SIZES), "127.0.0.1")
+
+    threads = [threading.Thread(target=open_one, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(t is not None for t in transports)
+    return transports  # type: ignore[return-value]
+
+
+def _later(seconds: float, action) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("how", ["gone", "gave_up"])
+def test_a_slow_wait_ends_once_the_store_reports_the_peer_lost(how):
+    store = dist.HashStore()
+    receiver, sender = _pair(store)
+    try:
+        fence = receiver.exchange([], [(1, torch.empty(MIB, dtype=torch.uint8))])  # rank 1 never sends
+        if how == "gone":
+            _later(0.5, lambda: store.set(GONE_PREFIX + "gen/0", "closed"))
+        else:
+            _later(0.5, lambda: sender.watch.give_up(1, "injected: its engine failed"))
+        start = time.monotonic()
+        with pytest.raises(TransferError) as caught:
+            fence.synchronize(DEADLINE_S)
+        assert time.monotonic() - start < SEEN_WITHIN_S
+        expected = "is gone" if how == "gone" else "gave up on the step: injected: its engine failed"
+        assert f"rank 1 (gen rank 0) {expected}" in str(caught.value), caught.value
+        with pytest.raises(TransferError, match="gave up on a step"):
+            receiver.exchange([], [(1, torch.empty(4))])  # nothing more is posted
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_closing_with_messages_in_flight_tells_the_others_and_a_finished_step_does_not():
+    store = dist.HashStore()
+    a, b = _pair(store)
+    try:
+        data = torch.arange(MIB, dtype=torch.float32)
+        fences = [a.exchange([(1, data)], []), b.exchange([], [(0, received := torch.zeros(MIB))])]
+        for fence in fences:
+            fence.synchronize(DEADLINE_S)
+        assert torch.equal(received, data) and not store.check([FAILED_KEY])
+        a.exchange([], [(1, torch.empty(MIB))])  # rank 1 will never send it
+    finally:
+        a.close()
+        b.close()
+    assert store.get(FAILED_KEY).decode().startswith("0 rank 0 closed its transport with messages in flight")
