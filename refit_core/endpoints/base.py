@@ -337,7 +337,7 @@ class RefitEndpoint:
         self._broken = reason
         transport, self.transport = self.transport, None
         if transport is not None:
-            transport.close()
+            transport.abort(reason)
 
     def close(self) -> None:
         """Release the transport, the colocated peers' memory and the rendezvous (the host stops its

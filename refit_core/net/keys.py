@@ -16,6 +16,12 @@ from enum import StrEnum
 
 from refit_core.contract.side import Side
 
+TRANSPORT_FAILED = "transport/failed"
+"""Why the first rank that gave up on a step's transfer did (``RANK REASON``): ranks waiting on a live peer
+that is itself stuck learn of the loss here (:mod:`refit_core.net.transport.watch`)."""
+GONE_PREFIX = "gone/"
+"""The store's host records a rank whose connection closed without a goodbye under ``gone/SIDE/RANK``."""
+
 OPTIONS = "options"
 """Train rank 0's resolved options, which every other rank adopts."""
 AGREED = "agreed"
@@ -142,6 +148,12 @@ def nccl_group_prefix(comm_key: str) -> str:
 def nccl_unique_id_key(comm_key: str) -> str:
     """Where the first rank of communicator ``comm_key`` publishes NCCL's unique id."""
     return f"{comm_key}/uid"
+
+
+def gone_key(who: RankId | str) -> str:
+    """Where the store's host records that rank ``who`` (a :class:`RankId` or its store identity) left
+    without a goodbye."""
+    return f"{GONE_PREFIX}{who}"
 
 
 def barrier_keys(name: str) -> BarrierKeys:

@@ -60,7 +60,7 @@ from refit_core.contract.errors import AuthenticationError, RendezvousError
 from refit_core.contract.options import StoreLimits
 from refit_core.contract.side import Side
 from refit_core.net.auth import PROTOCOL, JobCredentials, SessionMac, new_nonce
-from refit_core.net.keys import RankRecord, rank_key, rank_name, size_key
+from refit_core.net.keys import GONE_PREFIX, RankRecord, gone_key, rank_key, rank_name, size_key
 from refit_core.net.wire import WireError, recv_frame, send_frame
 
 log = logging.getLogger("refit")
@@ -77,7 +77,6 @@ CLOSE_S = 2.0
 SEND_S = 30.0
 """The longest the host waits for a reply to leave (a stopped client stops reading)."""
 ERROR_KEY = "error"
-GONE_PREFIX = "gone/"
 _IDENTITY = re.compile(r"(train|gen)/(0|[1-9][0-9]{0,9})")
 
 
@@ -216,7 +215,7 @@ class StoreServer:
                 if who is not None and self._members.get(who) == peer:
                     del self._members[who]
                     if not said_bye and not self._closed:
-                        self._put(GONE_PREFIX + who, b"its connection closed during setup or a step", checked=False)
+                        self._put(gone_key(who), b"its connection closed during setup or a step", checked=False)
                         self._cond.notify_all()
             _shutdown(conn)
 
@@ -266,7 +265,7 @@ class StoreServer:
                 send_frame(conn, {"refused": "duplicate", "message": message})
                 return None
             self._members[who] = peer
-            self._drop(GONE_PREFIX + who)
+            self._drop(gone_key(who))
         send_frame(conn, {"ok": True, "session": self.session, "max_frame": request_frame_bytes(self.limits)})
         return who, self.credentials.session("host", who, nonce, mine)
 

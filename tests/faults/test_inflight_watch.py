@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from refit_core.contract.errors import TransferError
 from refit_core.contract.side import Side
-from refit_core.net.store import GONE_PREFIX
+from refit_core.net.keys import gone_key
 from refit_core.net.transport.gloo import GlooTransport
-from refit_core.net.transport.watch import FAILED_KEY, StoreWatch
+from refit_core.net.keys import TRANSPORT_FAILED
+from refit_core.net.transport.watch import StoreWatch
 
 SIZES = {Side.TRAIN: 1, Side.GEN: 1}  # global rank 0 is train rank 0, rank 1 gen rank 0
 MIB = 1 << 20
@@ -51,7 +52,7 @@ def test_a_slow_wait_ends_once_the_store_reports_the_peer_lost(how):
     try:
         fence = receiver.exchange([], [(1, torch.empty(MIB, dtype=torch.uint8))])  # rank 1 never sends
         if how == "gone":
-            _later(0.5, lambda: store.set(GONE_PREFIX + "gen/0", "closed"))
+            _later(0.5, lambda: store.set(gone_key("gen/0"), "closed"))
         else:
             _later(0.5, lambda: sender.watch.give_up(1, "injected: its engine failed"))
         start = time.monotonic()
@@ -75,9 +76,9 @@ def test_closing_with_messages_in_flight_tells_the_others_and_a_finished_step_do
         fences = [a.exchange([(1, data)], []), b.exchange([], [(0, received := torch.zeros(MIB))])]
         for fence in fences:
             fence.synchronize(DEADLINE_S)
-        assert torch.equal(received, data) and not store.check([FAILED_KEY])
+        assert torch.equal(received, data) and not store.check([TRANSPORT_FAILED])
         a.exchange([], [(1, torch.empty(MIB))])  # rank 1 will never send it
     finally:
         a.close()
         b.close()
-    assert store.get(FAILED_KEY).decode().startswith("0 rank 0 closed its transport with messages in flight")
+    assert store.get(TRANSPORT_FAILED).decode().startswith("0 rank 0 closed its transport with messages in flight")

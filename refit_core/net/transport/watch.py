@@ -9,7 +9,7 @@ most every :data:`MAX_CHECK_S`) whether the step is lost, and stops with a
 
 :class:`StoreWatch` answers from the rendezvous store: a rank whose store connection closed without a
 goodbye is *gone* (it exited or was killed), and a rank whose transport gave up on a step publishes
-why under :data:`FAILED_KEY` (the first one wins), so that ranks waiting on it, which may be waiting
+why under :data:`TRANSPORT_FAILED` (the first one wins), so that ranks waiting on it, which may be waiting
 on half a message from it, stop too. Each check costs two O(1) store requests (the failure key, the
 awaited peer's *gone* record); a healthy step whose waits end within :data:`FIRST_CHECK_S` makes none.
 """
@@ -23,10 +23,8 @@ from typing import Protocol
 import torch.distributed as dist
 
 from refit_core.contract.side import Side
-from refit_core.net.keys import RankId
-from refit_core.net.store import GONE_PREFIX
+from refit_core.net.keys import TRANSPORT_FAILED, RankId, gone_key
 
-FAILED_KEY = "transport/failed"
 """Where the first rank whose transport gave up on a step says which rank it is and why."""
 FIRST_CHECK_S = 0.25
 MAX_CHECK_S = 1.0
@@ -84,10 +82,10 @@ class StoreWatch:
 
     def lost(self, peer: int) -> PeerLoss | None:
         try:
-            if self.store.check([FAILED_KEY]):
-                rank, _, reason = bytes(self.store.get(FAILED_KEY)).decode(errors="replace").partition(" ")
+            if self.store.check([TRANSPORT_FAILED]):
+                rank, _, reason = bytes(self.store.get(TRANSPORT_FAILED)).decode(errors="replace").partition(" ")
                 return PeerLoss(int(rank) if rank.isdigit() else -1, f"gave up on the step: {reason[:REASON_CHARS]}")
-            if self.store.check([GONE_PREFIX + str(self.names.rank_id(peer))]):
+            if self.store.check([gone_key(self.names.rank_id(peer))]):
                 return PeerLoss(peer, "is gone: its connection to the rendezvous closed without a goodbye "
                                       "(it exited or was killed)")
         except RuntimeError as exc:  # RefitError too: the store's host (train rank 0) is unreachable
@@ -96,9 +94,9 @@ class StoreWatch:
 
     def give_up(self, rank: int, reason: str) -> None:
         try:
-            self.store.compare_set(FAILED_KEY, "", f"{rank} {reason[:REASON_CHARS]}")
+            self.store.compare_set(TRANSPORT_FAILED, "", f"{rank} {reason[:REASON_CHARS]}")
         except RuntimeError:  # RefitError too; best effort: the store's host may be gone already
             pass
 
 
-__all__ = ["FAILED_KEY", "FIRST_CHECK_S", "MAX_CHECK_S", "PeerLoss", "PeerWatch", "RankNames", "StoreWatch"]
+__all__ = ["FIRST_CHECK_S", "MAX_CHECK_S", "PeerLoss", "PeerWatch", "RankNames", "StoreWatch"]
