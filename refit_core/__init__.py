@@ -4,10 +4,10 @@ The public surface for users and plugins: :class:`RefitSender` (every train rank
 (every gen rank), their settings (:class:`RefitOptions` with :class:`MessageOptions`, :class:`NcclOptions` and
 :class:`RelayOptions`, and the enums of their modes), the data model plugins speak (:class:`TensorSpec`,
 :class:`Box`, :class:`SourcePiece`, :class:`DestinationPiece`, :class:`DestinationMap`, :class:`ExpertName`,
-:class:`Quantization` and its FP8 constants, :class:`ParallelLayout`, :class:`Side`), :class:`Backend` and
-``hookimpl`` for plugin authors, and the errors refit raises. Plugin authors' helpers are
-:mod:`refit_core.kit`; the conformance kit is :mod:`refit_core.testing`. Every other module is an internal
-path that may change between releases.
+:class:`Quantization` and its FP8 constants, :class:`ParallelLayout`, :class:`Side`), :class:`Backend`,
+``hookimpl`` and :class:`PluginManager` (refit's hook caller) for plugin authors, and the errors refit raises.
+Plugin authors' helpers are :mod:`refit_core.kit`; the conformance kit is :mod:`refit_core.testing`. Every
+other module is an internal path that may change between releases.
 """
 
 from refit_core import _compat
@@ -36,7 +36,7 @@ from refit_core.contract.options import (
     TransportKind,
 )
 from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
-from refit_core.contract.plugins import get_plugin_manager
+from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.side import Side
 from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Box, Quantization, QuantScheme, TensorSpec
 from refit_core.endpoints.receiver import RefitReceiver, StepStats
@@ -45,10 +45,10 @@ from refit_core.endpoints.sender import RefitSender
 __all__ = [
     "BLOCK_SCALE_SUFFIX", "FP8_DTYPES", "GEN", "TRAIN", "AuthenticationError", "Backend", "Box", "CastPolicy",
     "DestinationMap", "DestinationPiece", "ExpertName", "MessageMode", "MessageOptions", "NcclBackend",
-    "NcclOptions", "OptionError", "ParallelLayout", "PlanError", "PluginError", "QuantScheme", "Quantization",
-    "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "RelayOptions", "RendezvousError", "Side",
-    "SourcePiece", "StepFailedError", "StepFailure", "StepStats", "TensorSpec", "TransferError", "TransportKind",
-    "UpdateMode", "get_plugin_manager", "hookimpl",
+    "NcclOptions", "OptionError", "ParallelLayout", "PlanError", "PluginError", "PluginManager", "QuantScheme",
+    "Quantization", "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "RelayOptions", "RendezvousError",
+    "Side", "SourcePiece", "StepFailedError", "StepFailure", "StepStats", "TensorSpec", "TransferError",
+    "TransportKind", "UpdateMode", "get_plugin_manager", "hookimpl",
 ]
 
 _compat.install()

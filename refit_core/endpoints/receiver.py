@@ -256,9 +256,11 @@ class RefitReceiver(RefitEndpoint):
             outcome = "the engine's weights are unchanged"
         else:
             shown = TORN_NAMES_SHOWN
+            held = ("keeps the weights it held before this session" if self.version is None
+                    else f"stays at version {self.version}")
             outcome = (f"{len(names)} destination tensor(s) may be partly written (torn): "
                        f"{', '.join(names[:shown])}{' ...' if len(names) > shown else ''}; the engine needs a new "
-                       f"refit and stays at version {self.version}")
+                       f"refit and {held}")
         error = StepFailedError(f"refit step {step} failed on gen rank {self.rank}: {exc}; {outcome}", failure)
         if handled is False:
             error.add_note(f"refit: gen rank {self.rank}: the engine could not restore its previous weights "

@@ -3,9 +3,10 @@
 What a plugin speaks to refit (the data model, ``Backend``, ``hookimpl``, settings, errors) is in
 :mod:`refit_core`; what it may use to build its pieces, its demo programs and its tests is here: model
 inventories and reference weights, load tracing and planning for engines, tensor-parallel decoder layouts,
-bitwise verification, the serving guard, rank launching, ``refit demo`` programs (:class:`DemoPrograms`,
-registered through the hook ``refit_register_demos`` of :class:`refit_core.kit.demo.DemoHookspecs`), RL-loop pieces
-and the Ray driver. The conformance kit is :mod:`refit_core.testing`.
+bitwise verification, the serving guard and the engine-wide serving verdict, rank launching, ``refit demo``
+programs (:class:`DemoPrograms`, registered through the hook ``refit_register_demos`` of
+:class:`refit_core.kit.demo.DemoHookspecs`), RL-loop pieces and the Ray driver. The conformance kit is
+:mod:`refit_core.testing`.
 
 The submodules of this package are internal paths: import their names from here. The Ray names
 (:class:`RayRefit`, :class:`RefitTrainActor`, :class:`RefitReceiveActor`) load Ray on first use only.
@@ -28,7 +29,16 @@ from refit_core.kit.demo import (
     send_versions,
     train_demo,
 )
-from refit_core.kit.guard import TornWeightsError, refuse_serving, resume_serving, torn_tensors
+from refit_core.kit.guard import (
+    EngineRefusesError,
+    TornWeightsError,
+    engine_refusal,
+    refuse_engine,
+    refuse_serving,
+    resume_engine,
+    resume_serving,
+    torn_tensors,
+)
 from refit_core.kit.inventory import safetensors_specs, transformers_config
 from refit_core.kit.launch import RankFailure, free_port, spawn
 from refit_core.kit.loadplan import ModelPlan, PlannedPiece, plan_model
@@ -46,6 +56,15 @@ from refit_core.kit.models import (
     reference_tensor,
 )
 from refit_core.kit.rl import Rollout, completion_logprobs
+from refit_core.kit.serving import (
+    RankState,
+    Suspect,
+    WorkerReport,
+    gather_reports,
+    own_rank_state,
+    serving_verdict,
+    settle_serving,
+)
 from refit_core.kit.tplayout import EngineRank, decoder_pieces
 from refit_core.kit.verify import mismatches, quantized_reference, reference_region
 from refit_core.plan.regions import BoxIndex, first_overlap
@@ -59,14 +78,16 @@ _LAZY = {"RayRefit": "refit_core.kit.ray", "RefitReceiveActor": "refit_core.kit.
 """Names whose module is heavy to import (Ray): loaded on first access."""
 
 __all__ = [
-    "PRESETS", "BoxIndex", "DemoContext", "DemoProgram", "DemoPrograms", "DemoReport", "EngineRank", "Fill",
-    "ModelInventory", "ModelPlan", "Phase", "Piece", "PlannedPiece", "ProgressLog", "RankFailure", "RayRefit",
-    "RefitReceiveActor", "RefitTrainActor", "Rollout", "Target", "TensorSwap", "TornWeightsError", "Trace", "Write",
-    "checkpoint_specs", "completion_logprobs", "config_dtype", "decoder_pieces", "first_overlap", "format_bytes",
-    "format_duration", "free_port", "head_dim", "load_config", "meta_copy", "mismatches", "model_inventory",
-    "num_experts", "plan_model", "quantized_reference", "read_env", "reference_region", "reference_state_dict",
-    "reference_tensor", "refuse_serving", "resume_serving", "safetensors_specs", "send_versions", "spawn",
-    "torn_tensors", "trace_loads", "train_demo", "transformers_config", "view_as_box",
+    "PRESETS", "BoxIndex", "DemoContext", "DemoProgram", "DemoPrograms", "DemoReport", "EngineRank",
+    "EngineRefusesError", "Fill", "ModelInventory", "ModelPlan", "Phase", "Piece", "PlannedPiece", "ProgressLog",
+    "RankFailure", "RankState", "RayRefit", "RefitReceiveActor", "RefitTrainActor", "Rollout", "Suspect", "Target",
+    "TensorSwap", "TornWeightsError", "Trace", "WorkerReport", "Write", "checkpoint_specs", "completion_logprobs",
+    "config_dtype", "decoder_pieces", "engine_refusal", "first_overlap", "format_bytes", "format_duration", "free_port",
+    "gather_reports", "head_dim", "load_config", "meta_copy", "mismatches", "model_inventory", "num_experts",
+    "own_rank_state", "plan_model", "quantized_reference", "read_env", "reference_region", "reference_state_dict",
+    "reference_tensor", "refuse_engine", "refuse_serving", "resume_engine", "resume_serving", "safetensors_specs",
+    "send_versions", "serving_verdict", "settle_serving", "spawn", "torn_tensors", "trace_loads", "train_demo",
+    "transformers_config", "view_as_box",
 ]
 
 

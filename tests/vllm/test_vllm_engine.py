@@ -154,6 +154,7 @@ def test_failed_step_keeps_previous_weights_and_a_torn_engine_refuses_to_serve()
     error = result["torn_step_error"]
     assert error is not None and "EngineRefusesError" in error and refusal in error, error
     assert "vLLM's loader refused the weights" in error, error  # the rank's own failure, named
+    assert "keeps the weights it held before this session" in error and "version None" not in error, error
     assert result["states_after_torn_step"] == [[0, None, 1]]
     assert result["refusals"][0] is not None and result["refusals"][0].startswith(refusal), result["refusals"]
     assert result["generate_error"] is not None and refusal in result["generate_error"], result["generate_error"]

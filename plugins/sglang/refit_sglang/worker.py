@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from refit_core import RefitError, RefitReceiver
+from refit_core.kit import own_rank_state, refuse_engine
 
 from . import serving
 from .serving import Exchange, sglang_exchange
@@ -90,15 +91,14 @@ def _agree(model: torch.nn.Module, rank: int, receiver: RefitReceiver | None, ex
     """This worker's state, exchanged with its TP peers; refuse or resume serving by all of them."""
     held = state_of(model)
     version = None if held is None else held.version
-    mine = (serving.own_state(receiver, model, version) if receiver is not None
-            else serving.RankState(rank, version, serving.suspect(model)))
+    mine = own_rank_state(receiver, model, rank=rank, version=version)
     _states[model] = mine
     try:
         return serving.settle(exchange(mine), model)
     except Exception as exc:  # noqa: BLE001 - a worker that cannot hear its peers must not serve
         message = (f"engine refuses to serve: gen rank {rank} could not learn its TP peers' weight versions "
                    f"({type(exc).__name__}: {exc}); refit again")
-        serving.refuse(model, message)
+        refuse_engine(model, message)
         return message
 
 

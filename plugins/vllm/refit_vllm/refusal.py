@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from refit_core import RefitError, RefitOptions, RefitReceiver, hookimpl
-from refit_core.contract.plugins import PluginManager
+from refit_core import PluginManager, RefitError, RefitOptions, RefitReceiver, hookimpl
 
 log = logging.getLogger("refit.vllm")
 
