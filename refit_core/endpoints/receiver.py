@@ -249,18 +249,18 @@ class RefitReceiver(RefitEndpoint):
                                                              None if failure.clean else str(exc)))
         self._break(str(exc))
         handled = self.plugins.abort_update(self.model, list(failure.torn))
+        held = ("the weights it held before this session" if self.version is None
+                else f"version {self.version}")
         if undecided:
-            outcome = (f"this rank keeps version {self.version}, but other gen ranks may have applied the step: "
+            outcome = (f"this rank keeps {held}, but other gen ranks may have applied the step: "
                        "it refuses to serve (needs_refit) until the next successful refit")
         elif failure.clean:
             outcome = "the engine's weights are unchanged"
         else:
             shown = TORN_NAMES_SHOWN
-            held = ("keeps the weights it held before this session" if self.version is None
-                    else f"stays at version {self.version}")
             outcome = (f"{len(names)} destination tensor(s) may be partly written (torn): "
                        f"{', '.join(names[:shown])}{' ...' if len(names) > shown else ''}; the engine needs a new "
-                       f"refit and {held}")
+                       f"refit and keeps {held}")
         error = StepFailedError(f"refit step {step} failed on gen rank {self.rank}: {exc}; {outcome}", failure)
         if handled is False:
             error.add_note(f"refit: gen rank {self.rank}: the engine could not restore its previous weights "

@@ -9,9 +9,8 @@ transferred is never completed nor failed until gloo's own timeout (its pair err
 operations that have not started moving bytes). So the caller waits on the helper in slices and asks
 its :class:`~refit_core.net.transport.watch.PeerWatch` whether the step is lost; when it is, it raises
 at once, and the helper stays parked in that wait until gloo's timeout (``timeout_s``) releases it.
-An exchange of at most :data:`INLINE_WAIT_BYTES` (headers, small rounds) is waited for on the
-caller's thread, saving the hand-over: a peer dying leaves such a message half transferred only in
-the microseconds its bytes are on the wire, and that wait still ends at the step's deadline.
+Small exchanges too: a peer killed between two tiny messages left train rank 0 of a 2 x 2 toy refit
+waiting for gloo's timeout in every try (``tests/faults/test_transfer_faults.py``).
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ from refit_core.contract.options import TransportKind
 from refit_core.net.transport.base import Fence, Transport, check_contiguous
 from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
 
-
-INLINE_WAIT_BYTES = 64 << 10
 
 
 def _failure(rank: int, peer: int, what: str, exc: BaseException) -> str:
@@ -96,10 +93,9 @@ class _Waiter:
 class _WorkFence(Fence):
     """Completion of the posted operations, each with the peer it talks to."""
 
-    def __init__(self, works: list[tuple[int, dist.Work]], transport: GlooTransport, nbytes: int) -> None:
+    def __init__(self, works: list[tuple[int, dist.Work]], transport: GlooTransport) -> None:
         self._works = works
         self._transport = transport
-        self._inline = nbytes <= INLINE_WAIT_BYTES
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         self.synchronize(timeout_s=0)
@@ -109,7 +105,7 @@ class _WorkFence(Fence):
         or one that is gone or gave up (the watch), ends the wait within about a second."""
         if self._works:
             works, self._works = self._works, []
-            self._transport._await(works, timeout_s if timeout_s > 0 else self._transport.timeout_s, self._inline)
+            self._transport._await(works, timeout_s if timeout_s > 0 else self._transport.timeout_s)
 
 
 class GlooTransport(Transport):
@@ -152,7 +148,7 @@ class GlooTransport(Transport):
         for peer, tensor in sends:
             works.append((peer, self._post(pg.send, tensor, peer)))
         self._in_flight += bool(works)
-        return _WorkFence(works, self, sum(t.nbytes for _, t in (*sends, *recvs)))
+        return _WorkFence(works, self)
 
     def _post(self, operation: Callable[[list[torch.Tensor], int, int], dist.Work], tensor: torch.Tensor,
               peer: int) -> dist.Work:
@@ -161,17 +157,8 @@ class GlooTransport(Transport):
         except Exception as exc:  # every transport failure is a TransferError
             raise self._give_up(_failure(self.rank, peer, "post", exc)) from exc
 
-    def _await(self, works: list[tuple[int, dist.Work]], timeout_s: float, inline: bool) -> None:
-        """Wait for ``works`` (``inline``: on this thread; else on the helper, asking the watch while it
-        takes long)."""
-        if inline:
-            for peer, work in works:
-                try:
-                    work.wait(timedelta(seconds=timeout_s))
-                except Exception as exc:  # gloo raises RuntimeError subclasses on peer loss
-                    raise self._give_up(_failure(self.rank, peer, "exchange", exc)) from exc
-            self._in_flight -= 1
-            return
+    def _await(self, works: list[tuple[int, dist.Work]], timeout_s: float) -> None:
+        """Wait for ``works`` on the helper thread, asking the watch while it takes long."""
         job = self._waiter.submit(works, timedelta(seconds=timeout_s))
         deadline = time.monotonic() + timeout_s
         interval = FIRST_CHECK_S
