@@ -130,15 +130,16 @@ class RefitSender(RefitEndpoint):
             raise TransferError(f"step {step} (version {version}) failed: {decision.reason}; {outcome}")
 
     def _abort(self, step: int, version: int, reason: str) -> None:
-        """Train rank 0 failed its own part of ``step``: publish the abort and let the gen ranks that
-        landed it read it (best effort: the store may be gone)."""
+        """Train rank 0 failed its own part of ``step``: publish the abort and, staged, let the gen ranks
+        that landed it read it (best effort: the store may be gone)."""
         self._decided = step
         rdv = self._rdv
         if rdv is None:
             return
         try:
             commit.decide(rdv, step, version, self.sizes[Side.GEN], self.options.timeout_s, failure=reason)
-            commit.drain(rdv, step, self.sizes[Side.GEN], self.options.timeout_s)
+            if self._mode is UpdateMode.STAGED:  # in place, gen ranks do not wait for the decision
+                commit.drain(rdv, step, self.sizes[Side.GEN], self.options.timeout_s)
         except RefitError:
             pass
 
