@@ -69,3 +69,18 @@ def test_the_demo_plan_is_fitted_before_anything_starts(capsys):
         fit_to_gpus(plan, train_given=False, gen_given=True, gpus=1)
     cpu = DemoPlan(toy_train, toy_gen, "tiny-llama", "dp=2", "dp=3", 2, "cpu")
     assert fit_to_gpus(cpu, train_given=False, gen_given=False, gpus=0) == cpu
+
+
+def test_the_command_refuses_before_starting_anything():
+    """No GPU here: ``refit demo --device cuda`` stops at the layout check, before any program starts."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    out = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--device", "cuda", "--train", "toy",
+                          "--gen", "toy", "--colocate"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no CUDA GPU is present" in out.stderr
+    assert "logs" not in out.stdout and "build" not in out.stdout

@@ -1,5 +1,10 @@
 """Every Python block of the documentation runs here, or says why it cannot."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from docs_snippets import ROOT, page_snippets, pages, run_page, snippets
@@ -15,7 +20,14 @@ def test_the_docs_have_pages_and_runnable_blocks():
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(ROOT)) for p in RUNNABLE])
 def test_page_runs(page):
-    assert run_page(page) > 0
+    """Each page in a process of its own: a page may start a process group, and a failing one must not
+    leave it to the next."""
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    program = f"from docs_snippets import run_page; from pathlib import Path; print(run_page(Path({str(page)!r})))"
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 0
 
 
 def test_markers_are_read_and_must_say_why():
