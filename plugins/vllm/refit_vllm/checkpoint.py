@@ -28,6 +28,7 @@ def plannable(model_config: Any) -> tuple[str, dict[str, Any], Any]:
     """(checkpoint path or HF id, ``hf_config`` as a dict, weight dtype) of ``model_config``; raises
     :class:`UnplannableConfigError` naming the field refit cannot read (a mocked or partial config)."""
     why = None
+    config: Any = None
     if model_config is None:
         why = "the engine has no model config"
     elif not isinstance(getattr(model_config, "model", None), str):

@@ -60,7 +60,7 @@ def source_metadata(source: WeightSource) -> Any:
 def full_tensors(source: WeightSource) -> Iterator[Any]:
     """One pass of a ``WeightSource``'s full tensors on either API: ``iter_full()`` on 0.33, ``iter()`` on 0.32."""
     if SOURCE_API is SourceApi.CACHED_PROPERTY_AND_ITER_FULL:
-        return source.iter_full()  # type: ignore[attr-defined,no-any-return]
+        return source.iter_full()  # type: ignore[attr-defined]
     return iter(source)
 
 

@@ -24,6 +24,7 @@ import logging
 import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -95,20 +96,22 @@ class RefitWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         self.tensors = named_tensors(self.names, self.dtype_names, self.shapes)
 
 
+NEVER_PLANNED = "part of the plan from train rank 0"
+"""In the timeout of a gen rank whose trainers never planned (one of them may never have come)."""
+
 PARALLEL_FIELDS = ("world_size", "rank", "data_parallel_index", "data_parallel_size")
 
 
 def worker_rank(parallel_config: Any) -> tuple[int, int]:
     """(this worker's rank among the engine's workers, the engine's worker count), DP included;
     :class:`UnplannableConfigError` if a field it needs is not an int (a mocked config)."""
-    values = {f: getattr(parallel_config, f, None) for f in PARALLEL_FIELDS}
+    values: dict[str, Any] = {f: getattr(parallel_config, f, None) for f in PARALLEL_FIELDS}
     wrong = [f"parallel_config.{f} is {type(v).__name__}" for f, v in values.items() if type(v) is not int]
     if wrong:
         raise UnplannableConfigError(f"refit cannot plan from this vLLM parallel config: {', '.join(wrong)}, "
                                      "not an int (refit places each worker by its rank among the engine's workers)")
-    per_replica = values["world_size"]
-    rank = values["data_parallel_index"] * per_replica + values["rank"]
-    return rank, per_replica * values["data_parallel_size"]
+    per_replica, rank, replica, replicas = (values[f] for f in PARALLEL_FIELDS)
+    return replica * per_replica + rank, per_replica * replicas
 
 
 class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo, RefitWeightTransferUpdateInfo]):
@@ -151,7 +154,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         except Exception as exc:  # before setup: the trainers would only see their deadline pass
             self._refuse(exc, init_info.rendezvous, init_info.world_size, init_info.rank_offset, init_info.options)
             raise
-        receiver.setup()
+        try:
+            receiver.setup()
+        except RefitError as exc:
+            if NEVER_PLANNED in str(exc):
+                exc.add_note("refit: train rank 0 plans once all the train ranks of its "
+                             "RefitTrainerInitInfo.world_size have joined; world_size counts train ranks only "
+                             "(vLLM's nccl backend counts the workers too)")
+            raise
         self.receiver = receiver
         self.catalog = None
 
@@ -435,20 +445,28 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             self.sender = None
 
 
+REMOTE_GRACE_S = 2.0
+"""How long a failed local half waits for the engine's reply, for its error text."""
+
+
 def _concurrently(remote: Any, local: Any) -> None:
     """Run the engine-side call on a thread while this rank runs its half of the collective.
 
-    If the local half fails, the remote call is not awaited (it may be blocked on a peer that will
-    never come); the remote error, if it already failed, is added to the local one as a note. If the
-    remote call fails first, its error is raised once the local half returns or fails (an engine
-    that refuses before its setup tells the local half through refit's rendezvous: :mod:`.refusal`).
+    If the local half fails, the remote call is awaited for :data:`REMOTE_GRACE_S` at most (it may be
+    blocked on a peer that will never come); the remote error, if it failed by then (an engine that
+    refused the step names why), is added to the local one as a note. If the remote call fails
+    first, its error is raised once the local half returns or fails (an engine that refuses before
+    its setup tells the local half through refit's rendezvous: :mod:`.refusal`).
     """
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-vllm-client")
     future: Future = pool.submit(remote)
     try:
         local()
     except BaseException as exc:
-        remote_error = future.exception() if future.done() else None
+        try:
+            remote_error = future.exception(timeout=REMOTE_GRACE_S)
+        except FutureTimeout:
+            remote_error = None
         if remote_error is not None:
             exc.add_note(f"refit: the engine side failed too: {type(remote_error).__name__}: {remote_error}")
         raise
