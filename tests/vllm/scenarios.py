@@ -454,19 +454,45 @@ def _error_text(call: Callable[[], Any]) -> str | None:
     return None
 
 
+def nccl_update_info(cfg: dict[str, Any], version: int, wrong_shape: str | None = None) -> dict[str, Any]:
+    """vLLM's ``nccl``-style update info naming every HF tensor the trainers send (their fp32 masters),
+    with tensor ``wrong_shape``'s first dimension one too large if given."""
+    from refit_core.kit.models import reference_state_dict
+
+    tensors = reference_state_dict(cfg, SEED, 0)
+    shapes = [[n + (name == wrong_shape and i == 0) for i, n in enumerate(t.shape)] for name, t in tensors.items()]
+    return {"version": version, "names": list(tensors), "dtype_names": ["float32"] * len(tensors), "shapes": shapes}
+
+
 def scenario_abort(model: str) -> dict[str, Any]:
-    """The trainers die after setup: the step fails, and the engine keeps its previous weights. Then a
-    step that tears weights (vLLM's loader fails on the loader path): the engine refuses to serve,
-    naming its ranks' versions, until a new session's step lands, after which it generates HF's tokens."""
+    """A step whose nccl-style update info gives one tensor a wrong shape: refused before any byte lands,
+    on every rank. The trainers die after setup: the step fails, and the engine keeps its previous
+    weights. Then a step that tears weights (vLLM's loader fails on the loader path): the engine
+    refuses to serve, naming its ranks' versions, until a new session's step (nccl-style update info
+    naming every tensor) lands, after which it generates HF's tokens."""
     from refit_core.kit.launch import free_port
 
     cfg = tiny_config(model)
     llm, prompts, tmp, generate = _refit_engine(cfg)
     before = generate()
+    result: dict[str, Any] = {}
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [1], {"timeout_s": 30})
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": {"timeout_s": 30}}})
+    start = time.perf_counter()
+    llm.start_weight_update()
+    result["names_error"] = _error_text(lambda: llm.update_weights(
+        {"update_info": nccl_update_info(cfg, 1, wrong_shape="model.norm.weight")}))
+    result["names_engine_s"] = time.perf_counter() - start
+    error = trainers.join()
+    result["names_trainer_s"] = time.perf_counter() - start
+    result["names_trainer_error"] = None if error is None else str(error)
+    result["names_same_tokens_after"] = generate() == before
+
     rendezvous = f"127.0.0.1:{free_port()}"
     trainers = Trainers(train_then_die, 2, cfg, rendezvous, free_port())
     llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": {"timeout_s": 30}}})
-    result: dict[str, Any] = {"step_error": None}
+    result["step_error"] = None
     start = time.perf_counter()
     llm.start_weight_update()
     try:
@@ -501,7 +527,7 @@ def scenario_abort(model: str) -> dict[str, Any]:
     result["still_refuses_in_new_session"] = _error_text(generate) is not None
     _abort_requests(llm)
     llm.start_weight_update()
-    llm.update_weights({"update_info": {"version": 2}})
+    llm.update_weights({"update_info": nccl_update_info(cfg, 2)})
     llm.finish_weight_update(weight_version="2")
     llm.reset_prefix_cache()
     error = trainers.join()

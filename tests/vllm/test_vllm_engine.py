@@ -138,11 +138,18 @@ def test_mismatched_model_fails_at_setup_and_engine_keeps_serving() -> None:
 
 
 def test_failed_step_keeps_previous_weights_and_a_torn_engine_refuses_to_serve() -> None:
-    """Trainers die after setup: update_weights fails, vLLM's reload is rolled back, old weights serve.
-    Then vLLM's loader fails on the loader path (the plugin cannot tell how far it got: those tensors
-    count as torn): every rank reports it needs a refit, generation raises a named refusal, also in a
-    new session before its first step; the new session's step lifts it and the engine equals HF."""
+    """A step whose nccl-style update info gives a tensor the wrong shape is refused before any byte
+    lands, naming it; the trainers stop at once. Trainers die after setup: update_weights fails, vLLM's
+    reload is rolled back, old weights serve. Then vLLM's loader fails on the loader path (the plugin
+    cannot tell how far it got: those tensors count as torn): every rank reports it needs a refit,
+    generation raises a named refusal, also in a new session before its first step; the new session's
+    step (its update info naming every tensor, as vLLM's nccl backend's) lifts it and the engine equals HF."""
     result = run_scenario("abort", model="tiny-qwen3-moe")
+    assert result["names_error"] == ("InvalidRequestError: update_info gives the wrong full shape for 1 tensor(s): "
+                                     "model.norm.weight [129] (the engine's is [128])"), result["names_error"]
+    # the trainers hear it as a failed step, long before their 30 s deadline (1.2 s measured)
+    assert result["names_trainer_error"] is not None and result["names_trainer_s"] < 15, result["names_trainer_s"]
+    assert result["names_same_tokens_after"]
     error = result["step_error"]  # a StepFailedError (a TransferError) that names nothing torn
     assert error is not None and "StepFailedError" in error and "the engine's weights are unchanged" in error, error
     assert result["same_tokens_after"]

@@ -102,6 +102,126 @@ def refused_init(source: Any, model: Any) -> dict[str, Any]:
             "engine_error": client.error}
 
 
+def _error(call: Any) -> str | None:
+    """What ``call`` raised: ``"Type: text"``, prefixed by ``ValueError|`` / ``TypeError|`` where it is one."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        kinds = "".join(f"{k.__name__}|" for k in (ValueError, TypeError) if isinstance(exc, k))
+        return f"{kinds}{type(exc).__name__}: {exc}"
+    return None
+
+
+def gathered_source(model: Any) -> Any:
+    """A custom vLLM ``WeightSource`` (not a module source): metadata plus full tensors, as after a
+    gather onto rank 0; it counts its passes."""
+    from refit_vllm import compat
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class Gathered(WeightSource):
+        def __init__(self) -> None:
+            self.passes = 0
+
+        def _metas(self) -> list[Any]:
+            return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+
+        metadata = compat.metadata_member(_metas)
+
+        def iter_full(self) -> Any:
+            self.passes += 1
+            for name, param in model.named_parameters():
+                yield name, param.detach().clone()
+
+        def __iter__(self) -> Any:
+            return self.iter_full()
+
+    return Gathered()
+
+
+class NoCalls:
+    """A client that must not be called (a non-sender rank's)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a non-sender rank called the client's {name}")
+
+
+def fidelity(config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's API behaviours: NCCL-style update info, ValueError where vLLM raises one, any WeightSource
+    (a one-rank source), non-sender ranks, a mocked config, a wrong world_size."""
+    from unittest.mock import MagicMock
+
+    import torch
+    from refit_dtensor import build_model
+    from refit_vllm import transfer
+    from vllm.config.parallel import ParallelConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from refit_core.kit.launch import free_port
+
+    out: dict[str, Any] = {}
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="refit"), SimpleNamespace(parallel_config=ParallelConfig(), model_config=None),
+        torch.device("cpu"), build_model(config, dtype=torch.float32, seed=1))
+    info = engine.parse_update_info({"names": ["w1", "w2"], "dtype_names": ["float32", "bfloat16"],
+                                     "shapes": [[100, 100], [50]]})
+    out["nccl_update_info"] = [info.names, info.dtype_names, info.shapes, [str(t.dtype) for t in info.tensors]]
+    out["short_dtype_names"] = _error(lambda: engine.parse_update_info(
+        {"names": ["w1", "w2"], "dtype_names": ["float32"], "shapes": [[1], [2]]}))
+    out["bad_dtype_name"] = _error(lambda: engine.parse_update_info(
+        {"names": ["w1"], "dtype_names": ["float33"], "shapes": [[1]]}))
+    out["no_source"] = _error(lambda: WeightTransferTrainerFactory.trainer_init(
+        transfer.RefitTrainerInitInfo(rank=0, rendezvous="127.0.0.1:1"), client=NoCalls()))
+
+    mocked = MagicMock()
+    mocked.parallel_config = MagicMock(spec=ParallelConfig, rank=0, world_size=1, data_parallel_rank=0)
+    out["mocked_parallel_config"] = _error(lambda: WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="refit"), mocked, torch.device("cpu"), MagicMock(spec=torch.nn.Module)
+    ).init_transfer_engine(transfer.RefitWeightTransferInitInfo(rendezvous="")))
+    mocked.parallel_config = ParallelConfig()
+    out["mocked_model_config"] = _error(lambda: WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="refit"), mocked, torch.device("cpu"), build_model(config, dtype=torch.float32)
+    ).init_transfer_engine(transfer.RefitWeightTransferInitInfo(rendezvous="")))
+
+    # any WeightSource: a one-rank source, planned from its metadata; a non-sender rank returns at once
+    source_model = build_model(config, dtype=torch.float32, seed=4)
+    source = gathered_source(source_model)
+    rendezvous = f"127.0.0.1:{free_port()}"
+    other = WeightTransferTrainerFactory.trainer_init(
+        transfer.RefitTrainerInitInfo(rank=1, rendezvous=rendezvous, world_size=2), client=NoCalls(), source=source)
+    out["non_sender"] = [other.kind.name, other.sender is None, other.send_weights(version=5), source.passes]
+    target = build_model(config, dtype=torch.float32, seed=5)
+    client = LocalClient(target)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        transfer.RefitTrainerInitInfo(rank=0, rendezvous=rendezvous, world_size=2, options={"timeout_s": 60}),
+        client=client, source=source)
+    with torch.no_grad():
+        for p in source_model.parameters():
+            p.mul_(2.0)
+    version = trainer.send_weights(version=5)
+    trainer.shutdown()
+    client.receiver.close()
+    got = dict(target.named_parameters())
+    out["one_rank_source"] = {
+        "kind": trainer.kind.name, "version": version, "calls": client.calls, "passes": source.passes,
+        "bitwise_equal": all(torch.equal(got[n], p) for n, p in source_model.named_parameters())}
+
+    # vLLM's nccl world_size counts the trainer and the workers: 2 here, with one train rank
+    import time
+
+    start = time.perf_counter()
+    out["wrong_world_size"] = _error(lambda: WeightTransferTrainerFactory.trainer_init(
+        transfer.RefitTrainerInitInfo(rank=0, rendezvous=f"127.0.0.1:{free_port()}", world_size=2,
+                                      options={"timeout_s": WORLD_TIMEOUT_S}),
+        client=LocalClient(build_model(config, dtype=torch.float32, seed=6)),
+        source=transfer.RefitSource(build_model(config, dtype=torch.float32, seed=7))))
+    out["wrong_world_size_s"] = time.perf_counter() - start
+    return out
+
+
+WORLD_TIMEOUT_S = 1.0
+
+
 def check() -> dict[str, Any]:
     import torch
     from refit_dtensor import build_model
@@ -158,6 +278,7 @@ def check() -> dict[str, Any]:
     trainer.shutdown()
     client.receiver.close()
     result["refused_init"] = refused_init(source, build_model(config, dtype=torch.float32, seed=3))
+    result["fidelity"] = fidelity(config)
     target = dict(target_model.named_parameters())
     result["trainer"] = {"class": type(trainer).__name__, "version": version, "calls": client.calls,
                          "weight_versions": client.versions,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any
 
@@ -55,3 +55,16 @@ def source_metadata(source: WeightSource) -> Any:
     """A ``WeightSource``'s parameter metadata on either API."""
     metadata = source.metadata
     return metadata if SOURCE_API is SourceApi.CACHED_PROPERTY_AND_ITER_FULL else metadata()
+
+
+def full_tensors(source: WeightSource) -> Iterator[Any]:
+    """One pass of a ``WeightSource``'s full tensors on either API: ``iter_full()`` on 0.33, ``iter()`` on 0.32."""
+    if SOURCE_API is SourceApi.CACHED_PROPERTY_AND_ITER_FULL:
+        return source.iter_full()  # type: ignore[attr-defined]
+    return iter(source)
+
+
+def not_on_rank_0(source: WeightSource) -> list[str]:
+    """The parameters of ``source`` train rank 0 does not yield (0.33's ``owners``; always none on 0.32)."""
+    return [m.name for m in source_metadata(source)
+            if getattr(m, "owners", None) is not None and 0 not in m.owners]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, hookimpl
+from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, SourcePiece, hookimpl
 from refit_core.kit import DemoPrograms, read_env, refuse_serving, resume_serving
 
 from .state import MODE_ENV, ModelState, engine_context, model_device, state_of
@@ -106,10 +106,21 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
 
 
 @hookimpl
+def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
+    """A one-rank ``WeightSource``'s held full tensors (:mod:`.held`)."""
+    from .held import HeldWeights
+
+    return model.pieces() if isinstance(model, HeldWeights) else None
+
+
+@hookimpl
 def refit_begin_update(model: Any) -> bool | None:
     state = state_of(model)
     if state is None:
         return None
+    if state.refusal is not None:
+        error, state.refusal = state.refusal, None
+        raise error
     plan = _plan(model, state)
     if state.mode == "direct":
         return False

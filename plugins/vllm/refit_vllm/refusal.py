@@ -73,7 +73,10 @@ def refuse_before_setup(error: Exception, parallel_config: Any, rendezvous: str,
     ``parallel_config``), from init info that may itself be malformed (wrong types are ignored)."""
     from .transfer import worker_rank
 
-    rank, workers = worker_rank(parallel_config)
+    try:
+        rank, workers = worker_rank(parallel_config)
+    except RefitError:  # a config refit cannot read (what may be refused): speak as the first gen rank
+        rank, workers = 0, 1
     offset = rank_offset if isinstance(rank_offset, int) else 0
     world = world_size if isinstance(world_size, int) and world_size > 0 else workers
     publish(engine_error(error), rendezvous=rendezvous, rank=offset + rank, world_size=world,

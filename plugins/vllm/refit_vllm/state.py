@@ -37,6 +37,8 @@ class ModelState:
     mode: str | None = None
     updating: bool = False
     version: int | None = None
+    refusal: Exception | None = None
+    """The error the next step fails with before any byte lands (None: the step runs)."""
 
     @property
     def model_config(self) -> Any:
@@ -71,6 +73,15 @@ def ensure_attached(model: torch.nn.Module, vllm_config: Any) -> ModelState:
     """``model``'s state, attaching it to ``vllm_config`` if nothing did yet (keeps an existing plan)."""
     state = _STATES.get(model)
     return state if state is not None else attach(model, vllm_config)
+
+
+def refuse_next_step(model: torch.nn.Module, error: Exception) -> None:
+    """Make the model's next refit step fail with ``error`` as it begins, before any byte lands (the
+    engine refuses a step its trainers have started: they hear it as of any failed step)."""
+    state = _STATES.get(model)
+    if state is None:
+        raise RefitError("refit_vllm: refuse_next_step on a model no refit session attached") from error
+    state.refusal = error
 
 
 def state_of(model: Any) -> ModelState | None:

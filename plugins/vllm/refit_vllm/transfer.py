@@ -21,9 +21,12 @@ own collectives.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
@@ -40,11 +43,14 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 
-from refit_core import RefitError, RefitOptions, RefitReceiver, RefitSender
+from refit_core import RefitError, RefitOptions, RefitReceiver, RefitSender, TensorSpec
 
 from . import vllm_plugin
-from .compat import metadata_member
-from .state import attach
+from .checkpoint import UnplannableConfigError, plannable
+from .compat import full_tensors, metadata_member, not_on_rank_0, source_metadata
+from .held import Declared, HeldWeights
+from .requests import InvalidRequestError, NamedTensor, check_step, named_tensors
+from .state import attach, refuse_next_step
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,16 +78,40 @@ class RefitWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RefitWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One step. ``version``, when given, must equal the version the train side sends."""
+    """One step. ``version``, when given, must equal the version the train side sends.
+
+    ``names`` / ``dtype_names`` / ``shapes`` (vLLM's ``nccl`` update info; None: not given) are checked
+    against the engine's HF tensors before any byte lands (:mod:`.requests`): lists of different
+    lengths raise ``ValueError`` here, a mismatch fails the step on every rank, naming the tensors.
+    """
 
     version: int | None = None
+    names: list[str] | None = None
+    dtype_names: list[str] | None = None
+    shapes: list[list[int]] | None = None
+    tensors: tuple[NamedTensor, ...] | None = field(init=False, default=None, repr=False)
+    """The three lists as one, checked for agreement (None: no names given)."""
+
+    def __post_init__(self) -> None:
+        self.tensors = named_tensors(self.names, self.dtype_names, self.shapes)
+
+
+NEVER_PLANNED = "part of the plan from train rank 0"
+"""In the timeout of a gen rank whose trainers never planned (one of them may never have come)."""
+
+PARALLEL_FIELDS = ("world_size", "rank", "data_parallel_index", "data_parallel_size")
 
 
 def worker_rank(parallel_config: Any) -> tuple[int, int]:
-    """(this worker's rank among the engine's workers, the engine's worker count), DP included."""
-    per_replica = parallel_config.world_size
-    rank = parallel_config.data_parallel_index * per_replica + parallel_config.rank
-    return rank, per_replica * parallel_config.data_parallel_size
+    """(this worker's rank among the engine's workers, the engine's worker count), DP included;
+    :class:`UnplannableConfigError` if a field it needs is not an int (a mocked config)."""
+    values: dict[str, Any] = {f: getattr(parallel_config, f, None) for f in PARALLEL_FIELDS}
+    wrong = [f"parallel_config.{f} is {type(v).__name__}" for f, v in values.items() if type(v) is not int]
+    if wrong:
+        raise UnplannableConfigError(f"refit cannot plan from this vLLM parallel config: {', '.join(wrong)}, "
+                                     "not an int (refit places each worker by its rank among the engine's workers)")
+    per_replica, rank, replica, replicas = (values[f] for f in PARALLEL_FIELDS)
+    return replica * per_replica + rank, per_replica * replicas
 
 
 class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo, RefitWeightTransferUpdateInfo]):
@@ -97,6 +127,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         self.receiver: RefitReceiver | None = None
         self.version: int | None = None
         self.last_stats: dict[str, Any] = {}
+        self.catalog: dict[str, TensorSpec] | None = None
+        """The HF tensors a step moves into this engine (read at the first step that names tensors)."""
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> RefitWeightTransferInitInfo:
         """vLLM's parsing; init info it refuses is also reported to the trainers at its rendezvous (if it
@@ -118,11 +150,20 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
             receiver = RefitReceiver(self.model, rendezvous=init_info.rendezvous,
                                      rank=init_info.rank_offset + rank, world_size=init_info.world_size or workers,
                                      options=RefitOptions(**init_info.options))
+            plannable(self.model_config)
         except Exception as exc:  # before setup: the trainers would only see their deadline pass
             self._refuse(exc, init_info.rendezvous, init_info.world_size, init_info.rank_offset, init_info.options)
             raise
-        receiver.setup()
+        try:
+            receiver.setup()
+        except RefitError as exc:
+            if NEVER_PLANNED in str(exc):
+                exc.add_note("refit: train rank 0 plans once all the train ranks of its "
+                             "RefitTrainerInitInfo.world_size have joined; world_size counts train ranks only "
+                             "(vLLM's nccl backend counts the workers too)")
+            raise
         self.receiver = receiver
+        self.catalog = None
 
     def _refuse(self, error: Exception, rendezvous: str, world_size: Any, rank_offset: Any, options: Any) -> None:
         from .refusal import refuse_before_setup
@@ -136,12 +177,38 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes the accelerator, which CPU engines do not have; refit's
         # receive returns only after every byte landed and was processed.
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            parsed = self.parse_update_info(update_info)
+        except Exception as exc:  # the trainers are in the step already: fail it on every rank
+            if self.receiver is not None:
+                self._refuse_step(exc)
+            raise
+        self.receive_weights(parsed)
 
     def receive_weights(self, update_info: RefitWeightTransferUpdateInfo) -> None:
         if self.receiver is None:
             raise RefitError("refit weight transfer is not initialized: call init_weight_transfer_engine first")
+        if update_info.tensors is not None:
+            try:
+                if self.catalog is None:
+                    from .checkpoint import step_catalog
+
+                    self.catalog = step_catalog(self.model_config)
+                check_step(update_info.tensors, self.catalog)
+            except Exception as exc:
+                self._refuse_step(exc)
+                raise
         self.version, self.last_stats = receive_step(self.receiver, self.model, update_info.version)
+
+    def _refuse_step(self, error: Exception) -> None:
+        """Fail the step the trainers are sending with ``error`` before any byte lands (every rank hears
+        it at once, as of any failed step); the engine keeps its weights."""
+        assert self.receiver is not None
+        refuse_next_step(self.model, error)
+        try:
+            receive_step(self.receiver, self.model)
+        except Exception as exc:  # noqa: BLE001 - ``error`` is what the caller raises
+            log.debug("refit: the refused step failed as planned: %s", exc)
 
     def finish_weight_update(self) -> None:
         """Nothing left: the step finished inside ``update_weights`` (vLLM publishes the version)."""
@@ -234,44 +301,112 @@ class RefitSource(WeightSource):
         return self.iter_full()
 
 
-def _train_model(source: WeightSource | torch.nn.Module | None) -> torch.nn.Module:
+class SourceKind(Enum):
+    """How refit reads a trainer's weights."""
+
+    SHARDS = "every train rank's shards, in place"
+    """A module (``RefitSource``, vLLM's ``ModuleSource`` or the module itself): every train rank is a
+    refit sender of its own shards."""
+    ONE_RANK = "train rank 0's full tensors, from the source's iteration"
+    """Any other ``WeightSource``: train rank 0 is the refit's only sender (:mod:`.held`); the other
+    ranks only join the source's iteration (its collectives), as with vLLM's ``nccl`` backend."""
+
+
+def _train_module(source: WeightSource | torch.nn.Module | None) -> torch.nn.Module | None:
+    """The training module refit reads in place, or None for a source it plans from metadata."""
+    if source is None:
+        raise InvalidRequestError("refit trainer weight transfer requires a WeightSource: pass "
+                                  "source=RefitSource(model) (or a vLLM ModuleSource, the module itself, or any "
+                                  "WeightSource whose rank 0 yields full tensors)")
     if isinstance(source, torch.nn.Module):
         return source
     if isinstance(source, RefitSource):
         return source.model
     if isinstance(source, ModuleSource):
         return source._module
-    raise RefitError("the refit trainer engine reads the training model's shards in place: pass "
-                     "source=RefitSource(model) (or a vLLM ModuleSource, or the module itself)")
+    if not isinstance(source, WeightSource):
+        raise InvalidRequestError(f"source is a {type(source).__name__}, not a vLLM WeightSource or a torch module")
+    return None
+
+
+def _held_weights(source: WeightSource) -> HeldWeights:
+    """Train rank 0's buffers for a one-rank ``source``, on this rank's accelerator (else the CPU)."""
+    elsewhere = not_on_rank_0(source)
+    if elsewhere:
+        raise InvalidRequestError(f"refit sends a WeightSource from train rank 0 alone, but rank 0 does not own "
+                                  f"{len(elsewhere)} of its parameters (first: {elsewhere[0]})")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    declared = [Declared(m.name, m.dtype, tuple(m.shape)) for m in source_metadata(source)]
+    return HeldWeights(declared, device)
+
+
+MISSING_TRAIN_RANKS = re.compile(r"waiting for train metadata: (.*?)( \.\.\.)? did not arrive")
+
+
+def _setup(sender: RefitSender, world_size: int) -> None:
+    """``sender.setup()``; a deadline passed waiting for train ranks that never came is named as a
+    wrong ``world_size`` (what vLLM's ``nccl`` users pass: trainer plus workers)."""
+    try:
+        sender.setup()
+    except RefitError as exc:
+        found = MISSING_TRAIN_RANKS.search(str(exc))
+        if found is None:
+            raise
+        missing = found.group(1).count("train rank")
+        arrived = f"at most {world_size - missing}" if found.group(2) else f"{world_size - missing}"
+        raise RefitError(f"expected {world_size} train ranks, {arrived} arrived; world_size counts train ranks "
+                         f"only (vLLM's nccl backend counts the trainer and the workers): {exc}") from exc
 
 
 class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
-    """A refit sender on every train rank; rank 0 also drives the engine through ``client``."""
+    """A refit sender on every train rank (one-rank sources: on rank 0 only, see :class:`SourceKind`);
+    rank 0 also drives the engine through ``client``."""
 
     init_info_cls = RefitTrainerInitInfo
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None,
-                 is_sender: bool = True, sender: RefitSender | None = None, rank: int = 0) -> None:
+                 is_sender: bool = True, sender: RefitSender | None = None, rank: int = 0,
+                 kind: SourceKind = SourceKind.SHARDS, held: HeldWeights | None = None) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.rank = rank  # vLLM 0.33's base class keeps it too; 0.32's does not take it
         self.sender = sender
+        self.kind = kind
+        self.held = held
+        """Train rank 0's copy of a one-rank source's tensors (None elsewhere and for a module source)."""
         self.version = 0
 
     @classmethod
     def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client: VLLMWeightSyncClient,
                      source: WeightSource | None = None) -> Self:
+        """Join the refit. With a module source every train rank is a refit sender of its shards and
+        returns once setup (metadata exchange and planning, a collective of both sides) is done. With
+        any other ``WeightSource`` only rank 0 joins: the other ranks return at once, as with vLLM's
+        ``nccl`` backend, and only join the source's iteration in ``send_weights``."""
         if not init_info.rendezvous:
-            raise RefitError("RefitTrainerInitInfo.rendezvous must be 'host:port' (train rank 0 hosts it)")
-        model = _train_model(source)
-        sender = RefitSender(model, rendezvous=init_info.rendezvous, rank=init_info.rank,
-                             world_size=init_info.world_size, options=RefitOptions(**init_info.options))
-        engine = cls(client=client, source=source if isinstance(source, WeightSource) else RefitSource(model),
-                     is_sender=init_info.is_sender, sender=sender, rank=init_info.rank)
-        if not engine.is_sender:
-            sender.setup()
-            return engine
+            raise InvalidRequestError("RefitTrainerInitInfo.rendezvous must be 'host:port' (train rank 0 hosts it)")
+        module = _train_module(source)
+        options = RefitOptions(**init_info.options)
+        if module is None:
+            assert isinstance(source, WeightSource)
+            if not init_info.is_sender:
+                return cls(client=client, source=source, is_sender=False, rank=init_info.rank,
+                           kind=SourceKind.ONE_RANK)
+            held = _held_weights(source)
+            sender = RefitSender(held, rendezvous=init_info.rendezvous, rank=0, world_size=1, options=options)
+            engine = cls(client=client, source=source, sender=sender, rank=init_info.rank, kind=SourceKind.ONE_RANK,
+                         held=held)
+            world_size = 1
+        else:
+            sender = RefitSender(module, rendezvous=init_info.rendezvous, rank=init_info.rank,
+                                 world_size=init_info.world_size, options=options)
+            engine = cls(client=client, source=source if isinstance(source, WeightSource) else RefitSource(module),
+                         is_sender=init_info.is_sender, sender=sender, rank=init_info.rank)
+            world_size = init_info.world_size
+            if not engine.is_sender:
+                _setup(sender, world_size)
+                return engine
         payload = asdict(init_info.worker_info())
-        _concurrently(lambda: client.init_weight_transfer_engine(payload), sender.setup)
+        _concurrently(lambda: client.init_weight_transfer_engine(payload), lambda: _setup(sender, world_size))
         return engine
 
     def send_weights(self, version: int | None = None) -> int:
@@ -279,16 +414,28 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
 
         Called on every train rank (all with the same version). Rank 0 drives the engine:
         ``start_weight_update``, ``update_weights`` (concurrently with the transfer) and
-        ``finish_weight_update(weight_version=str(version))``.
+        ``finish_weight_update(weight_version=str(version))``. A one-rank source is iterated on every
+        rank first (its collectives), rank 0 keeping what it yields.
         """
-        assert self.sender is not None
         self.version = self.version + 1 if version is None else int(version)
+        if self.kind is SourceKind.ONE_RANK:
+            assert self.source is not None
+            tensors = full_tensors(self.source)
+            if self.held is not None:
+                self.held.fill(tensors)
+            else:
+                for _ in tensors:
+                    pass
         if not self.is_sender:
-            self.sender.send(version=self.version)
+            if self.sender is not None:
+                self.sender.send(version=self.version)
             return self.version
+        sender = self.sender
+        if sender is None:
+            raise RefitError("refit trainer weight transfer is shut down")
         self.client.start_weight_update()
         _concurrently(lambda: self.client.update_weights({"version": self.version}),
-                      lambda: self.sender.send(version=self.version))
+                      lambda: sender.send(version=self.version))
         self.client.finish_weight_update(weight_version=str(self.version))
         return self.version
 
@@ -298,20 +445,28 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             self.sender = None
 
 
+REMOTE_GRACE_S = 2.0
+"""How long a failed local half waits for the engine's reply, for its error text."""
+
+
 def _concurrently(remote: Any, local: Any) -> None:
     """Run the engine-side call on a thread while this rank runs its half of the collective.
 
-    If the local half fails, the remote call is not awaited (it may be blocked on a peer that will
-    never come); the remote error, if it already failed, is added to the local one as a note. If the
-    remote call fails first, its error is raised once the local half returns or fails (an engine
-    that refuses before its setup tells the local half through refit's rendezvous: :mod:`.refusal`).
+    If the local half fails, the remote call is awaited for :data:`REMOTE_GRACE_S` at most (it may be
+    blocked on a peer that will never come); the remote error, if it failed by then (an engine that
+    refused the step names why), is added to the local one as a note. If the remote call fails
+    first, its error is raised once the local half returns or fails (an engine that refuses before
+    its setup tells the local half through refit's rendezvous: :mod:`.refusal`).
     """
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-vllm-client")
     future: Future = pool.submit(remote)
     try:
         local()
     except BaseException as exc:
-        remote_error = future.exception() if future.done() else None
+        try:
+            remote_error = future.exception(timeout=REMOTE_GRACE_S)
+        except FutureTimeout:
+            remote_error = None
         if remote_error is not None:
             exc.add_note(f"refit: the engine side failed too: {type(remote_error).__name__}: {remote_error}")
         raise
@@ -324,5 +479,5 @@ vllm_plugin.register()
 
 __all__ = [
     "RefitSource", "RefitTrainerInitInfo", "RefitTrainerWeightTransferEngine", "RefitWeightTransferEngine",
-    "RefitWeightTransferInitInfo", "RefitWeightTransferUpdateInfo", "receive_step",
+    "RefitWeightTransferInitInfo", "RefitWeightTransferUpdateInfo", "SourceKind", "receive_step",
 ]

@@ -1,0 +1,85 @@
+"""What refit accepts in vLLM's weight-transfer calls, without an engine: an nccl-style ``update_info``
+held against the engine's HF tensors, and a one-rank ``WeightSource``'s pass held against its metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("refit_vllm")
+
+from refit_vllm.held import Declared, HeldWeights
+from refit_vllm.requests import InvalidRequestError, check_step, named_tensors
+
+from refit_core import Quantization, RefitError, TensorSpec
+
+CATALOG = {s.name: s for s in (
+    TensorSpec("embed.weight", (8, 4), torch.bfloat16),
+    TensorSpec("proj.weight", (4, 4), torch.float8_e4m3fn, Quantization.block_fp8("proj.weight_scale_inv", (2, 2))),
+    TensorSpec("router.counts", (3,), torch.int64),
+)}
+
+
+def tensors(*rows: tuple[str, str, list[int]]) -> tuple:
+    names, dtypes, shapes = zip(*rows)
+    return named_tensors(list(names), list(dtypes), list(shapes))
+
+
+def whole(**changes: tuple[str, list[int]]) -> tuple:
+    rows = {"embed.weight": ("float32", [8, 4]), "proj.weight": ("bfloat16", [4, 4]),
+            "router.counts": ("int64", [3])} | changes
+    return tensors(*((name, dtype, shape) for name, (dtype, shape) in rows.items()))
+
+
+def test_a_list_naming_every_tensor_passes_refit_casts_floats() -> None:
+    check_step(whole(), CATALOG)  # fp32 into bf16, bf16 into a quantized fp8 tensor: refit casts / quantizes
+
+
+def test_no_names_is_no_claim() -> None:
+    assert named_tensors(None, None, None) is None
+
+
+@pytest.mark.parametrize(("lists", "message"), [
+    ((["a", "b"], ["float32"], [[1], [2]]), "`dtype_names` should be of the same size as `names`: got 1 and 2"),
+    ((["a"], ["float32"], [[1], [2]]), "`shapes` should be of the same size as `names`: got 2 and 1"),
+    ((["a"], None, [[1]]), "update_info gives names, shapes without dtype_names"),
+    ((["a"], ["float33"], [[1]]), "'float33', which is not a torch dtype"),
+    ((["a", "a"], ["float32"] * 2, [[1]] * 2), "update_info names a more than once"),
+])
+def test_malformed_lists_are_value_errors(lists: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        named_tensors(*lists)
+
+
+@pytest.mark.parametrize(("claim", "message"), [
+    (whole(**{"lm_head.weight": ("float32", [8, 4])}),
+     "1 tensor(s) the engine's checkpoint does not have: lm_head.weight"),
+    (whole(**{"embed.weight": ("float32", [4, 8])}), "embed.weight [4, 8] (the engine's is [8, 4])"),
+    (whole(**{"router.counts": ("int32", [3])}), "router.counts int32 (the engine's is int64)"),
+    (whole(**{"proj.weight": ("int8", [4, 4])}), "proj.weight int8 (the engine's is float8_e4m3fn)"),
+    (tensors(("embed.weight", "float32", [8, 4])),
+     "names 1 of the 3 tensors refit's plan moves; refit moves every tensor of its plan each step (left out: "
+     "proj.weight, router.counts): name them all, or none"),
+])
+def test_mismatches_are_named(claim: tuple, message: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        check_step(claim, CATALOG)
+    assert message in str(caught.value) and isinstance(caught.value, ValueError)
+
+
+def test_held_weights_hold_a_pass_and_name_a_source_that_disagrees_with_its_metadata() -> None:
+    held = HeldWeights([Declared("a", torch.float32, (2,)), Declared("b", torch.bfloat16, (1, 3))],
+                       torch.device("cpu"))
+    assert [(p.spec.name, p.spec.shape, p.box.sizes) for p in held.pieces()] == [("a", (2,), (2,)),
+                                                                                  ("b", (1, 3), (1, 3))]
+    a, b = torch.tensor([1.0, 2.0]), torch.ones(1, 3, dtype=torch.bfloat16)
+    held.fill([("a", a), ("b", b)])
+    assert torch.equal(held.buffers["a"], a) and torch.equal(held.buffers["b"], b)
+    for pairs, message in [
+        ([("b", b), ("a", a)], "yielded 'b' where its metadata declares 'a' (parameter 0)"),
+        ([("a", a.double()), ("b", b)], "yielded a as float64 [2]; its metadata declares float32 [2]"),
+        ([("a", a)], "yielded 1 of the 2 parameters its metadata declares (first missing: b)"),
+        ([("a", a), ("b", b), ("c", a)], "yielded 'c' after the 2 parameters"),
+    ]:
+        with pytest.raises(RefitError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            held.fill(pairs)
