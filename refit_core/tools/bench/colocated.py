@@ -22,7 +22,7 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
   ``refit:VARIANT`` runs it with ``RefitOptions(strided_copies=VARIANT)`` (a
   :class:`~refit_core.contract.options.StridedCopy`: how the engine moves its large strided copies);
   ``refit:VARIANT+overlap`` also with ``overlap_check=True`` (the trainer checks its memory while the
-  engine copies).
+  engine copies); ``+noconfirm`` with ``confirm=False`` (no landing vote: what the commit point costs).
 
 ``--breakdown`` traces every timed refit step (``RefitOptions(step_trace=True)``) and prints, per
 refit method, the median of each phase of :func:`refit_core.run.timing.breakdown`: the trainer's
@@ -255,11 +255,13 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         out["shared_bytes"] = runner.shared_bytes if train else 0
         out["fills"] = len(runner.buckets)
     else:
-        variant, _, overlap = name.partition(":")[2].partition("+")
+        variant, _, extras = name.partition(":")[2].partition("+")
+        flags = set(extras.split("+"))
         options = RefitOptions(timeout_s=job["timeout_s"],
                                colocate=Colocation.AUTO if device.type == "cuda" else Colocation.SHARED,
                                strided_copies=StridedCopy(variant or RefitOptions().strided_copies),
-                               overlap_check=overlap == "overlap", step_trace=job.get("breakdown", False))
+                               overlap_check="overlap" in flags, confirm="noconfirm" not in flags,
+                               step_trace=job.get("breakdown", False))
         cls = RefitSender if train else RefitReceiver
         endpoint = cls(model, rendezvous=job["refit_address"], rank=0, world_size=1, options=options)
         endpoint.setup()
