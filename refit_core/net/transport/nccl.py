@@ -132,20 +132,32 @@ class TorchNcclComm:
         opts._timeout = timedelta(seconds=timeout_s)
         self.nranks, self.rank, self.device = nranks, rank, device
         self.pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore(nccl_group_prefix(key), store), rank, nranks, opts)
+        self._coalesce_takes_device = True
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
              stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):  # the process group's stream waits for this one, and back
             coalesce = hasattr(self.pg, "_start_coalescing")
             if coalesce:
-                self.pg._start_coalescing(self.device)
+                self._coalescing("_start_coalescing")
             works = [self.pg.recv([t], peer, 0) for peer, t in recvs]
             works += [self.pg.send([t], peer, 0) for peer, t in sends]
             if coalesce:
-                works = [self.pg._end_coalescing(self.device)]
+                works = [self._coalescing("_end_coalescing")]
             for work in works:
                 if work is not None:
                     work.wait()
+
+    def _coalescing(self, method: str) -> Any:
+        """``ProcessGroupNCCL._start_coalescing`` / ``_end_coalescing``: torch up to 2.10 takes the device,
+        2.11 takes nothing (the backend knows its device)."""
+        call = getattr(self.pg, method)
+        if self._coalesce_takes_device:
+            try:
+                return call(self.device)
+            except TypeError:
+                self._coalesce_takes_device = False
+        return call()
 
     def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None:
         opts = dist.BroadcastOptions()
