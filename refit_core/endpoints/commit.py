@@ -151,9 +151,10 @@ def settle(rdv: Rendezvous, step: int, settlement: Settlement) -> None:
 
 
 def decide(rdv: Rendezvous, step: int, version: int, gen_size: int, timeout_s: float,
-           failure: str | None = None) -> tuple[Decision, list[Vote]]:
-    """Collect every gen rank's vote on ``step``, decide and publish the decision; returns it with the
-    votes that arrived. ``failure`` (this rank's own failed step) aborts without waiting."""
+           failure: str | None = None, readers: bool = True) -> tuple[Decision, list[Vote]]:
+    """Collect every gen rank's vote on ``step``, decide and publish the decision (unless no rank reads it:
+    ``readers`` False); returns it with the votes that arrived. ``failure`` (this rank's own failed step)
+    aborts without waiting."""
     votes: list[Vote] = []
     reason = failure
     deadline = time.monotonic() + timeout_s
@@ -172,21 +173,25 @@ def decide(rdv: Rendezvous, step: int, version: int, gen_size: int, timeout_s: f
                 reason = f"gen rank {rank} did not land step {step} ({ballot.reason})"
                 break
     decision = Decision(step, version, Verdict.COMMIT if reason is None else Verdict.ABORT, reason)
-    rdv.publish(decision_key(step), decision.to_wire())
+    if readers:
+        rdv.publish(decision_key(step), decision.to_wire())
     forget_old_steps(rdv, step)
     return decision, votes
 
 
 KEPT_STEPS = 2
-"""How many recent steps' commit keys the store keeps (older ones are deleted as each step is decided):
-every rank has long read them (a step cannot start on the gen side before the previous one settled)."""
+"""How many recent steps' commit keys the store keeps at least: every rank has long read older ones (a
+step cannot start on the gen side before the previous one settled)."""
+FORGET_EVERY = 4
+"""Train rank 0 deletes old steps' commit keys once every this many steps, in one request."""
 
 
 def forget_old_steps(rdv: Rendezvous, step: int) -> None:
-    """Train rank 0, once ``step`` is decided: delete the commit keys of step ``step - KEPT_STEPS``
-    (one request, whatever the world size)."""
-    if step >= KEPT_STEPS:
-        rdv.client.delete_prefixed(step_prefixes(step - KEPT_STEPS))
+    """Train rank 0, once ``step`` is decided: every :data:`FORGET_EVERY` steps, delete the commit keys of
+    the steps before ``step - KEPT_STEPS`` not yet deleted (one request, whatever the world size)."""
+    last = step - KEPT_STEPS
+    if last >= 0 and (last + 1) % FORGET_EVERY == 0:
+        rdv.client.delete_prefixed([p for old in range(last + 1 - FORGET_EVERY, last + 1) for p in step_prefixes(old)])
 
 
 def await_settlements(rdv: Rendezvous, step: int, ranks: Collection[int], timeout_s: float) -> list[Settlement]:

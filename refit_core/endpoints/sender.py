@@ -114,7 +114,8 @@ class RefitSender(RefitEndpoint):
         if not self.plans:
             decision = commit.await_decision(rdv, step, timeout_s)
         else:
-            decision, votes = commit.decide(rdv, step, version, self.sizes[Side.GEN], timeout_s)
+            readers = staged or self.world_size > 1  # in place, only the other train ranks read it
+            decision, votes = commit.decide(rdv, step, version, self.sizes[Side.GEN], timeout_s, readers=readers)
             self._decided = step
             if staged:  # the ranks that landed the step must read the decision before this rank may exit
                 landed = [v.rank for v in votes if v.landed]

@@ -354,9 +354,9 @@ class StoreServer:
                 return {"deleted": self._drop(_key(request))}
             if op == "delete_prefixed":
                 prefixes = request["prefixes"]
-                if (not isinstance(prefixes, list) or not 0 < len(prefixes) <= 16
+                if (not isinstance(prefixes, list) or not 0 < len(prefixes) <= 64
                         or not all(isinstance(p, str) and 0 < len(p) <= 4096 for p in prefixes)):
-                    raise WireError("delete_prefixed: prefixes must be 1 to 16 non-empty strings")
+                    raise WireError("delete_prefixed: prefixes must be 1 to 64 non-empty strings")
                 doomed = [k for k in self._data if k.startswith(tuple(prefixes))]
                 for k in doomed:
                     self._drop(k)

@@ -130,18 +130,23 @@ def test_an_engine_rank_failing_its_own_checks_at_setup_reaches_the_trainer_at_o
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["staged", "in_place"])
 def test_the_store_forgets_old_steps_commit_keys(mode):
-    """Every step writes a vote (and, staged, a settlement) per gen rank and one decision; train rank 0
-    deletes them two steps later, so a long run holds as many keys after its 8th step as after its 2nd."""
+    """Every step writes a vote (and, staged, a settlement) per gen rank and, staged, one decision; train rank
+    0 deletes old steps' keys every FORGET_EVERY steps, so a long run holds a bounded number of keys."""
     from commit_ranks import many_steps_rank
+
+    from refit_core.endpoints.commit import FORGET_EVERY, KEPT_STEPS
 
     address = f"127.0.0.1:{free_port()}"
     ranks = Ranks()
+    steps = KEPT_STEPS + 2 * FORGET_EVERY
     try:
         for r in range(3):
-            ranks.start(many_steps_rank, r, address, 1, 2, {"timeout_s": 30, "mode": mode, "steps": 8})
+            ranks.start(many_steps_rank, r, address, 1, 2, {"timeout_s": 30, "mode": mode, "steps": steps})
         ranks.release()
         results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
     finally:
         ranks.close()
     held = results[(0, "result")]["held"]
-    assert held[0] < held[1] and held[1:] == [held[1]] * 7, held  # grows for two steps, then stays
+    first, second = KEPT_STEPS + FORGET_EVERY - 1, KEPT_STEPS + 2 * FORGET_EVERY - 1  # right after each deletion
+    assert held[first] < held[first - 1] and held[second] == held[first], held
+    assert held[first - 1] == held[second - 1] == max(held), held  # never more than before a deletion
