@@ -21,9 +21,10 @@ Call order.
 1. Once per process: ``refit_register_backends`` when the plugin is registered.
 2. ``setup()``: ``refit_source_pieces`` on every train rank, ``refit_destination_map`` on every gen
    rank, then ``refit_expert_name`` for every piece name (on every rank, for both sides' names).
-3. Every gen step: ``refit_begin_update``; ``refit_destination_map`` again if it returned True; the
-   bytes land; ``refit_load_weights`` when the map has loader tensors (``refit_expert_member_name``
-   names grouped experts back); ``refit_finish_update``. If anything fails after
+3. Every step: ``refit_model_tensors`` on both sides (else ``refit_source_pieces`` /
+   ``refit_destination_map`` again); on gen ranks ``refit_begin_update``; ``refit_destination_map``
+   again if it returned True; the bytes land; ``refit_load_weights`` when the map has loader tensors
+   (``refit_expert_member_name`` names grouped experts back); ``refit_finish_update``. If anything fails after
    ``refit_begin_update``, ``refit_abort_update`` runs instead of ``refit_finish_update`` and the
    error is re-raised.
 4. ``refit plan``: ``refit_source_layout`` / ``refit_destination_layout`` per rank (no model built).
@@ -138,6 +139,17 @@ def refit_destination_layout(
 # -------------------------------------------------------------------------------------------------
 # Per step: every gen step's update of a live model
 # -------------------------------------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def refit_model_tensors(model: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """The named tensors whose memory ``model``'s pieces view (a trainer's parameters, an engine's
+    weights), in a stable order and cheap to list: before every step refit checks that none was
+    replaced or moved since it bound the pieces, and names the one that was.
+
+    None if not yours: refit then asks ``refit_source_pieces`` / ``refit_destination_map`` again before
+    every step to check the same, which costs what those hooks cost.
+    """
+
 
 @hookspec(firstresult=True)
 def refit_begin_update(model: Any) -> bool | None:

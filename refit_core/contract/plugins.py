@@ -6,7 +6,7 @@ import importlib.metadata
 import logging
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -18,6 +18,9 @@ from refit_core.contract.errors import PluginError
 from refit_core.contract.experts import ExpertName, ExpertNaming
 from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.pieces import DestinationMap, SourcePiece
+
+if TYPE_CHECKING:
+    import torch
 
 ENTRY_POINT_GROUP = "refit"
 REGISTER_BACKENDS = "refit_register_backends"
@@ -193,6 +196,11 @@ class PluginManager:
     def expert_naming(self) -> ExpertNaming:
         """Both directions of expert naming, through this manager's hooks."""
         return ExpertNaming(self.expert_name, self.expert_member_name)
+
+    def model_tensors(self, model: Any) -> list[tuple[str, torch.Tensor]] | None:
+        """``refit_model_tensors``: the named tensors ``model``'s pieces view (None: no plugin lists them)."""
+        tensors = self.hook.refit_model_tensors(model=model)
+        return None if tensors is None else list(tensors)
 
     def begin_update(self, model: Any) -> bool:
         return bool(self.hook.refit_begin_update(model=model))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -94,6 +95,8 @@ class RefitEndpoint:
         self._broken: str | None = None  # why the last step failed; a new setup() clears it
         self._phases: dict[str, float] = {}
         self._bind_s: float | None = None
+        self._identity: list[TensorIdentity] | None = None
+        """The model's tensors when the pieces were bound (None: no plugin lists them)."""
         self._downloaded = 0
 
     @property
@@ -322,8 +325,31 @@ class RefitEndpoint:
         if self._relay_out is not None:
             self._relay_out.bind(views)
         self._bound = True
+        self._identity = self._tensor_identity()
         if self._bind_s is None:
             self._bind_s = time.perf_counter() - began
+
+    def _tensor_identity(self) -> list[TensorIdentity] | None:
+        """The model's tensors as its plugin lists them (``refit_model_tensors``), with the storage each
+        uses now; None if no plugin lists them."""
+        tensors = self.plugins.model_tensors(self.model)
+        if tensors is None:
+            return None
+        return [TensorIdentity(name, t, t.untyped_storage().data_ptr()) for name, t in tensors]
+
+    def _replaced_tensor(self) -> str | None:
+        """The first of the model's tensors (``refit_model_tensors``) replaced or moved since the pieces
+        were bound; None if none was, or if no plugin lists them (the caller then compares pieces)."""
+        then = self._identity
+        if then is None:
+            return None
+        now = self.plugins.model_tensors(self.model) or []
+        if len(now) != len(then):
+            return f"the model now has {len(now)} tensors, {len(then)} when refit bound it"
+        for (name, tensor), was in zip(now, then):
+            if tensor is not was.tensor or tensor.untyped_storage().data_ptr() != was.storage:
+                return name
+        return None
 
     def _bound_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
         """The views the executors read or write, in place of the pieces' own (default: those)."""
@@ -362,6 +388,15 @@ def device_of(pieces: list[Piece]) -> torch.device:
     if len(devices) > 1:
         raise RefitError(f"pieces live on several devices {sorted(map(str, devices))}; one device per rank")
     return devices.pop() if devices else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class TensorIdentity:
+    """One of a model's tensors as refit bound it: the object and the address of its storage."""
+
+    name: str
+    tensor: torch.Tensor
+    storage: int
 
 
 def first_moved(current: Sequence[Piece], bound: Sequence[Piece]) -> Piece | None:

@@ -118,11 +118,15 @@ class RefitReceiver(RefitEndpoint):
                                  "refit_begin_update; a plugin must return the same pieces every time")
             self._pieces = pieces
         elif self._bound:  # the steps write into the views bound earlier: a replaced tensor would go stale
-            moved = first_moved(self._local_pieces(), self._pieces)
-            if moved is not None:
-                raise RefitError(f"destination tensor {moved.spec.name}{moved.box} now lives at a different address "
-                                 "than when refit bound it (the engine replaced or moved it): its plugin's "
-                                 "refit_begin_update must return True after replacing destination tensors")
+            if self._identity is not None:  # the plugin lists the model's tensors: cheaper than its pieces
+                name = self._replaced_tensor()
+            else:
+                moved = first_moved(self._local_pieces(), self._pieces)
+                name = None if moved is None else f"{moved.spec.name}{moved.box}"
+            if name is not None:
+                raise RefitError(f"destination tensor {name} now lives at a different address than when refit "
+                                 "bound it (the engine replaced or moved it): its plugin's refit_begin_update "
+                                 "must return True after replacing destination tensors")
         if not self._loader:
             if rebind or not self._bound:
                 self._bind(self._pieces)

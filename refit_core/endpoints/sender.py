@@ -35,6 +35,11 @@ def source_signature(pieces: Sequence[Piece]) -> list[SourceAddress]:
     return [(p.spec, p.box, p.view.data_ptr() if p.view is not None else 0) for p in pieces]
 
 
+MOVED = ("now lives at a different address than at setup (the trainer replaced or moved the parameter, and "
+         "refit reads the memory it bound at setup: update parameters in place between setup() and close(), or "
+         "call setup() again after replacing them)")
+
+
 class RefitSender(RefitEndpoint):
     """The train side of a refit, one per train rank. ``send(version)`` every step."""
 
@@ -84,6 +89,9 @@ class RefitSender(RefitEndpoint):
         problem = colocated.check() if colocated is not None else None
         if problem is not None:
             return problem
+        if self._identity is not None:  # the plugin lists the model's tensors: cheaper than its pieces
+            name = self._replaced_tensor()
+            return None if name is None else f"source tensor {name} {MOVED}"
         current = self._local_pieces()
         if source_signature(current) == self._signature:
             return None
@@ -91,10 +99,7 @@ class RefitSender(RefitEndpoint):
             return "the trainer's source pieces changed since setup(); call setup() again after changing the model"
         now = first_moved(current, self._pieces)
         if now is not None:
-            return (f"source tensor {now.spec.name}{now.box} now lives at a different address than at "
-                    "setup (the trainer replaced or moved the parameter, and refit reads the memory it "
-                    "bound at setup: update parameters in place between setup() and close(), or call "
-                    "setup() again after replacing them)")
+            return f"source tensor {now.spec.name}{now.box} {MOVED}"
         return None
 
     @property

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from refit_core import TRAIN, Backend, ParallelLayout, SourcePiece, hookimpl
 from refit_core.kit import DemoPrograms
 
 from .layout import layout_pieces
-from .source import MegatronSource, live_pieces
+from .source import MegatronSource, live_pieces, model_tensors
 
 BACKEND = "megatron"
 
@@ -38,6 +40,13 @@ def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
     if not isinstance(model, MegatronSource):
         return None
     return live_pieces(model)
+
+
+@hookimpl
+def refit_model_tensors(model: Any) -> list[tuple[str, torch.Tensor]] | None:
+    if not isinstance(model, MegatronSource):
+        return None
+    return model_tensors(model)
 
 
 @hookimpl

@@ -110,6 +110,12 @@ def live_pieces(source: MegatronSource) -> list[SourcePiece]:
     return in_checkpoint_order(source.hf_config, pieces)
 
 
+def model_tensors(source: MegatronSource) -> list[tuple[str, torch.Tensor]]:
+    """Every chunk's parameters and buffers, named ``CHUNK.NAME``: what :func:`live_pieces` views."""
+    return [(f"{index}.{name}", tensor) for index, chunk in enumerate(source.chunks)
+            for name, tensor, _ in _tensors(chunk)]
+
+
 def _tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
     for name, param in chunk.named_parameters():
         yield name, param, False

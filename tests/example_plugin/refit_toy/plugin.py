@@ -102,6 +102,17 @@ def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> b
 
 
 @hookimpl
+def refit_model_tensors(model: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """The trainer's shards by HF name; the engine's tensors by the HF name they hold (fused qkv by its own)."""
+    if isinstance(model, ToyTrainer):
+        return [(name, view) for name, (_, view) in model.shards.items()]
+    if isinstance(model, ToyEngine):
+        return [("model.embed_tokens.weight", model.embed), ("qkv", model.qkv),
+                ("experts_up", model.experts_up), ("model.norm.weight", model.norm)]
+    return None
+
+
+@hookimpl
 def refit_begin_update(model: Any) -> bool | None:
     return False if isinstance(model, ToyEngine) else None
 
