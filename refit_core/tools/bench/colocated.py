@@ -67,6 +67,8 @@ from refit_core.tools.bench.methods import hf_tensors, scatter
 
 GiB = 1 << 30
 METHODS = ("copy-bound", "ping-pong", "refit")
+NO_CONFIRM = "refit:+noconfirm"
+"""``refit`` without the landing vote (``confirm=False``): what the commit point costs (on request)."""
 VARIANTS = (*(f"refit:{v.value}" for v in StridedCopy),
             *(f"refit:{v.value}+overlap" for v in (StridedCopy.KERNEL, StridedCopy.FOREACH)))
 """``refit`` with each way of moving strided copies, and with the trainer's check overlapping the
@@ -481,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     for entry in models:
         _model_entry(entry)
     methods = ["copy-bound", *VARIANTS] if args.variants else [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(METHODS) - set(VARIANTS))
+    unknown = sorted(set(methods) - {*METHODS, *VARIANTS, NO_CONFIRM})
     if unknown:
-        raise SystemExit(f"unknown methods {unknown}: choose from {list(METHODS + VARIANTS)}")
+        raise SystemExit(f"unknown methods {unknown}: choose from {[*METHODS, *VARIANTS, NO_CONFIRM]}")
     device = "cuda:0" if args.device == "cuda" else args.device
     methods = _available(methods, device)
     if args.fp8_block and "ping-pong" in methods:
