@@ -25,10 +25,12 @@ import torch.distributed as dist
 from refit_core.contract.side import Side
 from refit_core.net.keys import TRANSPORT_FAILED, RankId, gone_key
 
-"""Where the first rank whose transport gave up on a step says which rank it is and why."""
 FIRST_CHECK_S = 0.25
+"""How long a wait runs before the transport first asks its watch."""
 MAX_CHECK_S = 1.0
+"""The longest interval between two questions to the watch."""
 REASON_CHARS = 400
+"""How much of a rank's reason for giving up the store keeps."""
 
 
 @dataclass(frozen=True)
