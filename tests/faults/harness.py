@@ -80,7 +80,10 @@ class Ranks:
     def kill(self, rank: int) -> None:
         proc = self.procs[rank]
         if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it exited since is_alive()
+                pass
         proc.join(timeout=10)
 
     def close(self) -> None:
