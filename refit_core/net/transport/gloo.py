@@ -50,6 +50,10 @@ def interface_toward(host: str, port: int) -> str:
         return str(probe.getsockname()[0])
 
 
+CLOSE_JOIN_S = 2.0
+"""How long ``close()`` waits for a healthy transport's helper thread to end."""
+
+
 @dataclass(eq=False)
 class _Job:
     """Works the helper thread waits for, in order; ``peer`` is the one it waits on now."""
@@ -74,9 +78,12 @@ class _Waiter:
         self._jobs.put(job)
         return job
 
-    def stop(self) -> None:
-        """Let the thread end after its current job (a job given up on ends at gloo's timeout)."""
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Let the thread end after its current job (a job given up on ends at gloo's timeout); wait up to
+        ``wait_s`` for it to end (a process that exits with the thread inside gloo may abort)."""
         self._jobs.put(None)
+        if wait_s > 0:
+            self._thread.join(wait_s)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -87,7 +94,9 @@ class _Waiter:
                 except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it named
                     job.error = (peer, exc)
                     break
+            job.works = []  # no gloo Work outlives its wait here (the caller may keep the job)
             job.done.set()
+            del job
 
 
 class _WorkFence(Fence):
@@ -198,7 +207,7 @@ class GlooTransport(Transport):
             return
         if self._in_flight and self._broken is None:
             self._give_up(f"rank {self.rank} closed its transport with messages in flight")
-        self._waiter.stop()
+        self._waiter.stop(wait_s=0.0 if self._broken else CLOSE_JOIN_S)  # a healthy helper ends at once
         try:
             pg.abort()
         except Exception:  # noqa: BLE001 - already broken: dropping it is all that is left
