@@ -257,7 +257,6 @@ def execute(run: Run, ranks_factory=Ranks) -> dict[int, dict | None]:
 
 def campaign(runs: int, seed: int, progress=None) -> Census:
     """``runs`` random runs from ``seed``; ``progress(i, run, census)`` after each."""
-    os.environ.setdefault("REFIT_PLUGINS", "toy")
     rng = random.Random(seed)
     census = Census()
     for index in range(runs):
