@@ -73,14 +73,15 @@ def test_a_rank_that_cannot_learn_the_decision_keeps_its_weights_refuses_to_serv
 
 @pytest.mark.slow
 def test_the_surviving_sender_learns_that_the_step_did_not_land():
-    """In place, train rank 1 is killed mid-step: every gen rank fails, and train rank 0's send() now
-    raises naming a gen rank's failure (before: it returned success)."""
+    """In place with ``confirm=True``, train rank 1 is killed mid-step: every gen rank fails, and train rank
+    0's send() raises naming a gen rank's failure (before: it returned success)."""
     import signal
 
     from fault_ranks import Fault, Scenario
     from test_transfer_faults import run as run_faulty
 
-    results = run_faulty(Scenario(TRAIN, GEN, {"mode": "in_place", "timeout_s": 8}, Fault(1, signal.SIGKILL)))
+    results = run_faulty(Scenario(TRAIN, GEN, {"mode": "in_place", "timeout_s": 8, "confirm": True},
+                                  Fault(1, signal.SIGKILL)))
     survivor = results[0]
     assert survivor.get("error") == "TransferError", survivor
     assert "did not land step 1" in survivor["message"] or "did not vote on step 1" in survivor["message"], survivor
@@ -141,7 +142,8 @@ def test_the_store_forgets_old_steps_commit_keys(mode):
     steps = KEPT_STEPS + 2 * FORGET_EVERY
     try:
         for r in range(3):
-            ranks.start(many_steps_rank, r, address, 1, 2, {"timeout_s": 30, "mode": mode, "steps": steps})
+            ranks.start(many_steps_rank, r, address, 1, 2,
+                        {"timeout_s": 30, "mode": mode, "confirm": True, "steps": steps})
         ranks.release()
         results = ranks.wait_for([(r, "result") for r in range(3)], timeout_s=120)
     finally:
