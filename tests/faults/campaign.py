@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from commit_ranks import VERSIONS
+from commit_ranks import VERSIONS, toy_step
 from fault_ranks import _state
 from harness import Ranks
 
@@ -133,7 +133,6 @@ def _arm(endpoint, strike: Strike) -> None:
 
 def campaign_rank(rank: int, report, address: str, run: Run) -> dict:
     """One rank of a campaign run: two steps, the strike (if it is this rank's) in the second."""
-    from refit_toy.demo import reference
     from refit_toy.models import ToyEngine, ToyTrainer
 
     from refit_core import RefitOptions, RefitReceiver, RefitSender
@@ -155,11 +154,7 @@ def campaign_rank(rank: int, report, address: str, run: Run) -> dict:
             _arm(endpoint, run.strike)
         start = time.monotonic()
         try:
-            if train:
-                model.load(reference(0, step))
-                endpoint.send(version=version)
-            else:
-                endpoint.receive()
+            toy_step(endpoint, model, step, version)
         except Exception as exc:  # noqa: BLE001 - the census inspects it
             failure = getattr(exc, "failure", None)
             outcome.update(failed_step=step, error=type(exc).__name__, message=str(exc)[:400],

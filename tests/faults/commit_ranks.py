@@ -49,6 +49,17 @@ class CommitScenario:
         return dict(self.tricks).get(rank, Trick.NONE)
 
 
+def toy_step(endpoint: RefitSender | RefitReceiver, model: ToyTrainer | ToyEngine, weights: int, version: int) -> None:
+    """One refit step of a toy rank: a trainer loads reference weights ``weights`` and sends them as
+    ``version``; an engine receives."""
+    if isinstance(endpoint, RefitSender):
+        assert isinstance(model, ToyTrainer)
+        model.load(reference(0, weights))
+        endpoint.send(version=version)
+    else:
+        endpoint.receive()
+
+
 def _arm(trick: Trick) -> None:
     """Install ``trick`` in this process's commit protocol."""
     if trick is Trick.PAUSE_AFTER_VOTE:
@@ -87,11 +98,7 @@ def commit_rank(rank: int, report, address: str, scenario: CommitScenario) -> di
                 model.norm = torch.zeros_like(model.norm)
         start = time.monotonic()
         try:
-            if train:
-                model.load(reference(0, step))
-                endpoint.send(version=version)
-            else:
-                endpoint.receive()
+            toy_step(endpoint, model, step, version)
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             outcome.update(error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - start)
             break
@@ -129,11 +136,8 @@ def many_steps_rank(rank: int, report, address: str, train: int, gen: int, optio
     endpoint.setup()
     held = []
     for step in range(steps):
+        toy_step(endpoint, model, step % 2, step)
         if is_train:
-            model.load(reference(0, step % 2))
-            endpoint.send(version=step)
             held.append(endpoint._rdv.client.num_keys())
-        else:
-            endpoint.receive()
     endpoint.close()
     return {"held": held}
