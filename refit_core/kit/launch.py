@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import random
+import signal
 import socket
 import time
 import traceback
@@ -55,7 +57,9 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, nprocs: int, args: tuple, env: dict[str, str],
-           outcomes: Any) -> None:
+           outcomes: Any, stacks_after_s: float) -> None:
+    faulthandler.enable()  # a crash prints every thread's Python stack
+    faulthandler.dump_traceback_later(stacks_after_s)  # so does a hang, just before the parent kills it
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs)})
     try:
@@ -79,7 +83,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] |
     """
     ctx = mp.get_context("spawn")
     outcomes = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, args, dict(env or {}), outcomes), daemon=False)
+    stacks_after_s = max(1.0, timeout_s - 2.0)
+    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, args, dict(env or {}), outcomes, stacks_after_s),
+                         daemon=False)
              for r in range(nprocs)]
     for p in procs:
         p.start()
@@ -93,7 +99,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] |
             time.sleep(0.05)
         time.sleep(0.2)  # let a failing rank's peers report their own errors
     finally:
-        timed_out = any(p.is_alive() for p in procs)
+        still_running = {r for r, p in enumerate(procs) if p.is_alive()}
+        deadline_passed = time.monotonic() > deadline
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -105,8 +112,22 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] |
             else:
                 failed.append(f"--- rank {rank} ---\n{payload}")
     bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if timed_out and not failed:
-        raise RankFailure(f"ranks {bad} did not finish within {timeout_s:.0f} s")
+    if bad and not failed:
+        exits = ", ".join(f"rank {r}: {_exit_status(procs[r].exitcode, killed_by_us=r in still_running)}"
+                          for r in bad)
+        raise RankFailure((f"ranks {bad} did not finish within {timeout_s:.0f} s" if deadline_passed
+                           else f"ranks {bad} of {fn.__name__} did not end cleanly") + f" ({exits})")
     if bad:
         raise RankFailure(f"ranks {bad} of {fn.__name__} failed:\n" + "\n".join(failed))
     return [results.get(r) for r in range(nprocs)]
+
+
+def _exit_status(code: int | None, killed_by_us: bool) -> str:
+    if killed_by_us:
+        return "killed by the launcher"
+    if code is not None and code < 0:
+        try:
+            return f"died of {signal.Signals(-code).name}"
+        except ValueError:
+            return f"died of signal {-code}"
+    return f"exit code {code}"

@@ -1,10 +1,15 @@
-"""``free_port``: ports that no other socket on this machine will be handed while we hold them."""
+"""``free_port``: ports that no other socket on this machine will be handed while we hold them; ``spawn``:
+a rank that crashes is named with its signal, not reported as slow."""
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 
-from refit_core.kit.launch import _ephemeral_range, free_port
+import pytest
+
+from refit_core.kit.launch import RankFailure, _ephemeral_range, free_port, spawn
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_kernels_ephemeral_range() -> None:
@@ -37,3 +42,20 @@ def test_a_port_taken_by_a_listener_is_never_handed_out() -> None:
     finally:
         for sock in listeners:
             sock.close()
+
+
+def _rank_1_aborts(rank: int, world: int) -> int:
+    if rank == 1:
+        os.abort()
+    time.sleep(30)
+    return rank
+
+
+def test_a_rank_that_crashes_is_named_with_its_signal_at_once():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        spawn(_rank_1_aborts, 2, timeout_s=60)
+    assert time.monotonic() - start < 20
+    message = str(caught.value)
+    assert "rank 1: died of SIGABRT" in message and "rank 0: killed by the launcher" in message, message
+    assert "did not finish" not in message

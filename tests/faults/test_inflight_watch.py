@@ -82,3 +82,47 @@ def test_closing_with_messages_in_flight_tells_the_others_and_a_finished_step_do
         a.close()
         b.close()
     assert store.get(TRANSPORT_FAILED).decode().startswith("0 rank 0 closed its transport with messages in flight")
+
+
+_EXIT_AFTER_ABANDONING = """
+import atexit, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import test_inflight_watch as t
+from refit_core.net.transport import gloo
+if sys.argv[1] == "without-the-exit-hook":
+    atexit.unregister(gloo._let_parked_waits_end)
+t.DEADLINE_S = 3  # gloo releases the abandoned recv 3 s after it was posted
+store = dist.HashStore()
+receiver, sender = t._pair(store)
+fence = receiver.exchange([], [(1, torch.empty(t.MIB, dtype=torch.uint8))])  # rank 1 never sends
+t._later(0.3, lambda: sender.watch.give_up(1, "injected"))
+try:
+    fence.synchronize(t.DEADLINE_S)
+except Exception as exc:
+    print("abandoned:", type(exc).__name__, flush=True)
+
+class SlowFinalization:  # keeps the interpreter finalizing while gloo releases the helper
+    def __del__(self, sleep=time.sleep):  # module globals are gone by then
+        sleep(2)
+
+keep = SlowFinalization()
+"""
+
+
+@pytest.mark.parametrize("hook", ["with-the-exit-hook", "without-the-exit-hook"])
+def test_a_process_ends_cleanly_while_gloo_still_holds_a_wait_it_abandoned(hook, tmp_path):
+    """The helper wakes while the interpreter finalizes: without the exit hook the process aborts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exit_after_abandoning.py"
+    script.write_text(_EXIT_AFTER_ABANDONING.format(tests=str(Path(__file__).parent)))
+    out = subprocess.run([sys.executable, str(script), hook], capture_output=True, text=True, timeout=60)
+    assert "abandoned: TransferError" in out.stdout, out.stdout + out.stderr
+    if hook == "with-the-exit-hook":
+        assert out.returncode == 0, out.stderr
+        assert "ends once gloo releases a transfer it abandoned" in out.stderr
+    else:  # the crash the hook prevents (it shows the test reproduces it)
+        assert out.returncode != 0 and "terminate called" in out.stderr, (out.returncode, out.stderr)

@@ -11,14 +11,22 @@ its :class:`~refit_core.net.transport.watch.PeerWatch` whether the step is lost;
 at once, and the helper stays parked in that wait until gloo's timeout (``timeout_s``) releases it.
 Small exchanges too: a peer killed between two tiny messages left train rank 0 of a 2 x 2 toy refit
 waiting for gloo's timeout in every try (``tests/faults/test_transfer_faults.py``).
+
+A parked helper must not wake while the interpreter finalizes: Python 3.11 ends a thread that wants
+the GIL back then by unwinding it, and the unwind through torch's GIL guard aborts the process
+("terminate called without an active exception", seen in CI after a step a peer died in). So the
+process's exit first waits for every parked helper, at most until gloo's timeout releases it.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import socket
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -70,13 +78,23 @@ class _Waiter:
 
     def __init__(self, rank: int) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queued_s = 0.0  # the longest the jobs submitted and not finished can still take
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"refit-gloo-wait-{rank}", daemon=True)
         self._thread.start()
+        _waiters.add(self)
 
     def submit(self, works: list[tuple[int, dist.Work]], limit: timedelta) -> _Job:
         job = _Job(works, limit, works[0][0])
+        with self._lock:
+            self._queued_s += limit.total_seconds() * len(works)
         self._jobs.put(job)
         return job
+
+    def busy_for_at_most_s(self) -> float:
+        """How long the helper may still be inside gloo (0: idle or ended)."""
+        with self._lock:
+            return self._queued_s if self._thread.is_alive() else 0.0
 
     def stop(self, wait_s: float = 0.0) -> None:
         """Let the thread end after its current job (a job given up on ends at gloo's timeout); wait up to
@@ -87,16 +105,42 @@ class _Waiter:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            self._wait_for(job)
+            job.done.set()
+            del job
+
+    def _wait_for(self, job: _Job) -> None:
+        """Wait for ``job``'s works in order. No gloo Work outlives this frame: the thread must hold none
+        when it ends, which may happen while the interpreter finalizes (see the module's docstring)."""
+        try:
             for peer, work in job.works:
                 job.peer = peer
                 try:
                     work.wait(job.limit)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it named
-                    job.error = (peer, exc)
+                    job.error = (peer, exc.with_traceback(None))  # its frames would hold the Work
                     break
-            job.works = []  # no gloo Work outlives its wait here (the caller may keep the job)
-            job.done.set()
-            del job
+        finally:
+            with self._lock:
+                self._queued_s -= job.limit.total_seconds() * len(job.works)
+            job.works = []  # the caller may keep the job
+
+
+_waiters: weakref.WeakSet[_Waiter] = weakref.WeakSet()
+
+
+@atexit.register
+def _let_parked_waits_end() -> None:
+    """Runs before the interpreter finalizes: stop every helper and wait for the parked ones (above)."""
+    for waiter in list(_waiters):
+        waiter.stop(wait_s=1.0)  # an idle helper ends at once
+    parked = [w for w in list(_waiters) if w.busy_for_at_most_s() > 0]
+    if parked:
+        longest = max(w.busy_for_at_most_s() for w in parked)
+        print(f"refit: this process ends once gloo releases a transfer it abandoned (gloo cannot cancel one): "
+              f"at most {longest:.0f} s", file=sys.stderr, flush=True)
+        for waiter in parked:
+            waiter.stop(wait_s=waiter.busy_for_at_most_s() + 1.0)
 
 
 class _WorkFence(Fence):
