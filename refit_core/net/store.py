@@ -159,26 +159,29 @@ class StoreServer:
             self._closed = True
             connections = list(self._connections)
             self._cond.notify_all()
-        _shutdown(self._listener)  # shutdown wakes the accept() blocked in the server thread (Linux)
+        _wake(self._listener)  # wakes the accept() blocked in the server thread (Linux), which closes it
         for conn in connections:
-            _shutdown(conn)
+            _wake(conn)  # its own thread closes it
         self._thread.join(timeout=CLOSE_S)
 
     # -- connections --------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return
-            with self._cond:
-                if self._closed:
-                    _shutdown(conn)
+        try:
+            while True:
+                try:
+                    conn, peer = self._listener.accept()
+                except OSError:
                     return
-                self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True,
-                             name="refit-store-client").start()
+                with self._cond:
+                    if self._closed:
+                        _shutdown(conn)
+                        return
+                    self._connections.add(conn)
+                threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True,
+                                 name="refit-store-client").start()
+        finally:
+            self._listener.close()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         who = None
@@ -380,11 +383,18 @@ def _error_record(kind: str, message: str) -> bytes:
     return encode({"kind": kind, "message": message})
 
 
-def _shutdown(conn: socket.socket) -> None:
+def _wake(conn: socket.socket) -> None:
+    """Make every read and write of ``conn`` end at once, in whichever thread; its owner closes it (closing
+    it here could let the descriptor be reused under a thread still using it)."""
     try:
         conn.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _shutdown(conn: socket.socket) -> None:
+    """End and close ``conn``; only the thread that uses it may."""
+    _wake(conn)
     conn.close()
 
 
@@ -643,7 +653,10 @@ class StoreClient(dist.Store):
         try:
             sock, self._sock = self._sock, None
             if sock is not None:
-                _shutdown(sock)  # also wakes another thread's request, if one still holds the lock
+                if locked:
+                    _shutdown(sock)
+                else:  # another thread's request still uses it: wake it; the socket closes when it lets go
+                    _wake(sock)
         finally:
             if locked:
                 self._lock.release()
