@@ -77,11 +77,12 @@ def test_fsdp2_to_vllm_tp1(model: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-llama-mqa"])
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-llama-mqa"])
 def test_fsdp2_to_vllm_tp2(model: str) -> None:
-    """TP 2 (two CPU workers); ``tiny-llama-mqa`` has one KV head, replicated on both ranks, and a
-    vocabulary of 500 that vLLM pads to 512 (256 rows per rank, the last 12 padding). On it, a third
-    step then lands on worker 0 only (worker 1's loader fails): the engine must refuse on both."""
+    """TP 2 (two CPU workers): the Llama and the Qwen3 families (Qwen3's attention, its MoE experts).
+    ``tiny-llama-mqa`` has one KV head, replicated on both ranks, and a vocabulary of 500 that vLLM pads
+    to 512 (256 rows per rank, the last 12 padding). On it, a third step then lands on worker 0 only
+    (worker 1's loader fails): the engine must refuse on both."""
     torn = {"torn_rank": 1} if model == "tiny-llama-mqa" else {}
     result = run_scenario("refit", model=model, tp=2, **torn)
     check_refits(result, tp=2)
