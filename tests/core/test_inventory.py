@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.environments import require
 import torch
 
 from refit_core import RefitError, TensorSpec
@@ -25,8 +27,8 @@ from refit_core.kit.models import (
     reference_state_dict,
 )
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+transformers = require("transformers")
+safetensors_torch = require("safetensors.torch")
 
 
 def as_dict(specs: list[TensorSpec]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -3,7 +3,7 @@ the side programs' environment, never their command line) and the Ray helper (wi
 
 import re
 
-import pytest
+from tests.environments import require
 
 from refit_core.contract.env import with_overrides
 from refit_core.contract.options import RefitOptions
@@ -25,7 +25,7 @@ def test_refit_demo_hands_both_sides_a_fresh_secret_unless_one_is_given():
 
 
 def test_the_ray_helper_gives_every_actor_the_same_fresh_secret_unless_one_is_given():
-    pytest.importorskip("ray")
+    require("ray")
     from refit_core.kit.ray import RayRefit
 
     first, second = RayRefit([object()], [object()]), RayRefit([object()], [object()], timeout_s=5)

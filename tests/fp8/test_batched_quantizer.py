@@ -15,15 +15,16 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 from batch_cases import batch_boxes, box_results
+
+from tests.environments import require
 
 from refit_core.run.quant.batched import BoxByBox, quantize_batch
 from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import reference_quantize
 
-triton = pytest.importorskip("triton")
+triton = require("triton")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

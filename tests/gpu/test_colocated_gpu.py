@@ -10,7 +10,10 @@ import json
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from tests.environments import BY_DESIGN
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{BY_DESIGN}needs a CUDA GPU")]
 
 
 def _toy_rank(rank: int, world: int, address: str, fault: bool):
@@ -89,7 +92,7 @@ def test_colocated_benchmark_is_bitwise_on_one_gpu(tmp_path):
             assert 2 << 30 <= row["trainer_extra_bytes"] < (2 << 30) + (64 << 20)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"{BY_DESIGN}needs 2 CUDA GPUs")
 def test_colocated_tp2_trainer_and_engine_mix_cuda_ipc_and_nccl_in_one_step(tmp_path):
     """TP2 Megatron-style on GPUs 0,1 -> vLLM-style TP1 x DP2 on the same GPUs 0,1: the same-GPU pairs
     go through CUDA IPC, the cross pairs through NCCL, in every step; bitwise."""

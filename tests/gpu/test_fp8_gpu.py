@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.environments import BY_DESIGN
+
 from refit_core.contract.spec import Quantization
 from refit_core.kit.models import PRESETS
 from refit_core.run.quant.batched import Batches, quantize_batch
@@ -23,7 +25,7 @@ from refit_core.run.quant.reference import reference_quantize
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fp8"))
 from batch_cases import batch_boxes, box_results, strided_targets
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{BY_DESIGN}needs CUDA")]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ def test_batched_triton_quantizer_writes_slices_of_engine_tensors_bitwise():
         assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"{BY_DESIGN}needs 2 CUDA GPUs")
 def test_fp8_bench_on_two_gpus_is_bitwise(tmp_path):
     from refit_core.tools.bench import main
 

@@ -10,12 +10,14 @@ import json
 import pytest
 import torch
 
+from tests.environments import BY_DESIGN
+
 from refit_core.kit.models import PRESETS
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs 2 CUDA GPUs"),
+                       reason=f"{BY_DESIGN}needs 2 CUDA GPUs"),
 ]
 
 MiB = 1 << 20

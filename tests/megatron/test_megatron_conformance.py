@@ -2,9 +2,9 @@
 MoE families, MLA) x 12 layouts from metadata, its refusals, and a TP-2 MoE round trip of real
 megatron-core ranks (gloo) into the kit's reference engine, two steps bit for bit."""
 
-import pytest
+from tests.environments import require
 
-pytest.importorskip("refit_megatron")
+require("refit_megatron")
 
 from refit_megatron.conformance import SUITE
 
@@ -15,5 +15,5 @@ class TestMegatronConformance(PluginConformance):
     suite = SUITE
 
     def test_round_trip(self, conformance_round_trip):
-        pytest.importorskip("megatron.core")
+        require("megatron.core")
         super().test_round_trip(conformance_round_trip)

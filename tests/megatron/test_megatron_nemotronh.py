@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("refit_megatron")
+from tests.environments import require
+
+require("refit_megatron")
 
 from engine_ranks import LAYOUTS as ALL_LAYOUTS
 from engine_ranks import assert_two_refits_landed, run_engine_ranks
@@ -25,7 +27,7 @@ LAYOUTS = [name for name in ALL_LAYOUTS if name != "pp2-uneven"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     return run_engine_ranks(str(tmp_path_factory.mktemp("nemotronh")), "nemotronh", LAYOUTS)
 
 
@@ -54,7 +56,7 @@ def test_pieces_are_views_of_parameters_and_metadata_layout_matches(results, lay
 
 
 def test_the_hand_inventory_equals_transformers_own():
-    pytest.importorskip("transformers.models.nemotron_h")
+    require("transformers.models.nemotron_h")
     from refit_megatron.checkpoint import hf_specs
 
     from refit_core.kit.inventory import transformers_specs

@@ -13,6 +13,8 @@ assembled and converted to HF names by the test's own routine.
 from __future__ import annotations
 
 import pytest
+
+from tests.environments import require
 from megatron_ranks import (
     FORWARD_CASES,
     GEN_WORLD,
@@ -24,8 +26,8 @@ from megatron_ranks import (
 
 from refit_core.kit.launch import free_port, spawn
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("refit_dtensor")
+require("megatron.core")
+require("refit_dtensor")
 
 CASES = [case_id(layout, model) for layout, model in cases()]
 

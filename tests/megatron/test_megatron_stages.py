@@ -11,11 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.environments import require
+
 from refit_core import ParallelLayout, PluginError, RefitError
 from refit_core.kit.models import PRESETS
 
-pytest.importorskip("refit_megatron")
-pytest.importorskip("megatron.core")
+require("refit_megatron")
+require("megatron.core")
 
 from refit_megatron.layout import layout_pieces
 from refit_megatron.stages import stage_layers

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("refit_megatron")
+from tests.environments import require
+
+require("refit_megatron")
 
 from engine_ranks import assert_two_refits_landed, run_engine_ranks
 
@@ -17,7 +19,7 @@ LAYOUTS = ["pp2", "tp2"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     return run_engine_ranks(str(tmp_path_factory.mktemp("tied")), "dense-tied", LAYOUTS)
 
 

@@ -29,14 +29,16 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-pytest.importorskip("megatron.core")
-pytest.importorskip("refit_vllm")
+from tests.environments import require
+
+require("vllm")
+require("megatron.core")
+require("refit_vllm")
 
 pytestmark = pytest.mark.vllm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from megatron_ranks import LAYOUTS, STEPS  # noqa: E402
+from megatron_ranks import LAYOUTS, STEPS
 
 SCENARIO = Path(__file__).with_name("vllm_scenario.py")
 FAMILIES = {model: [name for name, (_, models) in LAYOUTS.items() if model in models] for model in ("dense", "moe")}

@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("refit_dtensor")
+from tests.environments import require
 
-from refit_core import RefitError, RefitOptions  # noqa: E402
-from refit_core.kit.models import load_config  # noqa: E402
-from refit_core.kit.ray import RayRefit, RefitReceiveActor, gather  # noqa: E402
+ray = require("ray")
+require("refit_dtensor")
+
+from refit_core import RefitError, RefitOptions
+from refit_core.kit.models import load_config
+from refit_core.kit.ray import RayRefit, RefitReceiveActor, gather
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.ray]
 SEED = 0
@@ -141,7 +143,7 @@ def test_ray_refit_reports_actors_that_do_not_answer(local_ray) -> None:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_rl_loop_learns_with_the_engine_refit_every_step(local_ray, tmp_path) -> None:
-    pytest.importorskip("vllm")
+    require("vllm")
     from refit_core import get_plugin_manager
     from refit_core.contract.backend import GEN, TRAIN
     from refit_core.tools.demo.rl_loop import LoopSettings, run_loop, summarize

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.environments import require
+
 from refit_core.contract.experts import group_side
 from refit_core.contract.options import RefitOptions
 from refit_core.kit.models import load_config
@@ -112,7 +114,7 @@ def test_topology_parses_presets_and_items() -> None:
 
 
 def test_refit_plan_simulates_and_explains_as_a_picture(tmp_path, capsys) -> None:
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     from refit_core.tools.cli import main
 
     png = tmp_path / "plan.png"

@@ -3,9 +3,9 @@ metadata, planned against the kit's reference checkpoint, and its refusals. No S
 runs in ``.venv`` as well as ``.venv-sglang`` (SGLang's live model classes are checked in
 test_sglang_refit.py, which runs only where SGLang is installed)."""
 
-import pytest
+from tests.environments import require
 
-pytest.importorskip("refit_sglang")
+require("refit_sglang")
 
 from refit_sglang.conformance import SUITE
 

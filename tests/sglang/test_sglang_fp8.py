@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scripts/setup-sglang-env.sh && "
-                    ".venv-sglang/bin/python -m pytest tests/sglang")
+from tests.environments import require
+
+require("sglang")
 
 from sglang_fp8_ranks import STEPS, fp8_ranks
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scripts/setup-sglang-env.sh && "
-                    ".venv-sglang/bin/python -m pytest tests/sglang")
-pytest.importorskip("megatron.core", reason="megatron-core is installed in .venv-sglang by setup-sglang-env.sh")
+from tests.environments import require
+
+require("sglang")
+require("megatron.core")
 
 from layout_runs import once_per_layout
 from megatron_sglang_ranks import MODELS, STEPS, refit_ranks

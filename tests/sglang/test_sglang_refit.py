@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang tests run in .venv-sglang: bash scripts/setup-sglang-env.sh && "
-                    ".venv-sglang/bin/python -m pytest tests/sglang")
+from tests.environments import require
+
+require("sglang")
 
 from layout_runs import once_per_layout
 from sglang_forward import LOGITS_TOLERANCE

@@ -5,9 +5,11 @@ SGLang's TP group carries in an engine). Runs in either virtualenv."""
 from __future__ import annotations
 
 import pytest
+
+from tests.environments import require
 import torch
 
-pytest.importorskip("refit_sglang")
+require("refit_sglang")
 
 from refit_sglang import worker
 from refit_sglang.serving import EngineRefusesError, RankState, Suspect, refusal, refused

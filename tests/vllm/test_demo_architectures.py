@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-pytest.importorskip("refit_dtensor")
-pytest.importorskip("refit_vllm")
+from tests.environments import require
+
+require("vllm")
+require("refit_dtensor")
+require("refit_vllm")
 
 from architectures import ARCHITECTURES, CHARACTERISTIC_TENSORS, write_random_model
 

@@ -2,9 +2,9 @@
 metadata, planned against the kit's reference checkpoint, and its refusals. (Its live engines are
 checked against HF transformers' generations in test_vllm_engine.py.)"""
 
-import pytest
+from tests.environments import require
 
-pytest.importorskip("refit_vllm")
+require("refit_vllm")
 
 from refit_vllm.conformance import SUITE
 

@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm")
-pytest.importorskip("refit_dtensor")
-pytest.importorskip("refit_vllm")
+from tests.environments import require
+
+require("vllm")
+require("refit_dtensor")
+require("refit_vllm")
 
 pytestmark = pytest.mark.vllm
 

@@ -10,8 +10,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-pytest.importorskip("refit_vllm")
+from tests.environments import require
 
+require("refit_vllm")
+
+from architectures import ARCHITECTURES
 from refit_vllm.layout import destination_layout, pp_layers
 from refit_vllm.probe import view_as_box
 
@@ -30,14 +33,22 @@ def _boxes(config: dict, layout: ParallelLayout) -> dict[int, dict[str, list[Box
     return out
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral"])
-@pytest.mark.parametrize("layout", ["tp=1", "tp=2", "tp=4", "pp=2", "tp=2,pp=2", "tp=2,dp=2", "tp=2,ep=2"])
+def _cases(configs: dict[str, dict], names: list[str], layouts: list[str]) -> list:
+    """Each layout with each model it applies to (expert parallelism only with experts), id ``layout-name``."""
+    return [pytest.param(name, layout, id=f"{layout}-{name}") for layout in layouts for name in names
+            if ParallelLayout.parse(layout).ep == 1
+            or configs[name].get("num_experts") or configs[name].get("num_local_experts")]
+
+
+TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral"]
+LAYOUTS = ["tp=1", "tp=2", "tp=4", "pp=2", "tp=2,pp=2", "tp=2,dp=2", "tp=2,ep=2"]
+
+
+@pytest.mark.parametrize("preset,layout", _cases(PRESETS, TINY, LAYOUTS))
 def test_every_element_lands_on_every_replica(preset: str, layout: str) -> None:
     """Every checkpoint element reaches every DP replica (MoE experts: the tp * dp group, as in vLLM)."""
     config = dict(PRESETS[preset])
     lay = ParallelLayout.parse(layout)
-    if lay.ep > 1 and not config.get("num_experts") and not config.get("num_local_experts"):
-        pytest.skip("expert parallelism needs experts")
     boxes = _boxes(config, lay)
     specs = {s.name: s for s in checkpoint_specs(config)}
     replica = lay.tp * lay.pp
@@ -124,16 +135,12 @@ def test_view_as_box_geometry() -> None:
     assert view_as_box((4, 6, 8), base.stride(), 0, (3, 3), (9, 1)) is None  # skewed: not a box
 
 
-@pytest.mark.parametrize("name", ["qwen2-moe", "phi3", "olmo2"])
-@pytest.mark.parametrize("layout", ["tp=2", "tp=2,dp=2", "tp=2,ep=2"])
+@pytest.mark.parametrize("name,layout", _cases(ARCHITECTURES, ["qwen2-moe", "phi3", "olmo2"],
+                                               ["tp=2", "tp=2,dp=2", "tp=2,ep=2"]))
 def test_architectures_outside_the_table_every_element_lands(name: str, layout: str) -> None:
     """Every tensor of the config's inventory (transformers on meta) is placed, every element received."""
-    from architectures import ARCHITECTURES
-
     config = ARCHITECTURES[name]
     lay = ParallelLayout.parse(layout)
-    if lay.ep > 1 and not config.get("num_experts"):
-        pytest.skip("expert parallelism needs experts")
     specs = {s.name: s for s in checkpoint_specs(config)}
     boxes = _boxes(config, lay)
     assert {n for per in boxes.values() for n in per} == set(specs)

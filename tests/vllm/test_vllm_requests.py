@@ -4,9 +4,11 @@ held against the engine's HF tensors, and a one-rank ``WeightSource``'s pass hel
 from __future__ import annotations
 
 import pytest
+
+from tests.environments import require
 import torch
 
-pytest.importorskip("refit_vllm")
+require("refit_vllm")
 
 from refit_vllm.held import Declared, HeldWeights
 from refit_vllm.requests import InvalidRequestError, check_step, named_tensors

@@ -6,9 +6,11 @@ scenario)."""
 from __future__ import annotations
 
 import pytest
+
+from tests.environments import require
 import torch
 
-pytest.importorskip("refit_vllm")
+require("refit_vllm")
 
 from refit_vllm.serving import EngineRefusesError, RankState, StepOutcome, Suspect, refusal, refuse, refused, resume
 from serving_ranks import gather_rank

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("refit_vllm")
+from tests.environments import require
+
+require("refit_vllm")
 
 from refit_vllm import sleep
 

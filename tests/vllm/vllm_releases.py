@@ -21,16 +21,25 @@ WEIGHT_TRANSFER = "vllm/distributed/weight_transfer/"
 CACHE = Path(os.environ.get("REFIT_TEST_CACHE", Path.home() / ".cache" / "refit-tests"))
 
 
-def wheel(version: str = VLLM_033) -> Path | None:
-    """The cached vLLM wheel of ``version``, downloaded without dependencies if missing; None if
-    it cannot be had (no network)."""
+class WheelUnavailable(RuntimeError):
+    """The wheel is neither cached nor downloadable; the message carries pip's own words."""
+
+
+def wheel(version: str = VLLM_033) -> Path:
+    """The cached vLLM wheel of ``version``, downloaded without dependencies if missing.
+
+    Raises :class:`WheelUnavailable` when pip cannot download it (no network, no such release)."""
     found = sorted(CACHE.glob(f"vllm-{version}-*.whl"))
     if not found:
         CACHE.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}",
-                        "-d", str(CACHE)], check=False, capture_output=True, timeout=600)
+        pip = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}",
+                              "-d", str(CACHE)], check=False, capture_output=True, text=True, timeout=600)
         found = sorted(CACHE.glob(f"vllm-{version}-*.whl"))
-    return found[-1] if found else None
+        if not found:
+            said = (pip.stderr.strip() or pip.stdout.strip())[-1500:]
+            raise WheelUnavailable(f"`pip download --no-deps vllm=={version} -d {CACHE}` exited {pip.returncode} "
+                                   f"without the wheel: {said}")
+    return found[-1]
 
 
 def extract_weight_transfer(wheel_path: Path, target: Path) -> Path:

@@ -1,0 +1,57 @@
+"""``--require-all`` (CI: the README's test command carries it): every skip whose reason does not start
+with ``by design: `` (:data:`tests.environments.BY_DESIGN`) fails instead, whether it came from
+:func:`tests.environments.require`, ``pytest.skip``, a ``skipif`` mark, an empty parametrization or a
+module-level skip (a collection error then). Without the flag such skips stay skips, with their reasons."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import pytest
+
+from tests.environments import BY_DESIGN
+
+pytest_plugins = ["pytester"]
+
+OPTION = "--require-all"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(OPTION, action="store_true", default=False,
+                     help="fail every skip not declared legitimate (reason starting 'by design: '), such as a "
+                          "package tests/environments.py declares for this environment that is missing (CI)")
+
+
+def _undeclared_skip(report: pytest.TestReport | pytest.CollectReport) -> str | None:
+    """The reason of ``report``'s skip when it is not a skip by design (None: no such skip)."""
+    if not report.skipped or hasattr(report, "wasxfail") or not isinstance(report.longrepr, tuple):
+        return None
+    reason = report.longrepr[2].removeprefix("Skipped: ")
+    return None if reason.startswith(BY_DESIGN) else reason
+
+
+def _fail(report: pytest.TestReport | pytest.CollectReport, reason: str) -> None:
+    report.outcome = "failed"
+    report.longrepr = (f"skipped in a {OPTION} run, where only skips by design may skip: {reason}\n"
+                       f"(a skip that is legitimate here, such as no CUDA, says so with a reason starting "
+                       f"{BY_DESIGN!r}: see tests/environments.py)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, object, object]:
+    report = yield
+    assert isinstance(report, pytest.TestReport)
+    reason = _undeclared_skip(report)
+    if reason is not None and item.config.getoption(OPTION):
+        _fail(report, reason)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, object, object]:
+    report = yield
+    assert isinstance(report, pytest.CollectReport)
+    reason = _undeclared_skip(report)
+    if reason is not None and collector.config.getoption(OPTION):
+        _fail(report, reason)
+    return report
