@@ -18,7 +18,9 @@ def test_colocated_benchmark_runs_every_method_bitwise_and_reports_ratios(tmp_pa
     rows = {(r["model"], r["method"]): r for r in report["rows"]}
     assert set(rows) == {(m, k) for m in models for k in ("copy-bound", "ping-pong", "refit")}
     for (model, method), row in rows.items():
-        assert row["ms"] > 0 and row["of_bound"] > 0
+        check = row["of_bound_check"]  # a loaded CPU may time a copy slower than refit: then flagged, not printed
+        assert row["ms"] > 0 and check["value"] > 0 and (check["valid"] or "above the bound" in check["reason"])
+        assert row["of_bound"] == (check["value"] if check["valid"] else None)
         if method != "copy-bound":
             assert row["checks"] == ["bitwise ok"], (model, method, row)
     for model in models:
