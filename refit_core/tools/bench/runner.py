@@ -35,7 +35,7 @@ from refit_core.tools.bench.fp8 import fp8_comparison, fp8_methods, fp8_table
 from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, register
 from refit_core.tools.bench.methods import METHODS, method_class, open_bench_comm
 from refit_core.tools.bench.validity import Ratio, check_ratio
-from refit_core.tools.bench.wireplan import WirePlan, single_pair, wire_plan
+from refit_core.tools.bench.wireplan import WirePlan, schedule_plan, single_pair
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -179,8 +179,7 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
         if takes_part:
             method.setup()
         if name.startswith("refit") and rank == 0 and nprocs > 2 and store.add("wire/planned", 1) == 1:
-            store.set(WIRE_PLAN_KEY, json.dumps(wire_plan(
-                ((m.src, m.dst, m.nbytes) for msgs in method.schedule.rounds for m in msgs), first_gen).to_json()))
+            store.set(WIRE_PLAN_KEY, json.dumps(schedule_plan(method.schedule, first_gen).to_json()))
         barrier()
         if not is_train:
             model.poison()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,11 @@ def wire_plan(messages: Iterable[tuple[int, int, int]], num_train: int) -> WireP
         key = (src, num_train + dst)
         by_pair[key] = by_pair.get(key, 0) + nbytes
     return WirePlan(tuple(WirePair(s, d, n) for (s, d), n in sorted(by_pair.items()) if n))
+
+
+def schedule_plan(schedule: Any, num_train: int) -> WirePlan:
+    """The plan of a refit :class:`~refit_core.plan.schedule.Schedule` (every round's messages)."""
+    return wire_plan(((m.src, m.dst, m.nbytes) for msgs in schedule.rounds for m in msgs), num_train)
 
 
 def single_pair(src: int, dst: int, nbytes: int) -> WirePlan:
