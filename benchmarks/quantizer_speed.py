@@ -33,7 +33,7 @@ from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import reference_quantize
 from refit_core.tools.bench.fit import Fit, fit_layers
 from refit_core.tools.bench.layouts import fp8_specs
-from refit_core.tools.bench.validity import bound_rate_problem, check_ratio
+from refit_core.tools.bench.validity import Ratio, bound_rate_problem, check_ratio
 
 GiB = 1 << 30
 WARMUP = 2
@@ -125,9 +125,6 @@ def measure(model: str, iters: int, how: Fit) -> dict[str, Any]:
                       "x copy": check_ratio(bound / v, "copy bound", problem).as_json()} for k, v in times.items()]}
 
 
-def _ratio_text(check: dict[str, Any]) -> str:
-    return f"{check['value']:.3f}" if check["valid"] else f"INVALID ({check['reason']})"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -158,7 +155,7 @@ def main() -> None:
         lines += [f"## {result['model']}: {result['tensors']} tensors, {result['bf16_bytes'] / 1e9:.2f} GB BF16, "
                   f"{result['written_bytes'] / 1e9:.2f} GB written", "",
                   "| quantizer | ms | GB/s (BF16 read) | x copy bound |", "|---|---:|---:|---:|"]
-        lines += [f"| {r['method']} | {r['ms']:.2f} | {r['GB/s']:.0f} | {_ratio_text(r['x copy'])} |"
+        lines += [f"| {r['method']} | {r['ms']:.2f} | {r['GB/s']:.0f} | {Ratio.from_json(r['x copy']).text()} |"
                   for r in result["rows"]]
         lines.append("")
         print("\n".join(lines[-len(result["rows"]) - 5:]), flush=True)

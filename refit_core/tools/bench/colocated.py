@@ -512,7 +512,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         info = r["info"]
         launches = info.get("copies", info.get("fills", "-"))
         lines.append(f"| {r['model']} | {r['method']} | {r['bytes'] / 1e9:.2f} | {r['ms']:.2f} | "
-                     f"{Ratio(r['of_bound_check']['value'], r['of_bound_check']['reason']).text()} | {r['gbps']:.0f} | {_memory(r['trainer_extra_bytes'], r)} | "
+                     f"{Ratio.from_json(r['of_bound_check']).text()} | {r['gbps']:.0f} | "
+                     f"{_memory(r['trainer_extra_bytes'], r)} | "
                      f"{_memory(r['engine_extra_bytes'], r)} | {launches} | {', '.join(r['checks'])} |")
     return "\n".join(lines)
 
@@ -604,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"in chunks of at most {args.bound_gib:g} GiB, warm, at least {MIN_BOUND_SAMPLES} copies "
                     "interleaved with the methods' steps) divided by the method's step; INVALID when above "
                     "1.02 or when the bound is implausibly slow for the GPU. `NAME[K/N layers]`: a slice "
-                    "of the shape (same per-layer shapes) that fits the GPU. `launches`: copy calls per step (refit) or buffer "
-                    "fills (ping-pong).\n" + (BREAKDOWN_NOTE if phases else ""))
+                    "of the shape (same per-layer shapes) that fits the GPU. `launches`: copy calls per step "
+                    "(refit) or buffer fills (ping-pong).\n" + (BREAKDOWN_NOTE if phases else ""))
     ok = all(r["checks"] in (["bitwise ok"], ["-"]) for r in rows)
     return 0 if ok else 1
 

@@ -69,8 +69,7 @@ def _wire_ratio(out: dict[str, Any], key: str, row: dict[str, Any] | None, wire:
 
 
 def _ratio_text(c: dict[str, Any], key: str) -> str:
-    check = c.get(key + "_check")
-    return "-" if check is None else Ratio(check["value"], check["reason"]).text()
+    return Ratio.from_json(c.get(key + "_check")).text()
 
 
 def _ms(value: float | None) -> str:

@@ -395,12 +395,11 @@ def _table(summary: dict[str, Any]) -> str:
             f"train {', '.join(summary['train'])} -> gen {', '.join(summary['gen'])} "
             f"({', '.join(summary['device_names'])})")
     lines = [head, "",
-             "| method | time (ms) | GB/s | x wire (same bytes, same pairs) | sender peak extra | receiver peak extra | "
-             "extra after (send/recv) | check |",
+             "| method | time (ms) | GB/s | x wire (same bytes, same pairs) | sender peak extra | "
+             "receiver peak extra | extra after (send/recv) | check |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in summary["rows"]:
-        check = r["ratio_to_wire_check"]
-        ratio = Ratio(check["value"], check["reason"]).text()
+        ratio = Ratio.from_json(r["ratio_to_wire_check"]).text()
         lines.append(f"| {r['method']} | {r['time_s'] * 1e3:.1f} | {r['gbps']:.1f} | {ratio} | "
                      f"{_gib(r['sender_peak_extra_bytes'])} | {_gib(r['receiver_peak_extra_bytes'])} | "
                      f"{_gib(r['sender_after_extra_bytes'])} / {_gib(r['receiver_after_extra_bytes'])} | "

@@ -51,6 +51,14 @@ class Ratio:
     def as_json(self) -> dict[str, object]:
         return {"value": self.value, "valid": self.valid, "reason": self.reason}
 
+    @classmethod
+    def from_json(cls, data: dict[str, object] | None) -> Ratio:
+        """The ratio :meth:`as_json` wrote (None: no ratio)."""
+        if data is None:
+            return cls(None)
+        value, reason = data["value"], data["reason"]
+        return cls(float(value) if isinstance(value, (int, float)) else None, str(reason) if reason else None)
+
 
 def bound_rate_problem(nbytes: int, seconds: float, device_name: str) -> str | None:
     """Why a copy bound of ``nbytes`` in ``seconds`` on ``device_name`` is implausible, or None."""
