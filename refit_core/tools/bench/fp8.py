@@ -62,7 +62,7 @@ def _wire_ratio(out: dict[str, Any], key: str, row: dict[str, Any] | None, wire:
     if row is None or wire is None:
         return
     problem = None if row["bytes"] == wire["bytes"] else (
-        f"{row['method']} moved {row['bytes'] / 1e9:.2f} GB, the wire {wire['bytes'] / 1e9:.2f} GB")
+        f"{row['method']} moved {row['bytes']:,} bytes, the wire {wire['bytes']:,}: not the same bytes")
     ratio = check_ratio(wire["time_s"] / row["time_s"], "wire moving the same payload", problem)
     out[key] = ratio.value if ratio.valid else None
     out[key + "_check"] = ratio.as_json()

@@ -379,8 +379,7 @@ def wire_ratio(row: dict[str, Any], wire: dict[str, Any] | None) -> Ratio:
     value = wire["time_s"] / row["time_s"] if row["time_s"] else None
     problem = None
     if wire["bytes"] != row["bytes"]:
-        problem = (f"the wire moved {wire['bytes'] / 1e9:.2f} GB, {row['method']} {row['bytes'] / 1e9:.2f} GB: "
-                   "not the same bytes")
+        problem = f"the wire moved {wire['bytes']:,} bytes, {row['method']} {row['bytes']:,}: not the same bytes"
     elif wire["info"].get("wire_skipped_pairs"):
         problem = f"the wire could not time pairs on one device {wire['info']['wire_skipped_pairs']}"
     return check_ratio(value, "wire moving the same bytes over the same pairs", problem)
