@@ -171,11 +171,11 @@ class Wire(Method):
         offset = 0
         for p in mine:
             comm = c.comm if c.comm is not None and len(plan.pairs) == 1 else \
-                open_bench_comm(c.store, f"wire/{p.src}-{p.dst}", 2, 0 if c.is_train else 1, c.device)
+                open_bench_comm(c.store, f"{self.name}/{p.src}-{p.dst}", 2, 0 if c.is_train else 1, c.device)
             view = self.buffer[:p.nbytes] if c.is_train else self.buffer[offset:offset + p.nbytes]
             offset += 0 if c.is_train else p.nbytes
             stream = torch.cuda.Stream(c.device) if c.device.type == "cuda" and len(mine) > 1 else None
-            self.lanes.append((comm, view, stream, f"wire/checksum/{p.src}-{p.dst}"))
+            self.lanes.append((comm, view, stream, f"{self.name}/checksum/{p.src}-{p.dst}"))  # one key per method
         self.info["wire_bytes"] = plan.nbytes - sum(p.nbytes for p in skipped)
         self.info["wire_pairs"] = len(plan.pairs) - len(skipped)
         if skipped:
