@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Colocated refit on ONE GPU (made for nvidia-h200; also called from run_gpu.sh): the trainer
 # (Megatron-style layout) and the engine (vLLM-style layout) are two processes on GPU 0; in one run,
-# per shape: the copy bound (one on-GPU copy of the same bytes), the ping-pong baseline (HF tensors
+# per shape: the copy bound (one on-GPU copy of every byte, in chunks, warm, the median of >= 10 copies
+# interleaved with the other methods' steps), the ping-pong baseline (HF tensors
 # through 2 x 1 GiB IPC buffers) and refit (CUDA IPC, straight out of the trainer's memory).
 # Then the Qwen3-30B-A3B shape again with one trainer parameter per expert (SKIP_SEQUENTIAL=1 skips it),
 # and both shapes into a block-FP8 engine (SKIP_FP8=1 skips it).
 # Results: $OUT/colocated-<machine>-<date>.{json,md}, colocated-<machine>-sequential-<date>.{json,md} and
 # colocated-<machine>-fp8-<date>.{json,md},
 # <machine> from the GPUs (nvidia-h200 on one H200; set MACHINE to override). Takes ~2-4 minutes; only
-# GPU 0 is used.
+# GPU 0 is used. A shape that does not fit the GPU (Qwen3-30B-A3B on an 80 GB H100) runs as a slice of its
+# layers, same per-layer shapes, named NAME[K/N layers] in the table (or is skipped with a one-line reason).
 # VARIANTS=1: instead, one run that decides how the engine moves its strided copies: the Llama-3-8B
 # shape (VARIANT_MODELS to change) with the copy bound and refit once per StridedCopy variant (kernel,
 # blocks, foreach, memcpy2d), each bitwise checked, with --breakdown (where each step's time goes):

@@ -17,6 +17,9 @@
 #      the pack / transfer / unpack lanes of one step as a PNG (CUDA events), with the setup breakdown.
 #   9. relay (not in the default STEPS; needs 4 GPUs, nvidia-h200-x4): 1 train rank on GPU 0 -> 3 engine
 #      replicas on GPUs 1-3, direct fanout vs relay (the trainer feeds one replica, that one the next two).
+#      reshard-x4 (not in the default STEPS; 4 GPUs): TP2 on GPUs 0,1 -> TP1 x DP2 on GPUs 2,3, both shapes.
+#   Every ratio is on the same bytes: a multi-rank wire moves refit's bytes over refit's pairs, all at once;
+#   a ratio above its bound, or over an implausible copy bound, prints INVALID (refit_core/tools/bench/validity.py).
 #  10. FP8 destinations (`fp8`): the quantizers alone (benchmarks/quantizer_speed.py), then BF16
 #      Megatron-style source -> block-FP8 vLLM-style destination, side by side with BF16 refit and BF16
 #      refit + quantize-after (refit_core/tools/bench/fp8.py). FP8_TIMELINE=1 also draws each step's lanes.
@@ -25,7 +28,8 @@
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
 #   STEPS="bench" bash benchmarks/run_gpu.sh             # some steps: env bench tests reshard reshard-dp demo
 #                                                        # colocated megatron fp8
-#   STEPS="env timeline" bash benchmarks/run_gpu.sh       # steps outside the default list: timeline, relay (4 GPUs)
+#   STEPS="env timeline" bash benchmarks/run_gpu.sh       # steps outside the default list: timeline, relay and
+#                                                        # reshard-x4 (4 GPUs)
 #   STEPS="tests" GPU_TESTS=tests/gpu/test_fp8_gpu.py bash benchmarks/run_gpu.sh   # some GPU tests only
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -132,6 +136,12 @@ if step relay; then
   limit ${RELAY_TIMEOUT:-200} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
     --command "$CMD" --out "$OUT/relay-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
   echo "relay exit: $?" | tee -a "$LOG"
+fi
+if step reshard-x4; then
+  CMD="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,1 --gen-gpus 2,3 --machine $MACHINE"
+  limit ${RESHARD_TIMEOUT:-240} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 120 \
+    --command "$CMD" --out "$OUT/$MACHINE-reshard-x4-$DATE" 2>&1 | tee -a "$LOG"
+  echo "reshard-x4 exit: $?" | tee -a "$LOG"
 fi
 if step megatron; then
   OUT="$OUT" PY="$PY" MACHINE="$MACHINE" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"

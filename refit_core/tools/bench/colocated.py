@@ -9,9 +9,13 @@ Process 0 holds a Megatron-style model, process 1 a vLLM-style model (:mod:`refi
 on the same device. In one run, each model shape, each timed on the trainer from a common barrier to
 the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
 
-- ``copy-bound``: one on-device copy of the same number of bytes (measured in the engine process on a
-  contiguous buffer of ``min(model, --bound-gib)`` and scaled to the model's bytes): no refit can
-  beat one read and one write of every byte.
+- ``copy-bound``: one on-device copy of the same number of bytes (in the engine process, through two
+  buffers of ``min(model, --bound-gib)``: a copy of every byte, chunk after chunk, timed as one), warm
+  (``BOUND_WARMUP`` copies first), the median of at least ``MIN_BOUND_SAMPLES`` copies taken between
+  the other methods' steps (interleaved, with the trainer idle): no refit can beat one read and one
+  write of every byte. Every ``of copy bound`` goes through
+  :func:`~refit_core.tools.bench.validity.check_ratio`: above 1.02, or a bound under half the GPU's
+  nominal copy rate (timed cold), prints ``INVALID (reason)``.
 - ``ping-pong``: the pattern of today's colocated RL stacks (NeMo-RL ``stream_weights_via_ipc_zmq``,
   verl, slime): the trainer gathers HF tensors into two 1 GiB buffers shared once through IPC (or
   larger, if one tensor needs it), alternately, synchronizes and signals; the engine unpacks each
@@ -34,6 +38,11 @@ in one run (each bitwise checked), with ``--breakdown``.
 ``--fp8-block N`` gives the engine block-FP8 linear weights (``N x N`` blocks, scales beside them, as
 vLLM's FP8 checkpoints): refit quantizes straight from the trainer's memory in batched launches, and
 the copy bound is then one copy of the engine's (FP8) bytes. Ping-pong does not quantize: not run.
+
+A shape that does not fit the GPU's memory (both processes hold the model: ``needed_bytes``) runs as
+a slice of its layers, same per-layer shapes, named ``NAME[K/N layers]``, or is skipped with a
+one-line reason (:mod:`refit_core.tools.bench.fit`); ``--memory-gib`` sets the budget (default: the
+GPU's memory; none on CPU).
 
 Every method's last step is checked bitwise on the engine (weights poisoned with NaN before it).
 Extra memory is each process's peak allocation above its model during the method's setup and steps
@@ -63,6 +72,8 @@ from refit_core.kit.models import load_config
 from refit_core.net.transport.memory import SharedStorage, export_storage, open_storage
 from refit_core.run.timing import StepTrace, breakdown
 from refit_core.tools.bench import layouts
+from refit_core.tools.bench.fit import Fit, fit_layers
+from refit_core.tools.bench.validity import Ratio, bound_rate_problem, check_ratio
 from refit_core.tools.bench.methods import hf_tensors, scatter
 
 GiB = 1 << 30
@@ -133,21 +144,67 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def copy_bound_seconds(nbytes: int, device: torch.device, max_bytes: int, iters: int = 5) -> tuple[float, int]:
-    """Seconds of one device copy of ``nbytes`` (measured on ``min(nbytes, max_bytes)``, scaled)."""
-    size = min(nbytes, max_bytes)
-    src = torch.empty(size, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(iters):
+BOUND_WARMUP = 3
+"""Untimed copies of all the bytes before the copy bound's first sample."""
+MIN_BOUND_SAMPLES = 10
+"""The copy bound is the median of at least this many timed copies of all the bytes."""
+MEMORY_RESERVE = 3 * GiB
+"""GPU memory kept out of the budget: two processes' CUDA contexts and the allocator's slack."""
+
+
+class CopyBound:
+    """One device copy of ``nbytes`` through two buffers of ``min(nbytes, max_bytes)`` (chunk after
+    chunk, timed as one copy); :meth:`sample` times one more. Warm from construction on."""
+
+    def __init__(self, nbytes: int, device: torch.device, max_bytes: int) -> None:
+        self.nbytes, self.device = nbytes, device
+        self.chunk = max(1, min(nbytes, max_bytes))
+        self.src = torch.zeros(self.chunk, dtype=torch.uint8, device=device)
+        self.dst = torch.empty_like(self.src)
+        self.samples: list[float] = []
+        for _ in range(BOUND_WARMUP):
+            self._copy()
         _sync_device(device)
+
+    def _copy(self) -> None:
+        for start in range(0, self.nbytes, self.chunk):
+            n = min(self.chunk, self.nbytes - start)
+            self.dst[:n].copy_(self.src[:n])
+
+    def sample(self) -> None:
+        _sync_device(self.device)
         start = time.perf_counter()
-        dst.copy_(src)
-        _sync_device(device)
-        times.append(time.perf_counter() - start)
-    del src, dst
-    return sorted(times)[len(times) // 2] * nbytes / size, size
+        self._copy()
+        _sync_device(self.device)
+        self.samples.append(time.perf_counter() - start)
+
+    def top_up(self, count: int = MIN_BOUND_SAMPLES) -> None:
+        while len(self.samples) < count:
+            self.sample()
+
+    def close(self) -> None:
+        del self.src, self.dst
+
+
+def needed_bytes(model_bytes: int, bound_bytes: int) -> int:
+    """GPU memory a colocated run of a ``model_bytes`` model needs: the trainer's and the engine's copy
+    (with 10% for refit's and the fill's working memory), the copy bound's two buffers and ping-pong's
+    two 1 GiB buffers."""
+    return int(2.2 * model_bytes) + 2 * min(model_bytes, bound_bytes) + 2 * GiB
+
+
+def fit_model(name: str, config: dict[str, Any], budget_bytes: int | None, bound_bytes: int) -> Fit:
+    """How ``name`` runs within ``budget_bytes`` (None: whole)."""
+    return fit_layers(name, config, budget_bytes, lambda n: needed_bytes(n, bound_bytes))
+
+
+def memory_budget(device: torch.device, memory_gib: float | None) -> int | None:
+    """The bytes a run may use: ``memory_gib`` if given, else the GPU's memory less the reserve (None on CPU)."""
+    if memory_gib is not None:
+        return int(memory_gib * GiB)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory - MEMORY_RESERVE
 
 
 # -- the ping-pong baseline -----------------------------------------------------------------------
@@ -241,7 +298,7 @@ def _timed(sync: _Sync, device: torch.device, step, before=None) -> tuple[float,
 
 
 def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.device, train: bool,
-                seed_base: int) -> dict[str, Any]:
+                seed_base: int, bound: CopyBound | None) -> dict[str, Any]:
     from refit_core import RefitOptions, RefitReceiver, RefitSender
 
     iters, warmup = job["iters"], job["warmup"]
@@ -292,6 +349,10 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         seconds, peak = _timed(sync, device, step, before)
         times.append(seconds)
         peaks.append(peak)
+        sync.barrier()  # the copy bound between steps, with the trainer idle (not filling)
+        if bound is not None and i >= warmup:
+            bound.sample()
+        sync.barrier()
     out["seconds"] = times[warmup:]
     if traces:
         out["traces"] = traces[warmup:]
@@ -324,7 +385,11 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     results = []
     for number, name in enumerate(job["models"]):
         path, variant = _model_entry(name)
-        config = load_config(path)
+        fit = fit_model(name, load_config(path), memory_budget(device, job.get("memory_gib")), job["bound_bytes"])
+        if fit.skipped:
+            results.append({"model": name, "skipped": fit.reason, "methods": []})
+            continue
+        config = fit.config(load_config(path))
         model: Any
         if train:
             model = TRAINERS[variant](config, tp=1, rank=0, device=device)
@@ -334,16 +399,21 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
                                            fp8_block=(block, block) if block else None)
             if block and device.type == "cuda":
                 torch.cuda.empty_cache()  # the high-precision tensors the FP8 ones replaced: give them to the trainer
-        row: dict[str, Any] = {"model": name, "bytes": model.nbytes, "methods": []}
-        if not train:
-            seconds, measured = copy_bound_seconds(model.nbytes, device, job["bound_bytes"])
-            row["methods"].append({"method": "copy-bound", "seconds": [seconds], "measured_bytes": measured,
-                                   "checks": ["-"], "peak_extra_bytes": 0})
+        row: dict[str, Any] = {"model": fit.label, "bytes": model.nbytes, "methods": [],
+                               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+        bound = CopyBound(model.nbytes, device, job["bound_bytes"]) if not train else None
         for m, method in enumerate(job["methods"]):
             if method == "copy-bound":
                 continue
             job_m = dict(job, refit_address=job["refit_addresses"][number * len(job["methods"]) + m])
-            row["methods"].append(_run_method(method, model, sync, job_m, device, train, seed_base=100 * m))
+            row["methods"].append(_run_method(method, model, sync, job_m, device, train, 100 * m, bound))
+        sync.barrier()
+        if bound is not None:
+            bound.top_up()
+            row["methods"].insert(0, {"method": "copy-bound", "seconds": bound.samples, "chunk_bytes": bound.chunk,
+                                      "checks": ["-"], "peak_extra_bytes": 0})
+            bound.close()
+        sync.barrier()
         results.append(row)
         del model
         if device.type == "cuda":
@@ -363,19 +433,24 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     train, gen = results
     rows = []
     for t_model, g_model in zip(train["models"], gen["models"]):
+        if g_model.get("skipped"):
+            continue
         bound = _median(g_model["methods"][0]["seconds"])
+        problem = bound_rate_problem(g_model["bytes"], bound, g_model["device_name"])
         t_by = {m["method"]: m for m in t_model["methods"]}
         for g in g_model["methods"]:
             t = t_by.get(g["method"], g)
             seconds = _median(t["seconds"])
+            ratio = check_ratio(bound / seconds if seconds else None, "copy bound", problem)
             rows.append({"model": g_model["model"], "method": g["method"], "bytes": g_model["bytes"],
-                         "ms": 1000 * seconds, "of_bound": bound / seconds if seconds else 0.0,
+                         "ms": 1000 * seconds, "of_bound": ratio.value if ratio.valid else None,
+                         "of_bound_check": ratio.as_json(),
                          "gbps": g_model["bytes"] / seconds / 1e9 if seconds else 0.0,
                          "checks": g["checks"], "trainer_extra_bytes": t.get("peak_extra_bytes", 0),
                          "engine_extra_bytes": g.get("peak_extra_bytes", 0),
                          "shared_bytes": t.get("shared_bytes", 0), "setup_s": t.get("setup_s", 0.0),
                          "staging_bytes": {"trainer": t.get("staging_bytes"), "engine": g.get("staging_bytes")},
-                         "info": {k: g[k] for k in ("links", "copies", "copy_counts", "fills", "measured_bytes")
+                         "info": {k: g[k] for k in ("links", "copies", "copy_counts", "fills", "chunk_bytes")
                                   if k in g}})
             if "traces" in t and "traces" in g:
                 rows[-1]["breakdown_ms"] = _breakdown(t["traces"], g["traces"])
@@ -437,7 +512,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         info = r["info"]
         launches = info.get("copies", info.get("fills", "-"))
         lines.append(f"| {r['model']} | {r['method']} | {r['bytes'] / 1e9:.2f} | {r['ms']:.2f} | "
-                     f"{r['of_bound']:.3f} | {r['gbps']:.0f} | {_memory(r['trainer_extra_bytes'], r)} | "
+                     f"{Ratio.from_json(r['of_bound_check']).text()} | {r['gbps']:.0f} | "
+                     f"{_memory(r['trainer_extra_bytes'], r)} | "
                      f"{_memory(r['engine_extra_bytes'], r)} | {launches} | {', '.join(r['checks'])} |")
     return "\n".join(lines)
 
@@ -451,7 +527,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--bound-gib", type=float, default=4.0, help="largest buffer the copy bound measures")
+    parser.add_argument("--bound-gib", type=float, default=4.0,
+                        help="the copy bound's chunk: it copies every byte through two buffers of this size")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="memory a shape may use, else it runs as a slice of its layers or is skipped "
+                             "(default: the GPU's memory less 3 GiB; no limit on CPU)")
     parser.add_argument("--timeout-s", type=float, default=180.0)
     parser.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
     parser.add_argument("--machine", default="")
@@ -492,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         print("skipping ping-pong: it does not quantize (--fp8-block)", file=sys.stderr, flush=True)
         methods.remove("ping-pong")
     job = {"models": models, "methods": methods, "device": device, "iters": args.iters, "warmup": args.warmup,
-           "fp8_block": args.fp8_block,
+           "fp8_block": args.fp8_block, "memory_gib": args.memory_gib,
            "bound_bytes": int(args.bound_gib * GiB), "timeout_s": args.timeout_s,
            "breakdown": args.breakdown or args.variants,
            "sync_address": f"127.0.0.1:{free_port()}",
@@ -501,11 +581,12 @@ def main(argv: list[str] | None = None) -> int:
     results = spawn(_worker, 2, job, timeout_s=args.timeout_s * (1 + len(models)) + 60,
                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     rows = summarize(results)
-    report = {"machine": args.machine, "device": device,
+    skipped = [m["skipped"] for m in results[1]["models"] if m.get("skipped")]
+    report = {"skipped": skipped,"machine": args.machine, "device": device,
               "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "iters": args.iters, "fp8_block": args.fp8_block,
               "seconds": time.perf_counter() - start, "rows": rows}
-    text = table(rows)
+    text = table(rows) + "".join(f"\n\n{reason}" for reason in skipped)
     phases = breakdown_table(rows)
     if phases:
         text += "\n\nWhere a refit step's time goes (median ms over the timed steps):\n\n" + phases
@@ -520,9 +601,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"{text}\n\n`trainer extra` / `engine extra`: each process's peak allocation above its model "
                     "during the method's setup and steps (the benchmark's own weight fill excluded; the "
                     "trainer's includes the buffers it shares with the engine); on CPU, the bytes refit "
-                    "reports staged. `of copy bound`: the measured one-copy time of the same bytes "
-                    "divided by the method's step. `launches`: copy calls per step (refit) or buffer "
-                    "fills (ping-pong).\n" + (BREAKDOWN_NOTE if phases else ""))
+                    "reports staged. `of copy bound`: the median one-copy time of the same bytes (every byte, "
+                    f"in chunks of at most {args.bound_gib:g} GiB, warm, at least {MIN_BOUND_SAMPLES} copies "
+                    "interleaved with the methods' steps) divided by the method's step; INVALID when above "
+                    "1.02 or when the bound is implausibly slow for the GPU. `NAME[K/N layers]`: a slice "
+                    "of the shape (same per-layer shapes) that fits the GPU. `launches`: copy calls per step "
+                    "(refit) or buffer fills (ping-pong).\n" + (BREAKDOWN_NOTE if phases else ""))
     ok = all(r["checks"] in (["bitwise ok"], ["-"]) for r in rows)
     return 0 if ok else 1
 

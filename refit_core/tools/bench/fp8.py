@@ -6,11 +6,19 @@ quantizing on the sender, and ``refit-quantize-after``: BF16 refit into a BF16 c
 quantization on the engine). Both runs check every byte (FP8 values and scales against refit's
 eager quantizer on the receiving GPU). The comparison reports bytes moved (FP8 / BF16), FP8 refit
 against the wire moving the same bytes, and the times of the three ways to get FP8 weights there.
+
+Every ratio to a wire is a time ratio against the wire moving the same payload: FP8 refit against the
+FP8 run's wire (the FP8 bytes), BF16 refit + quantize-after (which moves BF16) against the BF16 run's
+wire (the BF16 bytes); each goes through :func:`~refit_core.tools.bench.validity.check_ratio`, so one
+that beats its wire prints as ``INVALID``. A ratio is stored as ``KEY`` (None when invalid) and
+``KEY_check`` (value, valid, reason).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from refit_core.tools.bench.validity import Ratio, check_ratio
 
 BASELINES_WITHOUT_FP8 = ("per-tensor", "packed")
 """Baselines that move HF tensors in one dtype: they have no FP8 variant."""
@@ -39,14 +47,29 @@ def fp8_comparison(bf16: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
             out[f"{kind}_{method}_ms"] = row["time_s"] * 1e3
             out[f"{kind}_{method}_checks"] = row["checks"]
     fp8_refit, fp8_wire = rows[("fp8", "refit")], rows[("fp8", "wire")]
-    if fp8_refit and fp8_wire:
-        out["fp8_refit_ratio_to_wire"] = fp8_wire["time_s"] / fp8_refit["time_s"]
     bf16_refit, quantize_after = rows[("bf16", "refit")], rows[("fp8", QUANTIZE_AFTER)]
+    _wire_ratio(out, "fp8_refit_ratio_to_wire", fp8_refit, fp8_wire)
+    _wire_ratio(out, "quantize_after_ratio_to_bf16_wire", quantize_after, rows[("bf16", "wire")])
     if fp8_refit and bf16_refit:
         out["fp8_speedup_vs_bf16_refit"] = bf16_refit["time_s"] / fp8_refit["time_s"]
     if fp8_refit and quantize_after:
         out["fp8_speedup_vs_quantize_after"] = quantize_after["time_s"] / fp8_refit["time_s"]
     return out
+
+
+def _wire_ratio(out: dict[str, Any], key: str, row: dict[str, Any] | None, wire: dict[str, Any] | None) -> None:
+    """``out[key]``: ``wire``'s time over ``row``'s, checked; invalid unless both moved the same bytes."""
+    if row is None or wire is None:
+        return
+    problem = None if row["bytes"] == wire["bytes"] else (
+        f"{row['method']} moved {row['bytes']:,} bytes, the wire {wire['bytes']:,}: not the same bytes")
+    ratio = check_ratio(wire["time_s"] / row["time_s"], "wire moving the same payload", problem)
+    out[key] = ratio.value if ratio.valid else None
+    out[key + "_check"] = ratio.as_json()
+
+
+def _ratio_text(c: dict[str, Any], key: str) -> str:
+    return Ratio.from_json(c.get(key + "_check")).text()
 
 
 def _ms(value: float | None) -> str:
@@ -59,15 +82,20 @@ def _x(value: float | None) -> str:
 
 def fp8_table(comparisons: list[dict[str, Any]]) -> str:
     """A markdown table of :func:`fp8_comparison` results."""
-    lines = ["| model | BF16 / FP8 bytes | FP8 / BF16 | wire FP8 (ms) | **refit FP8** (ms) | **x wire** | "
-             "refit BF16 (ms) | BF16 refit + quantize after (ms) | FP8 speedup vs BF16 / vs quantize-after | checks |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| model | BF16 / FP8 bytes | FP8 / BF16 | wire FP8 (ms) | **refit FP8** (ms) | **x FP8 wire** | "
+             "refit BF16 (ms) | BF16 refit + quantize after (ms) | quantize-after x BF16 wire | "
+             "FP8 speedup vs BF16 / vs quantize-after | checks |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in comparisons:
         checks = sorted({check for key, value in c.items() if key.endswith("_checks") for check in value})
         lines.append(
             f"| {c['model']} (blocks {c['fp8_block']}) | {c['bf16_bytes'] / 1e9:.2f} / {c['fp8_bytes'] / 1e9:.2f} GB | "
             f"{c['bytes_ratio']:.3f} | {_ms(c.get('fp8_wire_ms'))} | {_ms(c.get('fp8_refit_ms'))} | "
-            f"{_x(c.get('fp8_refit_ratio_to_wire'))} | {_ms(c.get('bf16_refit_ms'))} | "
-            f"{_ms(c.get(f'fp8_{QUANTIZE_AFTER}_ms'))} | {_x(c.get('fp8_speedup_vs_bf16_refit'))} / "
+            f"{_ratio_text(c, 'fp8_refit_ratio_to_wire')} | {_ms(c.get('bf16_refit_ms'))} | "
+            f"{_ms(c.get(f'fp8_{QUANTIZE_AFTER}_ms'))} | {_ratio_text(c, 'quantize_after_ratio_to_bf16_wire')} | "
+            f"{_x(c.get('fp8_speedup_vs_bf16_refit'))} / "
             f"{_x(c.get('fp8_speedup_vs_quantize_after'))} | {'; '.join(checks) or '-'} |")
+    lines += ["", "`x FP8 wire`: the FP8 run's wire time (the FP8 bytes, same pairs) over FP8 refit's; "
+              "`quantize-after x BF16 wire`: the BF16 run's wire time (the BF16 bytes it moves) over "
+              "BF16 refit + quantize-after's. Time ratios on the same payload; above 1.02 is INVALID."]
     return "\n".join(lines)

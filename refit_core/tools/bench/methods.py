@@ -141,8 +141,12 @@ class Method:
 
 
 class Wire(Method):
-    """One p2p of one contiguous buffer of the model's size (``wire@ops=N``: cut into N operations
-    of one NCCL group). The buffers are the method's own, allocated at setup."""
+    """The bound: the bytes refit moves, over the same (train rank, gen rank) pairs, all pairs at once,
+    each pair one p2p of one contiguous buffer (``wire@ops=N``: cut into N operations of one NCCL
+    group). A one-to-one run moves the model's bytes over its pair; a multi-rank run the
+    :class:`~refit_core.tools.bench.wireplan.WirePlan` of refit's schedule (``ctx.wire_plan``). A
+    sender keeps one buffer (its largest pair's bytes), a receiver one region per pair; pairs on one
+    device (NCCL cannot pair a device with itself) are left out and named in ``info``."""
 
     name = "wire"
     ops = 1
@@ -151,27 +155,65 @@ class Wire(Method):
 
     def setup(self) -> None:
         c = self.ctx
-        self.buffer = torch.empty(c.wire_bytes, dtype=torch.uint8, device=c.device)
+        plan = c.wire_plan()
+        rank_of = c.extra.get("devices", {})
+        self.lanes: list[tuple[Any, torch.Tensor, Any, str]] = []  # (comm, tensor, stream, checksum key)
+        mine = [p for p in plan.of_rank(c.rank)
+                if c.device.type != "cuda" or rank_of.get(p.src) != rank_of.get(p.dst)]
+        skipped = [p for p in plan.pairs
+                   if c.device.type == "cuda" and rank_of.get(p.src) == rank_of.get(p.dst)]
+        size = max((p.nbytes for p in mine), default=0) if c.is_train else sum(p.nbytes for p in mine)
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=c.device)
         if c.is_train:
             self.buffer.random_(0, 256)
         else:
             self.buffer.zero_()
-        self.info["wire_bytes"] = c.wire_bytes
+        offset = 0
+        for p in mine:
+            comm = c.comm if c.comm is not None and len(plan.pairs) == 1 else \
+                open_bench_comm(c.store, f"{self.name}/{p.src}-{p.dst}", 2, 0 if c.is_train else 1, c.device)
+            view = self.buffer[:p.nbytes] if c.is_train else self.buffer[offset:offset + p.nbytes]
+            offset += 0 if c.is_train else p.nbytes
+            stream = torch.cuda.Stream(c.device) if c.device.type == "cuda" and len(mine) > 1 else None
+            self.lanes.append((comm, view, stream, f"{self.name}/checksum/{p.src}-{p.dst}"))  # one key per method
+        self.info["wire_bytes"] = plan.nbytes - sum(p.nbytes for p in skipped)
+        self.info["wire_pairs"] = len(plan.pairs) - len(skipped)
+        if skipped:
+            self.info["wire_skipped_pairs"] = [(p.src, p.dst) for p in skipped]
 
     def close(self) -> None:
+        for comm, _, _, _ in self.lanes:
+            if comm is not self.ctx.comm:
+                comm.close()
+        self.lanes = []
         self.buffer = None
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def step(self, index: int) -> None:
         c = self.ctx
-        data = self.buffer
-        assert data is not None, "wire: setup() allocates the buffer"
-        parts = list(data.tensor_split(self.ops)) if self.ops > 1 else [data]
-        if c.is_train:
-            c.comm.post([(1, p) for p in parts], [], _stream(c.device))
-        else:
-            c.comm.post([], [(0, p) for p in parts], _stream(c.device))
+        current = _stream(c.device)
+        for comm, data, stream, _ in self.lanes:
+            if stream is not None:
+                stream.wait_stream(current)
+            parts = list(data.tensor_split(self.ops)) if self.ops > 1 else [data]
+            if c.is_train:
+                comm.post([(1, p) for p in parts], [], stream or current)
+            else:
+                comm.post([], [(0, p) for p in parts], stream or current)
+        for _, _, stream, _ in self.lanes:
+            if stream is not None:
+                current.wait_stream(stream)
+
+    def verify(self, checksum: Callable[[torch.Tensor], int]) -> str | None:
+        """Senders publish each pair's checksum; receivers compare theirs (None on a sender)."""
+        store = self.ctx.store
+        if self.ctx.is_train:
+            for _, data, _, key in self.lanes:
+                store.set(key, str(checksum(data)))
+            return None
+        bad = [key for _, data, _, key in self.lanes if int(store.get(key).decode()) != checksum(data)]
+        return "checksum ok" if not bad else f"CHECKSUM MISMATCH ({', '.join(bad)})"
 
 
 class PerTensor(Method):

@@ -34,6 +34,8 @@ from refit_core.kit.models import PRESETS, checkpoint_specs, load_config
 from refit_core.tools.bench.fp8 import fp8_comparison, fp8_methods, fp8_table
 from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, register
 from refit_core.tools.bench.methods import METHODS, method_class, open_bench_comm
+from refit_core.tools.bench.validity import Ratio, check_ratio
+from refit_core.tools.bench.wireplan import WirePlan, schedule_plan, single_pair
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -46,6 +48,7 @@ def _is_baseline(name: str) -> bool:
     return name.split("@")[0] in BASELINES
 DEFAULT_MODELS = "llama-3-8b-shape,qwen3-30b-a3b-shape"
 DEFAULT_METHODS = "wire,per-tensor,packed,refit"
+WIRE_PLAN_KEY = "wire/plan"
 
 
 # -- inside a rank ----------------------------------------------------------------------------------
@@ -91,12 +94,21 @@ class _Ctx:
     timeout_s: float
     ports: dict[str, int]
     plugins: PluginManager
+    store: Any = None
     comm: Any = None
     wire_bytes: int = 0
+    first_gen: int = 1
     extra: dict = field(default_factory=dict)
 
     def refit_address(self, method: str) -> str:
         return f"127.0.0.1:{self.ports[method]}"
+
+    def wire_plan(self) -> WirePlan:
+        """What the wire moves: a one-to-one run's model bytes over its pair, else refit's plan (which
+        the first refit method published; the runner puts the wire after it)."""
+        if self.nprocs == 2:
+            return single_pair(0, self.first_gen, self.wire_bytes)
+        return WirePlan.from_json(json.loads(self.store.get(WIRE_PLAN_KEY).decode()))
 
 
 def _sync(device: torch.device) -> None:
@@ -144,9 +156,10 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     pair = rank in (0, first_gen)  # the two ranks the wire and the baselines run between
     ctx = _Ctx(rank, nprocs, is_train, me["side_rank"], job["num_train"] if is_train else nprocs - first_gen,
                device, model, model.nbytes, job["bucket_bytes"], job["num_buffers"], job["timeout_s"],
-               job["ports"], register(PluginManager(load_entry_points=False)),
-               extra={"timeline": job.get("timeline", False)})
-    needs_comm = any(_is_baseline(m) for m in job["methods"])
+               job["ports"], register(PluginManager(load_entry_points=False)), store=store, first_gen=first_gen,
+               extra={"timeline": job.get("timeline", False),
+                      "devices": {r: spec["device"] for r, spec in enumerate(job["ranks"])}})
+    needs_comm = nprocs == 2 and any(_is_baseline(m) for m in job["methods"])
     store.set(f"bytes/{rank}", str(model.nbytes))
     barrier()
     ctx.wire_bytes = min(int(store.get(f"bytes/{r}").decode()) for r in (0, first_gen))
@@ -160,10 +173,13 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     }
     for name in job["methods"]:
         method: Any = method_class(name)(ctx)
-        takes_part = not _is_baseline(name) or pair
+        is_wire = name.startswith("wire")
+        takes_part = not _is_baseline(name) or pair or is_wire
         barrier()
         if takes_part:
             method.setup()
+        if name.startswith("refit") and rank == 0 and nprocs > 2 and store.add("wire/planned", 1) == 1:
+            store.set(WIRE_PLAN_KEY, json.dumps(schedule_plan(method.schedule, first_gen).to_json()))
         barrier()
         if not is_train:
             model.poison()
@@ -195,23 +211,16 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
         if cuda:
             entry["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
             entry["after_extra_bytes"] = torch.cuda.memory_allocated(device) - base
-        if takes_part:
-            if name.startswith("wire"):
-                data = method.buffer
-                if is_train:
-                    store.set("wire/checksum", str(_checksum(data)))
-                barrier()
-                if not is_train:
-                    expected = int(store.get("wire/checksum").decode())
-                    entry["check"] = "checksum ok" if _checksum(data) == expected else "CHECKSUM MISMATCH"
-                del data  # the wire's buffer must go with the method
-            elif not is_train:
+        if is_wire:
+            check = method.verify(_checksum)
+            if check is not None and method.lanes:
+                entry["check"] = check
+        elif takes_part:
+            if not is_train:
                 bad = model.mismatches(seed)
                 entry["check"] = "bitwise ok" if not bad else f"{len(bad)} MISMATCHED: {bad[:3]}"
                 if name.startswith("refit") and model.version != total - 1 and not bad:
                     entry["check"] = f"version {model.version} != {total - 1}"
-        elif name.startswith("wire"):
-            barrier()
         if name.startswith("refit") and takes_part and rank == 0:
             entry["links"] = _link_bytes(method.schedule, job)
         if name.startswith("refit") and takes_part:
@@ -344,17 +353,15 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
         rows.append(row)
     wire = next((r for r in rows if r["method"] == "wire"), None)
     for row in rows:
-        row["ratio_to_wire"] = row["gbps"] / wire["gbps"] if wire else None
+        ratio = wire_ratio(row, wire)
+        row["ratio_to_wire"] = ratio.value if ratio.valid else None
+        row["ratio_to_wire_check"] = ratio.as_json()
         links = row.get("links")
-        if links and wire:
+        if links:
             total = sum(links.values())
-            busiest = max(links.values())
             remote = [k for k in links if k.split("->")[0] != k.split("->")[1]]
-            row["busiest_link_share"] = busiest / total
+            row["busiest_link_share"] = max(links.values()) / total
             row["links_used"] = len(remote)
-            row["sum_of_wires_gbps"] = len(remote) * wire["gbps"]
-            row["ratio_to_sum_of_wires"] = row["gbps"] / row["sum_of_wires_gbps"] if remote else None
-            row["ratio_to_busiest_link_bound"] = (busiest / (wire["gbps"] * 1e9)) / row["time_s"]
     return {
         "model": model, "model_bytes": received, "hf_tensors": len(checkpoint_specs(config, grouped=False)),
         "train": [f"{r['device']} tp{r['tp']}:{r['tp_rank']}" for r in results[:n_train]],
@@ -362,6 +369,20 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
         "device_names": sorted({r["device_name"] for r in results}),
         "build_s": max(r["build_s"] for r in results), "rows": rows,
     }
+
+
+def wire_ratio(row: dict[str, Any], wire: dict[str, Any] | None) -> Ratio:
+    """``row``'s time against the wire's (1.0 = at the wire), a result only if both moved the same bytes
+    (the wire over refit's pairs) and ``row`` does not beat the wire (:func:`check_ratio`)."""
+    if wire is None:
+        return Ratio(None)
+    value = wire["time_s"] / row["time_s"] if row["time_s"] else None
+    problem = None
+    if wire["bytes"] != row["bytes"]:
+        problem = f"the wire moved {wire['bytes']:,} bytes, {row['method']} {row['bytes']:,}: not the same bytes"
+    elif wire["info"].get("wire_skipped_pairs"):
+        problem = f"the wire could not time pairs on one device {wire['info']['wire_skipped_pairs']}"
+    return check_ratio(value, "wire moving the same bytes over the same pairs", problem)
 
 
 def _gib(n: int | None) -> str:
@@ -373,11 +394,11 @@ def _table(summary: dict[str, Any]) -> str:
             f"train {', '.join(summary['train'])} -> gen {', '.join(summary['gen'])} "
             f"({', '.join(summary['device_names'])})")
     lines = [head, "",
-             "| method | time (ms) | GB/s | x wire | sender peak extra | receiver peak extra | "
-             "extra after (send/recv) | check |",
+             "| method | time (ms) | GB/s | x wire (same bytes, same pairs) | sender peak extra | "
+             "receiver peak extra | extra after (send/recv) | check |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in summary["rows"]:
-        ratio = "-" if r["ratio_to_wire"] is None else f"{r['ratio_to_wire']:.3f}"
+        ratio = Ratio.from_json(r["ratio_to_wire_check"]).text()
         lines.append(f"| {r['method']} | {r['time_s'] * 1e3:.1f} | {r['gbps']:.1f} | {ratio} | "
                      f"{_gib(r['sender_peak_extra_bytes'])} | {_gib(r['receiver_peak_extra_bytes'])} | "
                      f"{_gib(r['sender_after_extra_bytes'])} / {_gib(r['receiver_after_extra_bytes'])} | "
@@ -386,10 +407,7 @@ def _table(summary: dict[str, Any]) -> str:
         if "busiest_link_share" in r:
             lines.append("")
             lines.append(f"{r['method']}: links {r['links']}; busiest link carries {r['busiest_link_share']:.0%}; "
-                         f"{r['links_used']} GPU-to-GPU link(s) used, sum of their wires "
-                         f"{r['sum_of_wires_gbps']:.0f} GB/s, refit reaches "
-                         f"{(r['ratio_to_sum_of_wires'] or 0):.3f} of it and "
-                         f"{r['ratio_to_busiest_link_bound']:.3f} of the busiest link's bound")
+                         f"{r['links_used']} GPU-to-GPU link(s) used")
     for r in summary["rows"]:
         if "setup" in r:
             s = r["setup"]
@@ -442,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"refit bench: unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     if not one_to_one and any(m in ("per-tensor", "packed") for m in methods):
         raise SystemExit("refit bench: the baselines need one train and one gen rank")
+    if not one_to_one:
+        methods = wire_after_refit(methods)
     given = argv if argv is not None else sys.argv[1:]
     command = args.command or "refit bench " + " ".join(shlex.quote(a) for a in given)
     report: dict[str, Any] = {
@@ -493,6 +513,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:  # after every model, so a later failure keeps what was measured
             _write(report, args.out)
     return 0 if ok else 1
+
+
+def wire_after_refit(methods: list[str]) -> list[str]:
+    """A multi-rank run's methods with every wire after the first refit method, whose schedule is the
+    wire's plan (same bytes, same pairs)."""
+    wires = [m for m in methods if m.split("@")[0] == "wire"]
+    if not wires:
+        return methods
+    first = next((i for i, m in enumerate(methods) if m.startswith("refit")), None)
+    if first is None:
+        raise SystemExit("refit bench: the wire of a multi-rank run moves refit's plan: add a refit method")
+    rest = [m for m in methods if m not in wires]
+    at = rest.index(methods[first]) + 1
+    return rest[:at] + wires + rest[at:]
 
 
 def _timeline_path(path: str, model: str, first: bool) -> str:
