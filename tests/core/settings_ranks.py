@@ -56,7 +56,8 @@ def adopted_settings(rank: int, world: int, address: str, train_options: dict, g
         sender.close()
         return {"settings": settings.to_wire(), "fingerprint": fingerprint}
     engine = ToyEngine(0, 1)
-    receiver = RefitReceiver(engine, rendezvous=address, rank=0, world_size=1, options=RefitOptions(timeout_s=gen_timeout_s))
+    receiver = RefitReceiver(engine, rendezvous=address, rank=0, world_size=1,
+                             options=RefitOptions(timeout_s=gen_timeout_s))
     receiver.setup()
     stats = receiver.receive()
     pieces = receiver.plugins.destination_map(engine).pieces
