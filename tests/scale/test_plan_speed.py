@@ -5,7 +5,7 @@ and placed in rounds by ``refit_core.plan.schedule``, hashed with the options' d
 changed the schedule (rounds filled by the ranks' remaining load, then paced rounds) re-recorded them
 from the production path (``plan_from_metadata``, whose planner is ``refit_core.plan.fast``).
 ``test_the_reference_planner_gives_the_recorded_fingerprint`` plans every case again with the reference
-planner (``refit_core.plan.reference``) in the same schedule, so each value is also the reference
+planner (``refit_core.plan.reference``) into the same schedule, so each value is also the reference
 planner's, checked in every run (the two large cases take it about 0.4 and 5 s). The 1024-rank case
 (``dtensor:fsdp=128,tp=8 -> vllm:tp=8``, 592,896 segments, ``2d75e7ca8b2b90cc``) is too large for the
 reference planner and is not run in CI: that value is the fast planner's alone (see
