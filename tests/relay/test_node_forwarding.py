@@ -4,6 +4,7 @@ import time
 
 import pytest
 import torch
+from predictions import seconds
 from relay_ranks import relay_ranks
 
 from refit_core import OptionError, RefitOptions, RelayOptions
@@ -101,8 +102,8 @@ def test_refit_plan_forwards_within_nodes_and_prints_the_time_without(capsys):
     out = capsys.readouterr().out
     assert "forwarding:   within nodes of 2 gen ranks" in out
     # tiny-llama's norms are 128 B: at the default 15 us per message, the extra forwarding round loses
-    forwarded = _seconds(out.split("  predicted:    ")[1].split(" over ")[0])
-    unforwarded = _seconds(out.split("without forwarding within nodes the same refit predicts ")[1].split(";")[0])
+    forwarded = seconds(out.split("  predicted:    ")[1].split(" over ")[0])
+    unforwarded = seconds(out.split("without forwarding within nodes the same refit predicts ")[1].split(";")[0])
     assert forwarded > unforwarded, (forwarded, unforwarded)
     verdict = out.split("forwarding is ")[1].splitlines()[0]
     assert verdict.endswith("x slower: run without it, or raise --forward-min-bytes"), verdict
@@ -117,12 +118,6 @@ def _predictions(out: str) -> dict[str, str]:
     """``--forward-min-bytes auto``'s table: label -> what it printed."""
     table = out.split("each floor simulated on")[1].split("  best: ")[0].splitlines()[1:]
     return {line[:30].strip(): line[30:].strip() for line in table}
-
-
-def _seconds(prediction: str) -> float:
-    """``predicted 47 us, ...`` or ``47 us`` -> 4.7e-05."""
-    value, unit = prediction.removeprefix("predicted ").split(",")[0].split()
-    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
 
 
 @pytest.mark.parametrize("nic, wins", [("nic_gbps=50,latency_us=15", False), ("nic_gbps=1,latency_us=0", True)])
@@ -149,7 +144,7 @@ def test_refit_plan_chooses_the_forwarding_floor_by_simulation(capsys, nic, wins
     else:
         assert best == "forwarding does not win", best
         assert "forwarding:" not in out.split("  best: ")[1]
-    assert (_seconds(floor0) < _seconds(direct)) == wins, (floor0, direct)
+    assert (seconds(floor0) < seconds(direct)) == wins, (floor0, direct)
 
 
 def _run(relay: dict, steps: int = 2, die_after_setup: int | None = None, timeout_s: float = 30.0):

@@ -4,6 +4,7 @@ import time
 
 import pytest
 import torch
+from predictions import seconds
 from relay_ranks import relay_ranks
 
 from refit_core import OptionError, PlanError, RefitOptions, RelayOptions
@@ -127,12 +128,6 @@ def test_simulated_relay_beats_direct_fanout_from_one_trainer_node_into_32_repli
     assert any(line.startswith("relay:") for line in relayed.lines())
 
 
-def _seconds(prediction: str) -> float:
-    """``47 us`` -> 4.7e-05."""
-    value, unit = prediction.split()
-    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
-
-
 def test_refit_plan_compares_relay_with_direct_fanout_and_plans_the_fastest(capsys):
     from refit_core.tools.cli import main
 
@@ -140,7 +135,7 @@ def test_refit_plan_compares_relay_with_direct_fanout_and_plans_the_fastest(caps
                  "--device", "cpu", "--relay", "replicas=4", "--simulate"]) == 0
     out = capsys.readouterr().out
     table = out.split("simulated on h200:\n")[1].split("  best: ")[0].splitlines()
-    predicted = {4 if line.split()[0] == "direct" else int(line.split()[1]): _seconds(line.split("predicted ")[1])
+    predicted = {4 if line.split()[0] == "direct" else int(line.split()[1]): seconds(line.split("predicted ")[1])
                  for line in table}
     assert list(predicted) == [4, 2, 1], table  # direct fanout, then 2 and 1 replicas fed by the trainers
     fastest = min(predicted, key=lambda direct: (predicted[direct], direct != 4))  # ties go to direct fanout
