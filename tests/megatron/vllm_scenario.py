@@ -45,7 +45,7 @@ from vllm_weights import LoadedWeights, differences, engine_model, reload_refere
 NEW_TOKENS = 12
 
 
-TRAINERS_TIMEOUT_S = 600
+TRAINERS_TIMEOUT_S = 240
 """The train ranks' deadline for every layout; under ``SCENARIO_TIMEOUT_S`` (the test's wait for this
 process) so that their own error, not a kill from outside, reports a stuck rank."""
 
