@@ -133,6 +133,7 @@ def _choose_relay(plan: Planner, relay: RelayOptions, topology: str) -> RelayCho
     """:func:`~refit_core.plan.choose.choose_relay`, printing each prediction and the choice."""
     from refit_core.plan.choose import choose_relay
     from refit_core.plan.simulate import Topology
+    from refit_core.units import format_duration
 
     print(f"refit plan: relay fanout vs direct fanout, {relay.replicas} replicas, fanout {relay.fanout}, "
           f"simulated on {topology}:")
@@ -141,7 +142,7 @@ def _choose_relay(plan: Planner, relay: RelayOptions, topology: str) -> RelayCho
         label = ("direct fanout (no relay)" if prediction.baseline else
                  f"relay, {prediction.relay.direct} fed by trainers")
         assert prediction.predicted_s is not None  # every relay candidate is simulated
-        print(f"  {label:<32} {prediction.waves} wave(s): predicted {prediction.predicted_s * 1e3:9.1f} ms")
+        print(f"  {label:<32} {prediction.waves} wave(s): predicted {format_duration(prediction.predicted_s)}")
 
     choice = choose_relay(plan, relay, Topology.parse(topology), on_prediction=show)
     verdict = "direct fanout wins" if choice.chose_baseline else f"relay wins, {choice.speedup:.2f}x faster"

@@ -8,9 +8,12 @@ from refit_core.run.timing import Phase, StepTimeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TIMING_ATTEMPTS = 3
-"""The step lasts about 2 ms on CPU: a thread descheduled for 0.2 ms on a loaded 2-core machine leaves a
-gap that is the machine's, not refit's. The timing checks must hold in one of this many runs; the
-structural ones (spans, rounds, phases, no overlap) in every run."""
+"""The step lasts about 2 ms on CPU: a thread descheduled for a few ms on a loaded 2-core machine leaves a
+gap that is the machine's, not refit's. The one timing check (``COVERED``) must hold in one of this many
+runs; the structural ones (spans, rounds, phases, their order, no overlap) in every run."""
+COVERED = 0.5
+"""The least fraction of the step some span covers: a phase left unrecorded leaves more than half the step
+empty in every run; the machine's own gaps rarely do."""
 
 
 def test_bench_timeline_on_cpu_draws_a_png_of_non_overlapping_spans_that_cover_the_step(tmp_path):
@@ -31,13 +34,13 @@ def test_bench_timeline_on_cpu_draws_a_png_of_non_overlapping_spans_that_cover_t
             step = StepTimeline.from_json(rank["methods"]["refit"]["timeline"])
             assert step.spans and step.overlaps() == [], step
             assert all(0 <= s.start <= s.end <= step.seconds + 1e-6 for s in step.spans), step
-            first = min(s.start for s in step.spans)
-            last = max(s.end for s in step.spans)
-            if first > 0.05 * step.seconds:  # the header opens the step
-                timing.append(("first span starts at", first / step.seconds))
-            if last < 0.9 * step.seconds:  # the last transfer or unpack closes it
-                timing.append(("last span ends at", last / step.seconds))
-            if step.covered < 0.9:
+            first = min(step.spans, key=lambda s: (s.start, s.end))
+            last = max(step.spans, key=lambda s: (s.end, s.start))
+            # the header opens the step, the last round's transfer or unpack closes it: orderings, not fractions
+            assert first.phase is Phase.HEADER, first
+            last_round = max(s.round for s in step.spans)
+            assert last.phase in (Phase.TRANSFER, Phase.UNPACK) and last.round == last_round, last
+            if step.covered < COVERED:
                 timing.append(("covered", step.covered))
             assert len({s.round for s in step.spans if s.phase is not Phase.HEADER}) == 2  # 2 rounds of 1 MiB
             phases |= {s.phase for s in step.spans}

@@ -39,7 +39,7 @@ def old_toy_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_the_old_plugin_passes_the_conformance_kit(old_toy_env: dict[str, str]) -> None:
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
                           "always::DeprecationWarning", str(HERE / "test_toy_conformance.py")],
-                         env=old_toy_env, capture_output=True, text=True, timeout=600, cwd=HERE.parent.parent)
+                         env=old_toy_env, capture_output=True, text=True, timeout=300, cwd=HERE.parent.parent)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout
     # the kit ran the old code: its imports of the moved paths warned
@@ -49,7 +49,7 @@ def test_the_old_plugin_passes_the_conformance_kit(old_toy_env: dict[str, str]) 
 def test_the_old_plugin_runs_refit_demo(old_toy_env: dict[str, str]) -> None:
     out = subprocess.run([sys.executable, "-m", "refit_core", "demo", "--train", "toy", "--gen", "toy", "--steps", "2"],
                          env={**old_toy_env, "PYTHONWARNINGS": "always::DeprecationWarning"}, capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "verified OK" in out.stdout
     # the demo layouts came from the old Backend(demo_train_layout="dp=2", demo_gen_layout="dp=3")

@@ -41,8 +41,9 @@ def mismatched_setups(rank: int, world: int, cases: list[tuple[str, dict, dict, 
     return out
 
 
-def adopted_settings(rank: int, world: int, address: str, train_options: dict) -> dict:
-    """Gen sets nothing but its timeout: it adopts the train side's settings and refits bitwise."""
+def adopted_settings(rank: int, world: int, address: str, train_options: dict, gen_timeout_s: float) -> dict:
+    """Gen sets nothing but its own ``gen_timeout_s``: it adopts the train side's other settings and refits
+    bitwise."""
     if rank == 0:
         sender = RefitSender(ToyTrainer(0, 1), rendezvous=address, rank=0, world_size=1,
                              options=RefitOptions(**train_options))
@@ -55,7 +56,8 @@ def adopted_settings(rank: int, world: int, address: str, train_options: dict) -
         sender.close()
         return {"settings": settings.to_wire(), "fingerprint": fingerprint}
     engine = ToyEngine(0, 1)
-    receiver = RefitReceiver(engine, rendezvous=address, rank=0, world_size=1, options=RefitOptions(timeout_s=25))
+    receiver = RefitReceiver(engine, rendezvous=address, rank=0, world_size=1,
+                             options=RefitOptions(timeout_s=gen_timeout_s))
     receiver.setup()
     stats = receiver.receive()
     pieces = receiver.plugins.destination_map(engine).pieces

@@ -86,7 +86,7 @@ def test_a_rank_adopts_what_it_did_not_set_and_keeps_its_own_timeout():
     mine = RefitOptions(cast="strict", timeout_s=12)
     agreed = mine.agree_with(published, "gen rank 3")
     assert agreed.num_buffers == 2 and agreed.nccl.comms_per_link == 4 and agreed.bucket_bytes == 64 << 20
-    assert agreed.timeout_s == 12
+    assert published.timeout_s != 12 and agreed.timeout_s == 12
     with pytest.raises(PlanError, match=r"setting 'nccl.comms_per_link' disagrees: gen rank 3 set 2 but the "
                                         r"train side's rank 0 uses 4"):
         RefitOptions(nccl={"comms_per_link": 2}).agree_with(published, "gen rank 3")
@@ -139,8 +139,9 @@ def test_every_setting_set_differently_fails_setup_on_every_rank_naming_it():
 
 def test_gen_side_adopts_the_train_sides_settings_and_refits_bitwise():
     train_options = {"bucket_bytes": 1024, "num_buffers": 2, "messages": {"zero_copy": False}, "timeout_s": 25}
-    train, gen = spawn(adopted_settings, 2, f"127.0.0.1:{free_port()}", train_options, timeout_s=180)
-    assert gen["settings"] == {**train["settings"], "timeout_s": 25.0}
+    train, gen = spawn(adopted_settings, 2, f"127.0.0.1:{free_port()}", train_options, 20, timeout_s=180)
+    assert train["settings"]["timeout_s"] == 25.0  # each side keeps its own timeout: a shared one fails here
+    assert gen["settings"] == {**train["settings"], "timeout_s": 20.0}
     assert gen["settings"]["bucket_bytes"] == 1024 and gen["settings"]["messages"]["zero_copy"] is False
     assert gen["fingerprint"] == train["fingerprint"]
     assert gen["version"] == 7 and gen["mismatches"] == []

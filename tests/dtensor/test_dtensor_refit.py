@@ -77,6 +77,14 @@ def test_two_successive_refits_are_bitwise_equal_to_the_source_weights(refits, p
             assert checks[f"pieces_mismatch_{step}"] == [], f"gen rank {rank} step {step}"
 
 
+def _own_forward(pair: str, case: str) -> tuple[str, ...]:
+    """The checks of the gen side's own sharded forward: exact without tensor parallel, to 1e-5 with it
+    (sums reordered); none for a tensor-parallel MoE (its expert-parallel experts have no sharded forward)."""
+    if "tp=" not in PAIRS[pair][2]:
+        return ("own_forward_equal",)
+    return () if case.startswith("tiny-qwen3-moe:") else ("own_forward_close",)
+
+
 @pytest.mark.parametrize("pair,case", MATRIX, ids=_ids(MATRIX))
 def test_refitted_destination_gives_the_source_logits(refits, pair, case):
     _, gen = refits(pair)
@@ -84,7 +92,8 @@ def test_refitted_destination_gives_the_source_logits(refits, pair, case):
         for step in (1, 2):
             logits = result[case][f"logits_{step}"]
             assert logits["gathered_equal"]
-            assert logits.get("own_forward_equal", True) and logits.get("own_forward_close", True), logits
+            own = {key: value for key, value in logits.items() if key.startswith("own_forward")}
+            assert own == {key: True for key in _own_forward(pair, case)}, logits
     if pair.endswith("fsdp2"):
         assert all(r[case]["logits_2"]["own_forward_equal"] for r in gen)  # FSDP2 forward: exact
 

@@ -168,7 +168,8 @@ def test_fuzzed_piece_metadata_never_hangs_crashes_or_corrupts(side, kind, index
     assert not r["hung"], (case, r)
     for s in ("train", "gen"):
         exc = r[s]
-        assert r[f"{s}_seconds"] < 2 * DEADLINE_S + 2, (case, s, r)
+        # at most two waits of one deadline (setup, then the step), plus a loaded 2-core box's slack
+        assert r[f"{s}_seconds"] < 3 * DEADLINE_S, (case, s, r)
         if exc is None:
             continue
         if r.get(f"{s}_opened"):  # after the transport opened, only refit's own errors

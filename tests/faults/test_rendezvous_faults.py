@@ -136,15 +136,15 @@ def test_a_second_job_on_a_busy_port_gets_named_errors_and_the_first_job_is_unto
 
 def test_a_wrong_secret_is_refused_before_it_reads_or_writes():
     port = free_port()
-    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=10,
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=60,
                       credentials=JobCredentials("job", b"right"))
     try:
         host.publish("meta/train/0", [])
         start = time.monotonic()
         with pytest.raises(AuthenticationError, match="wrong secret|could not prove"):
-            Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=10,
+            Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=60,
                        credentials=JobCredentials("job", b"wrong"))
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # refused at once, not at the 60 s deadline (margin for a busy box)
         assert host.client.num_keys() == 1 and host.read("meta/train/0") == []
     finally:
         host.close()
@@ -223,7 +223,7 @@ def test_a_silent_listener_on_the_port_is_named_within_seconds():
         start = time.monotonic()
         with pytest.raises(RendezvousError, match="did not answer refit's greeting"):
             Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=60, handshake_s=2)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # the 2 s handshake ended it, not the 60 s deadline
         with pytest.raises(RendezvousError, match="could not host"):
             Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=60)
     finally:
@@ -257,7 +257,7 @@ def test_a_listener_that_closes_without_answering_is_named_after_the_grace_for_a
         start = time.monotonic()
         with pytest.raises(RendezvousError, match="does not speak refit's rendezvous protocol .* another program"):
             Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=60, handshake_s=2)
-        assert 2 <= time.monotonic() - start < 8
+        assert 2 <= time.monotonic() - start < 30  # after the 2 s grace, long before the 60 s deadline
     finally:
         stop.set()
         listener.join()

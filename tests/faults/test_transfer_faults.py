@@ -13,6 +13,10 @@ from refit_core.kit.launch import free_port
 
 TRAIN, GEN = 2, 2
 STEP_TIMEOUT_S = 8
+"""The deadline of a step whose rank is stopped: the survivors must wait it out (twice at most)."""
+KILLED_TIMEOUT_S = 30
+"""The deadline of a step whose rank is killed: a closed connection is seen at once, so every survivor
+ends in under half of it (a loaded 2-core box keeps that margin; an 8 s deadline did not)."""
 
 
 def run(scenario: Scenario) -> dict[int, dict]:
@@ -41,8 +45,9 @@ CASES = [  # (who, signal, mode)
 @pytest.mark.parametrize("who,sig,mode", CASES, ids=[f"{w}-{s.name}-{m}" for w, s, m in CASES])
 def test_a_rank_lost_mid_transfer_leaves_old_weights_or_reported_torn_ones(who, sig, mode):
     victim = 1 if who == "sender" else TRAIN + 1
-    results = run(Scenario(TRAIN, GEN, {"mode": mode, "timeout_s": STEP_TIMEOUT_S}, Fault(victim, sig)))
-    limit = 5 if sig == signal.SIGKILL else 2 * STEP_TIMEOUT_S + 5  # a closed connection is seen at once
+    deadline = KILLED_TIMEOUT_S if sig == signal.SIGKILL else STEP_TIMEOUT_S
+    results = run(Scenario(TRAIN, GEN, {"mode": mode, "timeout_s": deadline}, Fault(victim, sig)))
+    limit = 0.5 * KILLED_TIMEOUT_S if sig == signal.SIGKILL else 2 * STEP_TIMEOUT_S + 5
     for rank, r in results.items():
         if "error" in r:
             assert r["error"] in ("TransferError", "StepFailedError", "RendezvousError"), r

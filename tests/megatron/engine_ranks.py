@@ -83,7 +83,7 @@ def run_engine_ranks(tmp: str, model: str, layouts: list[str]) -> tuple[list[Any
     from refit_core.kit.launch import free_port, spawn
 
     out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()), tmp, model, layouts,
-                timeout_s=900)
+                timeout_s=180)  # about 11 s here; under pytest's 900 s per test, so the ranks' own errors come first
     return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
 
 

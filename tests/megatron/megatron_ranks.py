@@ -52,6 +52,14 @@ MODELS["mla-vllm"] = dict(MODELS["mla"], kv_lora_rank=512, qk_rope_head_dim=64, 
 width (kv_lora_rank 512 + rope 64); vLLM builds the router's expert bias for ``topk_method``
 ``noaux_tc`` only and scores with softmax unless told ``sigmoid`` (megatron's and HF's)."""
 GROUPED_GEMM = {"moe-legacy-grouped"}
+
+
+def predicts_layout(model: str) -> bool:
+    """True where ``refit_megatron.layout.layout_pieces`` predicts ``model``'s pieces, so its train ranks
+    check ``metadata_layout_equal``; False for legacy GroupedMLP's fused expert weights (no prediction)."""
+    return model not in GROUPED_GEMM
+
+
 HF_BUFFER_MODELS = {"mla", "mla-no-q-lora"}
 """transformers keeps DeepSeek-V3's ``e_score_correction_bias`` as a buffer, which a DTensor
 destination does not list: the router's expert bias is checked into vLLM instead."""
@@ -335,7 +343,7 @@ def _train_case(rank: int, layout_name: str, model: str, address: str, tmp: str)
     checks: dict[str, Any] = {}
     live = live_pieces(source)
     checks["views_share_parameter_memory"] = _views_are_parameter_memory(live, chunks)
-    if model not in GROUPED_GEMM:
+    if predicts_layout(model):
         predicted = layout_pieces(config, layout, rank)
         checks["metadata_layout_equal"] = _layout_keys(live) == _layout_keys(predicted)
     sender = RefitSender(source, rendezvous=address, rank=rank, world_size=TRAIN_WORLD,

@@ -21,6 +21,7 @@ from megatron_ranks import (
     TRAIN_WORLD,
     case_id,
     cases,
+    predicts_layout,
     refit_ranks,
 )
 
@@ -30,6 +31,7 @@ require("megatron.core")
 require("refit_dtensor")
 
 CASES = [case_id(layout, model) for layout, model in cases()]
+MODEL_OF = {case_id(layout, model): model for layout, model in cases()}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def results(request, tmp_path_factory):
     selected = [c for c in cases() if case_id(*c) in wanted]  # only what was collected (``-k pp2-uneven``)
     ports = (free_port(), free_port())
     out = spawn(refit_ranks, TRAIN_WORLD + GEN_WORLD, ports, str(tmp_path_factory.mktemp("mg")), selected,
-                timeout_s=1500)
+                timeout_s=300)  # all 26 cases: 82 s on a loaded 2-core box; under pytest's 900 s per test
     return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
 
 
@@ -60,7 +62,10 @@ def test_pieces_are_views_of_parameters_and_metadata_layout_matches(results, cas
     train, _ = results
     for rank, result in enumerate(train):
         assert result[case]["views_share_parameter_memory"], f"train rank {rank}"
-        assert result[case].get("metadata_layout_equal", True), f"train rank {rank}: refit plan layout differs"
+        if predicts_layout(MODEL_OF[case]):
+            assert result[case]["metadata_layout_equal"], f"train rank {rank}: refit plan layout differs"
+        else:
+            assert "metadata_layout_equal" not in result[case], f"train rank {rank}"
 
 
 @pytest.mark.parametrize("case", [case_id(layout, model) for layout, model in sorted(FORWARD_CASES)])

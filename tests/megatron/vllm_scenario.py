@@ -45,6 +45,11 @@ from vllm_weights import LoadedWeights, differences, engine_model, reload_refere
 NEW_TOKENS = 12
 
 
+TRAINERS_TIMEOUT_S = 240
+"""The train ranks' deadline for every layout; under ``SCENARIO_TIMEOUT_S`` (the test's wait for this
+process) so that their own error, not a kill from outside, reports a stuck rank."""
+
+
 class Trainers:
     """The train ranks on a background thread (``spawn``); ``join`` returns their results or error."""
 
@@ -56,7 +61,8 @@ class Trainers:
 
         def run() -> None:
             try:
-                self.results = spawn(train_ranks, TRAIN_WORLD, listen_port(), tmp, model, layouts, timeout_s=900)
+                self.results = spawn(train_ranks, TRAIN_WORLD, listen_port(), tmp, model, layouts,
+                                     timeout_s=TRAINERS_TIMEOUT_S)
             except BaseException as exc:  # noqa: BLE001 - reported in the result
                 self.error = str(exc)[-4000:]
 
@@ -64,7 +70,7 @@ class Trainers:
         self.thread.start()
 
     def join(self) -> None:
-        self.thread.join(900)
+        self.thread.join(TRAINERS_TIMEOUT_S + 30)  # the spawn's own deadline ends it first, with the ranks' errors
 
 
 def hf_greedy_gap(model_dir: str, prompts: list[list[int]], got: list[list[int]]) -> float:
