@@ -44,9 +44,10 @@ SCENARIO = Path(__file__).with_name("vllm_scenario.py")
 FAMILIES = {model: [name for name, (_, models) in LAYOUTS.items() if model in models] for model in ("dense", "moe")}
 FAMILIES["mla-vllm"] = [name for name, (_, models) in LAYOUTS.items() if {"mla", "mla-no-q-lora"} & set(models)]
 NEAR_TIE = {"dense": 0.0, "moe": 0.0, "mla-vllm": 1e-2}
-SCENARIO_TIMEOUT_S = 360
-"""The wait for one scenario process: above its trainers' deadline (240 s; a whole scenario took 33 s here), under pytest's 900 s per test."""
 """Largest logit gap allowed between HF's argmax and vLLM's greedy token."""
+SCENARIO_TIMEOUT_S = 360
+"""The wait for one scenario process: above its trainers' deadline (240 s; a whole scenario took 33 s
+here), under pytest's 900 s per test."""
 
 
 def run_scenario(model: str, layouts: list[str]) -> dict:
