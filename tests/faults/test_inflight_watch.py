@@ -126,3 +126,27 @@ def test_a_process_ends_cleanly_while_gloo_still_holds_a_wait_it_abandoned(hook,
         assert "ends once gloo releases a transfer it abandoned" in out.stderr
     else:  # the crash the hook prevents (it shows the test reproduces it)
         assert out.returncode != 0 and "terminate called" in out.stderr, (out.returncode, out.stderr)
+
+
+def test_an_unreachable_store_dooms_a_wait_on_its_host_at_once_and_others_after_a_grace():
+    """A trainer may end right after its last send: its store going away dooms a wait on train rank 0 at
+    once, and a wait on another rank (whose messages may still be arriving) only after a grace."""
+    from refit_core.kit.launch import free_port
+    from refit_core.net.auth import JobCredentials
+    from refit_core.net.rendezvous import Rendezvous
+
+    port, credentials = free_port(), JobCredentials("job", b"secret")
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=10, credentials=credentials)
+    rank = Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=10, credentials=credentials)
+    watch = StoreWatch(rank.client, {Side.TRAIN: 2, Side.GEN: 1}, store_loss_grace_s=0.5)
+    try:
+        assert watch.lost(1) is None and watch.lost(0) is None
+        host.close()
+        assert watch.lost(1) is None  # train rank 1's messages may still arrive
+        loss = watch.lost(0)
+        assert loss is not None and loss.rank == 0 and "hosts the rendezvous, which is unreachable" in loss.reason
+        time.sleep(0.6)
+        late = watch.lost(1)
+        assert late is not None and late.rank == 0, late
+    finally:
+        rank.close()

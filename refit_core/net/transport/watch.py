@@ -16,6 +16,7 @@ awaited peer's *gone* record); a healthy step whose waits end within :data:`FIRS
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +32,8 @@ MAX_CHECK_S = 1.0
 """The longest interval between two questions to the watch."""
 REASON_CHARS = 400
 """How much of a rank's reason for giving up the store keeps."""
+STORE_LOSS_GRACE_S = 2.0
+"""How long a wait on a rank other than the store's host goes on once the store is unreachable."""
 
 
 @dataclass(frozen=True)
@@ -69,18 +72,26 @@ class PeerWatch(Protocol):
 
     def lost(self, peer: int) -> PeerLoss | None:
         """The loss that dooms the current step (``peer``, the one waited on, is gone, or any rank gave
-        up), or None."""
+        up), or None (none known: an unreachable store dooms only a wait on its host)."""
 
     def give_up(self, rank: int, reason: str) -> None:
         """Rank ``rank`` (this one) gives up on the current step: tell the others (best effort)."""
 
 
 class StoreWatch:
-    """A :class:`PeerWatch` over the rendezvous store (the refit's :class:`~refit_core.net.store.StoreClient`)."""
+    """A :class:`PeerWatch` over the rendezvous store (the refit's :class:`~refit_core.net.store.StoreClient`).
 
-    def __init__(self, store: dist.Store, sizes: Mapping[Side, int]) -> None:
+    An unreachable store dooms a wait on its host (train rank 0) at once, and a wait on any other rank
+    once the store has been unreachable for ``store_loss_grace_s``: a trainer may end right after its
+    last send while the other ranks' messages are still arriving.
+    """
+
+    def __init__(self, store: dist.Store, sizes: Mapping[Side, int],
+                 store_loss_grace_s: float = STORE_LOSS_GRACE_S) -> None:
         self.store = store
         self.names = RankNames(sizes[Side.TRAIN])
+        self.store_loss_grace_s = store_loss_grace_s
+        self._store_lost_at: float | None = None  # when a check first found the store unreachable
 
     def lost(self, peer: int) -> PeerLoss | None:
         try:
@@ -91,7 +102,11 @@ class StoreWatch:
                 return PeerLoss(peer, "is gone: its connection to the rendezvous closed without a goodbye "
                                       "(it exited or was killed)")
         except RuntimeError as exc:  # RefitError too: the store's host (train rank 0) is unreachable
-            return PeerLoss(0, f"hosts the rendezvous, which is unreachable ({str(exc)[:REASON_CHARS]})")
+            now = time.monotonic()
+            if self._store_lost_at is None:
+                self._store_lost_at = now
+            if peer == 0 or now - self._store_lost_at >= self.store_loss_grace_s:
+                return PeerLoss(0, f"hosts the rendezvous, which is unreachable ({str(exc)[:REASON_CHARS]})")
         return None
 
     def give_up(self, rank: int, reason: str) -> None:
@@ -101,4 +116,4 @@ class StoreWatch:
             pass
 
 
-__all__ = ["FIRST_CHECK_S", "MAX_CHECK_S", "PeerLoss", "PeerWatch", "RankNames", "StoreWatch"]
+__all__ = ["FIRST_CHECK_S", "MAX_CHECK_S", "STORE_LOSS_GRACE_S", "PeerLoss", "PeerWatch", "RankNames", "StoreWatch"]
