@@ -3,9 +3,10 @@
 What a plugin speaks to refit (the data model, ``Backend``, ``hookimpl``, settings, errors) is in
 :mod:`refit_core`; what it may use to build its pieces, its demo programs and its tests is here: model
 inventories and reference weights, load tracing and planning for engines, tensor-parallel decoder layouts,
-bitwise verification, the serving guard and the engine-wide serving verdict, rank launching, ``refit demo``
-programs (:class:`DemoPrograms`, registered through the hook ``refit_register_demos`` of
-:class:`refit_core.kit.demo.DemoHookspecs`), RL-loop pieces and the Ray driver. The conformance kit is
+bitwise verification (:func:`same_bytes`: equal bytes, not equal values), the serving guard and the
+engine-wide serving verdict, rank launching, ``refit demo`` programs (:class:`DemoPrograms`, registered
+through the hook ``refit_register_demos`` of :class:`refit_core.kit.demo.DemoHookspecs`), RL-loop pieces
+and the Ray driver. The conformance kit is
 :mod:`refit_core.testing`.
 
 The submodules of this package are internal paths: import their names from here. The Ray names
@@ -66,7 +67,7 @@ from refit_core.kit.serving import (
     settle_serving,
 )
 from refit_core.kit.tplayout import EngineRank, decoder_pieces
-from refit_core.kit.verify import mismatches, quantized_reference, reference_region
+from refit_core.kit.verify import mismatches, quantized_reference, reference_region, same_bytes
 from refit_core.plan.regions import BoxIndex, first_overlap
 from refit_core.units import format_bytes, format_duration
 
@@ -86,6 +87,7 @@ __all__ = [
     "gather_reports", "head_dim", "load_config", "meta_copy", "mismatches", "model_inventory", "num_experts",
     "own_rank_state", "plan_model", "quantized_reference", "read_env", "reference_region", "reference_state_dict",
     "reference_tensor", "refuse_engine", "refuse_serving", "resume_engine", "resume_serving", "safetensors_specs",
+    "same_bytes",
     "send_versions", "serving_verdict", "settle_serving", "spawn", "torn_tensors", "trace_loads", "train_demo",
     "transformers_config", "view_as_box",
 ]

@@ -12,6 +12,32 @@ from refit_core.contract.pieces import Piece
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.run.quant.reference import reference_quantize
 
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of each element width: what a tensor's bytes are compared as."""
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as integers (one per element where a same-width integer dtype exists, else
+    one per byte), from a contiguous copy where it is strided."""
+    tensor = tensor.detach().contiguous()
+    word = _WORDS.get(tensor.element_size())
+    if word is not None and not tensor.is_complex():
+        return tensor.view(word)
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if ``a`` and ``b`` have the same dtype and shape and every element has the same bytes
+    (-0.0 differs from 0.0, a NaN equals only a NaN with the same payload); False otherwise.
+
+    Strided tensors compare by their elements, not their storage; ``b`` is copied to ``a``'s device if
+    it is elsewhere. This is what "bitwise" means in refit: ``torch.equal`` calls -0.0 equal to 0.0
+    and a NaN unequal to itself.
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(_words(a), _words(b.to(a.device)))
+
 
 def reference_region(piece: Piece, reference: Mapping[str, torch.Tensor],
                      naming: ExpertNaming | None = None) -> torch.Tensor:
@@ -60,15 +86,12 @@ def quantized_reference(reference: Mapping[str, torch.Tensor], pieces: Sequence[
 
 def mismatches(pieces: Sequence[Piece], reference: Mapping[str, torch.Tensor],
                naming: ExpertNaming | None = None) -> list[str]:
-    """Names and boxes of every piece whose view differs from the reference, bit for bit."""
+    """Names and boxes of every piece whose view differs from the reference, bit for bit (see
+    :func:`same_bytes`)."""
     bad = []
     for piece in pieces:
         if piece.view is None:
             continue
-        expected = reference_region(piece, reference, naming)
-        view = piece.view.cpu()
-        if view.element_size() == 1:  # FP8: compare bits (NaN != NaN, and torch.equal may not know the dtype)
-            view, expected = view.view(torch.uint8), expected.contiguous().view(torch.uint8)
-        if not torch.equal(view, expected.cpu()):
+        if not same_bytes(reference_region(piece, reference, naming), piece.view):
             bad.append(f"{piece.spec.name}{piece.box}")
     return bad

@@ -20,6 +20,7 @@ from refit_core.contract.layout import ParallelLayout
 from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourcePiece
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import reference_tensor
+from refit_core.kit.verify import same_bytes
 
 REFERENCE_BACKEND = "refit-reference"
 REFERENCE_PLUGIN = "refit-reference"
@@ -110,8 +111,9 @@ class ReferenceEngine(_ReferenceModel):
     dim_of_split = -1
 
     def differences(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Name and box of every tensor whose bytes differ from ``state``'s (see :func:`same_bytes`)."""
         return [f"{name}{self.boxes[name]}" for name, tensor in self.tensors.items()
-                if not torch.equal(tensor, self.boxes[name].slice_of(state[name]).to(tensor.dtype))]
+                if not same_bytes(tensor, self.boxes[name].slice_of(state[name]).to(tensor.dtype))]
 
 
 class ReferencePlugin:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from refit_core.contract.options import StridedCopy
+from refit_core.kit import same_bytes
 from refit_core.run.copies import CopyProgram, blocks, coalesce, pitched, widen
 
 
@@ -17,10 +18,6 @@ def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch
     gen = torch.Generator().manual_seed(seed)
     size = torch.Size(shape).numel() * dtype.itemsize
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 def _expected(dst: torch.Tensor, pairs, pair_of) -> torch.Tensor:
@@ -47,7 +44,7 @@ def test_expert_gate_and_up_halves_become_one_contiguous_copy():
     assert merged[0][0].is_contiguous() and merged[0][1].is_contiguous()
     program = CopyProgram(pairs)
     program.run()
-    assert torch.equal(_bits(w13), _bits(fc1))
+    assert same_bytes(w13, fc1)
     assert program.counts.launches == 1 and program.counts.strided == 0
 
 
@@ -62,7 +59,7 @@ def test_halves_that_are_not_neighbours_in_the_source_become_one_strided_copy():
     merged = coalesce(pairs)
     assert len(merged) == 1 and merged[0][1].shape == (2, experts, half, hidden)
     CopyProgram(pairs).run()
-    assert torch.equal(_bits(w13), _bits(torch.cat([fc1[:, :half], fc1[:, inter:inter + half]], dim=1)))
+    assert same_bytes(w13, torch.cat([fc1[:, :half], fc1[:, inter:inter + half]], dim=1))
 
 
 def test_strided_same_dtype_copies_move_as_wide_words_bit_for_bit():
@@ -72,7 +69,7 @@ def test_strided_same_dtype_copies_move_as_wide_words_bit_for_bit():
     wide_dst, wide_src = widen(dst, qkv[:, :q])
     assert wide_dst.dtype == wide_src.dtype == torch.int64 and wide_src.shape == (groups, q, hidden // 4)
     wide_dst.copy_(wide_src)
-    assert torch.equal(_bits(dst), _bits(qkv[:, :q]))
+    assert same_bytes(dst, qkv[:, :q])
     odd = torch.zeros(3, 5, dtype=torch.bfloat16)  # 10-byte rows: 2-byte words only, left alone
     assert widen(odd, torch.ones(3, 5, dtype=torch.bfloat16))[0].dtype == torch.bfloat16
     cast = widen(torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(4, 8))  # a cast is never reinterpreted
@@ -93,7 +90,7 @@ def test_small_copies_are_batched_per_dtype_pair_and_large_ones_run_alone():
     assert program.counts.launches == 2  # one batch of same-dtype expert copies, one of the cast
     assert program.counts.batched == experts + 1 and program.counts.segments == experts + 1
     program.run()
-    assert torch.equal(_bits(dst), _bits(src)) and torch.equal(norms_dst, norms_src.to(torch.bfloat16))
+    assert same_bytes(dst, src) and same_bytes(norms_dst, norms_src.to(torch.bfloat16))
     alone = CopyProgram(pairs, batch_below=1)
     assert alone.counts.launches == experts + 1 and alone.counts.batched == 0
 
@@ -123,7 +120,7 @@ def test_random_layouts_land_exactly_as_plain_copies(seed):
     expected = _expected(dst, pairs, _same_view)
     program = CopyProgram(pairs, batch_below=rng.choice([1, 64, 1 << 20]))
     program.run()
-    assert torch.equal(_bits(dst), _bits(expected))
+    assert same_bytes(dst, expected)
     assert program.counts.segments == len(pairs) and program.counts.copies <= len(pairs)
 
 
@@ -156,7 +153,7 @@ def test_every_strided_variant_moves_the_same_bits(strided, dtype):
     assert torch.isnan(expected.float()).any()  # the test data holds NaN bit patterns
     program = CopyProgram(pairs, batch_below=1, strided=strided, min_block_bytes=1)
     program.run()
-    assert torch.equal(_bits(out), _bits(expected))
+    assert same_bytes(out, expected)
     assert program.counts.strided == 3 and program.counts.strided_bytes == out.numel() * dtype.itemsize
     launches = {StridedCopy.KERNEL: 3, StridedCopy.BLOCKS: 12, StridedCopy.FOREACH: 1, StridedCopy.MEMCPY2D: 3}
     assert program.counts.launches == launches[strided]  # memcpy2d: CUDA only, a strided kernel on CPU
@@ -168,7 +165,7 @@ def test_blocks_below_the_minimum_stay_one_strided_copy(strided):
     program = CopyProgram(pairs, batch_below=1, strided=strided, min_block_bytes=1 << 20)
     assert program.counts.launches == 3  # 256-byte blocks: not worth a launch (or a foreach entry) each
     program.run()
-    assert torch.equal(_bits(out), _bits(_expected(torch.zeros_like(out), pairs, _same_view)))
+    assert same_bytes(out, _expected(torch.zeros_like(out), pairs, _same_view))
 
 
 def test_blocks_split_a_copy_into_contiguous_pairs_or_refuse():
@@ -230,9 +227,9 @@ def test_staging_copies_move_a_round_of_many_blocks_in_few_launches_into_any_buf
     if into_buffer:
         copies.run(buffer)
         for view, staged in zip(local, views_of(buffer)):
-            assert torch.equal(_bits(staged), _bits(view))
+            assert same_bytes(staged, view)
     else:
-        expected = [_bits(s).clone() for s in views_of(buffer)]
+        expected = [s.clone() for s in views_of(buffer)]
         copies.run(buffer)
         for view, want in zip(local, expected):
-            assert torch.equal(_bits(view), want)
+            assert same_bytes(view, want)

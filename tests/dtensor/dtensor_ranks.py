@@ -20,6 +20,7 @@ from refit_dtensor.names import named_parameters
 
 from refit_core import DestinationPiece, ParallelLayout, SourcePiece
 from refit_core.kit.models import PRESETS
+from refit_core.kit import same_bytes
 
 torch.set_num_threads(1)
 
@@ -72,7 +73,7 @@ def assemble(per_rank: list[list[tuple[str, tuple, Any, torch.Tensor]]],
                 full[name] = torch.zeros(shape, dtype=values.dtype)
                 covered[name] = torch.zeros(shape, dtype=torch.bool)
             region, mask = box.slice_of(full[name]), box.slice_of(covered[name])
-            if mask.any() and not torch.equal(region[mask], values[mask]):
+            if mask.any() and not same_bytes(region[mask], values[mask]):
                 problems.append(f"{name}{box}: replicas differ")
             region.copy_(values)
             mask.fill_(True)
@@ -81,7 +82,7 @@ def assemble(per_rank: list[list[tuple[str, tuple, Any, torch.Tensor]]],
             problems.append(f"{name}: held by no rank")
         elif not covered[name].all():
             problems.append(f"{name}: {int((~covered[name]).sum())} elements held by no rank")
-        elif not torch.equal(full[name], tensor):
+        elif not same_bytes(full[name], tensor):
             problems.append(f"{name}: differs from the reference")
     problems += [f"{name}: unexpected" for name in full if name not in reference]
     return problems
@@ -228,7 +229,7 @@ def refit_ranks(rank: int, world: int, train_world: int, ports: list[int], src_l
             everyone = _gather([(p.spec.name, p.spec.shape, p.box, p.view.clone()) for p in live], side_world)
             checks["pieces_vs_transformers"] = assemble(everyone, hf_checkpoint(plain)) if side_rank == 0 else []
             reference_params = dict(plain.named_parameters())
-            checks["full_tensor_equal"] = all(torch.equal(_full(p), reference_params[n].detach())
+            checks["full_tensor_equal"] = all(same_bytes(_full(p), reference_params[n].detach())
                                               for n, p in named_parameters(model))
         truths = [torch.load(os.path.join(truth_dir, f"{case['model']}-{s}.pt")) for s in STEPS]
         address = f"127.0.0.1:{ports[2 + index]}"
@@ -238,7 +239,7 @@ def refit_ranks(rank: int, world: int, train_world: int, ports: list[int], src_l
             for step, truth in zip(STEPS, truths):
                 load_hf_weights(model, reference_state_dict(config, SEED, step))
                 checks[f"source_equal_{step}"] = all(
-                    torch.equal(_full(p), truth["params"][n]) for n, p in named_parameters(model))
+                    same_bytes(_full(p), truth["params"][n]) for n, p in named_parameters(model))
                 checks[f"sent_bytes_{step}"] = endpoint.send(version=step).bytes
         else:
             endpoint = RefitReceiver(model, rendezvous=address, rank=side_rank, world_size=side_world,
@@ -254,7 +255,7 @@ def refit_ranks(rank: int, world: int, train_world: int, ports: list[int], src_l
                     expected["lm_head.weight"] = truth["tied"]["lm_head.weight"].to(dtype)
                 checks[f"params_mismatch_{step}"] = sorted(
                     n for n in set(expected) | set(full)
-                    if n not in full or n not in expected or not torch.equal(full[n], expected[n]))
+                    if n not in full or n not in expected or not same_bytes(full[n], expected[n]))
                 checks[f"pieces_mismatch_{step}"] = mismatches(
                     endpoint.plugins.destination_map(model).pieces, reference_state_dict(config, SEED, step))
                 checks[f"logits_{step}"] = _logits(model, config, full, truth["logits"], layout, dtype)

@@ -14,6 +14,7 @@ import torch
 
 from refit_core import Box, DestinationMap, DestinationPiece, SourcePiece, TensorSpec, hookimpl
 from refit_core.contract.plugins import PluginManager
+from refit_core.kit import same_bytes
 
 TENSORS, ROWS, COLS = 16, 2048, 512  # 4 MiB a tensor, 64 MiB a step, 16 MiB a pair
 BUCKET_BYTES = 1 << 20
@@ -66,8 +67,8 @@ class BigEngine:
         out = {}
         for name, shard in self.shards.items():
             cols = slice(self.start, self.start + shard.shape[1])
-            out[name] = ("old" if torch.equal(shard, before[name][:, cols]) else
-                         "new" if torch.equal(shard, after[name][:, cols]) else "mixed")
+            out[name] = ("old" if same_bytes(shard, before[name][:, cols]) else
+                         "new" if same_bytes(shard, after[name][:, cols]) else "mixed")
         return out
 
 

@@ -16,6 +16,7 @@ from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
+from refit_core.kit import same_bytes
 from refit_core.kit.verify import reference_region
 
 OLD_STEP, NEW_STEP = 0, 1  # reference weights of the good step and of the step the fault hits
@@ -66,8 +67,8 @@ def _state(engine: ToyEngine, receiver: RefitReceiver) -> dict[str, str]:
     out = {}
     for piece in receiver.plugins.destination_map(engine).pieces:
         held = piece.view
-        out[piece.spec.name] = ("old" if torch.equal(held, reference_region(piece, old)) else
-                                "new" if torch.equal(held, reference_region(piece, new)) else "mixed")
+        out[piece.spec.name] = ("old" if same_bytes(held, reference_region(piece, old)) else
+                                "new" if same_bytes(held, reference_region(piece, new)) else "mixed")
     return out
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
 from refit_core.contract.plugins import PluginManager
+from refit_core.kit import same_bytes
 from refit_core.kit.models import load_config
 from refit_core.run.quant.reference import reference_quantize
 from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, register
@@ -156,18 +157,13 @@ def _inject(endpoint: Any, fault: str) -> None:
 
 def _states(model: Any, old_seed: int, new_seed: int) -> dict[str, str]:
     """Every tensor this gen rank holds: "old", "new" or "mixed" (compared bit for bit)."""
-    import torch
-
-    def bits(t: Any) -> Any:
-        return t.contiguous().view(torch.uint8)
-
     old, new = dict(model.expected(old_seed, reference_quantize)), dict(model.expected(new_seed, reference_quantize))
     out = {}
     for name, pieces in model.by_name().items():
-        held = [bits(p.view) for p in pieces]
-        if all(torch.equal(h, bits(p.box.slice_of(old[name]))) for h, p in zip(held, pieces)):
+        held = [p.view for p in pieces]
+        if all(same_bytes(h, p.box.slice_of(old[name])) for h, p in zip(held, pieces)):
             out[name] = "old"
-        elif all(torch.equal(h, bits(p.box.slice_of(new[name]))) for h, p in zip(held, pieces)):
+        elif all(same_bytes(h, p.box.slice_of(new[name])) for h, p in zip(held, pieces)):
             out[name] = "new"
         else:
             out[name] = "mixed"

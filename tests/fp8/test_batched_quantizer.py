@@ -19,16 +19,12 @@ import torch
 from batch_cases import batch_boxes, box_results
 
 from tests.environments import require
-
+from refit_core.kit import same_bytes
 from refit_core.run.quant.batched import BoxByBox, quantize_batch
 from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import reference_quantize
 
 triton = require("triton")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 def test_on_cpu_every_box_is_quantized_box_by_box_and_matches_the_reference():
@@ -40,13 +36,14 @@ def test_on_cpu_every_box_is_quantized_box_by_box_and_matches_the_reference():
     for box in boxes:
         values, scales = box_results(buffer, box)
         want_values, want_scales = reference_quantize(box.source, box.quant)
-        assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(scales, want_scales), box.quant
+        assert same_bytes(values, want_values) and same_bytes(scales, want_scales), box.quant
 
 
 INTERPRETED = textwrap.dedent("""
     import sys
     import torch
     sys.path.insert(0, "tests/fp8")
+    from refit_core.kit import same_bytes
     from refit_core.run.quant.reference import reference_quantize
     from refit_core.run.quant.boxes import BoxToQuantize
     from refit_core.run.quant.triton_blocks import GroupKey, TritonBlockBatch, vector_aligned
@@ -71,14 +68,14 @@ INTERPRETED = textwrap.dedent("""
     for box in boxes:
         values, scales = box_results(buffer, box)
         want_values, want_scales = reference_quantize(box.source, box.quant)
-        assert torch.equal(scales, want_scales), ("scales", box.quant)
-        assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)), ("values", box.quant)
+        assert same_bytes(scales, want_scales), ("scales", box.quant)
+        assert same_bytes(values, want_values), ("values", box.quant)
     for source, values, scales, quant in strided_targets(make):  # straight into slices of engine tensors
         box = BoxToQuantize.into_tensors(source, values, scales, quant)
         TritonBlockBatch([box], GroupKey(torch.bfloat16, quant.dtype, 128, 128, vector_aligned(box))).run_at_addresses()
         want_values, want_scales = reference_quantize(source, quant)
-        assert torch.equal(scales, want_scales), ("scales", quant)
-        assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)), ("values", quant)
+        assert same_bytes(scales, want_scales), ("scales", quant)
+        assert same_bytes(values, want_values), ("values", quant)
     print("interpreted ok", len(boxes))
 """)
 

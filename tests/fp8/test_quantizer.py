@@ -11,16 +11,13 @@ import torch
 from refit_core.contract.errors import PlanError
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, Quantization, QuantScheme, QuantSite, TensorSpec
+from refit_core.kit import same_bytes
 from refit_core.plan.reference import plan_transfers
 from refit_core.plan.schedule import build_schedule
 from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import dequantize, reference_quantize
 
 E4M3 = torch.float8_e4m3fn
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 QUANTS = [
@@ -42,7 +39,7 @@ def test_fast_quantizer_matches_the_reference_bitwise(label, quant, shape, dtype
     x[(0,) * (len(shape) - 2)][:4, :4] = 0  # an all-zero corner (a zero block for small blocks)
     values, scales = reference_quantize(x, quant)
     fast_values, fast_scales = Quantizer(compiled=False).quantize(x, quant)
-    assert _bits_equal(values, fast_values) and _bits_equal(scales, fast_scales)
+    assert same_bytes(values, fast_values) and same_bytes(scales, fast_scales)
     assert scales.shape == quant.scale_shape(shape) and values.dtype == quant.dtype
     error = (dequantize(values, scales, quant) - x.float()).abs()
     block_scale = dequantize(torch.ones(shape).to(quant.dtype), scales, quant)
@@ -59,7 +56,7 @@ def test_fast_quantizer_reads_strided_views_in_place():
     scales = torch.empty(quant.scale_shape(tuple(view.shape)))
     Quantizer(compiled=False).quantize_into(view, values, scales, quant)
     want_values, want_scales = reference_quantize(view.contiguous(), quant)
-    assert _bits_equal(values, want_values) and _bits_equal(scales, want_scales)
+    assert same_bytes(values, want_values) and same_bytes(scales, want_scales)
 
 
 def test_geometry():
@@ -171,4 +168,4 @@ def test_compiled_quantizer_matches_the_reference_bitwise():
         view = base[shape[0]:]
         values, scales = quantizer.quantize(view, quant)
         want_values, want_scales = reference_quantize(view, quant)
-        assert _bits_equal(values, want_values) and _bits_equal(scales, want_scales)
+        assert same_bytes(values, want_values) and same_bytes(scales, want_scales)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.environments import BY_DESIGN
-
+from refit_core.kit import same_bytes
 from refit_core.contract.spec import Quantization
 from refit_core.kit.models import PRESETS
 from refit_core.run.quant.batched import Batches, quantize_batch
@@ -28,10 +28,6 @@ from batch_cases import batch_boxes, box_results, strided_targets
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{BY_DESIGN}needs CUDA")]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).cpu()
-
-
 @pytest.mark.parametrize("quant,shape", [
     (Quantization.block_fp8("s", (128, 128)), (640, 384)),
     (Quantization.block_fp8("s", (128, 128)), (200, 130)),
@@ -42,7 +38,7 @@ def test_compiled_cuda_quantizer_matches_the_reference(quant, shape):
     view = base[shape[0]:]  # a strided slice, as the sender reads fused parameters
     values, scales = Quantizer(compiled=True).quantize(view, quant)
     want_values, want_scales = reference_quantize(view, quant)
-    assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
+    assert same_bytes(values, want_values) and same_bytes(scales, want_scales)
 
 
 def test_compiled_quantizer_writes_fp8_views_of_a_byte_buffer_without_falling_back():
@@ -56,7 +52,7 @@ def test_compiled_quantizer_writes_fp8_views_of_a_byte_buffer_without_falling_ba
     quantizer = Quantizer(compiled=True)
     quantizer.quantize_into(x, values, scales, quant)
     want_values, want_scales = reference_quantize(x, quant)
-    assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
+    assert same_bytes(values, want_values) and same_bytes(scales, want_scales)
     from refit_core.run.quant.fast import quantized_3d
     assert quantizer._kernel is not quantized_3d, "the compiled quantizer fell back to eager"
 
@@ -73,8 +69,8 @@ def test_batched_triton_quantizer_matches_the_reference_bitwise(dtype):
     for box in boxes:
         values, scales = box_results(buffer, box)
         want_values, want_scales = reference_quantize(box.source, box.quant)
-        assert torch.equal(_bits(values), _bits(want_values)), box.quant
-        assert torch.equal(_bits(scales), _bits(want_scales)), box.quant
+        assert same_bytes(values, want_values), box.quant
+        assert same_bytes(scales, want_scales), box.quant
 
 
 def test_batched_triton_quantizer_writes_slices_of_engine_tensors_bitwise():
@@ -88,7 +84,7 @@ def test_batched_triton_quantizer_writes_slices_of_engine_tensors_bitwise():
         assert key is not None
         TritonBlockBatch([box], key).run_at_addresses()
         want_values, want_scales = reference_quantize(source, quant)
-        assert torch.equal(_bits(values), _bits(want_values)) and torch.equal(_bits(scales), _bits(want_scales))
+        assert same_bytes(values, want_values) and same_bytes(scales, want_scales)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"{BY_DESIGN}needs 2 CUDA GPUs")

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from refit_core.kit import same_bytes
+
 
 class LoadedWeights:
     """Records ``{parameter name: values}`` of every layer vLLM processes while active."""
@@ -102,10 +104,6 @@ def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     out += [f"{n}: not written by the refit" for n in sorted(set(want) - set(got))]
     for name in sorted(set(got) & set(want)):
         a, b = got[name], want[name]
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(_bytes(a), _bytes(b)):
+        if not same_bytes(a, b):
             out.append(f"{name}: differs")
     return out
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().reshape(-1).view(torch.uint8)

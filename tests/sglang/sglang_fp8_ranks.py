@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout
+from refit_core.kit import same_bytes
 from refit_core.kit.models import PRESETS, reference_state_dict
 
 torch.set_num_threads(1)
@@ -65,14 +66,10 @@ def quantized_checkpoint(preset: str, specs: list, step: int) -> dict[str, torch
     return out
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8)
-
-
 def _mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
     mine, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
     return sorted(n for n in set(mine) | set(theirs) if n not in mine or n not in theirs
-                  or mine[n].dtype != theirs[n].dtype or not torch.equal(_bits(mine[n]), _bits(theirs[n])))
+                  or not same_bytes(mine[n], theirs[n]))
 
 
 def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: list[str]) -> dict[str, Any]:
@@ -108,8 +105,8 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: l
             checks[f"mismatch_{step}"] = _mismatches(model, reference)
             checks[f"fp8_changed_{step}"] = sorted(
                 n for n, p in model.named_parameters() if p.element_size() == 1 and step > 1
-                and not torch.equal(_bits(p), checks.get("_previous", {}).get(n, _bits(p))))
-            checks["_previous"] = {n: _bits(p).clone() for n, p in model.named_parameters() if p.element_size() == 1}
+                and not same_bytes(p, checks.get("_previous", {}).get(n, p)))
+            checks["_previous"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.element_size() == 1}
         del checks["_previous"]
         out[preset] = checks
         worker.close(model)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout
+from refit_core.kit import same_bytes
 from refit_core.kit.models import PRESETS, reference_state_dict
 
 torch.set_num_threads(1)
@@ -104,7 +105,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
     mine, theirs = _params(model), _params(reference)
     return sorted(n for n in set(mine) | set(theirs)
-                  if n not in mine or n not in theirs or not torch.equal(mine[n], theirs[n]))
+                  if n not in mine or n not in theirs or not same_bytes(mine[n], theirs[n]))
 
 
 def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: list[str],
@@ -159,7 +160,7 @@ def gen_rank(rank: int, world: int, dist_port: int, ports: list[int], presets: l
         ticket = RefitTicket(rendezvous=f"127.0.0.1:{mismatch_port}", world_size=world, version=1, timeout_s=60)
         out["mismatch"] = {"session": session.update(ticket.serialized(), "1"),
                            "error": worker.last_error(model),
-                           "unchanged": all(torch.equal(p, before[n]) for n, p in _params(model).items())}
+                           "unchanged": all(same_bytes(p, before[n]) for n, p in _params(model).items())}
     return out
 
 

@@ -42,6 +42,7 @@ from refit_core.contract.pieces import DestinationMap, DestinationPiece, SourceP
 from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, Box, Quantization, TensorSpec
 from refit_core.kit.models import checkpoint_specs, config_dtype, head_dim, num_experts
+from refit_core.kit.verify import same_bytes
 from refit_core.run.quant.fast import Quantizer
 
 Quantize = Callable[[torch.Tensor, Quantization], tuple[torch.Tensor, torch.Tensor]]
@@ -387,18 +388,10 @@ class VllmStyleModel(_FlatModel):
         by_name = self.by_name()
         for name, full in self.expected(seed, quantize):
             for piece in by_name[name]:
-                if not _bitwise_equal(piece.view, piece.box.slice_of(full)):
+                if not same_bytes(piece.view, piece.box.slice_of(full)):
                     bad.append(f"{name}{piece.box}")
             del full
         return bad
-
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.element_size() == 1:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return torch.equal(a, b)
 
 
 # -- the hooks ------------------------------------------------------------------------------------

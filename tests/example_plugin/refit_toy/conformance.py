@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from refit_core.kit import mismatches
+from refit_core.kit import mismatches, same_bytes
 from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
 
 from .models import CHECKPOINT, ODD_CHECKPOINT, ODD_GROUPED_EXPERTS, ToyEngine, ToyTrainer, odd_member_name
@@ -38,7 +38,7 @@ def verify_engine(model: ToyEngine, state: dict[str, torch.Tensor]) -> list[str]
     bad = mismatches(refit_destination_map(model).pieces, state)
     if model.odd_experts:
         bad += [f"experts_up[{i}]" for i, expert in enumerate(model.experts_up)
-                if not torch.equal(expert, state[odd_member_name(ODD_GROUPED_EXPERTS, model.expert_start + i)])]
+                if not same_bytes(expert, state[odd_member_name(ODD_GROUPED_EXPERTS, model.expert_start + i)])]
     return bad
 
 
