@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.environments import BY_DESIGN
 from refit_core import Box, DestinationPiece, TensorSpec
 from refit_core.kit import mismatches, same_bytes
 from refit_core.testing import ReferenceEngine
@@ -63,7 +64,7 @@ def test_dtype_shape_and_strides():
     assert same_bytes(torch.tensor(-0.0), torch.tensor(-0.0)) and not same_bytes(torch.tensor(-0.0), torch.tensor(0.0))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{BY_DESIGN}needs CUDA")
 def test_a_cuda_tensor_compares_with_a_host_one():
     assert same_bytes(_reference().cuda(), _reference())
     assert not same_bytes(_negative_zero().cuda(), _reference())
