@@ -37,13 +37,18 @@ def _fail(report: pytest.TestReport | pytest.CollectReport, reason: str) -> None
                        f"{BY_DESIGN!r}: see tests/environments.py)")
 
 
+def _enforce(report: pytest.TestReport | pytest.CollectReport, config: pytest.Config) -> None:
+    """Under ``--require-all``, turn ``report``'s undeclared skip into a failure."""
+    reason = _undeclared_skip(report)
+    if reason is not None and config.getoption(OPTION):
+        _fail(report, reason)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, object, object]:
     report = yield
     assert isinstance(report, pytest.TestReport)
-    reason = _undeclared_skip(report)
-    if reason is not None and item.config.getoption(OPTION):
-        _fail(report, reason)
+    _enforce(report, item.config)
     return report
 
 
@@ -51,7 +56,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, object, object]:
     report = yield
     assert isinstance(report, pytest.CollectReport)
-    reason = _undeclared_skip(report)
-    if reason is not None and collector.config.getoption(OPTION):
-        _fail(report, reason)
+    _enforce(report, collector.config)
     return report
