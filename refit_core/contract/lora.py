@@ -1,0 +1,131 @@
+"""LoRA adapters: what both sides agree on when a refit moves adapters, or merges them on the way.
+
+An adapter's tensors travel under the names of a PEFT adapter checkpoint (``adapter_model.safetensors``)
+with PEFT's ``base_model.model.`` prefix removed: ``model.layers.0.self_attn.q_proj.lora_A.weight``
+(shape ``[rank, in_features]``) and ``...q_proj.lora_B.weight`` (shape ``[out_features, rank]``). Their
+values are PEFT's own, unscaled: an engine that folds ``alpha / rank`` into B does so on its side.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+from refit_core.contract.errors import OptionError
+
+LORA_A = "lora_A"
+LORA_B = "lora_B"
+
+TARGET_ALIASES: dict[str, str] = {
+    "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+    "gate": "gate_proj", "up": "up_proj", "down": "down_proj",
+}
+"""Short spellings of the usual HF linear modules (``refit plan --lora targets=q,k,v``)."""
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear module of a Llama-style decoder layer."""
+
+_ADAPTER_NAME = re.compile(rf"^(?P<module>.+)\.(?P<half>{LORA_A}|{LORA_B})\.weight$")
+
+
+class LoraMode(StrEnum):
+    """How a refit delivers a LoRA-trained model."""
+
+    ADAPTER = "adapter"
+    """Only the adapter tensors move, into the engine's LoRA slots for a named adapter."""
+    MERGED = "merged"
+    """The sender folds ``W + scale * B @ A`` into each box it packs; the engine gets plain weights."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One adapter's shape: its engine-side name, rank, alpha and the modules it targets.
+
+    ``targets`` are module short names as PEFT's ``target_modules`` spells them (``q_proj``); an
+    HF module is targeted when its last name component is one of them.
+    """
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = ALL_LINEAR
+    name: str = "refit"
+    """The adapter's name in the engine (vLLM's ``LoRARequest.lora_name``, SGLang's ``lora_name``)."""
+    mode: LoraMode = LoraMode.ADAPTER
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise OptionError(f"LoraSpec.rank must be positive, got {self.rank}")
+        if not self.targets:
+            raise OptionError("LoraSpec.targets is empty: name at least one module (q_proj, ...)")
+        object.__setattr__(self, "targets", tuple(TARGET_ALIASES.get(t, t) for t in self.targets))
+
+    @property
+    def scale(self) -> float:
+        """PEFT's scaling of ``B @ A`` (``lora_alpha / r``; rsLoRA is not supported)."""
+        return self.alpha / self.rank
+
+    def targets_module(self, module: str) -> bool:
+        """True if the HF module path ``module`` (``model.layers.0.self_attn.q_proj``) is adapted."""
+        return module.rsplit(".", 1)[-1] in self.targets
+
+    @classmethod
+    def parse(cls, text: str) -> LoraSpec:
+        """Read ``r=16,alpha=32,targets=q,k,v,o,gate,up,down`` (alpha defaults to 2 r; ``mode=merged``).
+
+        Raises :class:`~refit_core.OptionError` naming the key at fault."""
+        fields: dict[str, str] = {}
+        key = ""
+        for part in text.split(","):
+            if "=" in part:
+                key, value = part.split("=", 1)
+                key = key.strip()
+                if key in fields:
+                    raise OptionError(f"--lora gives {key} twice: {text!r}")
+                fields[key] = value.strip()
+            elif key == "targets":
+                fields[key] += "," + part.strip()
+            else:
+                raise OptionError(f"--lora part {part!r} is not key=value: {text!r}")
+        unknown = set(fields) - {"r", "rank", "alpha", "targets", "name", "mode"}
+        if unknown:
+            raise OptionError(f"--lora has unknown keys {sorted(unknown)}: expected r, alpha, targets, name, mode")
+        try:
+            rank = int(fields.get("r", fields.get("rank", "")))
+        except ValueError:
+            raise OptionError(f"--lora needs an integer r=..., got {text!r}") from None
+        try:
+            alpha = float(fields.get("alpha", 2 * rank))
+        except ValueError:
+            raise OptionError(f"--lora alpha must be a number, got {fields['alpha']!r}") from None
+        try:
+            mode = LoraMode(fields.get("mode", LoraMode.ADAPTER))
+        except ValueError:
+            raise OptionError(f"--lora mode must be one of {[m.value for m in LoraMode]}, got {fields['mode']!r}") \
+                from None
+        targets = tuple(t for t in fields.get("targets", ",".join(ALL_LINEAR)).split(",") if t)
+        return cls(rank=rank, alpha=alpha, targets=targets, name=fields.get("name", "refit"), mode=mode)
+
+
+@dataclass(frozen=True)
+class AdapterTensorName:
+    """An adapter tensor's name read apart: the HF module it adapts and which half (A or B)."""
+
+    module: str
+    half: str
+    """:data:`LORA_A` or :data:`LORA_B`."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.half}.weight"
+
+    @classmethod
+    def read(cls, name: str) -> AdapterTensorName | None:
+        """The parts of ``name``, or None if it is not an adapter tensor's name."""
+        match = _ADAPTER_NAME.match(name)
+        return None if match is None else cls(match["module"], match["half"])
+
+
+def adapter_tensor_names(module: str) -> tuple[str, str]:
+    """The names A and B of the adapter on HF module ``module``."""
+    return f"{module}.{LORA_A}.weight", f"{module}.{LORA_B}.weight"
