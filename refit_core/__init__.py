@@ -49,8 +49,8 @@ __all__ = [
     "DestinationMap", "DestinationPiece", "ExpertName", "LoraMode", "LoraSpec", "MessageMode", "MessageOptions",
     "NcclBackend", "NcclOptions", "OptionError", "ParallelLayout", "PlanError", "PluginError", "PluginManager",
     "QuantScheme", "Quantization", "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "RelayOptions",
-    "RendezvousError", "Side", "SourcePiece", "StepFailedError", "StepFailure", "StepStats", "TensorSpec", "TransferError",
-    "TransportKind", "UpdateMode", "get_plugin_manager", "hookimpl",
+    "RendezvousError", "Side", "SourcePiece", "StepFailedError", "StepFailure", "StepStats", "TensorSpec",
+    "TransferError", "TransportKind", "UpdateMode", "get_plugin_manager", "hookimpl",
 ]
 
 _compat.install()
