@@ -51,7 +51,7 @@ from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.options import StridedCopy
 from refit_core.net.keys import ColocatedRecord, colocated_key
 from refit_core.net.transport.base import Fence
-from refit_core.net.transport.mailbox import Mailbox
+from refit_core.net.transport.mailbox import GPU_SPIN_S, SPIN_S, Mailbox
 from refit_core.net.transport.memory import (
     SharedStorage,
     SharedView,
@@ -127,6 +127,7 @@ class _ColocatedPairs:
         self.trace: StepTrace | None = None
         """This step's :class:`~refit_core.run.timing.StepTrace` (with ``trace=True``; else None)."""
         self._mailboxes: dict[int, Mailbox] = {}
+        self._spin_s = GPU_SPIN_S if device.type == "cuda" else SPIN_S
 
     @property
     def peers(self) -> list[int]:
@@ -171,7 +172,7 @@ class ColocatedSender(_ColocatedPairs):
         for peer in self.peers:
             page = Mailbox.allocate()
             mailbox = export_storage(page.untyped_storage())
-            self._mailboxes[peer] = Mailbox(page, self.timeout_s, f"gen rank {peer}")
+            self._mailboxes[peer] = Mailbox(page, self.timeout_s, f"gen rank {peer}", self._spin_s)
             self.channel.put(colocated_key(self.rank, peer, ColocatedRecord.EXPORTS), raw)
             self.channel.put(colocated_key(self.rank, peer, ColocatedRecord.CONTROL),
                              {**control, "mailbox": asdict(mailbox)})
@@ -276,7 +277,7 @@ class ColocatedReceiver(_ColocatedPairs):
                 raise TransferError(f"train rank {peer} sent a malformed mailbox description: {exc}") from exc
             self._opened.append(page_storage)
             page = torch.empty(0, dtype=torch.uint8).set_(page_storage, 0, (page_storage.nbytes(),), (1,))
-            self._mailboxes[peer] = Mailbox(page, self.timeout_s, f"train rank {peer}")
+            self._mailboxes[peer] = Mailbox(page, self.timeout_s, f"train rank {peer}", self._spin_s)
             if "event" in control:
                 self._events[peer] = StepEvent(self.device, StepEvent.decode(control["event"])).event
 

@@ -44,27 +44,34 @@ class Fence(ABC):
         """Block the host until done; raise :class:`~refit_core.contract.errors.TransferError` on timeout."""
 
 
+SPIN_S = 0.05
+"""How long :func:`spin_until` spins before it sleeps between checks."""
+
+
 def spin_until(done: Callable[[], bool], timeout_s: float, what: str,
                poll: Callable[[], None] | None = None) -> None:
     """Wait on the host until ``done()``; :class:`TransferError` naming ``what`` after ``timeout_s``.
 
-    Spins without sleeping at first (a GPU fence usually completes within microseconds), then
-    sleeps 50 us between checks; ``poll`` (e.g. a check for NCCL's asynchronous errors, which
-    raises) runs every 2000 checks and once more before timing out.
+    Spins (yielding the CPU) for up to :data:`SPIN_S`, then sleeps 50 us between checks: a GPU
+    fence completes within a step's milliseconds, and each sleep would add up to a tenth of a
+    millisecond to it. ``poll`` (e.g. a check for NCCL's asynchronous errors, which raises) runs
+    every 2000 checks and once more before timing out.
     """
     if done():
         return
-    deadline = time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline, spinning = now + timeout_s, now + SPIN_S
     spins = 0
     while not done():
         spins += 1
         if poll is not None and spins % 2000 == 0:
             poll()
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             if poll is not None:
                 poll()
             raise TransferError(f"{what} did not complete within {timeout_s:.0f} s (a peer died or hung)")
-        time.sleep(0 if spins < 200 else 5e-5)
+        time.sleep(0 if now < spinning else 5e-5)
 
 
 class DoneFence(Fence):

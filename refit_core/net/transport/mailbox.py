@@ -12,12 +12,18 @@ version, ``[2]`` plan fingerprint, ``[3]`` sender error length, ``[4]`` 1 if a v
 ready signal (the trainer checks its memory while the engine already copies), ``[5]`` verdict
 sequence (step + 1; its error in the sender's area); ``[8]`` done sequence, ``[9]`` receiver error
 length. A writer fills payload words first and the sequence word last; x86 keeps
-stores in order, and each read or write is a separate native call. Only plain integers and UTF-8
-text are read back, never pickled objects.
+stores in order, and each read or write of a word is one native load or store (a ctypes array over the
+page: a few tens of nanoseconds, where a tensor index costs microseconds). Only plain integers and
+UTF-8 text are read back, never pickled objects.
+
+A waiting side spins (yielding its CPU) for up to ``spin_s`` before it sleeps 50 us between looks: a
+GPU pair's signals arrive within the step's few milliseconds, and each sleep would add up to a tenth
+of a millisecond to the step.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import torch
@@ -28,18 +34,24 @@ PAGE = 4096
 _READY, _VERSION, _FINGERPRINT, _SEND_ERROR, _PENDING, _VERDICT = 0, 1, 2, 3, 4, 5
 _DONE, _RECV_ERROR = 8, 9
 _SEND_TEXT, _RECV_TEXT, _TEXT_BYTES = 128, 128 + 1984, 1984
+_WORDS = _SEND_TEXT // 8
+SPIN_S = 0.002
+"""How long a wait spins before it sleeps between looks, by default (a CPU pair: the CPUs are the copiers)."""
+GPU_SPIN_S = 0.05
+"""How long a GPU pair's wait spins: longer than a colocated step's copies of a large model."""
 
 
 class Mailbox:
     """Signals between the two ranks of one colocated pair, over one page of shared memory."""
 
-    def __init__(self, page: torch.Tensor, timeout_s: float, peer: str) -> None:
-        if page.dtype != torch.uint8 or page.numel() != PAGE or page.device.type != "cpu":
-            raise ValueError("a mailbox is one page of CPU uint8 memory")
-        self.page = page
-        self.words = page[:128].view(torch.int64)
+    def __init__(self, page: torch.Tensor, timeout_s: float, peer: str, spin_s: float = SPIN_S) -> None:
+        if page.dtype != torch.uint8 or page.numel() != PAGE or page.device.type != "cpu" or not page.is_contiguous():
+            raise ValueError("a mailbox is one page of contiguous CPU uint8 memory")
+        self.page = page  # keeps the memory the words below point into alive
+        self.words = (ctypes.c_int64 * _WORDS).from_address(page.data_ptr())
         self.timeout_s = timeout_s
         self.peer = peer
+        self.spin_s = spin_s
 
     @staticmethod
     def allocate() -> torch.Tensor:
@@ -52,19 +64,20 @@ class Mailbox:
         self.words[length_word] = len(raw)
 
     def _read_text(self, start: int, length_word: int) -> str | None:
-        length = int(self.words[length_word])
+        length = min(max(self.words[length_word], 0), _TEXT_BYTES)  # the peer's word: never trusted
         return bytes(self.page[start:start + length].tolist()).decode(errors="replace") if length else None
 
     def _await(self, word: int, value: int, what: str) -> None:
-        if int(self.words[word]) >= value:
+        words = self.words
+        if words[word] >= value:
             return
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
-        while int(self.words[word]) < value:
-            if time.monotonic() > deadline:
+        now = time.monotonic()
+        deadline, spinning = now + self.timeout_s, now + self.spin_s
+        while words[word] < value:
+            now = time.monotonic()
+            if now > deadline:
                 raise TransferError(f"{what} did not arrive within {self.timeout_s:.0f} s ({self.peer} died or hung)")
-            spins += 1
-            time.sleep(0 if spins < 2000 else 5e-5)
+            time.sleep(0 if now < spinning else 5e-5)
 
     # -- the train rank --------------------------------------------------------------------------
 
@@ -93,12 +106,12 @@ class Mailbox:
         """Block until the trainer posted step ``step``: ``(version, fingerprint, error, verdict
         follows)``."""
         self._await(_READY, step + 1, f"{self.peer}'s colocated step {step}")
-        if int(self.words[_READY]) != step + 1:
-            return -1, -1, (f"{self.peer} is at colocated step {int(self.words[_READY]) - 1}, this rank at "
+        if self.words[_READY] != step + 1:
+            return -1, -1, (f"{self.peer} is at colocated step {self.words[_READY] - 1}, this rank at "
                             f"{step}: the two sides' steps diverged"), False
-        if int(self.words[_PENDING]):  # the error area is the verdict's now: read it in wait_verdict only
-            return int(self.words[_VERSION]), int(self.words[_FINGERPRINT]), None, True
-        return int(self.words[_VERSION]), int(self.words[_FINGERPRINT]), self._read_text(_SEND_TEXT, _SEND_ERROR), False
+        if self.words[_PENDING]:  # the error area is the verdict's now: read it in wait_verdict only
+            return self.words[_VERSION], self.words[_FINGERPRINT], None, True
+        return self.words[_VERSION], self.words[_FINGERPRINT], self._read_text(_SEND_TEXT, _SEND_ERROR), False
 
     def wait_verdict(self, step: int) -> str | None:
         """Block until the trainer's verdict on step ``step``; its error, if its check failed."""
@@ -110,4 +123,4 @@ class Mailbox:
         self.words[_DONE] = step + 1
 
 
-__all__ = ["PAGE", "Mailbox"]
+__all__ = ["GPU_SPIN_S", "PAGE", "SPIN_S", "Mailbox"]

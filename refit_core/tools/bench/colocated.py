@@ -26,7 +26,8 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
   ``refit:VARIANT`` runs it with ``RefitOptions(strided_copies=VARIANT)`` (a
   :class:`~refit_core.contract.options.StridedCopy`: how the engine moves its large strided copies);
   ``refit:VARIANT+overlap`` also with ``overlap_check=True`` (the trainer checks its memory while the
-  engine copies); ``+noconfirm`` with ``confirm=False`` (no landing vote: what the commit point costs).
+  engine copies); ``+confirm`` with ``confirm=True`` (the landing vote: what the commit point costs).
+  Plain ``refit`` runs with :class:`~refit_core.RefitOptions`' defaults.
 
 ``--breakdown`` traces every timed refit step (``RefitOptions(step_trace=True)``) and prints, per
 refit method, the median of each phase of :func:`refit_core.run.timing.breakdown`: the trainer's
@@ -78,8 +79,8 @@ from refit_core.tools.bench.methods import hf_tensors, scatter
 
 GiB = 1 << 30
 METHODS = ("copy-bound", "ping-pong", "refit")
-NO_CONFIRM = "refit:+noconfirm"
-"""``refit`` without the landing vote (``confirm=False``): what the commit point costs (on request)."""
+CONFIRM = "refit:+confirm"
+"""``refit`` with the landing vote (``confirm=True``): what the commit point costs (on request)."""
 VARIANTS = (*(f"refit:{v.value}" for v in StridedCopy),
             *(f"refit:{v.value}+overlap" for v in (StridedCopy.KERNEL, StridedCopy.FOREACH)))
 """``refit`` with each way of moving strided copies, and with the trainer's check overlapping the
@@ -319,7 +320,7 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         options = RefitOptions(timeout_s=job["timeout_s"],
                                colocate=Colocation.AUTO if device.type == "cuda" else Colocation.SHARED,
                                strided_copies=StridedCopy(variant or RefitOptions().strided_copies),
-                               overlap_check="overlap" in flags, confirm="noconfirm" not in flags,
+                               overlap_check="overlap" in flags, confirm="confirm" in flags,
                                step_trace=job.get("breakdown", False))
         cls = RefitSender if train else RefitReceiver
         endpoint = cls(model, rendezvous=job["refit_address"], rank=0, world_size=1, options=options)
@@ -563,9 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     for entry in models:
         _model_entry(entry)
     methods = ["copy-bound", *VARIANTS] if args.variants else [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - {*METHODS, *VARIANTS, NO_CONFIRM})
+    unknown = sorted(set(methods) - {*METHODS, *VARIANTS, CONFIRM})
     if unknown:
-        raise SystemExit(f"unknown methods {unknown}: choose from {[*METHODS, *VARIANTS, NO_CONFIRM]}")
+        raise SystemExit(f"unknown methods {unknown}: choose from {[*METHODS, *VARIANTS, CONFIRM]}")
     device = "cuda:0" if args.device == "cuda" else args.device
     methods = _available(methods, device)
     if args.fp8_block and "ping-pong" in methods:
