@@ -541,7 +541,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fp8-block", type=int, metavar="N",
                         help="the engine holds block-FP8 linear weights in N x N blocks (refit quantizes)")
     parser.add_argument("--variants", action="store_true",
-                        help="methods: copy-bound and refit:VARIANT for every StridedCopy, with --breakdown")
+                        help="methods: copy-bound, refit:VARIANT for every StridedCopy and refit:+confirm, with --breakdown")
     return parser.parse_args(argv)
 
 
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     for entry in models:
         _model_entry(entry)
-    methods = ["copy-bound", *VARIANTS] if args.variants else [m for m in args.methods.split(",") if m]
+    methods = ["copy-bound", *VARIANTS, CONFIRM] if args.variants else [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - {*METHODS, *VARIANTS, CONFIRM})
     if unknown:
         raise SystemExit(f"unknown methods {unknown}: choose from {[*METHODS, *VARIANTS, CONFIRM]}")
