@@ -414,6 +414,13 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
 
 
 @hookimpl
+def refit_model_tensors(model: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """Every parameter, as refit-plugin-megatron lists a megatron-core model's: the per-step check that
+    the trainer kept its memory is then one pass over them, not over every piece."""
+    return list(model.params.items()) if isinstance(model, _FlatModel) else None
+
+
+@hookimpl
 def refit_begin_update(model: Any) -> bool | None:
     return False if isinstance(model, VllmStyleModel) else None
 
