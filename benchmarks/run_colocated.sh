@@ -11,7 +11,8 @@
 # <machine> from the GPUs (nvidia-h200 on one H200; set MACHINE to override). Takes ~2-4 minutes; only
 # GPU 0 is used. A shape that does not fit the GPU (Qwen3-30B-A3B on an 80 GB H100) runs as a slice of its
 # layers, same per-layer shapes, named NAME[K/N layers] in the table (or is skipped with a one-line reason).
-# COLOCATED_METHODS=copy-bound,refit,refit:+confirm picks the methods (default: copy bound, ping-pong, refit).
+# COLOCATED_METHODS=copy-bound,refit,refit:+confirm picks the methods (default: copy bound, ping-pong, refit);
+# COLOCATED_ARGS adds arguments (--breakdown).
 # VARIANTS=1: instead, one run that decides how the engine moves its strided copies: the Llama-3-8B
 # shape (VARIANT_MODELS to change) with the copy bound and refit once per StridedCopy variant (kernel,
 # blocks, foreach, memcpy2d), each bitwise checked, with --breakdown (where each step's time goes):
@@ -31,7 +32,7 @@ export PYTHONPATH=$PWD:$PWD/tests/example_plugin:$PYTHONPATH PYTHONUNBUFFERED=1
 run() {  # run SUFFIX MODELS [ARGS...]: one benchmark run, its results in $OUT/colocated-$MACHINE[-SUFFIX]-<date>
   local suffix=$1 models=$2; shift 2
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m refit_core.tools.bench.colocated \
-    --models "$models" --device cuda --iters ${ITERS:-5} --warmup ${WARMUP:-3} ${COLOCATED_METHODS:+--methods $COLOCATED_METHODS} \
+    --models "$models" --device cuda --iters ${ITERS:-5} --warmup ${WARMUP:-3} ${COLOCATED_METHODS:+--methods $COLOCATED_METHODS} ${COLOCATED_ARGS:-} \
     --timeout-s 150 --machine "$MACHINE" --out "$OUT/colocated-$MACHINE$suffix-$(date -u +%F)" "$@"
 }
 if [[ -n "${VARIANTS:-}" ]]; then
