@@ -228,6 +228,10 @@ class StridedCopy(StrEnum):
     MEMCPY2D = "memcpy2d"
     """One ``cudaMemcpy2DAsync`` (blocks of ``width`` bytes at two pitches) per stacked copy whose
     blocks are contiguous (CUDA only; elsewhere, and for other layouts, as ``kernel``)."""
+    TRITON = "triton"
+    """Every large strided copy whose rows are contiguous 8-byte words on both sides in one Triton launch
+    of whole-row tiles (:mod:`refit_core.run.triton_copies`; CUDA with Triton only; elsewhere, and for
+    other layouts, as ``foreach``)."""
 
 
 @_tracks_explicit

@@ -13,10 +13,10 @@ once, at bind time, into the fewest launches that move exactly the same bytes:
    allow (a strided bf16 copy then moves 8 bytes per element instead of 2; integers copy bit for bit).
 3. Copies of at least ``batch_below`` bytes run one by one, largest first: contiguous ones (a plain
    device memcpy) first, then strided ones, moved as :class:`StridedCopy` says (one strided kernel,
-   one memcpy per block, the blocks in one multi-tensor copy, or one 2-D memcpy); smaller ones run
-   as one ``torch._foreach_copy_`` per dtype pair, contiguous and strided apart (a list of dense
-   equal-stride pairs takes torch's single-kernel multi-tensor route on CUDA: a model's many small
-   experts and norms cost a few launches, not thousands).
+   one memcpy per block, the blocks in one multi-tensor copy, one 2-D memcpy, or all of them in one
+   Triton launch); smaller ones run as one ``torch._foreach_copy_`` per dtype pair, contiguous and
+   strided apart (a list of dense equal-stride pairs takes torch's single-kernel multi-tensor route
+   on CUDA: a model's many small experts and norms cost a few launches, not thousands).
 
 Casts (a destination dtype other than the source's) are copies too: ``copy_`` reads the source dtype
 and writes the destination's, so they need no staging either.
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from refit_core.contract.options import StridedCopy
+from refit_core.run import triton_copies
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, source view), equal shapes
 
@@ -300,6 +301,11 @@ class CopyProgram:
         """The launches of the large strided copies, as :attr:`strided` says (kernel where it cannot)."""
         launches: list[Callable[[], None]] = []
         gathered: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        if self.strided is StridedCopy.TRITON:
+            tiled = [(d, s) for d, s in pairs if triton_copies.qualifies(d, s)]
+            if tiled:
+                launches += triton_copies.TritonCopies(tiled).launches()
+                pairs = [(d, s) for d, s in pairs if not triton_copies.qualifies(d, s)]
         for dst, src in pairs:
             if self.strided is StridedCopy.MEMCPY2D and dst.device.type == "cuda":
                 shape = pitched(dst, src)
@@ -307,7 +313,7 @@ class CopyProgram:
                     launches.append(_memcpy2d(shape, dst.device))
                     continue
             split = (blocks(dst, src, min_block_bytes)
-                     if self.strided in (StridedCopy.BLOCKS, StridedCopy.FOREACH) else None)
+                     if self.strided in (StridedCopy.BLOCKS, StridedCopy.FOREACH, StridedCopy.TRITON) else None)
             if split is None:
                 launches.append(_copy(dst, src))
             elif self.strided is StridedCopy.BLOCKS:

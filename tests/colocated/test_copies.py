@@ -155,8 +155,9 @@ def test_every_strided_variant_moves_the_same_bits(strided, dtype):
     program.run()
     assert same_bytes(out, expected)
     assert program.counts.strided == 3 and program.counts.strided_bytes == out.numel() * dtype.itemsize
-    launches = {StridedCopy.KERNEL: 3, StridedCopy.BLOCKS: 12, StridedCopy.FOREACH: 1, StridedCopy.MEMCPY2D: 3}
-    assert program.counts.launches == launches[strided]  # memcpy2d: CUDA only, a strided kernel on CPU
+    launches = {StridedCopy.KERNEL: 3, StridedCopy.BLOCKS: 12, StridedCopy.FOREACH: 1, StridedCopy.MEMCPY2D: 3,
+                StridedCopy.TRITON: 1}
+    assert program.counts.launches == launches[strided]  # memcpy2d, triton: CUDA only (kernel, foreach on CPU)
 
 
 @pytest.mark.parametrize("strided", [StridedCopy.BLOCKS, StridedCopy.FOREACH])

@@ -116,7 +116,7 @@ def test_colocated_tp2_trainer_and_engine_mix_cuda_ipc_and_nccl_in_one_step(tmp_
     assert row["info"]["links"] == ["cuda-ipc", "network"]
 
 
-@pytest.mark.parametrize("strided", ["kernel", "blocks", "foreach", "memcpy2d"])
+@pytest.mark.parametrize("strided", ["kernel", "blocks", "foreach", "memcpy2d", "triton"])
 def test_every_strided_variant_is_bitwise_on_the_gpu(strided):
     """The copy program's strided variants on CUDA (``memcpy2d`` is ``cudaMemcpy2DAsync`` only here):
     Megatron's per-group ``[q; k; v]`` rows into ``[Q; K; V]``, every bit pattern, NaNs included."""
@@ -141,3 +141,5 @@ def test_every_strided_variant_is_bitwise_on_the_gpu(strided):
     torch.cuda.synchronize()
     assert same_bytes(out, expected)
     assert program.counts.strided == 3
+    if strided == "triton":  # every strided copy in one launch; q, k and v all start on 16-byte rows
+        assert program.counts.launches == 1

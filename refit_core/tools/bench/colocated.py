@@ -541,7 +541,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fp8-block", type=int, metavar="N",
                         help="the engine holds block-FP8 linear weights in N x N blocks (refit quantizes)")
     parser.add_argument("--variants", action="store_true",
-                        help="methods: copy-bound, refit:VARIANT for every StridedCopy and refit:+confirm, with --breakdown")
+                        help="methods: copy-bound, refit:VARIANT for every StridedCopy and refit:+confirm, "
+                             "with --breakdown")
     return parser.parse_args(argv)
 
 
