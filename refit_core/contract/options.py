@@ -385,8 +385,8 @@ class RefitOptions(_Settings):
     - ``store``: :class:`StoreLimits`: what the rendezvous store accepts (train rank 0's own setting).
 
     - ``strided_copies``: :class:`StridedCopy`: how a colocated gen rank moves large strided copies
-      (a local setting; ``foreach`` by default, the fastest on an H200:
-      ``benchmarks/results/colocated-nvidia-h200-variants-2026-11-23.md``).
+      (a local setting; ``triton`` by default, the fastest on an H200, ``foreach`` where Triton or CUDA
+      is missing: ``benchmarks/results/colocated-nvidia-h200-variants-2026-11-26.md``).
     - ``overlap_check``: a colocated train rank signals *ready* first and checks that its parameters
       are still the memory shared at setup while the engine copies (off by default: the check runs
       first). A failed check still fails the step on both sides with the same error, but the engine's
@@ -414,7 +414,7 @@ class RefitOptions(_Settings):
     secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
     relay: RelayOptions = _nested(RelayOptions)
     store: StoreLimits = field(default_factory=StoreLimits, metadata={"kind": StoreLimits, "local": True})
-    strided_copies: StridedCopy = _setting(StridedCopy.FOREACH, StridedCopy, local=True)
+    strided_copies: StridedCopy = _setting(StridedCopy.TRITON, StridedCopy, local=True)
     step_trace: bool = _setting(False, bool, local=True)
     overlap_check: bool = _setting(False, bool, local=True)
 

@@ -234,7 +234,7 @@ class ColocatedReceiver(_ColocatedPairs):
 
     def __init__(self, messages: dict[int, list[Message]], store: dist.Store, rank: int,
                  device: torch.device, fingerprint: str, timeout_s: float,
-                 strided: StridedCopy = StridedCopy.FOREACH, trace: bool = False) -> None:
+                 strided: StridedCopy = StridedCopy.TRITON, trace: bool = False) -> None:
         super().__init__(messages, store, rank, device, fingerprint, timeout_s, trace)
         self.strided = strided
         self._device_marks: tuple[torch.cuda.Event, list[tuple[str, torch.cuda.Event]]] | None = None

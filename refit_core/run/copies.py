@@ -264,7 +264,7 @@ class CopyProgram:
     """
 
     def __init__(self, pairs: Sequence[Pair], batch_below: int = BATCH_BELOW,
-                 strided: StridedCopy = StridedCopy.FOREACH, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
+                 strided: StridedCopy = StridedCopy.TRITON, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
         for dst, src in pairs:
             if dst.shape != src.shape:
                 raise ValueError(f"a copy from shape {tuple(src.shape)} into shape {tuple(dst.shape)}")

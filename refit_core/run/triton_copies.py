@@ -84,6 +84,15 @@ class TritonCopies:
             (torch.tensor(rows, dtype=torch.int64, device=device),
              torch.tensor(owners, dtype=torch.int32, device=device), aligned)
             for aligned, (rows, owners) in groups.items()]
+        self._warm_up(device)
+
+    def _warm_up(self, device: torch.device) -> None:
+        """Compile each launch's kernel now (at bind time), not in the first step, where the trainer
+        would wait for it: one tile that copies the anchor's two words onto themselves."""
+        table = torch.tensor([[0, 0, 2, 0, 0, 2, 1, 2, 1, 1, 0]], dtype=torch.int64, device=device)
+        owners = torch.zeros(1, dtype=torch.int32, device=device)
+        for _, _, aligned in self._launches:
+            self._launch(table, owners, aligned)()
 
     @property
     def count(self) -> int:

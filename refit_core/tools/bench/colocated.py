@@ -33,7 +33,7 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
 refit method, the median of each phase of :func:`refit_core.run.timing.breakdown`: the trainer's
 check, the ready signal, the engine's queueing, the device time of each launch group, and the tail.
 ``--variants`` (for deciding the default :class:`~refit_core.contract.options.StridedCopy`) runs the copy bound
-and every ``refit:VARIANT`` plus ``refit:kernel+overlap`` and ``refit:foreach+overlap`` side by side
+and every ``refit:VARIANT`` plus ``refit:foreach+overlap`` and ``refit:triton+overlap`` side by side
 in one run (each bitwise checked), with ``--breakdown``.
 
 ``--fp8-block N`` gives the engine block-FP8 linear weights (``N x N`` blocks, scales beside them, as
@@ -82,7 +82,7 @@ METHODS = ("copy-bound", "ping-pong", "refit")
 CONFIRM = "refit:+confirm"
 """``refit`` with the landing vote (``confirm=True``): what the commit point costs (on request)."""
 VARIANTS = (*(f"refit:{v.value}" for v in StridedCopy),
-            *(f"refit:{v.value}+overlap" for v in (StridedCopy.KERNEL, StridedCopy.FOREACH)))
+            *(f"refit:{v.value}+overlap" for v in (StridedCopy.FOREACH, StridedCopy.TRITON)))
 """``refit`` with each way of moving strided copies, and with the trainer's check overlapping the
 engine's copies (``--variants``)."""
 TRAINERS = {"": layouts.MegatronStyleModel, "sequential": layouts.MegatronSequentialStyleModel}
