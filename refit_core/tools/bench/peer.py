@@ -176,7 +176,7 @@ class CeServer:
             return out
 
         self.ps._copy_to_buffer, self.ps._detect_bucket_size = timed_copy, recorded_detect
-        self.uuid = _device_uuid(device)
+        self.uuid: str = getattr(self.ps, "_device_uuid", None) or _device_uuid(device)
 
     def register(self, state: dict[str, torch.Tensor] | None) -> None:
         if state is not None:
@@ -188,7 +188,12 @@ class CeServer:
         self.h2d = []
 
         def req_func(socket_paths: list[tuple[str, str]]) -> None:
-            self.store.set(key, dict(socket_paths)[self.uuid])
+            paths = dict(socket_paths)
+            if self.uuid not in paths:  # said before the server waits for a worker that never comes
+                print(f"checkpoint-engine rank {self.rank}: no socket path for {self.uuid} in {sorted(paths)}",
+                      file=sys.stderr, flush=True)
+                os._exit(3)
+            self.store.set(key, paths[self.uuid])
 
         self.ps.update(CHECKPOINT, req_func)
         return sum(self.h2d)
@@ -373,18 +378,20 @@ class _Run:
             state = hf_state(trainer, self.device) if trainer is not None else None
             server.register(state)
             del state
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the gathered tensors: checkpoint-engine sizes its buckets by free memory
             if self.rank == Role.TRAINER:
                 ce["register"].append(time.perf_counter() - start)
         h2d: list[float] = []
         worker = self.layout.worker_of(self.rank)
         key = f"ce/{number}/{i}"
 
-        def work() -> None:
+        def update() -> None:
             if server is not None:
                 h2d.append(server.update(f"{key}/{server.rank}"))
             if worker is not None:
                 ce_receive(self.store, f"{key}/{worker}", self.device, load, self.zmq_ctx)
-        seconds = self.timed(f"ce/{number}/{i}", work)
+        seconds = self.timed(f"ce/{number}/{i}", update)
         if self.rank == Role.TRAINER and i >= self.job["warmup"]:
             ce["h2d"].append(h2d[0])
         if server is not None and not last:
@@ -563,9 +570,8 @@ def preflight(methods: list[str]) -> None:
     if CE not in methods:
         return
     try:
-        import checkpoint_engine  # noqa: F401
         import checkpoint_engine.worker  # noqa: F401
-    except Exception as exc:
+    except Exception as exc:  # any import failure (a missing dependency, a broken wheel) is named
         raise SystemExit(f"checkpoint-engine does not import ({type(exc).__name__}: {exc}): install its wheels "
                          "(benchmarks/run_gpu.sh STEPS=peer does, from .whl-peer/)") from exc
 
