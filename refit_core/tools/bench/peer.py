@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_core.kit.launch import free_port, spawn
+from refit_core.kit.launch import RankFailure, free_port, spawn
 from refit_core.kit.models import load_config
 from refit_core.tools.bench import layouts
 from refit_core.tools.bench.colocated import CopyBound, memory_budget
@@ -265,6 +265,14 @@ class _Run:
 
             self.zmq_ctx = zmq.Context()
 
+    def close(self) -> None:
+        """End checkpoint-engine's ZMQ contexts now (linger 0), so that no exit waits on them."""
+        contexts = [self.zmq_ctx, getattr(self.server.ps, "_zmq_ctx", None) if self.server is not None else None]
+        for context in contexts:
+            if context is not None:
+                context.destroy(linger=0)
+        self.server = self.zmq_ctx = None
+
     def log(self, text: str) -> None:
         if self.rank == Role.TRAINER:
             print(f"[peer {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
@@ -436,6 +444,7 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
     run = _Run(rank, job)
     models = [run.model(n, name) for n, name in enumerate(job["models"])]
     run.barrier()
+    run.close()
     run.barrier.leave(rank)
     return {"rank": rank, "models": models}
 
@@ -581,36 +590,58 @@ def main(argv: list[str] | None = None) -> int:
     preflight(args.methods)
     layout = Layout(args.gpus)
     models = [m for m in args.models.split(",") if m]
-    job = {"gpus": args.gpus, "models": models, "methods": args.methods, "device": args.device,
-           "iters": args.iters, "warmup": args.warmup, "bound_bytes": int(args.bound_gib * GiB),
-           "memory_gib": args.memory_gib, "timeout_s": args.timeout_s,
-           "sync_address": f"127.0.0.1:{free_port()}", "ce_address": f"127.0.0.1:{free_port()}",
-           "refit_addresses": [f"127.0.0.1:{free_port()}" for _ in models]}
+    for name in models:  # a bad name is said before any process starts
+        try:
+            load_config(name)
+        except (KeyError, OSError, ValueError) as exc:
+            raise SystemExit(f"unknown model {name!r}: {exc}") from exc
     print(f"peer bench: {args.gpus} GPU(s), models {models}, methods {args.methods} + {layout.bound}, "
           f"{args.warmup} warm-up + {args.iters} timed steps", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    results = spawn(_worker, layout.nprocs, job, timeout_s=args.timeout_s * (1 + len(models)) + 60,
-                    env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    merged = _merge(results)
+    merged: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for name in models:  # one run per model: a shape that fails is named and the next one runs
+        job = {"gpus": args.gpus, "models": [name], "methods": args.methods, "device": args.device,
+               "iters": args.iters, "warmup": args.warmup, "bound_bytes": int(args.bound_gib * GiB),
+               "memory_gib": args.memory_gib, "timeout_s": args.timeout_s,
+               "sync_address": f"127.0.0.1:{free_port()}", "ce_address": f"127.0.0.1:{free_port()}",
+               "refit_addresses": [f"127.0.0.1:{free_port()}"]}
+        try:
+            merged += _merge(spawn(_worker, layout.nprocs, job, timeout_s=args.timeout_s + 90,
+                                   env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}))
+        except RankFailure as exc:
+            failed.append(f"{name} failed: {str(exc)[-3000:]}")
+            print(failed[-1], file=sys.stderr, flush=True)
+        _report(args, layout, merged, failed, time.perf_counter() - start)
+    return 0 if merged and not failed and _all_checked(summarize(merged, layout.bound)) else 1
+
+
+def _all_checked(rows: list[dict[str, Any]]) -> bool:
+    return all(r["check"] in ("bitwise ok", "checksum ok", "-") for r in rows)
+
+
+def _report(args: argparse.Namespace, layout: Layout, merged: list[dict[str, Any]], failed: list[str],
+            seconds: float) -> None:
+    """Print the table and write ``--out``'s files (again after every model: what ran is kept)."""
     rows = summarize(merged, layout.bound)
     skipped = [m["skipped"] for m in merged if "skipped" in m]
     settings = next((m.get("ce_settings") for m in merged if m.get("ce_settings")), None)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     report = {"machine": args.machine, "gpu": device, "gpus": args.gpus, "torch": torch.__version__,
               "iters": args.iters, "warmup": args.warmup, "ce_settings": settings, "skipped": skipped,
-              "seconds": time.perf_counter() - start, "rows": rows, "raw": merged}
+              "failed": failed, "seconds": seconds, "rows": rows, "raw": merged}
     text = table(rows, layout.bound) + "".join(f"\n\n{reason}" for reason in skipped)
+    text += "".join(f"\n\n{line.splitlines()[0]} (the traceback is in the JSON)" for line in failed)
     print(text, flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        with open(args.out + ".md", "w") as f:
-            where = "colocated, one GPU, two processes" if args.gpus == 1 else "GPU 0 -> GPU 1, four processes"
-            f.write(f"# checkpoint-engine beside refit, {device} ({args.machine or args.device}), {where}\n\n"
-                    f"{text}\n{note(layout, settings)}")
-    ok = all(r["check"] in ("bitwise ok", "checksum ok", "-") for r in rows)
-    return 0 if ok else 1
+    if not args.out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(args.out + ".md", "w") as f:
+        where = "colocated, one GPU, two processes" if args.gpus == 1 else "GPU 0 -> GPU 1, four processes"
+        f.write(f"# checkpoint-engine beside refit, {device} ({args.machine or args.device}), {where}\n\n"
+                f"{text}\n{note(layout, settings)}")
 
 
 if __name__ == "__main__":
