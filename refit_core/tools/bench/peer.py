@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refit_core.contract.errors import RefitError
 from refit_core.kit.launch import RankFailure, free_port, spawn
 from refit_core.kit.models import load_config
 from refit_core.tools.bench import layouts
@@ -593,8 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:  # a bad name is said before any process starts
         try:
             load_config(name)
-        except (KeyError, OSError, ValueError) as exc:
-            raise SystemExit(f"unknown model {name!r}: {exc}") from exc
+        except RefitError as exc:
+            raise SystemExit(str(exc)) from exc
     print(f"peer bench: {args.gpus} GPU(s), models {models}, methods {args.methods} + {layout.bound}, "
           f"{args.warmup} warm-up + {args.iters} timed steps", file=sys.stderr, flush=True)
     start = time.perf_counter()
