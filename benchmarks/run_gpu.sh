@@ -23,6 +23,11 @@
 #  10. FP8 destinations (`fp8`): the quantizers alone (benchmarks/quantizer_speed.py), then BF16
 #      Megatron-style source -> block-FP8 vLLM-style destination, side by side with BF16 refit and BF16
 #      refit + quantize-after (refit_core/tools/bench/fp8.py). FP8_TIMELINE=1 also draws each step's lanes.
+#  11. peer (not in the default STEPS; one GPU): checkpoint-engine 0.4.x, the real peer, through its own API
+#      (ParameterServer.register_checkpoint / gather_metas / update, update_weights_from_ipc in the engine
+#      process) beside refit colocated and the copy bound, both shapes, bitwise (benchmarks/peer_checkpoint_engine.py).
+#      peer2 (not in the default STEPS; two GPUs): the same over its NCCL broadcast, GPU 0 -> GPU 1, beside
+#      refit and the wire. Both install checkpoint-engine and its dependencies from the carried .whl-peer/.
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
@@ -30,6 +35,8 @@
 #                                                        # colocated megatron fp8
 #   STEPS="env timeline" bash benchmarks/run_gpu.sh       # steps outside the default list: timeline, relay and
 #                                                        # reshard-x4 (4 GPUs)
+#   STEPS="env peer" bash benchmarks/run_gpu.sh          # checkpoint-engine beside refit, one GPU (carry .whl-peer)
+#   STEPS="env peer2" bash benchmarks/run_gpu.sh         # the same over two GPUs (its NCCL broadcast)
 #   STEPS="tests" GPU_TESTS=tests/gpu/test_fp8_gpu.py bash benchmarks/run_gpu.sh   # some GPU tests only
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -180,5 +187,26 @@ EOF
 }
 if step fp8; then
   fp8_bench
+fi
+# peer_bench STEP GPUS: checkpoint-engine (installed from .whl-peer/ into /tmp/peer-site, only for this
+# step) beside refit on both shapes; results in $OUT/STEP-$MACHINE-$DATE.{md,json}.
+peer_bench() {
+  local name=$1 gpus=$2
+  if ! ls .whl-peer/checkpoint_engine-*.whl >/dev/null 2>&1; then
+    echo "$name exit: no .whl-peer/checkpoint_engine-*.whl here (run with carry: [\".whl-peer\"])" | tee -a "$LOG"
+    return 1
+  fi
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peer-site \
+    .whl-peer/*.whl 2>&1 | tail -3 | tee -a "$LOG"
+  limit ${PEER_TIMEOUT:-540} env PYTHONPATH="/tmp/peer-site:$PYTHONPATH" $PY benchmarks/peer_checkpoint_engine.py \
+    --gpus "$gpus" --models "${PEER_MODELS:-llama-3-8b-shape,qwen3-30b-a3b-shape}" --iters "${PEER_ITERS:-5}" \
+    --timeout-s 150 --machine "$MACHINE" --out "$OUT/$name-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
+  echo "$name exit: $?" | tee -a "$LOG"
+}
+if step peer; then
+  peer_bench peer 1
+fi
+if step peer2; then
+  peer_bench peer2 2
 fi
 echo "== done at $(date -u +%T)" | tee -a "$LOG"

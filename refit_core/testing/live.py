@@ -5,8 +5,10 @@ One round trip spawns the backend's ranks for one side and the kit's reference r
 that the live pieces equal the metadata-only ones and that no other installed plugin claims the
 model; every rank checks that the live plan's fingerprint equals ``refit plan``'s for the same
 layouts with default options; then two steps are refitted and the gen side is compared bit for bit
-with the reference state dict. Between the steps a backend's gen ranks go through
-begin / abort and begin / write / finish by hand.
+with the reference state dict, through the plugin's ``verify`` (or its destination map) and, where the
+gen factory has a ``load``, against a second model that the engine's own loader filled with the same
+reference (:func:`loader_differences`: independent of the destination map). Between the steps a
+backend's gen ranks go through begin / abort and begin / write / finish by hand.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from refit_core.contract.plugins import PluginManager
 from refit_core.endpoints.receiver import RefitReceiver
 from refit_core.endpoints.sender import RefitSender
 from refit_core.kit.launch import RankFailure, free_port, spawn
-from refit_core.kit.verify import mismatches, reference_region
+from refit_core.kit.verify import mismatches, reference_region, same_bytes
 from refit_core.plan.offline import plan_from_metadata
 from refit_core.testing.memory import overlapping_views, uncovered
 from refit_core.testing.reference import (
@@ -177,6 +179,27 @@ def gen_semantics(pm: PluginManager, factory: GenFactory, model: Any, setup_meta
     return checks
 
 
+def loader_differences(pm: PluginManager, factory: GenFactory, model: Any, twin: Any,
+                       state: dict[str, torch.Tensor]) -> list[str]:
+    """What differs, bit for bit, between the refitted ``model`` and ``twin`` after ``factory.load``
+    put ``state`` into ``twin`` through the engine's own loader: ``factory.parameters`` by name if
+    given, else the destination views position by position (the twin's bytes are the loader's, so a
+    view that holds another slice than its box says differs)."""
+    if factory.load is None:
+        return []
+    factory.load(twin, state)
+    said = "differs from the engine's own loader of the reference"
+    if factory.parameters is not None:
+        ours, theirs = factory.parameters(model), factory.parameters(twin)
+        return [f"{name}: {said}" if name in theirs else f"{name}: not in the reference model's parameters"
+                for name, tensor in ours.items() if name not in theirs or not same_bytes(tensor, theirs[name])]
+    pieces, references = pm.destination_map(model).pieces, pm.destination_map(twin).pieces
+    if len(pieces) != len(references):
+        return [f"the reference model has {len(references)} destination pieces, the refitted one {len(pieces)}"]
+    return [f"{p.spec.name}{p.box}: {said}" for p, r in zip(pieces, references)
+            if not same_bytes(_view(p), _view(r))]
+
+
 def _setup(pm: PluginManager, job: _Job, endpoint: RefitSender | RefitReceiver) -> RankChecks:
     """Set up; the live plan's fingerprint must be ``refit plan``'s for the same layouts and options."""
     schedule = endpoint.setup()
@@ -222,12 +245,20 @@ def _gen_rank(pm: PluginManager, job: _Job, ctx: RankContext, specs: list, namin
                              options=RefitOptions(timeout_s=job.timeout_s), plugins=pm)
     checks += _setup(pm, job, receiver)
 
+    twin: list[Any] = []  # the model the engine's own loader fills with the reference (built once)
+
     def verify(state: dict[str, torch.Tensor]) -> list[str]:
         if factory is None:
             return model.differences(state)
         if factory.verify is not None:
-            return factory.verify(model, state)
-        return mismatches(pm.destination_map(model).pieces, state, naming)
+            problems = factory.verify(model, state)
+        else:
+            problems = mismatches(pm.destination_map(model).pieces, state, naming)
+        if factory.load is not None:
+            if not twin:
+                twin.append(factory.build(ctx))
+            problems += loader_differences(pm, factory, model, twin[0], state)
+        return problems
 
     for step in range(STEPS):
         state = reference_weights(specs, SEED, step, naming)
@@ -238,7 +269,8 @@ def _gen_rank(pm: PluginManager, job: _Job, ctx: RankContext, specs: list, namin
             checks += gen_semantics(pm, factory, model, setup_metas, verify, state)
     receiver.close()
     if factory is not None and factory.close is not None:
-        factory.close(model)
+        for built in (model, *twin):
+            factory.close(built)
     return checks
 
 

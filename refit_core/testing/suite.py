@@ -93,7 +93,15 @@ class GenFactory:
     - ``build(ctx)``: this rank's engine model.
     - ``verify(model, state)``: names of what differs from the full HF state dict ``state``, bit for
       bit; None: the kit compares the views of ``refit_destination_map`` (right for any engine whose
-      views stay its live memory after ``refit_finish_update``).
+      views stay its live memory after ``refit_finish_update``). Either way the check goes through the
+      plugin's own idea of where each tensor lives: a destination map that writes the wrong slice
+      passes it.
+    - ``load(model, state)``: the independent reference: put the full HF state dict ``state`` into a
+      model through the engine's own loading path (what the engine does with a checkpoint, e.g.
+      vLLM's ``load_weights``), never through ``refit_destination_map``. The kit then builds a second
+      model on each gen rank, loads the reference into it with ``load`` and compares the refitted
+      model with it bit for bit (``parameters`` if given, else the destination views position by
+      position), on top of ``verify``. None: no independent reference (say why in the suite).
     - ``restores_on_abort``: True if ``refit_abort_update`` gives the previous weights back (the kit
       then checks it does, bitwise); False if the backend cannot (the kit checks the hook does not
       fail, and that the next full step is correct).
@@ -107,6 +115,7 @@ class GenFactory:
     restores_on_abort: bool = True
     parameters: Callable[[Any], dict[str, torch.Tensor]] | None = None
     close: Callable[[Any], None] | None = None
+    load: Callable[[Any, dict[str, torch.Tensor]], None] | None = None
 
 
 @dataclass(frozen=True)

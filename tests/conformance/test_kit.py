@@ -5,6 +5,8 @@ A kit whose checks cannot fail proves nothing; ``broken_plugins.py`` breaks the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import broken_plugins
 import torch
 
@@ -12,7 +14,11 @@ from refit_core import ParallelLayout, RefitOptions, get_plugin_manager
 from refit_core.kit import same_bytes
 from refit_core.kit.models import PRESETS, reference_state_dict
 from refit_core.plan.offline import plan_from_metadata
+from refit_core.kit.verify import mismatches, reference_region
 from refit_core.testing import ModelCase, Outcome, Side, model_free_checks, reference_weights, round_trip
+from refit_core.testing.live import loader_differences
+from refit_core.testing.static import kit_manager
+from refit_core.testing.suite import RankContext
 from refit_core.testing.memory import overlapping_views, uncovered
 
 
@@ -80,3 +86,38 @@ def test_refit_plan_defaults_to_a_live_refits_bucket():
     assert cpu.bucket_bytes == RefitOptions().resolved("cpu").bucket_bytes == 64 << 20
     cuda = plan_from_metadata(pm, config, "toy", layout, "toy", layout, device="cuda").schedule
     assert cuda.bucket_bytes == 512 << 20 and cuda.fingerprint != cpu.fingerprint
+
+
+
+def test_the_engines_own_loader_catches_a_destination_map_that_writes_the_wrong_slice():
+    """k_proj and v_proj land in each other's rows: with the plugin's ``load`` as the independent
+    reference the step checks and begin / write / finish fail, naming the fused tensor."""
+    failed_with = {name.split(": ", 1)[1]: r for name, r in _by_name(round_trip(
+        broken_plugins.SWAPPED, broken_plugins.SWAPPED.round_trips[0], Side.GEN, timeout_s=240)).items()
+        if r.outcome is Outcome.FAILED}
+    assert sorted(failed_with) == ["begin / write / finish lands the written weights",
+                                   "step 0: every destination byte equals the reference",
+                                   "step 1: every destination byte equals the reference"], failed_with
+    step = failed_with["step 0: every destination byte equals the reference"]
+    assert "gen rank 0: qkv: differs from the engine's own loader of the reference" in step.problems
+    assert not any("embed" in p or "norm" in p for p in step.problems)
+
+
+def test_only_the_loader_reference_sees_the_swapped_slices():
+    """Written through its own (wrong) destination map, the swapped engine passes every check that
+    goes through that map; the engine's own loader, filling a second model, differs in ``qkv`` only."""
+    suite = broken_plugins.SWAPPED
+    pm = kit_manager(suite, broken_plugins.MODEL)
+    ctx = RankContext(0, 2, ParallelLayout(dp=2), {}, "tcp://127.0.0.1:1")
+    model, twin = suite.gen.build(ctx), suite.gen.build(ctx)
+    state = reference_weights(broken_plugins.MODEL.specs(), 5, 0)
+    pieces = pm.destination_map(model).pieces
+    for piece in pieces:
+        piece.view.copy_(reference_region(piece, state))
+    assert mismatches(pieces, state) == []
+    assert loader_differences(pm, suite.gen, model, twin, state) == [
+        "qkv: differs from the engine's own loader of the reference"]
+    by_views = replace(suite.gen, parameters=None)  # no parameters: view by view, naming the pieces
+    assert loader_differences(pm, by_views, model, twin, state) == [
+        "model.layers.0.self_attn.k_proj.weight[0:16, 0:32]: differs from the engine's own loader of the reference",
+        "model.layers.0.self_attn.v_proj.weight[0:16, 0:32]: differs from the engine's own loader of the reference"]

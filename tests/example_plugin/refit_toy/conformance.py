@@ -42,6 +42,11 @@ def verify_engine(model: ToyEngine, state: dict[str, torch.Tensor]) -> list[str]
     return bad
 
 
+def load_engine(model: ToyEngine, state: dict[str, torch.Tensor]) -> None:
+    """The kit's independent reference: the engine's own checkpoint loader, not the destination map."""
+    model.load_checkpoint(state)
+
+
 def engine_parameters(model: ToyEngine) -> dict[str, torch.Tensor]:
     """What the fast path writes (with odd naming the experts come through the loader instead)."""
     written = {"embed": model.embed, "qkv": model.qkv, "norm": model.norm}
@@ -56,6 +61,7 @@ SUITE = Conformance(
     gen_layouts=("", "dp=3"),
     refusals=(Refusal(Side.TRAIN, "tp=2", "dp / fsdp ranks only"), Refusal(Side.GEN, "pp=2", "dp / fsdp ranks only")),
     train=TrainFactory(build_trainer, load_trainer),
-    gen=GenFactory(build_engine, verify_engine, restores_on_abort=False, parameters=engine_parameters),
+    gen=GenFactory(build_engine, verify_engine, restores_on_abort=False, parameters=engine_parameters,
+                   load=load_engine),
     round_trips=(RoundTrip(MODEL, "dp=2", partner_layout="dp=3"), RoundTrip(ODD_MODEL, "dp=3", partner_layout="dp=2")),
 )

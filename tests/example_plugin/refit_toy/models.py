@@ -127,6 +127,19 @@ class ToyEngine:
             raise RuntimeError(f"toy engine: refusing to serve torn weights {sorted(self.torn)}; refit first")
         return self.version
 
+    def load_checkpoint(self, full: dict[str, torch.Tensor]) -> None:
+        """The engine loading a whole checkpoint (per-expert names) by its own rules, as at start-up:
+        this rank's embedding columns, ``[q; k; v]`` fused, its experts, the norm."""
+        cols = self.embed.shape[1]
+        self.embed.copy_(full["model.embed_tokens.weight"][:, self.col_start:self.col_start + cols])
+        attn = "model.layers.0.self_attn"
+        self.qkv.copy_(torch.cat([full[f"{attn}.{p}_proj.weight"] for p in ("q", "k", "v")]))
+        for name, tensor in full.items():
+            expert = _expert_index(name)
+            if expert is not None and 0 <= expert - self.expert_start < self.experts_up.shape[0]:
+                self.experts_up[expert - self.expert_start].copy_(tensor)
+        self.norm.copy_(full["model.norm.weight"])
+
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """The engine's own loader: per-expert checkpoint tensors into its local experts."""
         self.loaded_names = [name for name, _ in weights]
