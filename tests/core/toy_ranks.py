@@ -77,3 +77,44 @@ def odd_expert_ranks(rank: int, world: int, address: str, steps: int) -> dict:
                                                                 expected)})
     receiver.close()
     return out
+
+
+SUBSET = ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight",
+          *(f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4)))
+"""What the subset steps of :func:`subset_ranks` move: q of the engine's fused qkv, the norm, all experts."""
+
+
+def subset_ranks(rank: int, world: int, address: str, gen_only: tuple[str, ...] | None = None) -> dict | tuple:
+    """A full step (version 100), two steps of :data:`SUBSET` (101, 102), then a full step (103); with
+    ``gen_only`` the gen ranks expect that subset at the first subset step instead. Gen ranks return, per
+    step, the pieces that differ from what they should hold; every rank its bytes per step."""
+    train = rank < TRAIN_RANKS
+    local, size = (rank, TRAIN_RANKS) if train else (rank - TRAIN_RANKS, world - TRAIN_RANKS)
+    options = RefitOptions(timeout_s=30)
+    plan = [(100, None), (101, SUBSET), (102, SUBSET), (103, None)]
+    try:
+        if train:
+            trainer = ToyTrainer(local, size)
+            endpoint = RefitSender(trainer, rendezvous=address, rank=local, world_size=size, options=options)
+        else:
+            engine = ToyEngine(local, size)
+            endpoint = RefitReceiver(engine, rendezvous=address, rank=local, world_size=size, options=options)
+        endpoint.setup()
+        out: dict = {"side": "train" if train else "gen", "bytes": [], "mismatches": []}
+        held: dict = {}
+        for step, (version, only) in enumerate(plan):
+            fresh = reference(0, step)
+            if train:
+                trainer.load(fresh)
+                stats = endpoint.send(version=version, only=only)
+            else:
+                stats = endpoint.receive(only=gen_only if gen_only is not None and step == 1 else only)
+                held.update({n: t for n, t in fresh.items() if only is None or n in only})
+                out["mismatches"].append(mismatches(endpoint.plugins.destination_map(engine).pieces, held))
+                out["version"] = endpoint.version
+            out["bytes"].append(stats.bytes)
+        out["derived"] = endpoint._subsets.derived if endpoint._subsets is not None else 0
+        endpoint.close()
+        return out
+    except Exception as exc:  # noqa: BLE001 - the test inspects the error
+        return ("error", type(exc).__name__, str(exc))

@@ -1,0 +1,86 @@
+"""Subset steps: a sub-schedule of the static plan moves exactly the named tensors (:mod:`refit_core.plan.subset`)."""
+
+from __future__ import annotations
+
+import torch
+from toy_ranks import SUBSET, TRAIN_RANKS, subset_ranks
+
+from refit_core.contract.spec import Box, QuantizeStep, Quantization, QuantSite
+from refit_core.kit.launch import free_port, spawn
+from refit_core.plan.items import Transfer
+from refit_core.plan.schedule import build_schedule
+from refit_core.plan.subset import SubSchedules, Subset, moved_bytes, narrow_message
+
+GEN_RANKS = 3
+
+
+def _transfer(name: str, piece: int, src: int, dst: int, rows: int, quantize: QuantizeStep | None = None) -> Transfer:
+    box = Box((0, 0), (rows, 32))
+    return Transfer(name, src, piece, box, dst, piece, box, torch.bfloat16 if quantize is None else torch.float8_e4m3fn,
+                    quantize)
+
+
+def toy_schedule():
+    """Two train ranks into two gen ranks; five tensors (piece i is tensor NAMES[i] on both sides), one
+    quantized on the sender (its scales land in piece 5), small buckets so messages mix tensors."""
+    names = ["a", "b", "c", "d", "e"]
+    fp8 = QuantizeStep(Quantization.block_fp8("e_scale", (16, 16)), QuantSite.SENDER, 5)
+    transfers = [_transfer(n, i, src, dst, 16, fp8 if n == "e" else None)
+                 for i, n in enumerate(names) for src in range(2) for dst in range(2)]
+    return names + ["e_scale"], transfers, build_schedule(transfers, 2, 2, bucket_bytes=4096)
+
+
+def test_a_sub_schedule_moves_exactly_the_named_tensors_bytes_laid_back_to_back():
+    names, transfers, schedule = toy_schedule()
+    subset = Subset.of(["b", "e"])
+    total = 0
+    for rank in range(2):
+        for sender, rounds in ((True, schedule.rounds_of_source(rank)), (False, schedule.rounds_of_destination(rank))):
+            subs = SubSchedules(rounds, names, sender=sender)
+            sub = subs.rounds_for(subset)
+            assert subs.rounds_for(subset) is sub and subs.derived == 1  # the repeat is a cache hit
+            pieces = {names[s.piece] for msgs in sub for m in msgs for s in (m.src_segments if sender else m.dst_segments)}
+            assert pieces == ({"b", "e"} if sender else {"b", "e", "e_scale"})
+            for msgs in sub:
+                for m in msgs:  # back to back from 0: every segment aligned, no gap wider than the alignment
+                    ends = [0] + [d.offset + d.nbytes for d in m.dst_segments]
+                    assert all(d.offset % 16 == 0 and d.offset - end < 16 for d, end in zip(m.dst_segments, ends))
+                    assert m.nbytes == ends[-1]
+            if not sender:
+                total += moved_bytes(sub)
+    fp8_scales = 2 * 4  # (16 / 16) x (32 / 16) float32 scales per transfer
+    assert total == sum(t.src_box.numel * 2 if t.name == "b" else t.src_box.numel + fp8_scales
+                        for t in transfers if t.name in subset.names)
+    assert total < moved_bytes(schedule.rounds)
+
+
+def test_a_message_wholly_kept_or_wholly_dropped_is_itself_or_nothing():
+    _, _, schedule = toy_schedule()
+    m = schedule.rounds[0][0]
+    assert narrow_message(m, lambda s, d: True) is m
+    assert narrow_message(m, lambda s, d: False) is None
+
+
+def run(gen_only=None):
+    address = f"127.0.0.1:{free_port()}"
+    return spawn(subset_ranks, TRAIN_RANKS + GEN_RANKS, address, gen_only, timeout_s=120)
+
+
+def test_subset_steps_change_exactly_the_named_tensors_then_a_whole_step_lands():
+    results = run()
+    assert not [r for r in results if isinstance(r, tuple)], results
+    for r in results:
+        whole, subset, again, last = r["bytes"]
+        assert 0 < subset == again < whole == last  # a subset moves less, the same each time
+        assert r["derived"] == 1  # the repeated subset was planned once
+    for r in (r for r in results if r["side"] == "gen"):
+        assert r["mismatches"] == [[], [], [], []]  # named tensors fresh, the others as the last step left them
+        assert r["version"] == 103
+
+
+def test_sides_naming_different_subsets_fail_on_every_rank_naming_both():
+    results = run(gen_only=SUBSET[:2])
+    assert all(isinstance(r, tuple) for r in results), results
+    for _, kind, message in results:
+        assert "subset of 6 tensor(s)" in message or "subset of 3 tensor(s)" in message, message
+        assert "both sides must name the same tensors" in message or "nothing of the step moved" in message, message
