@@ -26,7 +26,7 @@ from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.side import Side
 from refit_core.endpoints import agreement
 from refit_core.net.auth import JobCredentials
-from refit_core.net.keys import RankId, RankRecord, rank_key, rank_keys, size_key
+from refit_core.net.keys import RankId, RankRecord, rank_key, rank_keys, size_key, subset_key
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.transport import StoreWatch, Transport, open_transport
 from refit_core.plan import rankplan
@@ -34,7 +34,7 @@ from refit_core.plan.items import Message
 from refit_core.plan.links import Link
 from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
-from refit_core.plan.subset import SubSchedules, Subset
+from refit_core.plan.subset import WHOLE, SubSchedules, Subset
 from refit_core.run.colocated import ColocatedReceiver, ColocatedSender
 from refit_core.run.copies import CopyCounts
 from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
@@ -43,6 +43,9 @@ from refit_core.run.validate import check_no_overlap, check_view
 from refit_core.units import format_bytes
 
 log = logging.getLogger("refit")
+
+SUBSET_NAMES_SHOWN = 6
+"""How many names an error about two different subsets lists per side."""
 
 
 class RefitEndpoint:
@@ -108,6 +111,8 @@ class RefitEndpoint:
         self._sub_executors: dict[int, SendExecutor | ReceiveExecutor] = {}
         """The network executor of each subset asked for (by digest), bound to :attr:`_views` when in it."""
         self._sub_bound: set[int] = set()
+        self._subset_names: dict[int, frozenset[str]] = {}
+        """The subsets this rank moved (by digest), each offered to the store once (:func:`subset_key`)."""
         self._whole: SendExecutor | ReceiveExecutor | None = None
         """The whole schedule's executor while a subset's stands in for it (None outside subset steps)."""
 
@@ -175,6 +180,8 @@ class RefitEndpoint:
         self._rdv.seal()
         self._subsets, self._sub_executors, self._sub_bound = None, {}, set()
         self._make_executors(schedule, settings)
+        if self._executor is not None:
+            self._executor.explain = self._explain_subsets
         self._pieces = pieces
         summary = schedule.summary
         log.info("refit %s rank %d ready in %.2f s: %s in %d messages over %d rounds, plan %s",
@@ -387,9 +394,10 @@ class RefitEndpoint:
             else:
                 logical.add(str(name))
         for group, indices in sorted(members.items()):
-            missing = sorted(set(range(self._group_sizes[group])) - indices)
+            size = self._group_sizes[group]
+            missing = sorted(set(range(size)) - indices)
             if missing:
-                raise RefitError(f"the subset names {len(indices)} of the {self._group_sizes[group]} experts of {group} "
+                raise RefitError(f"the subset names {len(indices)} of the {size} experts of {group} "
                                  f"(missing: {', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}); "
                                  "refit moves a grouped expert tensor whole: name all its experts or none")
         try:
@@ -416,6 +424,9 @@ class RefitEndpoint:
         why = self._subset_refusal()
         if why is not None:
             raise RefitError(f"{self.side} rank {self.rank} cannot move a subset of the plan in one step: {why}")
+        if subset.digest not in self._subset_names:  # for the error of a peer moving another subset
+            self._subset_names[subset.digest] = subset.names
+            self._require_rendezvous().offer(subset_key(subset.digest), sorted(subset.names))
         whole = self._executor
         if whole is None:
             return subset  # no network pairs here: nothing moves either way
@@ -428,6 +439,7 @@ class RefitEndpoint:
                                    **self._network_executor_args(self.schedule, self.settings))
             executor.subset = (subset.digest, len(subset))
             executor.header_peers = whole.peers()
+            executor.explain = self._explain_subsets
             self._sub_executors[subset.digest] = executor
         if subset.digest not in self._sub_bound:
             executor.bind(self._views)
@@ -435,6 +447,32 @@ class RefitEndpoint:
         executor.step = whole.step
         self._whole, self._executor = whole, executor
         return subset
+
+    def _names_of(self, digest: int) -> frozenset[str] | None:
+        """The names of the subset ``digest`` (this rank's, or as its first mover offered them), else None."""
+        if digest in self._subset_names:
+            return self._subset_names[digest]
+        names = self._rdv.read(subset_key(digest)) if self._rdv is not None else None
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            return frozenset(names)
+        return None
+
+    def _explain_subsets(self, theirs: tuple[int, int], ours: tuple[int, int]) -> str:
+        """What the peer's subset ``theirs`` moves that this rank's ``ours`` does not, and the reverse."""
+        def listed(names: Iterable[str]) -> str:
+            shown = sorted(names)
+            return ", ".join(shown[:SUBSET_NAMES_SHOWN]) + (" ..." if len(shown) > SUBSET_NAMES_SHOWN else "")
+
+        peer, mine = self._names_of(theirs[0]), self._names_of(ours[0])
+        if theirs[0] == WHOLE and mine is not None:
+            return f"this rank moves only {listed(mine)}"
+        if ours[0] == WHOLE and peer is not None:
+            return f"the peer moves only {listed(peer)}"
+        if peer is None or mine is None:
+            return "the peer's names are not known here"
+        parts = [f"only the peer moves {listed(peer - mine)}" if peer - mine else "",
+                 f"only this rank moves {listed(mine - peer)}" if mine - peer else ""]
+        return "; ".join(p for p in parts if p)
 
     def _leave_subset(self) -> None:
         """End a subset step: the whole schedule's executor is back, its step count level with the subset's."""

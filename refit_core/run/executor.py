@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -204,6 +204,8 @@ class _RoundRunner:
         """The last recorded step's spans."""
         self.subset = (WHOLE, 0)
         """(digest, size) of the subset these rounds move, checked against every peer's in the headers."""
+        self.explain: Callable[[tuple[int, int], tuple[int, int]], str] | None = None
+        """Names what differs between a peer's subset and this rank's (theirs, ours), for the error."""
         self.header_peers: list[int] | None = None
         """The peers the headers go to (None: this executor's own): a sub-schedule's executor talks to
         every peer of the whole schedule, so that two ends running different subsets both find out."""
@@ -325,10 +327,12 @@ class _RoundRunner:
                     f"(fingerprint {fp:x} step {step} vs ours {self.fingerprint:x} step {self.step}); "
                     "both sides must call setup() with the same models and options")
             if tuple(subset) != self.subset:
+                explained = "" if self.explain is None else f" ({self.explain((subset[0], subset[1]), self.subset)})"
                 raise SubsetMismatchError(
                     f"peer rank {peer + self.peer_offset} moves {subset_text(*subset)} in this step, this rank "
-                    f"{subset_text(*self.subset)}: both sides must name the same tensors (send(only=...) on "
-                    "every train rank, receive(only=...) on every gen rank); nothing of the step moved")
+                    f"{subset_text(*self.subset)}{explained}: both sides must name the same tensors "
+                    "(send(only=...) on every train rank, receive(only=...) on every gen rank); nothing of the "
+                    "step moved")
             versions.add(peer_version)
         if len(versions) > 1:
             raise TransferError(f"train ranks sent different weight versions {sorted(versions)} in one step: "
