@@ -203,35 +203,15 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         self.version, self.last_stats = receive_step(self.receiver, self.model, update_info.version, only)
 
     def _subset(self, update_info: RefitWeightTransferUpdateInfo) -> frozenset[str] | None:
-        """The tensors the step names, checked against the engine (None: every tensor); a subset is
-        also held against what vLLM post-processes whole, and told to the model's state (its reload
-        post-processes only the modules the subset writes)."""
         if self.catalog is None:
             from .checkpoint import step_catalog
 
             self.catalog = step_catalog(self.model_config)
-        only = step_names(update_info.tensors, update_info.only, self.catalog)
-        if only is not None:
-            from refit_core import get_plugin_manager
-
-            from .plugin import model_plan
-
-            state = state_of(self.model)
-            assert state is not None  # attached at init_transfer_engine
-            plan = model_plan(self.model, state)
-            check_subset(only, plan, get_plugin_manager().expert_name, reload=state.mode != "direct")
-            state.subset = only
-        return only
+        return step_subset(self.model, self.catalog, update_info.tensors, update_info.only)
 
     def _refuse_step(self, error: Exception) -> None:
-        """Fail the step the trainers are sending with ``error`` before any byte lands (every rank hears
-        it at once, as of any failed step); the engine keeps its weights."""
         assert self.receiver is not None
-        refuse_next_step(self.model, error)
-        try:
-            receive_step(self.receiver, self.model)
-        except Exception as exc:  # noqa: BLE001 - ``error`` is what the caller raises
-            log.debug("refit: the refused step failed as planned: %s", exc)
+        refuse_step(self.receiver, self.model, error)
 
     def finish_weight_update(self) -> None:
         """Nothing left: the step finished inside ``update_weights`` (vLLM publishes the version)."""
@@ -240,6 +220,36 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
+
+
+def step_subset(model: torch.nn.Module, catalog: dict[str, TensorSpec], tensors: tuple[NamedTensor, ...] | None,
+                only: list[str] | None) -> frozenset[str] | None:
+    """The tensors a step names (``update_info``'s claims and ``only``), checked against the engine's
+    ``catalog`` (None: every tensor); a subset is also held against what vLLM post-processes whole, and
+    told to the model's state (its reload post-processes only the modules the subset writes)."""
+    names = step_names(tensors, only, catalog)
+    if names is not None:
+        from refit_core import get_plugin_manager
+
+        from .plugin import model_plan
+
+        state = state_of(model)
+        if state is None:
+            raise RefitError("refit_vllm: a subset step on a model no refit session attached")
+        plan = model_plan(model, state)
+        check_subset(names, plan, get_plugin_manager().expert_name, reload=state.mode != "direct")
+        state.subset = names
+    return names
+
+
+def refuse_step(receiver: RefitReceiver, model: torch.nn.Module, error: Exception) -> None:
+    """Fail the step the trainers are sending with ``error`` before any byte lands (every rank hears
+    it at once, as of any failed step); the engine keeps its weights."""
+    refuse_next_step(model, error)
+    try:
+        receive_step(receiver, model)
+    except Exception as exc:  # noqa: BLE001 - ``error`` is what the caller raises
+        log.debug("refit: the refused step failed as planned: %s", exc)
 
 
 def receive_step(receiver: RefitReceiver, model: torch.nn.Module, expected: int | None = None,
