@@ -113,8 +113,9 @@ def train_then_die(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, 
 
 
 def train_engine(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, port: int, steps: list[int],
-                 conn: Any, gate: Any) -> None:
-    """FSDP2 trainer rank through vLLM's trainer-side API, registered as backend ``refit``."""
+                 conn: Any, gate: Any, subsets: dict[int, list[str]] | None = None) -> None:
+    """FSDP2 trainer rank through vLLM's trainer-side API, registered as backend ``refit`` (sending
+    ``subsets[step]`` only, where given)."""
     import torch.distributed as dist
     from refit_dtensor import load_hf_weights
     from refit_vllm.transfer import RefitSource, RefitTrainerInitInfo
@@ -131,7 +132,7 @@ def train_engine(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, po
         if not gate.wait(timeout=300):
             raise TimeoutError("the test never opened the gate")
         load_hf_weights(model, reference_state_dict(cfg, SEED, step))
-        engine.send_weights(version=step)
+        engine.send_weights(version=step, names=(subsets or {}).get(step))
     engine.shutdown()
     dist.destroy_process_group()
 
