@@ -45,7 +45,13 @@ from refit_core.units import format_bytes
 log = logging.getLogger("refit")
 
 SUBSET_NAMES_SHOWN = 6
-"""How many names an error about two different subsets lists per side."""
+"""How many names an error about a subset lists (per side, for two subsets)."""
+
+
+def listed(names: Iterable[str]) -> str:
+    """The first :data:`SUBSET_NAMES_SHOWN` of ``names`` in order, then `` ...`` if there are more."""
+    shown = list(names)
+    return ", ".join(shown[:SUBSET_NAMES_SHOWN]) + (" ..." if len(shown) > SUBSET_NAMES_SHOWN else "")
 
 
 class RefitEndpoint:
@@ -88,6 +94,8 @@ class RefitEndpoint:
         self._pieces: list[Piece] = []
         self._counts: dict[str, int] = {}
         self._group_sizes: dict[str, int] = {}
+        self._plan_names: frozenset[str] | None = None
+        """The planner's (train rank 0's): every logical tensor the train side sends (None elsewhere)."""
         """Every grouped expert tensor of the plan (either side's) and its expert count."""
         self._experts: ExpertNaming = self.plugins.expert_naming()
         self._executor: SendExecutor | ReceiveExecutor | None = None
@@ -205,6 +213,8 @@ class RefitEndpoint:
             schedule, self.relay, self.links = plan.schedule(), plan.relay_plan(), plan.links
         self._counts = plan.facts.counts[self.side]
         self._group_sizes = {group: n for side in Side for group, n in plan.facts.counts[side].items()}
+        if metas is not None:
+            self._plan_names = frozenset(self._logical(m.spec.name) for ranks in metas[Side.TRAIN] for m in ranks)
         self._experts.seen.update(plan.experts)
         self._experts.learn([[p.meta for p in pieces]])
         rankplan.check_against(plan, [group_meta(p.meta, self.plugins.expert_name, self._counts) for p in pieces])
@@ -379,6 +389,11 @@ class RefitEndpoint:
 
     # -- subsets ------------------------------------------------------------------------------
 
+    def _logical(self, name: str) -> str:
+        """The plan's name of HF tensor ``name``: its grouped tensor for an expert, else itself."""
+        expert = self.plugins.expert_name(name)
+        return expert.group if expert is not None and expert.group in self._group_sizes else name
+
     def subset_of(self, names: Iterable[str]) -> Subset:
         """The :class:`~refit_core.plan.subset.Subset` a step naming ``names`` moves: per-expert names fold
         into their grouped tensor, which must then be named whole (:class:`RefitError` naming the group
@@ -398,8 +413,11 @@ class RefitEndpoint:
             missing = sorted(set(range(size)) - indices)
             if missing:
                 raise RefitError(f"the subset names {len(indices)} of the {size} experts of {group} "
-                                 f"(missing: {', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}); "
+                                 f"(missing: {listed(map(str, missing))}); "
                                  "refit moves a grouped expert tensor whole: name all its experts or none")
+        unknown = sorted(logical - self._plan_names) if self._plan_names is not None else []
+        if unknown:
+            raise RefitError(f"the subset names {len(unknown)} tensor(s) the plan does not move: {listed(unknown)}")
         try:
             return Subset.of(logical)
         except ValueError as exc:
@@ -459,19 +477,15 @@ class RefitEndpoint:
 
     def _explain_subsets(self, theirs: tuple[int, int], ours: tuple[int, int]) -> str:
         """What the peer's subset ``theirs`` moves that this rank's ``ours`` does not, and the reverse."""
-        def listed(names: Iterable[str]) -> str:
-            shown = sorted(names)
-            return ", ".join(shown[:SUBSET_NAMES_SHOWN]) + (" ..." if len(shown) > SUBSET_NAMES_SHOWN else "")
-
         peer, mine = self._names_of(theirs[0]), self._names_of(ours[0])
         if theirs[0] == WHOLE and mine is not None:
-            return f"this rank moves only {listed(mine)}"
+            return f"this rank moves only {listed(sorted(mine))}"
         if ours[0] == WHOLE and peer is not None:
-            return f"the peer moves only {listed(peer)}"
+            return f"the peer moves only {listed(sorted(peer))}"
         if peer is None or mine is None:
             return "the peer's names are not known here"
-        parts = [f"only the peer moves {listed(peer - mine)}" if peer - mine else "",
-                 f"only this rank moves {listed(mine - peer)}" if mine - peer else ""]
+        parts = [f"only the peer moves {listed(sorted(peer - mine))}" if peer - mine else "",
+                 f"only this rank moves {listed(sorted(mine - peer))}" if mine - peer else ""]
         return "; ".join(p for p in parts if p)
 
     def _leave_subset(self) -> None:

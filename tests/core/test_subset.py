@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from toy_ranks import TRAIN_RANKS, subset_ranks
 
+from refit_core import RefitError, RefitSender
 from refit_core.contract.spec import Box, QuantizeStep, Quantization, QuantSite
 from refit_core.kit.launch import free_port, spawn
 from refit_core.plan.items import Transfer
@@ -77,3 +81,18 @@ def test_subset_steps_move_exactly_the_named_tensors_and_sides_that_disagree_fai
         assert r["mismatches"] == [[], [], [], []]  # named tensors fresh, the others as the last step left them
         assert r["version"] == 103
         assert r["after_error"] == []  # the refused step moved nothing
+
+
+def test_a_subset_folds_experts_into_their_group_and_names_what_it_cannot_move():
+    sender = RefitSender(None, rendezvous="127.0.0.1:1", rank=0, world_size=1)
+    group = "model.layers.0.mlp.experts.up_proj.weight"
+    sender._group_sizes = {group: 4}
+    sender._plan_names = frozenset({group, "model.norm.weight"})  # the planner's: what the train side sends
+    experts = [f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4)]
+    assert sender.subset_of(experts).names == {group}
+    assert sender.subset_of(experts) == sender.subset_of([group]) != sender.subset_of([group, "model.norm.weight"])
+    for names, message in [(experts[:3], f"names 3 of the 4 experts of {group} (missing: 3)"),
+                           (["model.norm.weight", "lm_head.weight"], "1 tensor(s) the plan does not move: lm_head"),
+                           ([], "a subset names at least one tensor")]:
+        with pytest.raises(RefitError, match=re.escape(message)):
+            sender.subset_of(names)
