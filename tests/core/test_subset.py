@@ -67,7 +67,9 @@ def test_a_message_wholly_kept_or_wholly_dropped_is_itself_or_nothing():
 
 
 def test_subset_steps_move_exactly_the_named_tensors_and_sides_that_disagree_fail_naming_the_difference():
-    results = spawn(subset_ranks, TRAIN_RANKS + GEN_RANKS, f"127.0.0.1:{free_port()}", timeout_s=150)
+    """Staged mode (the sub-schedule's landed step is committed from its own staging); the vLLM engine
+    test runs subsets in place."""
+    results = spawn(subset_ranks, TRAIN_RANKS + GEN_RANKS, f"127.0.0.1:{free_port()}", "staged", timeout_s=150)
     for r in results:
         whole, subset, again, last = r["bytes"]
         assert 0 < subset == again < whole == last  # a subset moves less, the same each time

@@ -85,14 +85,14 @@ SUBSET = ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight",
 """What the subset steps of :func:`subset_ranks` move: q of the engine's fused qkv, the norm, all experts."""
 
 
-def subset_ranks(rank: int, world: int, address: str) -> dict | tuple:
+def subset_ranks(rank: int, world: int, address: str, mode: str) -> dict | tuple:
     """A full step (version 100), two steps of :data:`SUBSET` (101, 102), a full step (103), then a step
-    where the train ranks send :data:`SUBSET` and the gen ranks expect only its first two tensors. Gen
-    ranks return, per landed step, the pieces that differ from what they should hold; every rank its
-    bytes per step, how many subsets it derived, and the last step's error."""
+    where the train ranks send :data:`SUBSET` and the gen ranks expect only its first two tensors, in
+    update ``mode``. Gen ranks return, per landed step, the pieces that differ from what they should
+    hold; every rank its bytes per step, how many subsets it derived, and the last step's error."""
     train = rank < TRAIN_RANKS
     local, size = (rank, TRAIN_RANKS) if train else (rank - TRAIN_RANKS, world - TRAIN_RANKS)
-    options = RefitOptions(timeout_s=30)
+    options = RefitOptions(timeout_s=30, mode=mode)
     plan = [(100, None), (101, SUBSET), (102, SUBSET), (103, None)]
     if train:
         trainer = ToyTrainer(local, size)
