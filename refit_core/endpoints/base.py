@@ -34,7 +34,8 @@ from refit_core.plan.items import Message
 from refit_core.plan.links import Link
 from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
-from refit_core.plan.subset import WHOLE, SubSchedules, Subset
+from refit_core.plan import subset
+from refit_core.plan.subset import SubSchedules, Subset
 from refit_core.run.colocated import ColocatedReceiver, ColocatedSender
 from refit_core.run.copies import CopyCounts
 from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
@@ -43,15 +44,6 @@ from refit_core.run.validate import check_no_overlap, check_view
 from refit_core.units import format_bytes
 
 log = logging.getLogger("refit")
-
-SUBSET_NAMES_SHOWN = 6
-"""How many names an error about a subset lists (per side, for two subsets)."""
-
-
-def listed(names: Iterable[str]) -> str:
-    """The first :data:`SUBSET_NAMES_SHOWN` of ``names`` in order, then `` ...`` if there are more."""
-    shown = list(names)
-    return ", ".join(shown[:SUBSET_NAMES_SHOWN]) + (" ..." if len(shown) > SUBSET_NAMES_SHOWN else "")
 
 
 class RefitEndpoint:
@@ -94,9 +86,9 @@ class RefitEndpoint:
         self._pieces: list[Piece] = []
         self._counts: dict[str, int] = {}
         self._group_sizes: dict[str, int] = {}
+        """Every grouped expert tensor of the plan (either side's) and its expert count."""
         self._plan_names: frozenset[str] | None = None
         """The planner's (train rank 0's): every logical tensor the train side sends (None elsewhere)."""
-        """Every grouped expert tensor of the plan (either side's) and its expert count."""
         self._experts: ExpertNaming = self.plugins.expert_naming()
         self._executor: SendExecutor | ReceiveExecutor | None = None
         self._relay_out: SendExecutor | ForwardExecutor | None = None
@@ -214,7 +206,9 @@ class RefitEndpoint:
         self._counts = plan.facts.counts[self.side]
         self._group_sizes = {group: n for side in Side for group, n in plan.facts.counts[side].items()}
         if metas is not None:
-            self._plan_names = frozenset(self._logical(m.spec.name) for ranks in metas[Side.TRAIN] for m in ranks)
+            namer = self.plugins.expert_name
+            self._plan_names = frozenset(subset.logical_name(m.spec.name, namer, self._group_sizes)
+                                         for ranks in metas[Side.TRAIN] for m in ranks)
         self._experts.seen.update(plan.experts)
         self._experts.learn([[p.meta for p in pieces]])
         rankplan.check_against(plan, [group_meta(p.meta, self.plugins.expert_name, self._counts) for p in pieces])
@@ -389,39 +383,10 @@ class RefitEndpoint:
 
     # -- subsets ------------------------------------------------------------------------------
 
-    def _logical(self, name: str) -> str:
-        """The plan's name of HF tensor ``name``: its grouped tensor for an expert, else itself."""
-        expert = self.plugins.expert_name(name)
-        return expert.group if expert is not None and expert.group in self._group_sizes else name
-
     def subset_of(self, names: Iterable[str]) -> Subset:
-        """The :class:`~refit_core.plan.subset.Subset` a step naming ``names`` moves: per-expert names fold
-        into their grouped tensor, which must then be named whole (:class:`RefitError` naming the group
-        otherwise); other names are taken as the plan names them."""
-        namer = self.plugins.expert_name
-        logical: set[str] = set()
-        members: dict[str, set[int]] = {}
-        for name in names:
-            expert = namer(name) if isinstance(name, str) else None
-            if expert is not None and expert.group in self._group_sizes:
-                members.setdefault(expert.group, set()).add(expert.index)
-                logical.add(expert.group)
-            else:
-                logical.add(str(name))
-        for group, indices in sorted(members.items()):
-            size = self._group_sizes[group]
-            missing = sorted(set(range(size)) - indices)
-            if missing:
-                raise RefitError(f"the subset names {len(indices)} of the {size} experts of {group} "
-                                 f"(missing: {listed(map(str, missing))}); "
-                                 "refit moves a grouped expert tensor whole: name all its experts or none")
-        unknown = sorted(logical - self._plan_names) if self._plan_names is not None else []
-        if unknown:
-            raise RefitError(f"the subset names {len(unknown)} tensor(s) the plan does not move: {listed(unknown)}")
-        try:
-            return Subset.of(logical)
-        except ValueError as exc:
-            raise RefitError(str(exc)) from exc
+        """The :class:`~refit_core.plan.subset.Subset` a step naming ``names`` moves (see
+        :func:`~refit_core.plan.subset.subset_of`; the planner also refuses names the plan does not move)."""
+        return subset.subset_of(names, self.plugins.expert_name, self._group_sizes, self._plan_names)
 
     def _subset_refusal(self) -> str | None:
         """Why this rank cannot run a subset step (None: it can)."""
@@ -438,33 +403,33 @@ class RefitEndpoint:
         so a peer running another subset fails the step on both ends before any byte moves."""
         if only is None:
             return None
-        subset = self.subset_of(only)
+        chosen = self.subset_of(only)
         why = self._subset_refusal()
         if why is not None:
             raise RefitError(f"{self.side} rank {self.rank} cannot move a subset of the plan in one step: {why}")
-        if subset.digest not in self._subset_names:  # for the error of a peer moving another subset
-            self._subset_names[subset.digest] = subset.names
-            self._require_rendezvous().offer(subset_key(subset.digest), sorted(subset.names))
+        if chosen.digest not in self._subset_names:  # for the error of a peer moving another subset
+            self._subset_names[chosen.digest] = chosen.names
+            self._require_rendezvous().offer(subset_key(chosen.digest), sorted(chosen.names))
         whole = self._executor
         if whole is None:
-            return subset  # no network pairs here: nothing moves either way
+            return chosen  # no network pairs here: nothing moves either way
         if self._subsets is None:
             self._subsets = SubSchedules(whole.rounds, self._bound_names, sender=self.side is Side.TRAIN)
-        executor = self._sub_executors.get(subset.digest)
+        executor = self._sub_executors.get(chosen.digest)
         if executor is None:
             assert self.schedule is not None and self.settings is not None
-            executor = type(whole)(self._subsets.rounds_for(subset), whole.transport, whole.peer_offset,
+            executor = type(whole)(self._subsets.rounds_for(chosen), whole.transport, whole.peer_offset,
                                    **self._network_executor_args(self.schedule, self.settings))
-            executor.subset = (subset.digest, len(subset))
+            executor.subset = (chosen.digest, len(chosen))
             executor.header_peers = whole.peers()
             executor.explain = self._explain_subsets
-            self._sub_executors[subset.digest] = executor
-        if subset.digest not in self._sub_bound:
+            self._sub_executors[chosen.digest] = executor
+        if chosen.digest not in self._sub_bound:
             executor.bind(self._views)
-            self._sub_bound.add(subset.digest)
+            self._sub_bound.add(chosen.digest)
         executor.step = whole.step
         self._whole, self._executor = whole, executor
-        return subset
+        return chosen
 
     def _names_of(self, digest: int) -> frozenset[str] | None:
         """The names of the subset ``digest`` (this rank's, or as its first mover offered them), else None."""
@@ -477,16 +442,7 @@ class RefitEndpoint:
 
     def _explain_subsets(self, theirs: tuple[int, int], ours: tuple[int, int]) -> str:
         """What the peer's subset ``theirs`` moves that this rank's ``ours`` does not, and the reverse."""
-        peer, mine = self._names_of(theirs[0]), self._names_of(ours[0])
-        if theirs[0] == WHOLE and mine is not None:
-            return f"this rank moves only {listed(sorted(mine))}"
-        if ours[0] == WHOLE and peer is not None:
-            return f"the peer moves only {listed(sorted(peer))}"
-        if peer is None or mine is None:
-            return "the peer's names are not known here"
-        parts = [f"only the peer moves {listed(sorted(peer - mine))}" if peer - mine else "",
-                 f"only this rank moves {listed(sorted(mine - peer))}" if mine - peer else ""]
-        return "; ".join(p for p in parts if p)
+        return subset.difference(theirs[0], self._names_of(theirs[0]), ours[0], self._names_of(ours[0]))
 
     def _leave_subset(self) -> None:
         """End a subset step: the whole schedule's executor is back, its step count level with the subset's."""

@@ -14,9 +14,11 @@ the whole schedule (every rank walks its rounds in increasing order) hold for th
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from refit_core.contract.errors import RefitError
+from refit_core.contract.experts import ExpertName
 from refit_core.plan.items import Message, Segment, align
 
 WHOLE = 0
@@ -48,6 +50,66 @@ class Subset:
         names = sorted(self.names)
         more = " ..." if len(names) > shown else ""
         return f"{len(names)} tensor(s) ({', '.join(names[:shown])}{more}; digest {self.digest:x})"
+
+
+SHOWN = 6
+"""How many names an error about a subset lists (per side, for two subsets)."""
+
+
+def listed(names: Iterable[str]) -> str:
+    """The first :data:`SHOWN` of ``names`` in order, then `` ...`` if there are more."""
+    shown = list(names)
+    return ", ".join(shown[:SHOWN]) + (" ..." if len(shown) > SHOWN else "")
+
+
+def logical_name(name: str, namer: Callable[[str], ExpertName | None], groups: Mapping[str, int]) -> str:
+    """The plan's name of HF tensor ``name``: its grouped tensor (one of ``groups``) for an expert, else itself."""
+    expert = namer(name)
+    return expert.group if expert is not None and expert.group in groups else name
+
+
+def subset_of(names: Iterable[str], namer: Callable[[str], ExpertName | None], groups: Mapping[str, int],
+              known: Collection[str] | None = None) -> Subset:
+    """The :class:`Subset` a step naming ``names`` (HF names) moves: per-expert names fold into their
+    grouped tensor (``groups``: each grouped tensor's expert count), which must then be named whole;
+    names outside ``known`` (the plan's logical tensors; None: not known here) are refused.
+    :class:`RefitError` names the group or the tensors."""
+    logical: set[str] = set()
+    members: dict[str, set[int]] = {}
+    for name in names:
+        expert = namer(name) if isinstance(name, str) else None
+        if expert is not None and expert.group in groups:
+            members.setdefault(expert.group, set()).add(expert.index)
+            logical.add(expert.group)
+        else:
+            logical.add(str(name))
+    for group, indices in sorted(members.items()):
+        missing = sorted(set(range(groups[group])) - indices)
+        if missing:
+            raise RefitError(f"the subset names {len(indices)} of the {groups[group]} experts of {group} (missing: "
+                             f"{listed(map(str, missing))}); refit moves a grouped expert tensor whole: name all "
+                             "its experts or none")
+    unknown = sorted(logical - set(known)) if known is not None else []
+    if unknown:
+        raise RefitError(f"the subset names {len(unknown)} tensor(s) the plan does not move: {listed(unknown)}")
+    try:
+        return Subset.of(logical)
+    except ValueError as exc:
+        raise RefitError(str(exc)) from exc
+
+
+def difference(theirs: int, peer: frozenset[str] | None, ours: int, mine: frozenset[str] | None) -> str:
+    """What a peer's subset (digest ``theirs``, names ``peer`` if known) moves that this rank's (``ours``,
+    ``mine``) does not, and the reverse, for the error of a step whose two ends disagree."""
+    if theirs == WHOLE and mine is not None:
+        return f"this rank moves only {listed(sorted(mine))}"
+    if ours == WHOLE and peer is not None:
+        return f"the peer moves only {listed(sorted(peer))}"
+    if peer is None or mine is None:
+        return "the peer's names are not known here"
+    parts = [f"only the peer moves {listed(sorted(peer - mine))}" if peer - mine else "",
+             f"only this rank moves {listed(sorted(mine - peer))}" if mine - peer else ""]
+    return "; ".join(p for p in parts if p)
 
 
 Keep = Callable[[Segment, Segment], bool]
@@ -122,4 +184,5 @@ def moved_bytes(rounds: Sequence[Sequence[Message]]) -> int:
     return sum(d.nbytes for msgs in rounds for m in msgs for d in m.dst_segments)
 
 
-__all__ = ["WHOLE", "Keep", "SubSchedules", "Subset", "keeping", "moved_bytes", "narrow_message", "sub_rounds"]
+__all__ = ["SHOWN", "WHOLE", "Keep", "SubSchedules", "Subset", "difference", "keeping", "listed", "logical_name",
+           "moved_bytes", "narrow_message", "sub_rounds", "subset_of"]

@@ -8,12 +8,21 @@ import pytest
 import torch
 from toy_ranks import TRAIN_RANKS, subset_ranks
 
-from refit_core import RefitError, RefitSender
+from refit_core import RefitError
+from refit_core.contract.experts import default_expert_name
 from refit_core.contract.spec import Box, QuantizeStep, Quantization, QuantSite
 from refit_core.kit.launch import free_port, spawn
 from refit_core.plan.items import Transfer
 from refit_core.plan.schedule import build_schedule
-from refit_core.plan.subset import SubSchedules, Subset, moved_bytes, narrow_message
+from refit_core.plan.subset import (
+    WHOLE,
+    SubSchedules,
+    Subset,
+    difference,
+    moved_bytes,
+    narrow_message,
+    subset_of,
+)
 
 GEN_RANKS = 3
 
@@ -86,15 +95,25 @@ def test_subset_steps_move_exactly_the_named_tensors_and_sides_that_disagree_fai
 
 
 def test_a_subset_folds_experts_into_their_group_and_names_what_it_cannot_move():
-    sender = RefitSender(None, rendezvous="127.0.0.1:1", rank=0, world_size=1)
     group = "model.layers.0.mlp.experts.up_proj.weight"
-    sender._group_sizes = {group: 4}
-    sender._plan_names = frozenset({group, "model.norm.weight"})  # the planner's: what the train side sends
+    groups, known = {group: 4}, {group, "model.norm.weight"}  # the planner's: what the train side sends
     experts = [f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4)]
-    assert sender.subset_of(experts).names == {group}
-    assert sender.subset_of(experts) == sender.subset_of([group]) != sender.subset_of([group, "model.norm.weight"])
+
+    def of(names):
+        return subset_of(names, default_expert_name, groups, known)
+
+    assert of(experts).names == {group}
+    assert of(experts) == of([group]) != of([group, "model.norm.weight"])
+    assert subset_of(["anything"], default_expert_name, groups).names == {"anything"}  # not the planner: not known
     for names, message in [(experts[:3], f"names 3 of the 4 experts of {group} (missing: 3)"),
                            (["model.norm.weight", "lm_head.weight"], "1 tensor(s) the plan does not move: lm_head"),
                            ([], "a subset names at least one tensor")]:
         with pytest.raises(RefitError, match=re.escape(message)):
-            sender.subset_of(names)
+            of(names)
+
+
+def test_the_difference_of_two_subsets_names_what_only_one_side_moves():
+    a, b = Subset.of(["x", "y"]), Subset.of(["y", "z"])
+    assert difference(a.digest, a.names, b.digest, b.names) == "only the peer moves x; only this rank moves z"
+    assert difference(WHOLE, None, b.digest, b.names) == "this rank moves only y, z"
+    assert difference(a.digest, None, b.digest, b.names) == "the peer's names are not known here"
