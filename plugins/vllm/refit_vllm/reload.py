@@ -200,8 +200,9 @@ def _written_modules(plan: ModelPlan, subset: Collection[str]) -> set[str]:
     """The fast-path modules a subset step writes (a grouped piece is written if its group is named)."""
     from refit_core import get_plugin_manager
 
-    namer = get_plugin_manager().expert_name
-    wanted = {expert.group if (expert := namer(n)) is not None else n for n in subset}
+    from .requests import plan_names
+
+    wanted = plan_names(subset, get_plugin_manager().expert_name)
     return {piece.target[0] for piece in plan.pieces if piece.spec.name in wanted}
 
 

@@ -129,6 +129,11 @@ def step_names(tensors: Sequence[NamedTensor] | None, only: Sequence[str] | None
     return names
 
 
+def plan_names(names: Collection[str], namer: Callable[[str], ExpertName | None]) -> set[str]:
+    """``names`` (HF names) as the destination plan names its pieces: an expert by its grouped tensor."""
+    return {expert.group if (expert := namer(n)) is not None else n for n in names}
+
+
 def check_subset(names: Collection[str], plan: ModelPlan, namer: Callable[[str], ExpertName | None], *,
                  reload: bool) -> None:
     """Refuse a subset (HF names) that splits what vLLM processes whole, naming it: in ``reload`` mode a
@@ -136,11 +141,7 @@ def check_subset(names: Collection[str], plan: ModelPlan, namer: Callable[[str],
     post-processed from every tensor it holds, so a subset names all of its tensors or none; the
     loader path hands vLLM's loaders whole tensors whose layers it processes once every part of them
     has loaded, so a subset names all of the loader path's tensors or none."""
-    def logical(name: str) -> str:
-        expert = namer(name)
-        return expert.group if expert is not None else name
-
-    wanted = {logical(n) for n in names}
+    wanted = plan_names(names, namer)
     if reload:
         feeds: dict[str, set[str]] = {}
         for piece in plan.pieces:
@@ -162,4 +163,4 @@ def check_subset(names: Collection[str], plan: ModelPlan, namer: Callable[[str],
 
 
 __all__ = ["InvalidRequestError", "NamedTensor", "check_step", "check_subset", "dtype_named", "named_tensors",
-           "step_names"]
+           "plan_names", "step_names"]
