@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ from refit_core.contract.plugins import PluginManager, get_plugin_manager
 from refit_core.contract.side import Side
 from refit_core.endpoints import agreement
 from refit_core.net.auth import JobCredentials
-from refit_core.net.keys import RankId, RankRecord, rank_key, rank_keys, size_key
+from refit_core.net.keys import RankId, RankRecord, rank_key, rank_keys, size_key, subset_key
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.transport import StoreWatch, Transport, open_transport
 from refit_core.plan import rankplan
@@ -34,6 +34,8 @@ from refit_core.plan.items import Message
 from refit_core.plan.links import Link
 from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
+from refit_core.plan import subset
+from refit_core.plan.subset import SubSchedules, Subset
 from refit_core.run.colocated import ColocatedReceiver, ColocatedSender
 from refit_core.run.copies import CopyCounts
 from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
@@ -83,6 +85,10 @@ class RefitEndpoint:
         self._rdv: Rendezvous | None = None
         self._pieces: list[Piece] = []
         self._counts: dict[str, int] = {}
+        self._group_sizes: dict[str, int] = {}
+        """Every grouped expert tensor of the plan (either side's) and its expert count."""
+        self._plan_names: frozenset[str] | None = None
+        """The planner's (train rank 0's): every logical tensor the train side sends (None elsewhere)."""
         self._experts: ExpertNaming = self.plugins.expert_naming()
         self._executor: SendExecutor | ReceiveExecutor | None = None
         self._relay_out: SendExecutor | ForwardExecutor | None = None
@@ -98,6 +104,17 @@ class RefitEndpoint:
         self._identity: list[TensorIdentity] | None = None
         """The model's tensors when the pieces were bound (None: no plugin lists them)."""
         self._downloaded = 0
+        self._views: list[torch.Tensor] = []
+        """The views the executors were last bound to."""
+        self._subsets: SubSchedules | None = None
+        """This rank's sub-schedules, derived per subset from its network rounds (None: none asked for yet)."""
+        self._sub_executors: dict[int, SendExecutor | ReceiveExecutor] = {}
+        """The network executor of each subset asked for (by digest), bound to :attr:`_views` when in it."""
+        self._sub_bound: set[int] = set()
+        self._subset_names: dict[int, frozenset[str]] = {}
+        """The subsets this rank moved (by digest), each offered to the store once (:func:`subset_key`)."""
+        self._whole: SendExecutor | ReceiveExecutor | None = None
+        """The whole schedule's executor while a subset's stands in for it (None outside subset steps)."""
 
     @property
     def me(self) -> RankId:
@@ -161,7 +178,10 @@ class RefitEndpoint:
         self._steps = 0
         self._bound = False  # new executors: bind the views again
         self._rdv.seal()
+        self._subsets, self._sub_executors, self._sub_bound = None, {}, set()
         self._make_executors(schedule, settings)
+        if self._executor is not None:
+            self._executor.explain = self._explain_subsets
         self._pieces = pieces
         summary = schedule.summary
         log.info("refit %s rank %d ready in %.2f s: %s in %d messages over %d rounds, plan %s",
@@ -184,6 +204,11 @@ class RefitEndpoint:
             plan = agreement.read_own_part(rdv, self.me)
             schedule, self.relay, self.links = plan.schedule(), plan.relay_plan(), plan.links
         self._counts = plan.facts.counts[self.side]
+        self._group_sizes = {group: n for side in Side for group, n in plan.facts.counts[side].items()}
+        if metas is not None:
+            namer = self.plugins.expert_name
+            self._plan_names = frozenset(subset.logical_name(m.spec.name, namer, self._group_sizes)
+                                         for ranks in metas[Side.TRAIN] for m in ranks)
         self._experts.seen.update(plan.experts)
         self._experts.learn([[p.meta for p in pieces]])
         rankplan.check_against(plan, [group_meta(p.meta, self.plugins.expert_name, self._counts) for p in pieces])
@@ -315,6 +340,7 @@ class RefitEndpoint:
             check_no_overlap([p.spec.name for p in grouped], engine)
         self._bound_names = [p.spec.name for p in grouped]
         views = self._bound_views(engine)
+        self._views, self._sub_bound = views, set()
         if isinstance(self._colocated, ColocatedSender) and not self._bound:
             # first: on CPU, exporting moves the storages into shared memory (in place)
             self._colocated.export(views, self._bound_names)
@@ -354,6 +380,78 @@ class RefitEndpoint:
     def _bound_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
         """The views the executors read or write, in place of the pieces' own (default: those)."""
         return views
+
+    # -- subsets ------------------------------------------------------------------------------
+
+    def subset_of(self, names: Iterable[str]) -> Subset:
+        """The :class:`~refit_core.plan.subset.Subset` a step naming ``names`` moves (see
+        :func:`~refit_core.plan.subset.subset_of`; the planner also refuses names the plan does not move)."""
+        return subset.subset_of(names, self.plugins.expert_name, self._group_sizes, self._plan_names)
+
+    def _subset_refusal(self) -> str | None:
+        """Why this rank cannot run a subset step (None: it can)."""
+        if self._colocated is not None:
+            return "it has colocated pairs (CUDA IPC / shared memory), which move the whole plan"
+        if self.relay is not None:
+            return "the refit relays (gen replicas forward the whole plan to each other)"
+        return None
+
+    def _enter_subset(self, only: Iterable[str] | None) -> Subset | None:
+        """Start a step moving only ``only`` (None: the whole plan): its sub-schedule's executor (derived
+        and bound once per subset, :mod:`refit_core.plan.subset`) stands in for the whole one's until
+        :meth:`_leave_subset`. Its headers go to every peer of the whole schedule with the subset's digest,
+        so a peer running another subset fails the step on both ends before any byte moves."""
+        if only is None:
+            return None
+        chosen = self.subset_of(only)
+        why = self._subset_refusal()
+        if why is not None:
+            raise RefitError(f"{self.side} rank {self.rank} cannot move a subset of the plan in one step: {why}")
+        if chosen.digest not in self._subset_names:  # for the error of a peer moving another subset
+            self._subset_names[chosen.digest] = chosen.names
+            self._require_rendezvous().offer(subset_key(chosen.digest), sorted(chosen.names))
+        whole = self._executor
+        if whole is None:
+            return chosen  # no network pairs here: nothing moves either way
+        if self._subsets is None:
+            self._subsets = SubSchedules(whole.rounds, self._bound_names, sender=self.side is Side.TRAIN)
+        executor = self._sub_executors.get(chosen.digest)
+        if executor is None:
+            assert self.schedule is not None and self.settings is not None
+            executor = type(whole)(self._subsets.rounds_for(chosen), whole.transport, whole.peer_offset,
+                                   **self._network_executor_args(self.schedule, self.settings))
+            executor.subset = (chosen.digest, len(chosen))
+            executor.header_peers = whole.peers()
+            executor.explain = self._explain_subsets
+            self._sub_executors[chosen.digest] = executor
+        if chosen.digest not in self._sub_bound:
+            executor.bind(self._views)
+            self._sub_bound.add(chosen.digest)
+        executor.step = whole.step
+        self._whole, self._executor = whole, executor
+        return chosen
+
+    def _names_of(self, digest: int) -> frozenset[str] | None:
+        """The names of the subset ``digest`` (this rank's, or as its first mover offered them), else None."""
+        if digest in self._subset_names:
+            return self._subset_names[digest]
+        names = self._rdv.read(subset_key(digest)) if self._rdv is not None else None
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            return frozenset(names)
+        return None
+
+    def _explain_subsets(self, theirs: tuple[int, int], ours: tuple[int, int]) -> str:
+        """What the peer's subset ``theirs`` moves that this rank's ``ours`` does not, and the reverse."""
+        return subset.difference(theirs[0], self._names_of(theirs[0]), ours[0], self._names_of(ours[0]))
+
+    def _leave_subset(self) -> None:
+        """End a subset step: the whole schedule's executor is back, its step count level with the subset's."""
+        whole, self._whole = self._whole, None
+        if whole is None:
+            return
+        if self._executor is not None:
+            whole.step = self._executor.step
+            self._executor = whole
 
     # -- teardown -----------------------------------------------------------------------------
 

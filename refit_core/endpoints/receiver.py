@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,11 @@ class RefitReceiver(RefitEndpoint):
             self._relay_out = SendExecutor(outgoing, self.transport, offset,
                                            **self._network_executor_args(schedule, settings))
 
+    def _subset_refusal(self) -> str | None:
+        if self._quantizing.items:
+            return "it quantizes pieces itself after the whole step landed (receiver-side quantization)"
+        return super()._subset_refusal()
+
     def _bound_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
         return self._quantizing.bind(views)  # receiver-quantized pieces land in high precision first
 
@@ -146,8 +152,12 @@ class RefitReceiver(RefitEndpoint):
         failure = self.last_failure
         return failure is not None and (not failure.clean or failure.undecided)
 
-    def receive(self) -> StepStats:
+    def receive(self, *, only: Iterable[str] | None = None) -> StepStats:
         """Receive one step's weights into the engine; ``stats.version`` is the sender's version.
+
+        ``only``: the tensors this step moves (None: every tensor of the plan), as the train ranks name
+        them in ``send(only=...)`` (see there); the others keep their bytes, the loader path is handed
+        only the named tensors, and ``version`` advances all the same (it names the last step landed).
 
         On failure raises :class:`~refit_core.contract.failures.StepFailedError`, whose ``failure`` names the
         destination tensors the step touched (none in staged mode, unless colocated pairs, which land in
@@ -165,6 +175,9 @@ class RefitReceiver(RefitEndpoint):
         ballot = _Ballot()
         try:
             loader_weights = self._bind_step()
+            subset = self._enter_subset(only)
+            if subset is not None:
+                loader_weights = [(name, tensor) for name, tensor in loader_weights if name in subset.names]
             stats = self._receive_parts(touched)
             if self._relay_out is not None:  # forward only what has fully landed here
                 self._relay_out.run(stats.version)
@@ -181,6 +194,8 @@ class RefitReceiver(RefitEndpoint):
                 ballot.voted = True
         except Exception as exc:
             raise self._step_failed(step, exc, ballot, touched) from exc
+        finally:
+            self._leave_subset()
         self.plugins.finish_update(self.model, stats.version)
         self.version = stats.version
         self.last_failure = None

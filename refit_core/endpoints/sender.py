@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from refit_core.contract.errors import RefitError, TransferError
@@ -149,8 +149,13 @@ class RefitSender(RefitEndpoint):
         except RefitError:
             pass
 
-    def send(self, version: int) -> StepStats:
+    def send(self, version: int, *, only: Iterable[str] | None = None) -> StepStats:
         """Send the model's current weights as weight ``version``; returns this rank's step stats.
+
+        ``only`` names the tensors this step moves (None: every tensor of the plan): a subset, moved by a
+        sub-schedule of the plan (:mod:`refit_core.plan.subset`); every train rank names the same ones and
+        every gen rank the same in ``receive(only=...)``, else the step fails on both ends, naming the
+        two subsets, before any byte moves. The engine's other tensors keep their bytes.
 
         It first checks that every source tensor is still the memory bound (shared with colocated
         peers) at setup; if not, the step fails, naming the tensor, before any byte moves. In staged
@@ -163,9 +168,10 @@ class RefitSender(RefitEndpoint):
         step, self._steps = self._steps, self._steps + 1
         start = time.perf_counter()
         colocated = self._colocated
-        executor = self._executor
-        assert executor is None or isinstance(executor, SendExecutor)
         try:
+            self._enter_subset(only)
+            executor = self._executor
+            assert executor is None or isinstance(executor, SendExecutor)
             if isinstance(colocated, ColocatedSender):
                 colocated.mark("start")
                 if self.settings is not None and self.settings.overlap_check:  # the engine copies meanwhile
@@ -194,6 +200,8 @@ class RefitSender(RefitEndpoint):
             if isinstance(exc, RefitError):
                 raise
             raise TransferError(f"refit step {step} failed on train rank {self.rank}: {exc}") from exc
+        finally:
+            self._leave_subset()
         log.info("refit sent version %d: %s in %.3f s (%.2f GB/s)", version, format_bytes(stats.bytes),
                  stats.seconds, stats.gbps)
         return stats

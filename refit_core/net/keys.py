@@ -116,6 +116,12 @@ def settled_key(step: int, gen_rank: int) -> str:
     return f"settled/{step}/{RankId(Side.GEN, gen_rank)}"
 
 
+def subset_key(digest: int) -> str:
+    """The names of the subset whose digest is ``digest`` (:mod:`refit_core.plan.subset`), offered by the
+    first rank that moves it, for the error of a peer that moves another one."""
+    return f"subset/{digest:x}"
+
+
 def step_prefixes(step: int) -> list[str]:
     """The prefixes of every key of step ``step``'s commit (votes, decision, settlements)."""
     return [f"{kind}/{step}/" for kind in ("landed", "decision", "settled")]

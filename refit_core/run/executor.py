@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -31,6 +31,7 @@ from refit_core.contract.failures import UpdateMode
 from refit_core.contract.spec import Quantization, contiguous_strides, dtype_size
 from refit_core.net.transport import Fence, Transport
 from refit_core.plan.items import Message, Segment, align
+from refit_core.plan.subset import WHOLE
 from refit_core.run.copies import StagingCopies
 from refit_core.run.lanes import Lane, current_work, lane_for
 from refit_core.run.quant.batched import quantize_batch
@@ -39,7 +40,17 @@ from refit_core.run.quant.fast import Quantizer, default_quantizer
 from refit_core.run.timing import Mark, Phase, StepTimeline, Timeline
 
 MAGIC = 0x52454649  # "REFI"
-HEADER_WORDS = 4
+HEADER_WORDS = 6
+
+
+class SubsetMismatchError(TransferError):
+    """The two ends of a pair run different subsets in one step (:mod:`refit_core.plan.subset`): found in
+    the step's headers, before any byte of the step moves."""
+
+
+def subset_text(digest: int, size: int) -> str:
+    """How an error names a step's subset (``digest`` :data:`~refit_core.plan.subset.WHOLE`: the whole plan)."""
+    return "the whole plan" if digest == WHOLE else f"a subset of {size} tensor(s) (digest {digest:x})"
 
 
 @dataclass
@@ -191,6 +202,13 @@ class _RoundRunner:
         """Set to record the next steps' spans (``refit bench --timeline``); see :mod:`refit_core.run.timing`."""
         self.last_timeline: StepTimeline | None = None
         """The last recorded step's spans."""
+        self.subset = (WHOLE, 0)
+        """(digest, size) of the subset these rounds move, checked against every peer's in the headers."""
+        self.explain: Callable[[tuple[int, int], tuple[int, int]], str] | None = None
+        """Names what differs between a peer's subset and this rank's (theirs, ours), for the error."""
+        self.header_peers: list[int] | None = None
+        """The peers the headers go to (None: this executor's own): a sub-schedule's executor talks to
+        every peer of the whole schedule, so that two ends running different subsets both find out."""
 
     def _begin(self) -> None:
         """A step starts: begin recording it if asked to."""
@@ -287,12 +305,14 @@ class _RoundRunner:
 
     def _exchange_headers(self, version: int, after: Sequence[Fence], deadline: float,
                           peers: Sequence[int] | None = None) -> int:
-        """Both sides send ``[magic, fingerprint, version, step]`` to each peer (default: this side's
-        peers) and check theirs."""
-        peers = self.peers() if peers is None else peers
+        """Both sides send ``[magic, fingerprint, version, step, subset digest, subset size]`` to each peer
+        (default: :attr:`header_peers`, else this side's peers) and check theirs."""
+        if peers is None:
+            peers = self.peers() if self.header_peers is None else self.header_peers
         if not peers:
             return version
-        mine = torch.tensor([MAGIC, self.fingerprint, version, self.step], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([MAGIC, self.fingerprint, version, self.step, *self.subset], dtype=torch.int64,
+                            device=self.device)
         theirs = {p: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device) for p in peers}
         after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
         fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
@@ -300,12 +320,19 @@ class _RoundRunner:
         fence.synchronize(self._remaining(deadline))
         versions = set()
         for peer, header in theirs.items():
-            magic, fp, peer_version, step = header.tolist()
+            magic, fp, peer_version, step, *subset = header.tolist()
             if magic != MAGIC or fp != self.fingerprint or step != self.step:
                 raise TransferError(
                     f"peer rank {peer + self.peer_offset} runs a different refit plan or step "
                     f"(fingerprint {fp:x} step {step} vs ours {self.fingerprint:x} step {self.step}); "
                     "both sides must call setup() with the same models and options")
+            if tuple(subset) != self.subset:
+                explained = "" if self.explain is None else f" ({self.explain((subset[0], subset[1]), self.subset)})"
+                raise SubsetMismatchError(
+                    f"peer rank {peer + self.peer_offset} moves {subset_text(*subset)} in this step, this rank "
+                    f"{subset_text(*self.subset)}{explained}: both sides must name the same tensors "
+                    "(send(only=...) on every train rank, receive(only=...) on every gen rank); nothing of the "
+                    "step moved")
             versions.add(peer_version)
         if len(versions) > 1:
             raise TransferError(f"train ranks sent different weight versions {sorted(versions)} in one step: "

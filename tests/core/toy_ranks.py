@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
@@ -76,4 +77,50 @@ def odd_expert_ranks(rank: int, world: int, address: str, steps: int) -> dict:
                              "fast_path_mismatches": mismatches(receiver.plugins.destination_map(engine).pieces,
                                                                 expected)})
     receiver.close()
+    return out
+
+
+SUBSET = ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight",
+          *(f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4)))
+"""What the subset steps of :func:`subset_ranks` move: q of the engine's fused qkv, the norm, all experts."""
+
+
+def subset_ranks(rank: int, world: int, address: str, mode: str) -> dict | tuple:
+    """A full step (version 100), two steps of :data:`SUBSET` (101, 102), a full step (103), then a step
+    where the train ranks send :data:`SUBSET` and the gen ranks expect only its first two tensors, in
+    update ``mode``. Gen ranks return, per landed step, the pieces that differ from what they should
+    hold; every rank its bytes per step, how many subsets it derived, and the last step's error."""
+    train = rank < TRAIN_RANKS
+    local, size = (rank, TRAIN_RANKS) if train else (rank - TRAIN_RANKS, world - TRAIN_RANKS)
+    options = RefitOptions(timeout_s=30, mode=mode)
+    plan = [(100, None), (101, SUBSET), (102, SUBSET), (103, None)]
+    if train:
+        trainer = ToyTrainer(local, size)
+        endpoint = RefitSender(trainer, rendezvous=address, rank=local, world_size=size, options=options)
+    else:
+        engine = ToyEngine(local, size)
+        endpoint = RefitReceiver(engine, rendezvous=address, rank=local, world_size=size, options=options)
+    endpoint.setup()
+    out: dict = {"side": "train" if train else "gen", "bytes": [], "mismatches": []}
+    held: dict = {}
+    for step, (version, only) in enumerate(plan):
+        fresh = reference(0, step)
+        if train:
+            trainer.load(fresh)
+            stats = endpoint.send(version=version, only=only)
+        else:
+            stats = endpoint.receive(only=only)
+            held.update({n: t for n, t in fresh.items() if only is None or n in only})
+            out["mismatches"].append(mismatches(endpoint.plugins.destination_map(engine).pieces, held))
+            out["version"] = endpoint.version
+        out["bytes"].append(stats.bytes)
+    out["derived"] = endpoint._subsets.derived
+    started = time.monotonic()
+    try:
+        endpoint.send(version=104, only=SUBSET) if train else endpoint.receive(only=SUBSET[:2])
+    except Exception as exc:  # noqa: BLE001 - the test inspects the error
+        out["error"] = (type(exc).__name__, str(exc), time.monotonic() - started)
+    if not train:
+        out["after_error"] = mismatches(endpoint.plugins.destination_map(engine).pieces, held)
+    endpoint.close()
     return out

@@ -80,8 +80,9 @@ def _train_model(cfg: dict[str, Any], world: int, rank: int, port: int) -> torch
 
 
 def train_sender(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, port: int, steps: list[int],
-                 options: dict[str, Any]) -> None:
-    """FSDP2 trainer rank with refit's own API: setup, then one send per step."""
+                 options: dict[str, Any], subsets: dict[int, list[str]] | None = None) -> None:
+    """FSDP2 trainer rank with refit's own API: setup, then one send per step (of ``subsets[step]``
+    only, where given)."""
     import torch.distributed as dist
     from refit_dtensor import load_hf_weights
 
@@ -94,7 +95,7 @@ def train_sender(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, po
         sender.setup()
         for step in steps:
             load_hf_weights(model, reference_state_dict(cfg, SEED, step))
-            sender.send(version=step)
+            sender.send(version=step, only=(subsets or {}).get(step))
     finally:
         sender.close()
         dist.destroy_process_group()
@@ -112,8 +113,9 @@ def train_then_die(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, 
 
 
 def train_engine(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, port: int, steps: list[int],
-                 conn: Any, gate: Any) -> None:
-    """FSDP2 trainer rank through vLLM's trainer-side API, registered as backend ``refit``."""
+                 conn: Any, gate: Any, subsets: dict[int, list[str]] | None = None) -> None:
+    """FSDP2 trainer rank through vLLM's trainer-side API, registered as backend ``refit`` (sending
+    ``subsets[step]`` only, where given)."""
     import torch.distributed as dist
     from refit_dtensor import load_hf_weights
     from refit_vllm.transfer import RefitSource, RefitTrainerInitInfo
@@ -130,7 +132,7 @@ def train_engine(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, po
         if not gate.wait(timeout=300):
             raise TimeoutError("the test never opened the gate")
         load_hf_weights(model, reference_state_dict(cfg, SEED, step))
-        engine.send_weights(version=step)
+        engine.send_weights(version=step, names=(subsets or {}).get(step))
     engine.shutdown()
     dist.destroy_process_group()
 
@@ -539,6 +541,79 @@ def scenario_abort(model: str) -> dict[str, Any]:
     return result
 
 
+SUBSET_READ = ("model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight",
+               "model.layers.0.post_attention_layernorm.weight", "model.layers.0.self_attn.q_norm.weight")
+"""Tensors vLLM keeps as loaded after post-processing on CPU (norms): the scenario reads their bytes."""
+
+
+def _read_tensors(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """Copies of the worker's parameters ``names``."""
+    params = dict(worker.model_runner.get_model().named_parameters())
+    return {n: params[n].detach().cpu().clone() for n in names}
+
+
+def _which_version(held: dict[str, torch.Tensor], cfg: dict[str, Any], steps: tuple[int, int]) -> dict[str, Any]:
+    """Per tensor, which of the two steps' reference weights it holds bitwise (None: neither)."""
+    from refit_core.kit import same_bytes
+    from refit_core.kit.models import reference_state_dict
+
+    refs = {step: reference_state_dict(cfg, SEED, step) for step in steps}
+    return {n: next((step for step in steps if same_bytes(t, refs[step][n].to(t.dtype))), None)
+            for n, t in held.items()}
+
+
+def scenario_subset(model: str) -> dict[str, Any]:
+    """One session, two steps: step 1 names a subset in vLLM's nccl-style update info (the trainers
+    send the same with ``send(only=...)``): two fused groups (layer 0's q/k/v, layer 1's gate/up) and
+    two norms. Step 2 is whole. After each: the norms' bytes as vLLM holds them, and greedy tokens
+    against HF transformers with the weights the engine should hold (step 1: the subset's tensors
+    from step 1, the rest from step 0)."""
+    from refit_vllm.reference import hf_greedy, write_model_dir
+
+    from refit_core.kit.launch import free_port
+    from refit_core.kit.models import reference_state_dict
+
+    cfg = tiny_config(model)
+    llm, prompts, tmp, generate = _refit_engine(cfg)
+    subset = ["model.norm.weight", "model.layers.0.input_layernorm.weight",
+              *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"),
+              *(f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up"))]
+    options = {"timeout_s": 60}
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [1, 2], options, {1: subset})
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "options": options}})
+    full = nccl_update_info(cfg, 1)
+    picked = [i for i, n in enumerate(full["names"]) if n in subset]
+    info = {"version": 1, **{k: [full[k][i] for i in picked] for k in ("names", "dtype_names", "shapes")}}
+    result: dict[str, Any] = {}
+    start = time.perf_counter()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": info})
+    llm.finish_weight_update(weight_version="1")
+    llm.reset_prefix_cache()
+    result["subset_step_s"] = time.perf_counter() - start
+    result["read_after_subset"] = _which_version(llm.collective_rpc(_read_tensors, args=(list(SUBSET_READ),))[0],
+                                                 cfg, (0, 1))
+    held = {**reference_state_dict(cfg, SEED, 0), **{n: reference_state_dict(cfg, SEED, 1)[n] for n in subset}}
+    want = hf_greedy(write_model_dir(cfg, held, os.path.join(tmp, "mixed")), prompts, NEW_TOKENS)
+    result["subset_tokens_equal_hf"] = generate() == want
+    result["subset_tokens_differ_from_step_0"] = want != hf_tokens(cfg, 0, prompts, tmp)
+    result["version_after_subset"] = llm.get_weight_version()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 2}})
+    llm.finish_weight_update(weight_version="2")
+    llm.reset_prefix_cache()
+    error = trainers.join()
+    result["trainer_error"] = None if error is None else str(error)
+    result["read_after_whole"] = _which_version(llm.collective_rpc(_read_tensors, args=(list(SUBSET_READ),))[0],
+                                                cfg, (1, 2))
+    result["whole_tokens_equal_hf"] = generate() == hf_tokens(cfg, 2, prompts, tmp)
+    result["version_after_whole"] = llm.get_weight_version()
+    result["subset"] = subset
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
 def scenario_inflight(model: str) -> dict[str, Any]:
     """AsyncLLM: a request in flight across pause(keep) -> refit (trainer-side API) -> resume."""
     _engine_env(1)
@@ -623,7 +698,7 @@ async def _inflight(model: str) -> dict[str, Any]:
 
 
 SCENARIOS = {"refit": scenario_refit, "mismatch": scenario_mismatch, "abort": scenario_abort,
-             "inflight": scenario_inflight}
+             "inflight": scenario_inflight, "subset": scenario_subset}
 
 if __name__ == "__main__":
     name, arguments = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")

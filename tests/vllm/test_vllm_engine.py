@@ -177,6 +177,22 @@ def test_failed_step_keeps_previous_weights_and_a_torn_engine_refuses_to_serve()
     assert result["version_after_recovery"] == "2"
 
 
+def test_subset_step_changes_exactly_the_named_tensors_then_a_whole_step_lands() -> None:
+    """vLLM's nccl-style update info naming a subset (two fused groups, two norms): the norms it names
+    hold step 1's bytes, the others step 0's, and vLLM generates HF's tokens with exactly that mix;
+    then a whole step lands everything."""
+    result = run_scenario("subset", model="tiny-qwen3")
+    assert result["trainer_error"] is None, result["trainer_error"]
+    assert result["read_after_subset"] == {
+        "model.norm.weight": 1, "model.layers.0.input_layernorm.weight": 1,  # named: the new bytes
+        "model.layers.1.input_layernorm.weight": 0, "model.layers.0.post_attention_layernorm.weight": 0,
+        "model.layers.0.self_attn.q_norm.weight": 0}, result["read_after_subset"]  # not named: untouched
+    assert result["subset_tokens_differ_from_step_0"] and result["subset_tokens_equal_hf"]
+    assert result["version_after_subset"] == "1"
+    assert set(result["read_after_whole"].values()) == {2}, result["read_after_whole"]
+    assert result["whole_tokens_equal_hf"] and result["version_after_whole"] == "2"
+
+
 def test_inflight_refit_asyncllm() -> None:
     """AsyncLLM: pause(keep) -> refit driven by the trainer-side API -> resume; the request finishes."""
     result = run_scenario("inflight", model="tiny-qwen3")

@@ -11,10 +11,11 @@ import torch
 require("refit_vllm")
 
 from refit_vllm.held import Declared, HeldWeights
-from refit_vllm.requests import InvalidRequestError, check_step, named_tensors
+from refit_vllm.requests import InvalidRequestError, check_step, check_subset, named_tensors, step_names
 
-from refit_core import Quantization, RefitError, TensorSpec
-from refit_core.kit import same_bytes
+from refit_core import Box, Quantization, RefitError, TensorSpec
+from refit_core.contract.experts import default_expert_name
+from refit_core.kit import ModelPlan, PlannedPiece, same_bytes
 
 CATALOG = {s.name: s for s in (
     TensorSpec("embed.weight", (8, 4), torch.bfloat16),
@@ -35,7 +36,47 @@ def whole(**changes: tuple[str, list[int]]) -> tuple:
 
 
 def test_a_list_naming_every_tensor_passes_refit_casts_floats() -> None:
-    check_step(whole(), CATALOG)  # fp32 into bf16, bf16 into a quantized fp8 tensor: refit casts / quantizes
+    assert check_step(whole(), CATALOG) is None  # fp32 into bf16, bf16 into a quantized fp8 tensor: refit casts
+
+
+def test_a_strict_subset_is_a_subset_step_and_only_must_agree_with_names() -> None:
+    subset = tensors(("embed.weight", "float32", [8, 4]))
+    assert check_step(subset, CATALOG) == {"embed.weight"}
+    assert step_names(subset, None, CATALOG) == step_names(None, ["embed.weight"], CATALOG) == {"embed.weight"}
+    assert step_names(whole(), list(CATALOG), CATALOG) is None  # every tensor: a whole step
+    for args, message in [((subset, ["proj.weight"]), r"names and only disagree on 2 tensor\(s\): embed.weight, proj"),
+                          ((None, ["nope"]), r"only names 1 tensor\(s\) the engine's checkpoint does not have: nope"),
+                          ((None, []), "names no tensor")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            step_names(*args, CATALOG)
+
+
+def _plan() -> ModelPlan:
+    """Two fused modules as vLLM's loaders fill them (qkv from q, k, v; grouped experts), one loader tensor."""
+    def piece(name: str, module: str, shape: tuple[int, ...]) -> PlannedPiece:
+        return PlannedPiece(TensorSpec(name, shape, torch.float32), Box((0,) * len(shape), shape), (module, "weight"),
+                            0, (1,) * len(shape))
+
+    attn = "model.layers.0.self_attn"
+    return ModelPlan(pieces=[piece(f"{attn}.{p}_proj.weight", f"{attn}.qkv_proj", (4, 4)) for p in "qkv"]
+                     + [piece("model.layers.0.mlp.experts.w1.weight", "model.layers.0.mlp.experts", (2, 4, 4))],
+                     loader=[TensorSpec("lm_head.weight", (8, 4), torch.float32),
+                             TensorSpec("model.norm.weight", (4,), torch.float32)],
+                     targets={}, fast_modules=[f"{attn}.qkv_proj", "model.layers.0.mlp.experts"])
+
+
+def test_a_subset_splitting_a_module_vllm_processes_whole_is_refused_naming_it() -> None:
+    plan, attn = _plan(), "model.layers.0.self_attn"
+    fused = [f"{attn}.{p}_proj.weight" for p in "qkv"]
+    experts = [f"model.layers.0.mlp.experts.{e}.w1.weight" for e in range(2)]
+    check_subset([*fused, *experts], plan, default_expert_name, reload=True)
+    check_subset(fused[:1], plan, default_expert_name, reload=False)  # direct writes: q's slice alone is fine
+    with pytest.raises(InvalidRequestError, match=rf"splits 1 vLLM module\(s\) post-processed whole: "
+                                                  rf"{attn}.qkv_proj \(leaves out {attn}.k_proj.weight, "
+                                                  rf"{attn}.v_proj.weight\)"):
+        check_subset(fused[:1], plan, default_expert_name, reload=True)
+    with pytest.raises(InvalidRequestError, match="names 1 of the 2 loader-path tensors .leaves out model.norm.weight"):
+        check_subset(["lm_head.weight"], plan, default_expert_name, reload=True)
 
 
 def test_no_names_is_no_claim() -> None:
@@ -60,9 +101,6 @@ def test_malformed_lists_are_value_errors(lists: tuple, message: str) -> None:
     (whole(**{"embed.weight": ("float32", [4, 8])}), "embed.weight [4, 8] (the engine's is [8, 4])"),
     (whole(**{"router.counts": ("int32", [3])}), "router.counts int32 (the engine's is int64)"),
     (whole(**{"proj.weight": ("int8", [4, 4])}), "proj.weight int8 (the engine's is float8_e4m3fn)"),
-    (tensors(("embed.weight", "float32", [8, 4])),
-     "names 1 of the 3 tensors refit's plan moves; refit moves every tensor of its plan each step (left out: "
-     "proj.weight, router.counts): name them all, or none"),
 ])
 def test_mismatches_are_named(claim: tuple, message: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:

@@ -48,16 +48,27 @@ class RefitWorkerExtension:
         self._refit_receiver = receiver
         return rank_offset + rank
 
-    def refit_receive(self, version: int | None = None) -> int | None:
+    def refit_receive(self, version: int | None = None, only: list[str] | None = None) -> int | None:
         """Receive one step (the engine keeps its previous weights where it can if it fails); returns
-        the version this worker holds. A failed step, or an engine that refuses to serve after it, is
+        the version this worker holds. ``only``: the HF tensors of a subset step (the trainers'
+        ``send(only=...)``; None: all). A failed step, or an engine that refuses to serve after it, is
         raised by the last worker only (:class:`refit_vllm.serving.StepOutcome`)."""
-        from .transfer import receive_step
+        from .transfer import receive_step, refuse_step, step_subset
 
         receiver = getattr(self, "_refit_receiver", None)
         if receiver is None:
             raise RefitError("call refit_init before refit_receive")
-        version, self._refit_stats = receive_step(receiver, self._refit_model(), version)
+        model = self._refit_model()
+        names = None
+        if only is not None:
+            from .checkpoint import step_catalog
+
+            try:
+                names = step_subset(model, step_catalog(self.vllm_config.model_config), None, only)
+            except Exception as exc:  # the trainers are in the step already: fail it on every rank
+                refuse_step(receiver, model, exc)
+                raise
+        version, self._refit_stats = receive_step(receiver, model, version, names)
         return version
 
     def refit_weight_version(self) -> int | None:

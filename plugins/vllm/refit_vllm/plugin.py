@@ -42,7 +42,8 @@ def refit_register_demos(register: Callable[[DemoPrograms], None]) -> None:
     register(DemoPrograms("vllm", gen=_demo_gen, priority=20, rl_gen_actor="refit_vllm.ray:VLLMEngineActor"))
 
 
-def _plan(model: torch.nn.Module, state: ModelState) -> ModelPlan:
+def model_plan(model: torch.nn.Module, state: ModelState) -> ModelPlan:
+    """The destination plan of ``model`` (traced once per session); ``state.mode`` is set with it."""
     if state.plan is None:
         from refit_core import get_plugin_manager
 
@@ -99,7 +100,7 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
     state = state_of(model)
     if state is None:
         return None
-    plan = _plan(model, state)
+    plan = model_plan(model, state)
     views = _views(model, plan, live=state.updating or state.mode == "direct")
     pieces = [DestinationPiece(p.spec, p.box, v) for p, v in zip(plan.pieces, views)]
     return DestinationMap(pieces=pieces, loader=list(plan.loader))
@@ -121,7 +122,7 @@ def refit_begin_update(model: Any) -> bool | None:
     if state.refusal is not None:
         error, state.refusal = state.refusal, None
         raise error
-    plan = _plan(model, state)
+    plan = model_plan(model, state)
     if state.mode == "direct":
         return False
     if state.updating:
@@ -157,8 +158,9 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
         from . import reload
 
         with engine_context(state):
-            reload.finish(model, state.plan, state.model_config)
+            reload.finish(model, state.plan, state.model_config, subset=state.subset)
         state.updating = False
+    state.subset = None
     state.version = version
     resume_serving(model)
     return True
@@ -173,6 +175,7 @@ def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
     state = state_of(model)
     if state is None:
         return None
+    state.subset = None
     unrestorable = list(torn)
     if state.updating:
         from . import reload

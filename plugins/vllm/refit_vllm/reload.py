@@ -27,6 +27,7 @@ loader path) skips all of this: views are the live parameters and nothing needs 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -152,14 +153,23 @@ def begin(model: torch.nn.Module, plan: ModelPlan) -> None:
         raise
 
 
-def finish(model: torch.nn.Module, plan: ModelPlan, model_config: Any) -> None:
-    """Post-process what refit wrote, then let vLLM finalize every other layer."""
+def finish(model: torch.nn.Module, plan: ModelPlan, model_config: Any, subset: Collection[str] | None = None) -> None:
+    """Post-process what refit wrote, then let vLLM finalize every other layer.
+
+    ``subset``: the HF tensors of a subset step (None: all): only the fast-path modules it wrote are
+    post-processed (it names each of them whole: :func:`~refit_vllm.requests.check_subset`); the
+    others get their kernel tensors back untouched, as after :func:`abort`."""
     layerwise, _ = _layerwise()
+    written = None if subset is None else _written_modules(plan, subset)
     for name in plan.fast_modules:
         module = model.get_submodule(name)
         info = layerwise.get_layerwise_info(module)
-        if info.can_load():
+        if not info.can_load():
+            continue
+        if written is None or name in written:
             layerwise._layerwise_process(module, info)
+        else:
+            _restore(layerwise, module, info)
     try:
         layerwise.finalize_layerwise_reload(model, model_config)
     finally:
@@ -186,6 +196,23 @@ def _reprocess_tied(model: torch.nn.Module, plan: ModelPlan) -> None:
                         "safely; its derived kernels may be stale", name, type(method).__name__)
 
 
+def _written_modules(plan: ModelPlan, subset: Collection[str]) -> set[str]:
+    """The fast-path modules a subset step writes (a grouped piece is written if its group is named)."""
+    from refit_core import get_plugin_manager
+
+    from .requests import plan_names
+
+    wanted = plan_names(subset, get_plugin_manager().expert_name)
+    return {piece.target[0] for piece in plan.pieces if piece.spec.name in wanted}
+
+
+def _restore(layerwise: Any, module: torch.nn.Module, info: Any) -> None:
+    """``module`` gets its kernel tensors back (nothing of it was written) and leaves the reload."""
+    if info.kernel_tensors is not None:
+        layerwise._place_kernel_tensors(module, info)
+    info.reset()
+
+
 def abort(model: torch.nn.Module) -> None:
     """Undo :func:`begin`: every layer gets its (unchanged) kernel tensors back."""
     layerwise, _ = _layerwise()
@@ -193,9 +220,7 @@ def abort(model: torch.nn.Module) -> None:
         info = layerwise.LAYERWISE_INFO.get(module)
         if info is None or not info.can_load():
             continue
-        if info.kernel_tensors is not None:
-            layerwise._place_kernel_tensors(module, info)
-        info.reset()
+        _restore(layerwise, module, info)
     if hasattr(model, "_original_do_torchao_reload"):
         model._do_torchao_reload = model._original_do_torchao_reload
     layerwise.LOADING_LAYERS.clear()

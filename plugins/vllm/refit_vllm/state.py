@@ -39,6 +39,8 @@ class ModelState:
     version: int | None = None
     refusal: Exception | None = None
     """The error the next step fails with before any byte lands (None: the step runs)."""
+    subset: frozenset[str] | None = None
+    """The HF tensors the step under way moves (None: all): its reload post-processes only their modules."""
 
     @property
     def model_config(self) -> Any:

@@ -9,7 +9,8 @@ it:
   planning; a mismatched model fails here, before anything is touched);
 - ``start_weight_update()``: nothing to do (refit opens vLLM's layerwise reload itself, in step);
 - ``update_weights({"version": k})``: receive one step: reload opened, bytes written into the fused
-  parameters, loader path, post-processing -- or, on failure, the previous weights restored;
+  parameters, loader path, post-processing -- or, on failure, the previous weights restored; with
+  ``names`` (vLLM's ``nccl`` update info) or ``only`` naming a subset, exactly those tensors;
 - ``finish_weight_update(weight_version="k")``: vLLM publishes the version to request outputs.
 
 Trainer side (``WeightTransferTrainerFactory.trainer_init(RefitTrainerInitInfo(...), client=...,
@@ -49,8 +50,8 @@ from . import vllm_plugin
 from .checkpoint import UnplannableConfigError, plannable
 from .compat import full_tensors, metadata_member, not_on_rank_0, source_metadata
 from .held import Declared, HeldWeights
-from .requests import InvalidRequestError, NamedTensor, check_step, named_tensors
-from .state import attach, refuse_next_step
+from .requests import InvalidRequestError, NamedTensor, check_subset, named_tensors, step_names
+from .state import attach, refuse_next_step, state_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,12 +84,16 @@ class RefitWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     ``names`` / ``dtype_names`` / ``shapes`` (vLLM's ``nccl`` update info; None: not given) are checked
     against the engine's HF tensors before any byte lands (:mod:`.requests`): lists of different
     lengths raise ``ValueError`` here, a mismatch fails the step on every rank, naming the tensors.
+    Names that are a strict subset of the engine's tensors make a subset step: exactly those move,
+    the others keep their bytes. ``only`` (refit's trainer side sends it; None: every tensor) names a
+    subset without claims on shapes and dtypes.
     """
 
     version: int | None = None
     names: list[str] | None = None
     dtype_names: list[str] | None = None
     shapes: list[list[int]] | None = None
+    only: list[str] | None = None
     tensors: tuple[NamedTensor, ...] | None = field(init=False, default=None, repr=False)
     """The three lists as one, checked for agreement (None: no names given)."""
 
@@ -188,27 +193,25 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
     def receive_weights(self, update_info: RefitWeightTransferUpdateInfo) -> None:
         if self.receiver is None:
             raise RefitError("refit weight transfer is not initialized: call init_weight_transfer_engine first")
-        if update_info.tensors is not None:
+        only = None
+        if update_info.tensors is not None or update_info.only is not None:
             try:
-                if self.catalog is None:
-                    from .checkpoint import step_catalog
-
-                    self.catalog = step_catalog(self.model_config)
-                check_step(update_info.tensors, self.catalog)
+                only = self._subset(update_info)
             except Exception as exc:
                 self._refuse_step(exc)
                 raise
-        self.version, self.last_stats = receive_step(self.receiver, self.model, update_info.version)
+        self.version, self.last_stats = receive_step(self.receiver, self.model, update_info.version, only)
+
+    def _subset(self, update_info: RefitWeightTransferUpdateInfo) -> frozenset[str] | None:
+        if self.catalog is None:
+            from .checkpoint import step_catalog
+
+            self.catalog = step_catalog(self.model_config)
+        return step_subset(self.model, self.catalog, update_info.tensors, update_info.only)
 
     def _refuse_step(self, error: Exception) -> None:
-        """Fail the step the trainers are sending with ``error`` before any byte lands (every rank hears
-        it at once, as of any failed step); the engine keeps its weights."""
         assert self.receiver is not None
-        refuse_next_step(self.model, error)
-        try:
-            receive_step(self.receiver, self.model)
-        except Exception as exc:  # noqa: BLE001 - ``error`` is what the caller raises
-            log.debug("refit: the refused step failed as planned: %s", exc)
+        refuse_step(self.receiver, self.model, error)
 
     def finish_weight_update(self) -> None:
         """Nothing left: the step finished inside ``update_weights`` (vLLM publishes the version)."""
@@ -219,9 +222,40 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
             self.receiver = None
 
 
-def receive_step(receiver: RefitReceiver, model: torch.nn.Module,
-                 expected: int | None = None) -> tuple[int | None, dict[str, Any]]:
-    """One refit step into ``model`` -> (version, stats); on failure the core calls
+def step_subset(model: torch.nn.Module, catalog: dict[str, TensorSpec], tensors: tuple[NamedTensor, ...] | None,
+                only: list[str] | None) -> frozenset[str] | None:
+    """The tensors a step names (``update_info``'s claims and ``only``), checked against the engine's
+    ``catalog`` (None: every tensor); a subset is also held against what vLLM post-processes whole, and
+    told to the model's state (its reload post-processes only the modules the subset writes)."""
+    names = step_names(tensors, only, catalog)
+    if names is not None:
+        from refit_core import get_plugin_manager
+
+        from .plugin import model_plan
+
+        state = state_of(model)
+        if state is None:
+            raise RefitError("refit_vllm: a subset step on a model no refit session attached")
+        plan = model_plan(model, state)
+        check_subset(names, plan, get_plugin_manager().expert_name, reload=state.mode != "direct")
+        state.subset = names
+    return names
+
+
+def refuse_step(receiver: RefitReceiver, model: torch.nn.Module, error: Exception) -> None:
+    """Fail the step the trainers are sending with ``error`` before any byte lands (every rank hears
+    it at once, as of any failed step); the engine keeps its weights."""
+    refuse_next_step(model, error)
+    try:
+        receive_step(receiver, model)
+    except Exception as exc:  # noqa: BLE001 - ``error`` is what the caller raises
+        log.debug("refit: the refused step failed as planned: %s", exc)
+
+
+def receive_step(receiver: RefitReceiver, model: torch.nn.Module, expected: int | None = None,
+                 only: frozenset[str] | None = None) -> tuple[int | None, dict[str, Any]]:
+    """One refit step into ``model`` (``only``: of those HF tensors; None: all) -> (version, stats);
+    on failure the core calls
     ``refit_abort_update`` and the engine keeps its old weights where it can. Either way, every
     worker then agrees whether the engine may serve (:mod:`.serving`): where a rank needs a refit or
     the ranks' versions differ, the model refuses to serve on every worker until a step lands on
@@ -231,7 +265,7 @@ def receive_step(receiver: RefitReceiver, model: torch.nn.Module,
     from .serving import after_step
 
     try:
-        result = receiver.receive()
+        result = receiver.receive(only=only)
     except Exception as exc:
         outcome = after_step(receiver, model, failed=True)
         if outcome.reports:
@@ -409,14 +443,19 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         _concurrently(lambda: client.init_weight_transfer_engine(payload), lambda: _setup(sender, world_size))
         return engine
 
-    def send_weights(self, version: int | None = None) -> int:
+    def send_weights(self, version: int | None = None, names: list[str] | None = None) -> int:
         """Send the model's current weights as ``version`` (default: the previous one plus 1).
 
-        Called on every train rank (all with the same version). Rank 0 drives the engine:
-        ``start_weight_update``, ``update_weights`` (concurrently with the transfer) and
+        Called on every train rank (all with the same version and ``names``). ``names``: the HF
+        tensors this step moves (None: all of them); the engine's others keep their bytes, and the
+        version advances all the same. Rank 0 drives the engine: ``start_weight_update``,
+        ``update_weights({"version": version, "only": names})`` (concurrently with the transfer) and
         ``finish_weight_update(weight_version=str(version))``. A one-rank source is iterated on every
         rank first (its collectives), rank 0 keeping what it yields.
         """
+        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
+            raise InvalidRequestError("send_weights names must be a list of HF tensor names")
+        only = None if names is None else list(names)
         self.version = self.version + 1 if version is None else int(version)
         if self.kind is SourceKind.ONE_RANK:
             assert self.source is not None
@@ -428,14 +467,14 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
                     pass
         if not self.is_sender:
             if self.sender is not None:
-                self.sender.send(version=self.version)
+                self.sender.send(version=self.version, only=only)
             return self.version
         sender = self.sender
         if sender is None:
             raise RefitError("refit trainer weight transfer is shut down")
         self.client.start_weight_update()
-        _concurrently(lambda: self.client.update_weights({"version": self.version}),
-                      lambda: sender.send(version=self.version))
+        info: dict[str, Any] = {"version": self.version} if only is None else {"version": self.version, "only": only}
+        _concurrently(lambda: self.client.update_weights(info), lambda: sender.send(version=self.version, only=only))
         self.client.finish_weight_update(weight_version=str(self.version))
         return self.version
 
