@@ -361,7 +361,7 @@ class RefitEndpoint:
         tensors = self.plugins.model_tensors(self.model)
         if tensors is None:
             return None
-        return [TensorIdentity(name, t, t.untyped_storage().data_ptr()) for name, t in tensors]
+        return [TensorIdentity(name, t, t.data_ptr()) for name, t in tensors]
 
     def _replaced_tensor(self) -> str | None:
         """The first of the model's tensors (``refit_model_tensors``) replaced or moved since the pieces
@@ -373,7 +373,7 @@ class RefitEndpoint:
         if len(now) != len(then):
             return f"the model now has {len(now)} tensors, {len(then)} when refit bound it"
         for (name, tensor), was in zip(now, then):
-            if tensor is not was.tensor or tensor.untyped_storage().data_ptr() != was.storage:
+            if tensor is not was.tensor or tensor.data_ptr() != was.address:
                 return name
         return None
 
@@ -490,11 +490,13 @@ def device_of(pieces: list[Piece]) -> torch.device:
 
 @dataclass(frozen=True)
 class TensorIdentity:
-    """One of a model's tensors as refit bound it: the object and the address of its storage."""
+    """One of a model's tensors as refit bound it: the object and the address of its first element
+    (``data_ptr()``: it changes when the storage is replaced, moved or freed, and reading it costs no
+    storage object, which on CUDA is most of a per-step check's time)."""
 
     name: str
     tensor: torch.Tensor
-    storage: int
+    address: int
 
 
 def first_moved(current: Sequence[Piece], bound: Sequence[Piece]) -> Piece | None:

@@ -142,7 +142,7 @@ def test_toy_plugin_mixed_plan_with_experts_replicas_and_casts():
 
 @pytest.mark.parametrize(("fault", "expected"), [
     ("free", "the memory of source tensor model.layers.0.self_attn.o_proj.weight was freed since setup"),
-    ("realloc", "source tensor model.layers.0.self_attn.o_proj.weight[0:128, 64:128] now lives at a "
+    ("realloc", "source tensor decoder.layers.0.self_attention.linear_proj.weight now lives at a "
                 "different address than at setup"),
 ])
 def test_a_trainer_that_frees_or_replaces_a_shared_parameter_gets_a_clear_error(fault, expected):
@@ -164,7 +164,7 @@ def test_a_check_that_overlaps_the_copies_still_fails_the_step_and_says_torn():
     """``overlap_check``: train rank 1 posts *ready* before checking its memory; the replaced parameter
     is still found, both sides fail step 1 naming it, and the engine reports its weights torn. The
     steps before it land bitwise."""
-    expected = "source tensor model.layers.0.self_attn.o_proj.weight[0:128, 64:128] now lives at a different address"
+    expected = "source tensor decoder.layers.0.self_attention.linear_proj.weight now lives at a different address"
     results = _bench("tiny-llama", 2, ["A", "B", "B"], steps=2, fault="realloc", fault_rank=1,
                      options={"overlap_check": True, "strided_copies": "foreach"})
     _, train1, gen0 = results
