@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from docs_snippets import ROOT, page_snippets, pages, run_page, snippets
+from docs_snippets import HARNESSES, ROOT, page_snippets, pages, run_page, snippets
 
 RUNNABLE = [p for p in pages() if any(s.runs for s in page_snippets(p))]
 
@@ -41,6 +41,21 @@ def test_markers_are_read_and_must_say_why():
         snippets("<!-- not-run: gpu -->\n```python\npass\n```\n", "p.md")
     with pytest.raises(ValueError, match="never closes"):
         snippets("```python\npass\n", "p.md")
+
+
+def test_run_with_names_a_harness_that_runs_the_block_instead_of_its_page():
+    block, = snippets("<!-- run-with: vllm-engine -->\n```python\nllm = LLM(model)\n```\n", "p.md")
+    assert (block.runs, block.reason, block.harness) == (False, None, "vllm-engine")
+    with pytest.raises(ValueError, match="no harness 'vllm-engin' runs blocks"):
+        snippets("<!-- run-with: vllm-engin -->\n```python\npass\n```\n", "p.md")
+
+
+@pytest.mark.parametrize("harness", sorted(HARNESSES))
+def test_every_harness_has_blocks_and_a_test_that_names_it(harness):
+    blocks = [s for p in pages() for s in page_snippets(p) if s.harness == harness]
+    assert blocks, f"no page has a block for harness {harness}"
+    test = ROOT / HARNESSES[harness]
+    assert test.is_file() and f'"{harness}"' in test.read_text(), f"{test} does not run harness {harness}"
 
 
 def test_a_broken_block_fails_its_page(tmp_path):

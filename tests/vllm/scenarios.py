@@ -622,8 +622,112 @@ async def _inflight(model: str) -> dict[str, Any]:
     return result
 
 
+# -- the migration guide's blocks (docs/migration/vllm.md) ------------------------------------
+
+DOCS_MODEL = "tiny-llama"
+
+
+def train_block(rank: int, world: int, cfg: dict[str, Any], rendezvous: str, port: int, step: int,
+                block: dict[str, str], conn: Any) -> None:
+    """A trainer rank running the guide's trainer block (``block``: its ``code`` and ``where``) with
+    the step's weights in an FSDP2 model; train rank 0's client drives the engine in the test's process."""
+    import torch.distributed as dist
+    from refit_dtensor import load_hf_weights
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from refit_core.kit.models import reference_state_dict
+
+    model = _train_model(cfg, world, rank, port)
+    load_hf_weights(model, reference_state_dict(cfg, SEED, step))
+    namespace = {"__name__": "__docs__", "WeightTransferTrainerFactory": WeightTransferTrainerFactory,
+                 "rank": rank, "train_world": world, "rendezvous": rendezvous, "client": ProxyClient(conn),
+                 "model": model, "step": step}
+    exec(compile(block["code"], block["where"], "exec"), namespace)
+    namespace["engine"].shutdown()
+    dist.destroy_process_group()
+
+
+def _engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight the engine computes with: the state dict's tensors, and each linear layer's as it
+    applies them, its output for the identity (vLLM on CPU repacks linear weights for oneDNN and
+    empties their ``weight``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    tensors = {name: t.detach().clone() for name, t in model.state_dict().items() if t.numel()}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, LinearBase):
+                out = module(torch.eye(module.input_size_per_partition, dtype=module.params_dtype))
+                tensors[f"{name}(identity)"] = (out[0] if isinstance(out, tuple) else out).clone()
+    return tensors
+
+
+def _reload_mismatches(worker: Any, cfg: dict[str, Any], step: int) -> list[str]:
+    """The engine's weights (:func:`_engine_tensors`) that differ, bit for bit, from what vLLM's own
+    reload then makes of the step's HF weights (the engine keeps the reloaded ones)."""
+    from refit_core.kit import same_bytes
+    from refit_core.kit.models import reference_state_dict
+
+    model = worker.model_runner.get_model()
+    held = _engine_tensors(model)
+    worker.model_runner.reload_weights(weights_iterator=iter(reference_state_dict(cfg, SEED, step).items()))
+    loaded = _engine_tensors(model)
+    return sorted(name for name in held.keys() | loaded.keys()
+                  if name not in held or name not in loaded or not same_bytes(held[name], loaded[name]))
+
+
+def scenario_docs(engine_block: dict[str, str], trainer_block: dict[str, str]) -> dict[str, Any]:
+    """The guide's "after" blocks on one engine. The engine block builds it (``LLM`` with this test's
+    CPU settings) from the step-0 checkpoint and refits version 1 from FSDP2 trainers (refit's own
+    API); then the trainer block runs on 2 train ranks, train rank 0's client driving that engine
+    from here, sending version 2. After each refit, every engine tensor must equal bitwise what
+    vLLM's own reload makes of the step's HF weights; between them, the engine is reloaded with the
+    step-0 weights, which must differ (the check can fail), so that version 2 must land whole."""
+    _engine_env(1)
+    from functools import partial
+
+    from refit_vllm.clients import LLMClient
+    from refit_vllm.demo import engine_kwargs
+    from refit_vllm.reference import reference_dir
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    from refit_core.kit.launch import free_port
+
+    cfg = tiny_config(DOCS_MODEL)
+    result: dict[str, Any] = {}
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), [1], {})
+    namespace = {"__name__": "__docs__", "LLM": partial(LLM, **engine_kwargs(cfg, 1)),
+                 "WeightTransferConfig": WeightTransferConfig, "rendezvous": rendezvous, "step": 1,
+                 "model": str(reference_dir(cfg, SEED, 0, os.path.join(scratch_dir(), "initial")))}
+    start = time.perf_counter()
+    exec(compile(engine_block["code"], engine_block["where"], "exec"), namespace)
+    result["engine_block_s"] = time.perf_counter() - start
+    error = trainers.join()
+    result["engine_block_trainer_error"] = None if error is None else str(error)
+    llm = namespace["llm"]
+    result["engine_block_version"] = llm.get_weight_version()
+    result["engine_block_mismatches"] = llm.collective_rpc(_reload_mismatches, args=(cfg, 1))
+    result["step0_mismatches"] = llm.collective_rpc(_reload_mismatches, args=(cfg, 0))
+
+    ours, theirs = mp.get_context("spawn").Pipe()
+    calls: list[str] = []
+    threading.Thread(target=serve, args=(LLMClient(llm), ours, calls, threading.Event()), daemon=True).start()
+    start = time.perf_counter()
+    trainers = Trainers(train_block, 2, cfg, f"127.0.0.1:{free_port()}", free_port(), 2, trainer_block, theirs)
+    error = trainers.join()
+    result["trainer_block_s"] = time.perf_counter() - start
+    result["trainer_block_error"] = None if error is None else str(error)
+    result["trainer_block_calls"] = calls
+    result["trainer_block_version"] = llm.get_weight_version()
+    result["trainer_block_mismatches"] = llm.collective_rpc(_reload_mismatches, args=(cfg, 2))
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
 SCENARIOS = {"refit": scenario_refit, "mismatch": scenario_mismatch, "abort": scenario_abort,
-             "inflight": scenario_inflight}
+             "inflight": scenario_inflight, "docs": scenario_docs}
 
 if __name__ == "__main__":
     name, arguments = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
