@@ -23,6 +23,7 @@ MIN_REASON_WORDS = 3
 HARNESSES: dict[str, str] = {
     "vllm-engine": "tests/vllm/test_vllm_docs.py",
     "vllm-trainer": "tests/vllm/test_vllm_docs.py",
+    "sglang-trainer": "tests/sglang/test_sglang_docs.py",
 }
 """Every ``run-with`` harness, and the test that runs its blocks (its docstring says what it provides)."""
 
