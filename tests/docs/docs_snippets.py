@@ -24,6 +24,7 @@ HARNESSES: dict[str, str] = {
     "vllm-engine": "tests/vllm/test_vllm_docs.py",
     "vllm-trainer": "tests/vllm/test_vllm_docs.py",
     "sglang-trainer": "tests/sglang/test_sglang_docs.py",
+    "ray-controller": "tests/ray/test_ray_refit.py",
 }
 """Every ``run-with`` harness, and the test that runs its blocks (its docstring says what it provides)."""
 
