@@ -25,8 +25,10 @@ HARNESSES: dict[str, str] = {
     "vllm-trainer": "tests/vllm/test_vllm_docs.py",
     "sglang-trainer": "tests/sglang/test_sglang_docs.py",
     "ray-controller": "tests/ray/test_ray_refit.py",
+    "verl-switch": "tests/docs/verl_switch.py",
 }
-"""Every ``run-with`` harness, and the test that runs its blocks (its docstring says what it provides)."""
+"""Every ``run-with`` harness, and the test (or the program a test runs) that runs its blocks; its
+docstring says what the blocks find in their namespace."""
 
 
 @dataclass(frozen=True)

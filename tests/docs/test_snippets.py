@@ -1,5 +1,6 @@
 """Every Python block of the documentation runs here, or says why it cannot."""
 
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +29,18 @@ def test_page_runs(page):
     done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) > 0
+
+
+def test_verl_after_block_switches_bitwise():
+    """The ``verl-switch`` block (``verl_switch.py``): set up, wake the weights, one step, wake the KV cache."""
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(Path(here) / "verl_switch.py")], env=env, capture_output=True,
+                          text=True, timeout=180)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result == {"woken": [["weights"], ["kv_cache"]], "differed_before": True, "bitwise_equal": True}
 
 
 def test_markers_are_read_and_must_say_why():
