@@ -31,6 +31,15 @@ def test_page_runs(page):
     assert int(done.stdout.split()[-1]) > 0
 
 
+def test_every_after_block_of_the_migration_guides_runs():
+    """Issue 27: before and after, side by side, each "after" block executed by a test (the "before"
+    blocks are the peers' own APIs, on GPUs)."""
+    guides = sorted((ROOT / "docs" / "migration").glob("*.md"))
+    after = [s for page in guides for s in page_snippets(page) if s.code.startswith("# after")]
+    assert len(guides) == 4 and len(after) >= 6, [s.where for s in after]
+    assert all(s.reason is None for s in after), [f"{s.where}: {s.reason}" for s in after if s.reason]
+
+
 def test_verl_after_block_switches_bitwise():
     """The ``verl-switch`` block (``verl_switch.py``): set up, wake the weights, one step, wake the KV cache."""
     here = str(Path(__file__).parent)
