@@ -101,19 +101,20 @@ def train_rank(rank: int, world: int, dist_port: int, ports: list[int], blocks: 
                                  "tp": tp, "steps": STEPS_PER_BLOCK, "train_step": train_step}
     if engine is not None:
         namespace["engine"] = engine
-    out: dict[str, Any] = {"checks": []}
-    if engine is not None:
-        out["before"] = engine.check(1)
-    out["sent"] = []
-    for block, port in zip(blocks, ports):
-        namespace["rendezvous"] = f"127.0.0.1:{port}"
-        exec(compile(block["code"], block["where"], "exec"), namespace)
-        out["sent"].append(list(sent))
-        sent.clear()
+    out: dict[str, Any] = {"checks": [], "sent": []}
+    try:
         if engine is not None:
-            out["checks"].append((trained[-1], engine.check(trained[-1])))
-    if engine is not None:
-        engine.close()
+            out["before"] = engine.check(1)
+        for block, port in zip(blocks, ports):
+            namespace["rendezvous"] = f"127.0.0.1:{port}"
+            exec(compile(block["code"], block["where"], "exec"), namespace)
+            out["sent"].append(list(sent))
+            sent.clear()
+            if engine is not None:
+                out["checks"].append((trained[-1], engine.check(trained[-1])))
+    finally:  # the gen ranks stop at once, whatever a block raised
+        if engine is not None:
+            engine.close()
     out["trained"] = trained
     dist.destroy_process_group()
     return out

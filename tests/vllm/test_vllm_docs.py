@@ -37,7 +37,7 @@ def only_block(harness: str) -> dict[str, str]:
 
 
 def test_migration_guide_after_blocks_refit_a_real_engine() -> None:
-    result = run_scenario("docs", timeout=300, engine_block=only_block("vllm-engine"),
+    result = run_scenario("docs", engine_block=only_block("vllm-engine"),
                           trainer_block=only_block("vllm-trainer"))
     assert result["trainer_error"] is None, result["trainer_error"]
     assert result["engine_block_version"] == "1"
