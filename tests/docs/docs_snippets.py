@@ -1,7 +1,11 @@
-"""The Python blocks of the documentation: which run, and why the others do not.
+"""The Python blocks of the documentation: which run, where, and why the others do not.
 
-A fenced ```` ```python ```` block runs unless the line right before it (blank lines aside) is
-``<!-- not-run: REASON -->``; the reason must say why (a GPU, a running engine, a fragment...).
+A fenced ```` ```python ```` block runs with its page (:func:`run_page`) unless the line right before
+it (blank lines aside) is a marker:
+
+- ``<!-- not-run: REASON -->``: not run; the reason must say why (a GPU, a peer's framework, a fragment...);
+- ``<!-- run-with: HARNESS -->``: run by the test :data:`HARNESSES` names, in the namespace that test
+  provides (a real engine, train ranks...), not with its page.
 """
 
 from __future__ import annotations
@@ -13,22 +17,35 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
-NOT_RUN = re.compile(r"^\s*<!--\s*not-run:\s*(?P<reason>.*?)\s*-->\s*$")
+MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not-run|run-with):\s*(?P<value>.*?)\s*-->\s*$")
 MIN_REASON_WORDS = 3
+
+HARNESSES: dict[str, str] = {
+    "vllm-engine": "tests/vllm/test_vllm_docs.py",
+    "vllm-trainer": "tests/vllm/test_vllm_docs.py",
+    "sglang-trainer": "tests/sglang/test_sglang_docs.py",
+    "ray-controller": "tests/ray/test_ray_refit.py",
+    "verl-switch": "tests/docs/verl_switch.py",
+}
+"""Every ``run-with`` harness, and the test (or the program a test runs) that runs its blocks; its
+docstring says what the blocks find in their namespace."""
 
 
 @dataclass(frozen=True)
 class Snippet:
-    """One Python block: where it is, its code, and ``reason`` why it is not run (None: it runs)."""
+    """One Python block: where it is, its code, ``reason`` why it is not run (None: it runs) and the
+    ``harness`` that runs it (None: its page's run)."""
 
     page: str
     line: int
     code: str
     reason: str | None
+    harness: str | None = None
 
     @property
     def runs(self) -> bool:
-        return self.reason is None
+        """True: it runs with its page (:func:`run_page`); False: not at all, or by its harness."""
+        return self.reason is None and self.harness is None
 
     @property
     def where(self) -> str:
@@ -50,14 +67,25 @@ def snippets(text: str, page: str) -> list[Snippet]:
             raise ValueError(f"{page}:{i + 1}: a code block that never closes")
         if opened["lang"] == "python":
             before = next((line for line in reversed(lines[:i]) if line.strip()), "")
-            marker = NOT_RUN.match(before)
-            reason = marker["reason"] if marker else None
-            if reason is not None and len(reason.split()) < MIN_REASON_WORDS:
-                raise ValueError(f"{page}:{i + 1}: a not-run marker must say why (got {reason!r})")
             code = textwrap.dedent("\n".join(lines[i + 1:end]))
-            out.append(Snippet(page, i + 2, code, reason))
+            out.append(Snippet(page, i + 2, code, *_marker(before, f"{page}:{i + 1}")))
         i = end + 1
     return out
+
+
+def _marker(line: str, where: str) -> tuple[str | None, str | None]:
+    """(reason, harness) of the marker ``line`` (both None: no marker)."""
+    marker = MARKER.match(line)
+    if marker is None:
+        return None, None
+    value = marker["value"]
+    if marker["kind"] == "run-with":
+        if value not in HARNESSES:
+            raise ValueError(f"{where}: no harness {value!r} runs blocks (known: {', '.join(sorted(HARNESSES))})")
+        return None, value
+    if len(value.split()) < MIN_REASON_WORDS:
+        raise ValueError(f"{where}: a not-run marker must say why (got {value!r})")
+    return value, None
 
 
 def pages() -> list[Path]:
@@ -70,6 +98,16 @@ def page_snippets(path: Path) -> list[Snippet]:
     return snippets(path.read_text(), name)
 
 
+def harness_snippets(path: Path, harness: str) -> list[Snippet]:
+    """The blocks of one page that ``harness`` runs, in order."""
+    return [s for s in page_snippets(path) if s.harness == harness]
+
+
+def run_snippet(snippet: Snippet, namespace: dict) -> None:
+    """Execute one block in ``namespace`` (tracebacks name the page and line)."""
+    exec(compile(snippet.code, snippet.where, "exec"), namespace)
+
+
 def run_page(path: Path) -> int:
     """Run a page's runnable blocks in order, in one namespace (a block may use what an earlier one
     defined); returns how many ran."""
@@ -77,6 +115,6 @@ def run_page(path: Path) -> int:
     ran = 0
     for snippet in page_snippets(path):
         if snippet.runs:
-            exec(compile(snippet.code, snippet.where, "exec"), namespace)
+            run_snippet(snippet, namespace)
             ran += 1
     return ran

@@ -14,6 +14,8 @@ from tests.environments import require
 ray = require("ray")
 require("refit_dtensor")
 
+from tests.docs.docs_snippets import ROOT, harness_snippets, run_snippet
+
 from refit_core import RefitError, RefitOptions
 from refit_core.kit.models import load_config
 from refit_core.kit.ray import RayRefit, RefitReceiveActor, gather
@@ -64,6 +66,14 @@ class PolicyCopy(RefitReceiveActor):
         pieces = get_plugin_manager().destination_map(self.model).pieces
         return mismatches(pieces, reference_state_dict(self.config, SEED, step))
 
+    def perturb(self) -> None:
+        """Move every weight away from what the last refit wrote (a later refit must write it again)."""
+        import torch
+
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.add_(1.0)
+
 
 def _trainers(config: dict[str, Any], ranks: int = 2) -> list[Any]:
     from refit_dtensor.policy import FSDPPolicyActor
@@ -88,18 +98,38 @@ def _kill(*actors: Any) -> None:
         ray.kill(actor)
 
 
+def _run_nemo_rl_after_block(trainers: list[Any], copies: list[Any]) -> None:
+    """docs/migration/nemo-rl.md's after block (harness ``ray-controller``), run by this controller with
+    ``policy_workers`` (FSDP2 train actors at reference step 0), ``vllm_workers`` (DTensor TP policy
+    copies standing in for the vLLM workers: gen actors of the same protocol), ``step`` 0 and
+    ``colocated_inference`` False (its other branch wakes NeMo-RL's own generation object)."""
+    (block,) = harness_snippets(ROOT / "docs" / "migration" / "nemo-rl.md", "ray-controller")
+    run_snippet(block, {"__name__": "__docs__", "policy_workers": trainers, "vllm_workers": copies, "step": 0,
+                        "colocated_inference": False})
+
+
 def test_ray_refit_fsdp_trainers_into_tp_copies_bitwise(local_ray) -> None:
+    """The NeMo-RL migration guide's after block, then a session of this test's own (its copies moved
+    off the weights first); after each, every destination view equals the trainers' bit for bit."""
     config = load_config("tiny-qwen3")
     trainers, copies = _trainers(config), _copies(config)
+
+    def mismatches() -> list[list[str]]:
+        return gather({c.mismatches.remote(0): f"copy {r}" for r, c in enumerate(copies)}, "verify", TIMEOUT_S)
+
     try:
+        assert all(mismatches()), "the copies held the trainers' weights before any refit"
+        _run_nemo_rl_after_block(trainers, copies)
+        assert mismatches() == [[], []], "the migration guide's block did not land bitwise"
+        gather({c.perturb.remote(): f"copy {r}" for r, c in enumerate(copies)}, "perturb", TIMEOUT_S)
+        assert all(mismatches())
         refit = RayRefit(trainers, copies, timeout_s=TIMEOUT_S, options=RefitOptions(timeout_s=TIMEOUT_S))
         fingerprint = refit.setup()
         assert len(fingerprint) == 16 and refit.setup_seconds > 0
         report = refit.sync(version=0)
         assert report.version == 0 and report.bytes > 0
         # the trainers start from reference step 0: every destination view equals it, bit for bit
-        assert gather({c.mismatches.remote(0): f"copy {r}" for r, c in enumerate(copies)}, "verify",
-                      TIMEOUT_S) == [[], []]
+        assert mismatches() == [[], []]
         with pytest.raises(RefitError, match="expected 7"):  # the receivers check the version
             bad = {c.refit_receive.remote(7): f"copy {r}" for r, c in enumerate(copies)}
             bad.update({t.refit_send.remote(1): f"train actor {r}" for r, t in enumerate(trainers)})

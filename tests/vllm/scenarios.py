@@ -697,8 +697,122 @@ async def _inflight(model: str) -> dict[str, Any]:
     return result
 
 
+# -- the migration guide's blocks (docs/migration/vllm.md) ------------------------------------
+
+DOCS_MODEL = "tiny-llama"
+
+
+def train_docs(rank: int, world: int, cfg: dict[str, Any], rendezvous: list[str], port: int,
+               block: dict[str, str], conn: Any, gate: Any) -> None:
+    """A trainer rank of both refits of :func:`scenario_docs`: version 1 with refit's own API (for the
+    engine block), then, once ``gate`` opens, the guide's trainer block (``block``: its ``code`` and
+    ``where``) with version 2's weights; train rank 0's client drives the engine in the scenario's process."""
+    import torch.distributed as dist
+    from refit_dtensor import load_hf_weights
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from refit_core import RefitSender
+    from refit_core.kit.models import reference_state_dict
+
+    model = _train_model(cfg, world, rank, port)
+    load_hf_weights(model, reference_state_dict(cfg, SEED, 1))
+    sender = RefitSender(model, rendezvous=rendezvous[0], rank=rank, world_size=world)
+    sender.setup()
+    sender.send(version=1)
+    sender.close()
+    load_hf_weights(model, reference_state_dict(cfg, SEED, 2))
+    if not gate.wait(timeout=300):
+        raise TimeoutError("the scenario never opened the gate")
+    namespace = {"__name__": "__docs__", "WeightTransferTrainerFactory": WeightTransferTrainerFactory,
+                 "rank": rank, "train_world": world, "rendezvous": rendezvous[1], "client": ProxyClient(conn),
+                 "model": model, "step": 2}
+    exec(compile(block["code"], block["where"], "exec"), namespace)
+    namespace["engine"].shutdown()
+    dist.destroy_process_group()
+
+
+def _engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight the engine computes with: the state dict's tensors, and each linear layer's as it
+    applies them, its output for the identity (vLLM on CPU repacks linear weights for oneDNN and
+    empties their ``weight``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    tensors = {name: t.detach().clone() for name, t in model.state_dict().items() if t.numel()}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, LinearBase):
+                out = module(torch.eye(module.input_size_per_partition, dtype=module.params_dtype))
+                tensors[f"{name}(identity)"] = (out[0] if isinstance(out, tuple) else out).clone()
+    return tensors
+
+
+def _reload_mismatches(worker: Any, cfg: dict[str, Any], step: int) -> list[str]:
+    """The engine's weights (:func:`_engine_tensors`) that differ, bit for bit, from what vLLM's own
+    reload then makes of the step's HF weights (the engine keeps the reloaded ones)."""
+    from refit_core.kit import same_bytes
+    from refit_core.kit.models import reference_state_dict
+
+    model = worker.model_runner.get_model()
+    held = _engine_tensors(model)
+    worker.model_runner.reload_weights(weights_iterator=iter(reference_state_dict(cfg, SEED, step).items()))
+    loaded = _engine_tensors(model)
+    return sorted(name for name in held.keys() | loaded.keys()
+                  if name not in held or name not in loaded or not same_bytes(held[name], loaded[name]))
+
+
+def scenario_docs(engine_block: dict[str, str], trainer_block: dict[str, str]) -> dict[str, Any]:
+    """The guide's "after" blocks on one engine, with one set of 2 FSDP2 train ranks (:func:`train_docs`).
+    The engine block builds the engine (``LLM`` with this test's CPU settings) from the step-0
+    checkpoint and receives version 1, sent with refit's own API; then the trainer block runs on the
+    train ranks, train rank 0's client driving that engine from here, and sends version 2. After each
+    refit, every engine weight must equal bitwise what vLLM's own reload makes of the step's HF
+    weights; between them the engine is reloaded with the step-0 weights, which must differ (the
+    check can fail), so that version 2 must land whole."""
+    _engine_env(1)
+    from functools import partial
+
+    from refit_vllm.clients import LLMClient
+    from refit_vllm.demo import engine_kwargs
+    from refit_vllm.reference import reference_dir
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    from refit_core.kit.launch import free_port
+
+    cfg = tiny_config(DOCS_MODEL)
+    result: dict[str, Any] = {}
+    rendezvous = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    spawn_ctx = mp.get_context("spawn")
+    ours, theirs = spawn_ctx.Pipe()
+    gate = spawn_ctx.Event()
+    trainers = Trainers(train_docs, 2, cfg, rendezvous, free_port(), trainer_block, theirs, gate)
+    namespace = {"__name__": "__docs__", "LLM": partial(LLM, **engine_kwargs(cfg, 1)),
+                 "WeightTransferConfig": WeightTransferConfig, "rendezvous": rendezvous[0], "step": 1,
+                 "model": str(reference_dir(cfg, SEED, 0, os.path.join(scratch_dir(), "initial")))}
+    start = time.perf_counter()
+    exec(compile(engine_block["code"], engine_block["where"], "exec"), namespace)
+    result["engine_block_s"] = time.perf_counter() - start
+    llm = namespace["llm"]
+    result["engine_block_version"] = llm.get_weight_version()
+    result["engine_block_mismatches"] = llm.collective_rpc(_reload_mismatches, args=(cfg, 1))
+    result["step0_mismatches"] = llm.collective_rpc(_reload_mismatches, args=(cfg, 0))
+
+    calls: list[str] = []
+    threading.Thread(target=serve, args=(LLMClient(llm), ours, calls, threading.Event()), daemon=True).start()
+    start = time.perf_counter()
+    gate.set()
+    error = trainers.join()
+    result["trainer_block_s"] = time.perf_counter() - start
+    result["trainer_error"] = None if error is None else str(error)
+    result["trainer_block_calls"] = calls
+    result["trainer_block_version"] = llm.get_weight_version()
+    result["trainer_block_mismatches"] = llm.collective_rpc(_reload_mismatches, args=(cfg, 2))
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
 SCENARIOS = {"refit": scenario_refit, "mismatch": scenario_mismatch, "abort": scenario_abort,
-             "inflight": scenario_inflight, "subset": scenario_subset}
+             "inflight": scenario_inflight, "subset": scenario_subset, "docs": scenario_docs}
 
 if __name__ == "__main__":
     name, arguments = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
