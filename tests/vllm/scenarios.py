@@ -622,8 +622,15 @@ async def _inflight(model: str) -> dict[str, Any]:
     return result
 
 
+def scenario_lora(**kwargs: Any) -> dict[str, Any]:
+    """Adapter mode (``lora_scenario.py``): a PEFT adapter into the engine's LoRA slots."""
+    from lora_scenario import scenario_lora as run
+
+    return run(**kwargs)
+
+
 SCENARIOS = {"refit": scenario_refit, "mismatch": scenario_mismatch, "abort": scenario_abort,
-             "inflight": scenario_inflight}
+             "inflight": scenario_inflight, "lora": scenario_lora}
 
 if __name__ == "__main__":
     name, arguments = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
