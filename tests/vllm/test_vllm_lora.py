@@ -1,0 +1,76 @@
+"""Adapter mode into a real vLLM engine (CPU, fp32, LoRA enabled): a PEFT adapter's tensors land in the
+engine's LoRA slots (``refit_vllm.lora``), checked against HF transformers running the PEFT model and
+against vLLM's own adapter loader, and the bad inputs refused at setup on both sides."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.environments import require
+
+require("vllm")
+require("peft")
+require("refit_vllm")
+
+from test_vllm_engine import run_scenario  # noqa: E402 - after the requirements
+
+from refit_core import LoraMode, LoraSpec, OptionError  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def adapter_numel(cfg: dict, rank: int) -> int:
+    """Elements of a rank-``rank`` adapter on every linear module of a Llama decoder (A ``[r, in]``, B ``[out, r]``)."""
+    hidden, inter, head = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    return cfg["num_hidden_layers"] * sum(rank * (i + o) for i, o in shapes)
+
+
+def test_adapter_refits_into_lora_slots_match_hf_peft_and_vllms_loader() -> None:
+    """Two refits of a rank-8 adapter (alpha 20: vLLM folds 2.5 into B) into a TP-1 engine: greedy tokens
+    equal HF + PEFT's, the slots equal byte for byte what vLLM's ``add_lora`` of the same adapter puts in
+    the second slot, the version shows in the outputs; the adapter registered once (no reload); then
+    a rank above ``max_lora_rank``, a module the engine does not have, a dtype under ``cast="strict"`` and
+    more adapters than slots are refused at setup, naming what is wrong, and the adapter keeps serving."""
+    from refit_core.kit.models import PRESETS
+
+    result = run_scenario("lora", model="tiny-llama", tp=1)
+    assert result["trainer_error"] is None, result["trainer_error"]
+    numel = adapter_numel(PRESETS["tiny-llama"], 8)
+    for k, step in enumerate(result["steps"], start=1):
+        assert step["equal"], f"step {k}: vLLM generated {step['got']}, HF + PEFT {step['want']}"
+        assert step["differs_from_base"], "the adapter changed no token: the check could not fail"
+        assert step["received_versions"] == [k] and step["output_versions"] == [str(k)]
+        assert step["adapter_versions"] == [{"policy": k}]
+        (slots,) = step["slots"]
+        assert slots["differ"] == [], f"step {k}: slots differ from vLLM's own loader: {slots['differ']}"
+        assert slots["slots"] == {"policy": 0, "reference": 1} and slots["nonzero"] == numel
+        assert step["stats"][0]["bytes"] == 4 * numel  # fp32 adapter bytes, nothing else
+    assert result["steps"][0]["got"] != result["steps"][1]["got"]
+    assert result["base_unchanged"], "requests without the adapter no longer match the base model"
+    assert result["adapter_loads"] == [2], "vLLM's adapter loader ran for refit's adapter"
+
+    rank = "PlanError: refit adapter 'wide': rank r=16 exceeds the engine's max_lora_rank=8"
+    target = "PlanError: refit adapter 'alien': target module(s) ['w_pack'] are not LoRA layers of this vLLM engine"
+    dtype = ("PlanError: dtype mismatch in 28 tensor(s) under cast policy 'strict': model.layers.0.mlp.down_proj."
+             "lora_A.weight: source torch.bfloat16 vs destination torch.float32")
+    for case, message in (("rank", rank), ("targets", target), ("dtype", dtype)):
+        refused = result[case]
+        assert refused["engine"] is not None and message.removeprefix("PlanError: ") in refused["engine"], refused
+        assert refused["trainer"] is not None and message.removeprefix("PlanError: ") in refused["trainer"], refused
+        assert refused["seconds"] < 15, refused  # long before the 30 s deadline (0.4 s measured)
+    assert result["after_refusals_equal"], "a refused session changed the adapter"
+    assert result["second"] == [None]
+    assert result["third"] == ["PlanError: refit adapter 'third': the engine's 2 LoRA slot(s) (max_loras) already "
+                               "hold refit adapters ['policy', 'second']; start vLLM with max_loras >= 3"]
+
+
+def test_the_engine_takes_adapter_mode_specs_only() -> None:
+    from refit_vllm.lora import lora_int_id, lora_spec
+
+    assert lora_spec("r=8,alpha=16,targets=q,v,name=p") == LoraSpec(8, 16.0, ("q_proj", "v_proj"), "p")
+    assert lora_spec({"rank": 4, "alpha": 8, "targets": ["o"]}).targets == ("o_proj",)
+    with pytest.raises(OptionError, match="adapter mode only; in merged mode it serves plain weights"):
+        lora_spec(LoraSpec(8, 16.0, mode=LoraMode.MERGED))
+    assert lora_int_id("policy") == lora_int_id("policy") > 0 and lora_int_id("policy") != lora_int_id("policy2")
