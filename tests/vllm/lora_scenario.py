@@ -130,14 +130,20 @@ def _refused_session(llm: Any, cfg: dict[str, Any], engine_spec: dict[str, Any],
 
     thread = threading.Thread(target=train, daemon=True)
     thread.start()
-    engine_error = None
-    try:
-        llm.collective_rpc("refit_init", args=(rendezvous,), kwargs={"lora": engine_spec, "options": options})
-    except Exception as exc:  # noqa: BLE001 - the expected outcome
-        engine_error = f"{type(exc).__name__}: {exc}"
+    engine_errors = llm.collective_rpc(_try_init, args=(rendezvous, engine_spec, options))
     thread.join(60)
-    return {"engine": engine_error, "trainer": f"{type(errors[0]).__name__}: {errors[0]}" if errors else None,
+    return {"engine": engine_errors, "trainer": f"{type(errors[0]).__name__}: {errors[0]}" if errors else None,
             "seconds": time.perf_counter() - began}
+
+
+def _try_init(worker: Any, rendezvous: str, spec: dict[str, Any], options: dict[str, Any]) -> str | None:
+    """``refit_init`` on this worker; its error text, or None. (Every worker raises a refused setup; vLLM's
+    multiprocess executor would read the first error only and leave the others' replies for its next call.)"""
+    try:
+        worker.refit_init(rendezvous, lora=spec, options=options)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _count_adapter_loads(worker: Any) -> None:

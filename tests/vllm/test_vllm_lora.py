@@ -12,58 +12,67 @@ require("vllm")
 require("peft")
 require("refit_vllm")
 
-from test_vllm_engine import run_scenario  # noqa: E402 - after the requirements
+from test_vllm_engine import run_scenario
 
-from refit_core import LoraMode, LoraSpec, OptionError  # noqa: E402
+from refit_core import LoraMode, LoraSpec, OptionError
 
 pytestmark = pytest.mark.vllm
 
 
-def adapter_numel(cfg: dict, rank: int) -> int:
-    """Elements of a rank-``rank`` adapter on every linear module of a Llama decoder (A ``[r, in]``, B ``[out, r]``)."""
+TP = 2
+
+
+def adapter_numel(cfg: dict, rank: int, tp: int) -> int:
+    """Elements of a rank-``rank`` adapter on every linear module of a Llama decoder, as one of ``tp`` ranks
+    holds them (A ``[r, in]``, B ``[out, r]``): column-parallel q/k/v/gate/up slice B, row-parallel o/down A."""
     hidden, inter, head = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
-    shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
-    return cfg["num_hidden_layers"] * sum(rank * (i + o) for i, o in shapes)
+    column = [(hidden, q), (hidden, kv), (hidden, kv), (hidden, inter), (hidden, inter)]
+    row = [(q, hidden), (inter, hidden)]
+    return cfg["num_hidden_layers"] * (sum(rank * (i + o // tp) for i, o in column)
+                                       + sum(rank * (i // tp + o) for i, o in row))
 
 
+@pytest.mark.slow
 def test_adapter_refits_into_lora_slots_match_hf_peft_and_vllms_loader() -> None:
-    """Two refits of a rank-8 adapter (alpha 20: vLLM folds 2.5 into B) into a TP-1 engine: greedy tokens
-    equal HF + PEFT's, the slots equal byte for byte what vLLM's ``add_lora`` of the same adapter puts in
-    the second slot, the version shows in the outputs; the adapter registered once (no reload); then
-    a rank above ``max_lora_rank``, a module the engine does not have, a dtype under ``cast="strict"`` and
-    more adapters than slots are refused at setup, naming what is wrong, and the adapter keeps serving."""
+    """Two refits of a rank-8 adapter (alpha 20: vLLM folds 2.5 into B) into a TP-2 engine: greedy tokens
+    equal HF + PEFT's, each worker's slots equal byte for byte what vLLM's ``add_lora`` of the same adapter
+    puts in the second slot, the version shows in the outputs; the adapter registered once (no reload);
+    then a rank above ``max_lora_rank``, a module the engine does not have, a dtype under
+    ``cast="strict"`` and more adapters than slots are refused at setup on every worker and the trainer,
+    naming what is wrong, and the adapter keeps serving."""
     from refit_core.kit.models import PRESETS
 
-    result = run_scenario("lora", model="tiny-llama", tp=1)
+    result = run_scenario("lora", model="tiny-llama", tp=TP)
     assert result["trainer_error"] is None, result["trainer_error"]
-    numel = adapter_numel(PRESETS["tiny-llama"], 8)
+    numel = adapter_numel(PRESETS["tiny-llama"], 8, TP)
     for k, step in enumerate(result["steps"], start=1):
         assert step["equal"], f"step {k}: vLLM generated {step['got']}, HF + PEFT {step['want']}"
         assert step["differs_from_base"], "the adapter changed no token: the check could not fail"
-        assert step["received_versions"] == [k] and step["output_versions"] == [str(k)]
-        assert step["adapter_versions"] == [{"policy": k}]
-        (slots,) = step["slots"]
-        assert slots["differ"] == [], f"step {k}: slots differ from vLLM's own loader: {slots['differ']}"
-        assert slots["slots"] == {"policy": 0, "reference": 1} and slots["nonzero"] == numel
-        assert step["stats"][0]["bytes"] == 4 * numel  # fp32 adapter bytes, nothing else
+        assert step["received_versions"] == [k] * TP and step["output_versions"] == [str(k)]
+        assert step["adapter_versions"] == [{"policy": k}] * TP
+        for worker, slots in enumerate(step["slots"]):
+            assert slots["differ"] == [], f"step {k}, worker {worker}: slots differ from vLLM's own loader"
+            assert slots["slots"] == {"policy": 0, "reference": 1} and slots["nonzero"] == numel, slots
+        assert [s["bytes"] for s in step["stats"]] == [4 * numel] * TP  # fp32 adapter bytes, nothing else
     assert result["steps"][0]["got"] != result["steps"][1]["got"]
     assert result["base_unchanged"], "requests without the adapter no longer match the base model"
-    assert result["adapter_loads"] == [2], "vLLM's adapter loader ran for refit's adapter"
+    assert result["adapter_loads"] == [2] * TP, "vLLM's adapter loader ran for refit's adapter"
 
-    rank = "PlanError: refit adapter 'wide': rank r=16 exceeds the engine's max_lora_rank=8"
-    target = "PlanError: refit adapter 'alien': target module(s) ['w_pack'] are not LoRA layers of this vLLM engine"
-    dtype = ("PlanError: dtype mismatch in 28 tensor(s) under cast policy 'strict': model.layers.0.mlp.down_proj."
-             "lora_A.weight: source torch.bfloat16 vs destination torch.float32")
+    rank = "refit adapter 'wide': rank r=16 exceeds the engine's max_lora_rank=8"
+    target = "refit adapter 'alien': target module(s) ['w_pack'] are not LoRA layers of this vLLM engine"
+    dtype = ("dtype mismatch in 28 tensor(s) under cast policy 'strict': model.layers.0.mlp.down_proj.lora_A.weight: "
+             "source torch.bfloat16 vs destination torch.float32")
     for case, message in (("rank", rank), ("targets", target), ("dtype", dtype)):
         refused = result[case]
-        assert refused["engine"] is not None and message.removeprefix("PlanError: ") in refused["engine"], refused
-        assert refused["trainer"] is not None and message.removeprefix("PlanError: ") in refused["trainer"], refused
+        assert len(refused["engine"]) == TP, refused  # every worker refuses
+        assert all(e is not None and "PlanError" in e and message in e for e in refused["engine"]), refused
+        assert refused["trainer"] is not None and message in refused["trainer"], refused
         assert refused["seconds"] < 15, refused  # long before the 30 s deadline (0.4 s measured)
     assert result["after_refusals_equal"], "a refused session changed the adapter"
-    assert result["second"] == [None]
+    assert result["second"] == [None] * TP
     assert result["third"] == ["PlanError: refit adapter 'third': the engine's 2 LoRA slot(s) (max_loras) already "
-                               "hold refit adapters ['policy', 'second']; start vLLM with max_loras >= 3"]
+                               "hold refit adapters ['policy', 'second']; start vLLM with max_loras >= 3"] * TP
 
 
 def test_the_engine_takes_adapter_mode_specs_only() -> None:

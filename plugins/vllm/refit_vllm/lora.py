@@ -423,24 +423,15 @@ def _slot_plan(trace: Trace, specs: tuple[TensorSpec, ...], slot: int) -> SlotPl
         raise PlanError(f"refit adapter mode: vLLM's LoRA layer {layer} writes {tensor} with {why}; refit writes "
                         "only box copies")
     by_name = {s.name: s for s in specs}
-    written: dict[str, int] = {}
-    pieces = []
-    for w in trace.writes:
-        written[w.hf_name] = written.get(w.hf_name, 0) + w.hf_box.numel
-        pieces.append(SlotPiece(by_name[w.hf_name], w.hf_box, w.target[0], w.target[1], w.offset, w.strides))
-    unwritten = [s.name for s in specs if written.get(s.name, 0) != _numel(s.shape)]
+    pieces = [SlotPiece(by_name[w.hf_name], w.hf_box, w.target[0], w.target[1], w.offset, w.strides)
+              for w in trace.writes]
+    # under tensor parallelism a rank holds a slice of each tensor (row-parallel A, column-parallel B)
+    unwritten = sorted(set(by_name) - {p.spec.name for p in pieces})
     if unwritten:
-        raise PlanError(f"refit adapter mode: vLLM's LoRA layers do not hold all of {unwritten[0]} "
-                        f"({len(unwritten)} adapter tensor(s) not covered)")
+        raise PlanError(f"refit adapter mode: vLLM's LoRA layers hold nothing of {unwritten[0]} "
+                        f"({len(unwritten)} adapter tensor(s) not placed)")
     _check_targets(trace.targets)
     return SlotPlan(slot, specs, tuple(pieces))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _check_targets(targets: dict[tuple[str, str], Target]) -> None:
