@@ -5,6 +5,8 @@ one-rank source the vLLM plugin already has for a ``WeightSource``; the dtensor 
 another helper's), refilled with new random values each step. The ground truth is HF transformers
 running ``peft.get_peft_model`` on the same base weights with the same adapter values, and vLLM's own
 adapter loader (``add_lora`` of the PEFT adapter saved to a folder) in the engine's second slot.
+The refits go through vLLM's weight-transfer API (``init_info["lora"]``, ``finish_weight_update``, whose
+``reset_lora_state`` refit's adapter survives); the refused sessions through ``refit_init(lora=...)``.
 """
 
 from __future__ import annotations
@@ -174,6 +176,7 @@ def scenario_lora(model: str = "tiny-llama", tp: int = 1) -> dict[str, Any]:
     from refit_vllm.lora import lora_request
     from refit_vllm.reference import hf_greedy_model, reference_dir
     from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
     from vllm.lora.request import LoRARequest
 
     from refit_core.kit.launch import free_port
@@ -185,7 +188,8 @@ def scenario_lora(model: str = "tiny-llama", tp: int = 1) -> dict[str, Any]:
     result: dict[str, Any] = {"steps": []}
     began = time.perf_counter()
     llm = LLM(model=base_dir, **engine_kwargs(cfg, tp, worker_extension_cls=EXTENSION, enable_lora=True,
-                                             max_lora_rank=8, max_loras=2))
+                                             max_lora_rank=8, max_loras=2,
+                                             weight_transfer_config=WeightTransferConfig(backend="refit")))
     result["build_s"] = time.perf_counter() - began
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -201,13 +205,16 @@ def scenario_lora(model: str = "tiny-llama", tp: int = 1) -> dict[str, Any]:
     trainers = Trainers(train_adapter, 1, cfg, SPEC, rendezvous, steps, {})
     began = time.perf_counter()
     llm.collective_rpc(_count_adapter_loads)
-    result["ranks"] = llm.collective_rpc("refit_init", args=(rendezvous,), kwargs={"lora": SPEC})
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "lora": SPEC}})
     result["setup_s"] = time.perf_counter() - began
     for step in steps:
         began = time.perf_counter()
-        versions = llm.collective_rpc("refit_receive", kwargs={"version": step})
-        llm.update_weight_version(str(step))
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": step}})
+        llm.finish_weight_update(weight_version=str(step))
+        llm.reset_prefix_cache()
         seconds = time.perf_counter() - began
+        versions = [s["version"] for s in llm.collective_rpc("refit_step_stats")]
         got, output_versions = generate(lora_request("policy"))
         set_adapter(hf, adapter_values(hf, step))
         want = hf_greedy_model(hf, prompts, NEW_TOKENS)

@@ -7,9 +7,11 @@ receives into an :class:`AdapterTarget` instead of the model's weights:
 - **Registration, once per name** (:func:`register`): the adapter is built in memory (zeros, no file)
   with vLLM's own ``LoRAModel.from_lora_tensors`` and ``PEFTHelper``, added to the worker's LoRA
   manager, activated in a slot and pinned there (so vLLM never evicts it and never re-copies its
-  registration-time values over refit's); its ``lora_int_id`` is :func:`lora_int_id` of its name, so
-  :func:`lora_request` gives the ``LoRARequest`` that generates with it. A later session for the same
-  name finds it registered and overwrites the same slot.
+  registration-time values over refit's), and kept there when vLLM drops every adapter after a
+  weight update (``reset_lora_state``: refit's deltas do not depend on the base weights). Its
+  ``lora_int_id`` is :func:`lora_int_id` of its name, so :func:`lora_request` gives the
+  ``LoRARequest`` that generates with it. A later session for the same name finds it registered
+  and overwrites the same slot.
 - **Where bytes land, learned from vLLM itself** (:func:`plan_slots`): each LoRA layer's own
   ``set_lora`` runs once on meta tensors (``refit_core.kit``'s load tracer), so the TP slicing
   (column-parallel B, row-parallel A), the fused ``qkv_proj`` / ``gate_up_proj`` slices and KV-head
@@ -311,6 +313,7 @@ def register(model: torch.nn.Module, spec: LoraSpec) -> SlotPlan:
                         f"already hold refit adapters {sorted(known)}; start vLLM with max_loras >= {len(known) + 1}")
     lora_id = lora_int_id(spec.name)
     if previous is None:
+        _keep_across_resets(manager)
         _add_zero_adapter(manager, spec, lora_id, specs)
         known[spec.name] = Registered(spec)
     if lora_id not in manager.lora_index_to_id:
@@ -320,6 +323,30 @@ def register(model: torch.nn.Module, spec: LoraSpec) -> SlotPlan:
     log.info("refit: adapter %r (lora_int_id %d) in LoRA slot %d: %d tensors, %d pieces", spec.name, lora_id, slot,
              len(specs), len(plan.pieces))
     return plan
+
+
+def _keep_across_resets(manager: Any) -> None:
+    """vLLM drops every adapter after each weight update (the worker's ``finish_weight_update`` calls
+    ``reset_lora_state``, which calls the manager's ``remove_all_adapters``), and would then load a
+    refit adapter from its placeholder path. Refit's adapters are put back in their slots, bytes
+    untouched (``remove_all_adapters`` only forgets them): their deltas do not depend on the base weights."""
+    if getattr(manager, "_refit_keeps_adapters", False):
+        return
+    remove_all = manager.remove_all_adapters
+
+    def remove_all_but_refits() -> None:
+        kept = [(i, manager._registered_adapters.get(i), manager.lora_index_to_id.index(i))
+                for i in (lora_int_id(name) for name in _registered(manager)) if i in manager.lora_index_to_id]
+        remove_all()
+        for lora_id, lora, slot in kept:
+            manager._registered_adapters[lora_id] = lora
+            manager._registered_adapters.pin(lora_id)
+            manager._active_adapters[lora_id] = None
+            manager._active_adapters.pin(lora_id)
+            manager.lora_index_to_id[slot] = lora_id
+
+    manager.remove_all_adapters = remove_all_but_refits
+    manager._refit_keeps_adapters = True
 
 
 def _add_zero_adapter(manager: Any, spec: LoraSpec, lora_id: int, specs: tuple[TensorSpec, ...]) -> None:
