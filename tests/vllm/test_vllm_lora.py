@@ -83,3 +83,10 @@ def test_the_engine_takes_adapter_mode_specs_only() -> None:
     with pytest.raises(OptionError, match="adapter mode only; in merged mode it serves plain weights"):
         lora_spec(LoraSpec(8, 16.0, mode=LoraMode.MERGED))
     assert lora_int_id("policy") == lora_int_id("policy") > 0 and lora_int_id("policy") != lora_int_id("policy2")
+
+
+def test_the_trainers_init_info_carries_the_adapter_to_the_workers() -> None:
+    from refit_vllm.transfer import RefitTrainerInitInfo, RefitWeightTransferInitInfo
+
+    info = RefitTrainerInitInfo(rank=0, rendezvous="127.0.0.1:1", lora="r=8,targets=q,v,name=policy").worker_info()
+    assert info.lora == "r=8,targets=q,v,name=policy" and RefitWeightTransferInitInfo(rendezvous="h:1").lora is None
