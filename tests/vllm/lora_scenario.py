@@ -102,6 +102,32 @@ def _slots(worker: Any, names: list[str]) -> dict[str, Any]:
     return {"slots": slots, "differ": differ, "nonzero": nonzero, "tensors": len(manager.modules)}
 
 
+def _abort_restores(worker: Any) -> dict[str, Any]:
+    """The adapter's own begin / abort on the live slots, around garbage written into every byte of it:
+    the slots come back byte for byte (what a failed step does)."""
+    from refit_vllm.lora import AdapterTarget, lora_spec
+
+    from refit_core.kit import same_bytes
+
+    target = AdapterTarget(worker.model_runner.get_model(), lora_spec(SPEC))
+    before = [v.clone() for v in target.views()]
+    target.begin()
+    for view in target.views():
+        view.fill_(7.0)
+    torn = not all(same_bytes(v, b) for v, b in zip(target.views(), before))
+    target.abort()
+    return {"torn": torn, "restored": all(same_bytes(v, b) for v, b in zip(target.views(), before)),
+            "pieces": len(before)}
+
+
+def _adapter_rows(worker: Any) -> list[tuple[Any, ...]]:
+    """The live adapter destination map of this worker as plain rows (name, shape, dtype, offsets, sizes)."""
+    from refit_vllm.lora import AdapterTarget, lora_spec
+
+    mapping = AdapterTarget(worker.model_runner.get_model(), lora_spec(SPEC)).destination_map()
+    return sorted((p.spec.name, p.spec.shape, str(p.spec.dtype), p.box.offsets, p.box.sizes) for p in mapping.pieces)
+
+
 def _register(worker: Any, spec: dict[str, Any]) -> str | None:
     """Register a refit adapter without a session (the slot-count check); its error text, or None."""
     from refit_vllm.lora import AdapterTarget, lora_spec
@@ -243,6 +269,16 @@ def scenario_lora(model: str = "tiny-llama", tp: int = 1) -> dict[str, Any]:
     result["targets"] = _refused_session(llm, cfg, alien, SPEC)
     result["dtype"] = _refused_session(llm, cfg, SPEC, SPEC, {"cast": "strict"}, "bfloat16")
     result["after_refusals_equal"] = generate(lora_request("policy"))[0] == result["steps"][-1]["got"]
+    from refit_vllm.lora_layout import adapter_destination_layout
+
+    from refit_core import LoraSpec, ParallelLayout
+
+    result["layout_equal"] = [
+        rows == sorted((p.spec.name, p.spec.shape, str(p.spec.dtype), p.box.offsets, p.box.sizes)
+                       for p in adapter_destination_layout(cfg, LoraSpec(**SPEC), ParallelLayout(tp=tp), rank).pieces)
+        for rank, rows in enumerate(llm.collective_rpc(_adapter_rows))]
+    result["abort"] = llm.collective_rpc(_abort_restores)
+    result["after_abort_equal"] = generate(lora_request("policy"))[0] == result["steps"][-1]["got"]
     result["second"] = llm.collective_rpc(_register, args=({**SPEC, "name": "second"},))
     result["third"] = llm.collective_rpc(_register, args=({**SPEC, "name": "third"},))
     llm.llm_engine.engine_core.shutdown()

@@ -40,7 +40,7 @@ def test_adapter_refits_into_lora_slots_match_hf_peft_and_vllms_loader() -> None
     puts in the second slot, the version shows in the outputs; the adapter registered once (no reload);
     then a rank above ``max_lora_rank``, a module the engine does not have, a dtype under
     ``cast="strict"`` and more adapters than slots are refused at setup on every worker and the trainer,
-    naming what is wrong, and the adapter keeps serving."""
+    naming what is wrong, and the adapter keeps serving; a failed step's restore puts every slot byte back."""
     from refit_core.kit.models import PRESETS
 
     result = run_scenario("lora", model="tiny-llama", tp=TP)
@@ -70,6 +70,9 @@ def test_adapter_refits_into_lora_slots_match_hf_peft_and_vllms_loader() -> None
         assert refused["trainer"] is not None and message in refused["trainer"], refused
         assert refused["seconds"] < 15, refused  # long before the 30 s deadline (0.4 s measured)
     assert result["after_refusals_equal"], "a refused session changed the adapter"
+    assert result["layout_equal"] == [True] * TP, "the live adapter map differs from the metadata-only layout"
+    assert all(a["torn"] and a["restored"] for a in result["abort"]), result["abort"]
+    assert result["after_abort_equal"], "after a failed step's restore the adapter serves other tokens"
     assert result["second"] == [None] * TP
     assert result["third"] == ["PlanError: refit adapter 'third': the engine's 2 LoRA slot(s) (max_loras) already "
                                "hold refit adapters ['policy', 'second']; start vLLM with max_loras >= 3"] * TP
@@ -90,3 +93,26 @@ def test_the_trainers_init_info_carries_the_adapter_to_the_workers() -> None:
 
     info = RefitTrainerInitInfo(rank=0, rendezvous="127.0.0.1:1", lora="r=8,targets=q,v,name=policy").worker_info()
     assert info.lora == "r=8,targets=q,v,name=policy" and RefitWeightTransferInitInfo(rendezvous="h:1").lora is None
+
+
+def test_metadata_only_adapter_layout_replicates_kv_heads_and_refuses_what_adapter_mode_does_not_write() -> None:
+    """``refit plan``'s view of vLLM's LoRA slots (checked against a live engine above): one KV head over
+    TP 2 is whole on both ranks; row-parallel A is split by columns."""
+    from refit_vllm.lora_layout import adapter_destination_layout
+
+    from refit_core import ParallelLayout, PlanError
+    from refit_core.kit.models import PRESETS
+
+    mqa = dict(PRESETS["tiny-llama"], num_key_value_heads=1)
+    spec = LoraSpec(rank=4, alpha=8, targets=("k_proj", "o_proj"))
+    boxes = [{p.spec.name: (p.box.offsets, p.box.sizes) for p in
+              adapter_destination_layout(mqa, spec, ParallelLayout(tp=2), rank).pieces} for rank in (0, 1)]
+    k_b, o_a = "model.layers.1.self_attn.k_proj.lora_B.weight", "model.layers.1.self_attn.o_proj.lora_A.weight"
+    assert boxes[0][k_b] == boxes[1][k_b] == ((0, 0), (32, 4))
+    assert (boxes[0][o_a], boxes[1][o_a]) == (((0, 0), (4, 64)), ((0, 64), (4, 64)))
+    with pytest.raises(PlanError, match="adapter mode lays out tp and dp only; got {'pp': 2}"):
+        adapter_destination_layout(mqa, spec, ParallelLayout(tp=1, pp=2), 0)
+    moe = dict(PRESETS["tiny-qwen3-moe"])
+    with pytest.raises(PlanError, match="target down_proj is held by MoE experts"):
+        adapter_destination_layout(moe, LoraSpec(rank=4, alpha=8, targets=("q_proj", "down_proj")),
+                                   ParallelLayout(tp=1), 0)
