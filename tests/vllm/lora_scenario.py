@@ -120,12 +120,16 @@ def _abort_restores(worker: Any) -> dict[str, Any]:
             "pieces": len(before)}
 
 
-def _adapter_rows(worker: Any) -> list[tuple[Any, ...]]:
-    """The live adapter destination map of this worker as plain rows (name, shape, dtype, offsets, sizes)."""
+def _rows(mapping: Any) -> list[str]:
+    """A destination map as plain text rows (name, shape, dtype, offsets, sizes), sorted."""
+    return sorted(f"{p.spec.name} {p.spec.shape} {p.spec.dtype} {p.box.offsets} {p.box.sizes}" for p in mapping.pieces)
+
+
+def _adapter_rows(worker: Any) -> list[str]:
+    """The live adapter destination map of this worker."""
     from refit_vllm.lora import AdapterTarget, lora_spec
 
-    mapping = AdapterTarget(worker.model_runner.get_model(), lora_spec(SPEC)).destination_map()
-    return sorted((p.spec.name, p.spec.shape, str(p.spec.dtype), p.box.offsets, p.box.sizes) for p in mapping.pieces)
+    return _rows(AdapterTarget(worker.model_runner.get_model(), lora_spec(SPEC)).destination_map())
 
 
 def _register(worker: Any, spec: dict[str, Any]) -> str | None:
@@ -273,10 +277,11 @@ def scenario_lora(model: str = "tiny-llama", tp: int = 1) -> dict[str, Any]:
 
     from refit_core import LoraSpec, ParallelLayout
 
-    result["layout_equal"] = [
-        rows == sorted((p.spec.name, p.spec.shape, str(p.spec.dtype), p.box.offsets, p.box.sizes)
-                       for p in adapter_destination_layout(cfg, LoraSpec(**SPEC), ParallelLayout(tp=tp), rank).pieces)
-        for rank, rows in enumerate(llm.collective_rpc(_adapter_rows))]
+    live = llm.collective_rpc(_adapter_rows)
+    planned = [_rows(adapter_destination_layout(cfg, LoraSpec(**SPEC), ParallelLayout(tp=tp), rank)) for rank in
+               range(tp)]
+    result["layout_equal"] = [a == b for a, b in zip(live, planned)]
+    result["layout_diff"] = [sorted(set(a) ^ set(b))[:4] for a, b in zip(live, planned)]
     result["abort"] = llm.collective_rpc(_abort_restores)
     result["after_abort_equal"] = generate(lora_request("policy"))[0] == result["steps"][-1]["got"]
     result["second"] = llm.collective_rpc(_register, args=({**SPEC, "name": "second"},))
