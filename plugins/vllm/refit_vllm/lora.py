@@ -109,9 +109,10 @@ class AdapterTarget:
 
     model: torch.nn.Module
     spec: LoraSpec
-    plan: SlotPlan | None = None
-    version: int | None = None
-    saved: list[torch.Tensor] | None = field(default=None, repr=False)
+    plan: SlotPlan | None = field(default=None, init=False)
+    """Where the adapter's boxes land (set when the target is built: :func:`register`)."""
+    version: int | None = field(default=None, init=False)
+    saved: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.plan = register(self.model, self.spec)
