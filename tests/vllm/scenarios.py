@@ -811,8 +811,15 @@ def scenario_docs(engine_block: dict[str, str], trainer_block: dict[str, str]) -
     return result
 
 
+def scenario_lora(**kwargs: Any) -> dict[str, Any]:
+    """Adapter mode (``lora_scenario.py``): a PEFT adapter into the engine's LoRA slots."""
+    from lora_scenario import scenario_lora as run
+
+    return run(**kwargs)
+
+
 SCENARIOS = {"refit": scenario_refit, "mismatch": scenario_mismatch, "abort": scenario_abort,
-             "inflight": scenario_inflight, "subset": scenario_subset, "docs": scenario_docs}
+             "inflight": scenario_inflight, "subset": scenario_subset, "docs": scenario_docs, "lora": scenario_lora}
 
 if __name__ == "__main__":
     name, arguments = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from refit_core import RefitError, RefitOptions, RefitReceiver
+from refit_core import LoraSpec, RefitError, RefitOptions, RefitReceiver
 
+from .lora import AdapterTarget, lora_spec
 from .state import attach, ensure_attached, state_of
 
 EXTENSION = "refit_vllm.extension.RefitWorkerExtension"
@@ -28,8 +29,11 @@ class RefitWorkerExtension:
         return model
 
     def refit_init(self, rendezvous: str, world_size: int | None = None, rank_offset: int = 0,
-                   options: dict[str, Any] | None = None, loader: list[str] | None = None) -> int:
-        """Join the refit at ``rendezvous`` as gen rank ``rank_offset`` + this worker's rank; returns it."""
+                   options: dict[str, Any] | None = None, loader: list[str] | None = None,
+                   lora: LoraSpec | dict[str, Any] | str | None = None) -> int:
+        """Join the refit at ``rendezvous`` as gen rank ``rank_offset`` + this worker's rank; returns it.
+        ``lora``: adapter mode (:mod:`refit_vllm.lora`): the session moves this adapter into the engine's
+        LoRA slots (registered once per name); None: the model's weights."""
         from .transfer import worker_rank
 
         self.refit_close()
@@ -37,7 +41,8 @@ class RefitWorkerExtension:
             rank, workers = worker_rank(self.vllm_config.parallel_config)
             model = self._refit_model()
             attach(model, self.vllm_config, loader=loader or ())
-            receiver = RefitReceiver(model, rendezvous=rendezvous, rank=rank_offset + rank,
+            target = model if lora is None else AdapterTarget(model, lora_spec(lora))
+            receiver = RefitReceiver(target, rendezvous=rendezvous, rank=rank_offset + rank,
                                      world_size=world_size or workers, options=RefitOptions(**(options or {})))
         except Exception as exc:  # before setup: the trainers would only see their deadline pass
             from .refusal import refuse_before_setup
@@ -75,6 +80,12 @@ class RefitWorkerExtension:
         """The last weight version refit landed in this worker (None before the first)."""
         state = state_of(self._refit_model())
         return None if state is None else state.version
+
+    def refit_adapter_versions(self) -> dict[str, int | None]:
+        """Each refit adapter in this worker's LoRA slots and the version it holds (:mod:`refit_vllm.lora`)."""
+        from .lora import adapter_versions
+
+        return adapter_versions(self._refit_model())
 
     def refit_rank_state(self) -> tuple[int, int | None, int]:
         """This worker's (gen rank, weight version it holds, why it needs a refit: 0 when it does not,

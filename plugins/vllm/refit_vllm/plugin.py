@@ -15,6 +15,7 @@ import torch
 from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, SourcePiece, hookimpl
 from refit_core.kit import DemoPrograms, read_env, refuse_serving, resume_serving
 
+from .lora import AdapterTarget
 from .state import MODE_ENV, ModelState, engine_context, model_device, state_of
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ def _views(model: torch.nn.Module, plan: ModelPlan, live: bool) -> list[torch.Te
 
 @hookimpl
 def refit_destination_map(model: Any) -> DestinationMap | None:
+    if isinstance(model, AdapterTarget):
+        return model.destination_map()
     state = state_of(model)
     if state is None:
         return None
@@ -116,6 +119,9 @@ def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
 
 @hookimpl
 def refit_begin_update(model: Any) -> bool | None:
+    if isinstance(model, AdapterTarget):
+        model.begin()
+        return False
     state = state_of(model)
     if state is None:
         return None
@@ -151,6 +157,9 @@ def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> b
 
 @hookimpl
 def refit_finish_update(model: Any, version: int) -> bool | None:
+    if isinstance(model, AdapterTarget):
+        model.finish(version)
+        return True
     state = state_of(model)
     if state is None:
         return None
@@ -171,7 +180,11 @@ def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
     """After a failed step: the reload path gives every layer its previous kernel tensors back (the
     step wrote only into re-materialized checkpoint-format copies); what cannot be restored -- direct
     writes into live tensors, and layers the engine's own loader already processed -- makes the
-    model refuse to serve (its forward raises) until a refit succeeds."""
+    model refuse to serve (its forward raises) until a refit succeeds. An adapter's slots get their
+    saved bytes back (:class:`~refit_vllm.lora.AdapterTarget`)."""
+    if isinstance(model, AdapterTarget):
+        model.abort()
+        return True
     state = state_of(model)
     if state is None:
         return None

@@ -44,12 +44,17 @@ def hf_greedy(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], ma
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return hf_greedy_model(model, prompts, max_new_tokens)
+
+
+def hf_greedy_model(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` by an HF model already built (a PEFT model too), EOS ignored."""
     model.eval()
     outs = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([list(prompt)], dtype=torch.long)
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                  eos_token_id=None, pad_token_id=0)
             outs.append(gen[0, ids.shape[1]:].tolist())

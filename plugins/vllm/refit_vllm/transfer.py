@@ -50,6 +50,7 @@ from . import vllm_plugin
 from .checkpoint import UnplannableConfigError, plannable
 from .compat import full_tensors, metadata_member, not_on_rank_0, source_metadata
 from .held import Declared, HeldWeights
+from .lora import AdapterTarget, lora_spec
 from .requests import InvalidRequestError, NamedTensor, check_subset, named_tensors, step_names
 from .state import attach, refuse_next_step, state_of
 
@@ -67,7 +68,8 @@ class RefitWeightTransferInitInfo(WeightTransferInitInfo):
     ``world_size``: gen ranks in the refit (all workers of all engines; default: this engine's
     workers). ``rank_offset``: the first gen rank of this engine (for several engines).
     ``options``: :class:`refit_core.RefitOptions` fields. ``loader``: regular expressions of HF
-    names forced onto the loader path.
+    names forced onto the loader path. ``lora``: adapter mode (:mod:`.lora`): the session moves this
+    adapter (``LoraSpec`` fields, or its ``--lora`` text) into the engine's LoRA slots; None: the weights.
     """
 
     rendezvous: str
@@ -75,6 +77,7 @@ class RefitWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     loader: list[str] = field(default_factory=list)
+    lora: dict[str, Any] | str | None = None
 
 
 @dataclass
@@ -152,7 +155,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         try:
             rank, workers = worker_rank(self.parallel_config)
             attach(self.model, self.vllm_config, loader=init_info.loader)
-            receiver = RefitReceiver(self.model, rendezvous=init_info.rendezvous,
+            target = self.model if init_info.lora is None else AdapterTarget(self.model, lora_spec(init_info.lora))
+            receiver = RefitReceiver(target, rendezvous=init_info.rendezvous,
                                      rank=init_info.rank_offset + rank, world_size=init_info.world_size or workers,
                                      options=RefitOptions(**init_info.options))
             plannable(self.model_config)
@@ -203,10 +207,18 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         self.version, self.last_stats = receive_step(self.receiver, self.model, update_info.version, only)
 
     def _subset(self, update_info: RefitWeightTransferUpdateInfo) -> frozenset[str] | None:
+        """The tensors this step names, checked (None: every tensor). An adapter moves whole."""
+        assert self.receiver is not None
+        target = self.receiver.model
         if self.catalog is None:
             from .checkpoint import step_catalog
 
-            self.catalog = step_catalog(self.model_config)
+            self.catalog = target.catalog() if isinstance(target, AdapterTarget) else step_catalog(self.model_config)
+        if isinstance(target, AdapterTarget):
+            if step_names(update_info.tensors, update_info.only, self.catalog) is not None:
+                raise InvalidRequestError("update_info names a subset of a LoRA adapter's tensors: an adapter "
+                                          "moves whole every step")
+            return None
         return step_subset(self.model, self.catalog, update_info.tensors, update_info.only)
 
     def _refuse_step(self, error: Exception) -> None:
@@ -293,8 +305,8 @@ class RefitTrainerInitInfo(TrainerInitInfo):
 
     ``rendezvous``: ``host:port`` of the refit store, hosted by train rank 0. ``world_size``: train
     ranks. ``gen_world_size``: gen ranks (vLLM workers of all engines; default: the engine's own).
-    ``options`` / ``loader``: see :class:`RefitWeightTransferInitInfo`; ``options`` apply to both
-    sides.
+    ``options`` / ``loader`` / ``lora``: see :class:`RefitWeightTransferInitInfo`; ``options`` apply to
+    both sides.
     """
 
     backend: ClassVar[str] = vllm_plugin.BACKEND
@@ -304,10 +316,11 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     gen_world_size: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     loader: list[str] = field(default_factory=list)
+    lora: dict[str, Any] | str | None = None
 
     def worker_info(self) -> RefitWeightTransferInitInfo:
         return RefitWeightTransferInitInfo(rendezvous=self.rendezvous, world_size=self.gen_world_size,
-                                           options=dict(self.options), loader=list(self.loader))
+                                           options=dict(self.options), loader=list(self.loader), lora=self.lora)
 
 
 class RefitSource(WeightSource):
