@@ -388,9 +388,11 @@ class RefitOptions(_Settings):
       (a local setting; ``triton`` by default, the fastest on an H200, ``foreach`` where Triton or CUDA
       is missing: ``benchmarks/results/colocated-nvidia-h200-variants-2026-11-26.md``).
     - ``overlap_check``: a colocated train rank signals *ready* first and checks that its parameters
-      are still the memory shared at setup while the engine copies (off by default: the check runs
-      first). A failed check still fails the step on both sides with the same error, but the engine's
-      weights are then torn (``needs_refit``) instead of unchanged. A train-side local setting.
+      are still the memory shared at setup while the engine copies (on by default: checked first, the
+      check sat on the step's critical path, 0.2-0.4 ms of a 9 ms Llama-3-8B step on an H200). A failed
+      check still fails the step on both sides with the same error, but the engine's weights are then
+      torn (``needs_refit``) instead of unchanged; ``False`` checks before *ready*. A train-side local
+      setting.
     - ``step_trace``: record where each colocated step's time goes (host timestamps on both sides,
       CUDA events around the receiver's copies), read back as ``colocated_trace`` (a local setting,
       off by default: a few timestamps and events per step when on).
@@ -416,7 +418,7 @@ class RefitOptions(_Settings):
     store: StoreLimits = field(default_factory=StoreLimits, metadata={"kind": StoreLimits, "local": True})
     strided_copies: StridedCopy = _setting(StridedCopy.TRITON, StridedCopy, local=True)
     step_trace: bool = _setting(False, bool, local=True)
-    overlap_check: bool = _setting(False, bool, local=True)
+    overlap_check: bool = _setting(True, bool, local=True)
 
     def __post_init__(self) -> None:
         self._coerce()

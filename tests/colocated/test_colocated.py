@@ -146,10 +146,12 @@ def test_toy_plugin_mixed_plan_with_experts_replicas_and_casts():
                 "different address than at setup"),
 ])
 def test_a_trainer_that_frees_or_replaces_a_shared_parameter_gets_a_clear_error(fault, expected):
-    """Train rank 1 breaks the contract before step 1: it and gen rank 0, which reads its memory, fail
-    that step naming the tensor (never garbage), while gen rank 0 also had a gloo peer (train 0)."""
+    """Train rank 1, checking before *ready* (``overlap_check=False``), breaks the contract before step 1:
+    it and gen rank 0, which reads its memory, fail that step naming the tensor (never garbage) before
+    any copy, while gen rank 0 also had a gloo peer (train 0)."""
     start = time.monotonic()
-    results = _bench("tiny-llama", 2, ["A", "B", "B"], steps=2, fault=fault, fault_rank=1)
+    results = _bench("tiny-llama", 2, ["A", "B", "B"], steps=2, fault=fault, fault_rank=1,
+                     options={"overlap_check": False})
     train0, train1, gen0 = results
     assert train1[:2] == ("error", "TransferError") and expected in train1[2], train1
     assert gen0[:2] == ("error", "StepFailedError") and expected in gen0[2], gen0
@@ -161,7 +163,7 @@ def test_a_trainer_that_frees_or_replaces_a_shared_parameter_gets_a_clear_error(
 
 
 def test_a_check_that_overlaps_the_copies_still_fails_the_step_and_says_torn():
-    """``overlap_check``: train rank 1 posts *ready* before checking its memory; the replaced parameter
+    """``overlap_check`` (the default): train rank 1 posts *ready* before checking its memory; the replaced parameter
     is still found, both sides fail step 1 naming it, and the engine reports its weights torn. The
     steps before it land bitwise."""
     expected = "source tensor decoder.layers.0.self_attention.linear_proj.weight now lives at a different address"

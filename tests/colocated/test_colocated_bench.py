@@ -63,7 +63,8 @@ def test_variants_run_side_by_side_bitwise_with_a_breakdown_of_each_step(tmp_pat
     assert rc == 0, report
     rows = {r["method"]: r for r in report["rows"]}
     assert list(rows) == ["copy-bound", "refit:kernel", "refit:blocks", "refit:foreach", "refit:memcpy2d",
-                          "refit:triton", "refit:foreach+overlap", "refit:triton+overlap", "refit:+confirm"]
+                          "refit:triton", "refit:foreach+check-first", "refit:triton+check-first",
+                          "refit:+confirm"]
     for method, row in rows.items():
         if method == "copy-bound":
             assert "breakdown_ms" not in row

@@ -25,16 +25,17 @@ the engine's acknowledgement (median of ``--iters`` steps, after ``--warmup``):
   pair copies straight out of the trainer's memory (CUDA IPC; shared memory on CPU).
   ``refit:VARIANT`` runs it with ``RefitOptions(strided_copies=VARIANT)`` (a
   :class:`~refit_core.contract.options.StridedCopy`: how the engine moves its large strided copies);
-  ``refit:VARIANT+overlap`` also with ``overlap_check=True`` (the trainer checks its memory while the
-  engine copies); ``+confirm`` with ``confirm=True`` (the landing vote: what the commit point costs).
-  Plain ``refit`` runs with :class:`~refit_core.RefitOptions`' defaults.
+  ``refit:VARIANT+check-first`` also with ``overlap_check=False`` (the trainer checks its memory
+  before it signals *ready*, instead of while the engine copies); ``+confirm`` with ``confirm=True``
+  (the landing vote: what the commit point costs). Plain ``refit`` runs with
+  :class:`~refit_core.RefitOptions`' defaults.
 
 ``--breakdown`` traces every timed refit step (``RefitOptions(step_trace=True)``) and prints, per
 refit method, the median of each phase of :func:`refit_core.run.timing.breakdown`: the trainer's
 check, the ready signal, the engine's queueing, the device time of each launch group, and the tail.
 ``--variants`` (for deciding the default :class:`~refit_core.contract.options.StridedCopy`) runs the copy bound
-and every ``refit:VARIANT`` plus ``refit:foreach+overlap`` and ``refit:triton+overlap`` side by side
-in one run (each bitwise checked), with ``--breakdown``.
+and every ``refit:VARIANT`` plus ``refit:foreach+check-first``, ``refit:triton+check-first`` and
+``refit:+confirm`` side by side in one run (each bitwise checked), with ``--breakdown``.
 
 ``--fp8-block N`` gives the engine block-FP8 linear weights (``N x N`` blocks, scales beside them, as
 vLLM's FP8 checkpoints): refit quantizes straight from the trainer's memory in batched launches, and
@@ -82,9 +83,9 @@ METHODS = ("copy-bound", "ping-pong", "refit")
 CONFIRM = "refit:+confirm"
 """``refit`` with the landing vote (``confirm=True``): what the commit point costs (on request)."""
 VARIANTS = (*(f"refit:{v.value}" for v in StridedCopy),
-            *(f"refit:{v.value}+overlap" for v in (StridedCopy.FOREACH, StridedCopy.TRITON)))
-"""``refit`` with each way of moving strided copies, and with the trainer's check overlapping the
-engine's copies (``--variants``)."""
+            *(f"refit:{v.value}+check-first" for v in (StridedCopy.FOREACH, StridedCopy.TRITON)))
+"""``refit`` with each way of moving strided copies, and with the trainer's check before its *ready*
+signal instead of overlapping the engine's copies (``--variants``)."""
 TRAINERS = {"": layouts.MegatronStyleModel, "sequential": layouts.MegatronSequentialStyleModel}
 """Trainer layouts by model-entry suffix (``NAME:sequential``)."""
 
@@ -320,7 +321,7 @@ def _run_method(name: str, model: Any, sync: _Sync, job: dict, device: torch.dev
         options = RefitOptions(timeout_s=job["timeout_s"],
                                colocate=Colocation.AUTO if device.type == "cuda" else Colocation.SHARED,
                                strided_copies=StridedCopy(variant or RefitOptions().strided_copies),
-                               overlap_check="overlap" in flags, confirm="confirm" in flags,
+                               overlap_check="check-first" not in flags, confirm="confirm" in flags,
                                step_trace=job.get("breakdown", False))
         cls = RefitSender if train else RefitReceiver
         endpoint = cls(model, rendezvous=job["refit_address"], rank=0, world_size=1, options=options)
