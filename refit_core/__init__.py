@@ -4,7 +4,8 @@ The public surface for users and plugins: :class:`RefitSender` (every train rank
 (every gen rank), their settings (:class:`RefitOptions` with :class:`MessageOptions`, :class:`NcclOptions` and
 :class:`RelayOptions`, and the enums of their modes), the data model plugins speak (:class:`TensorSpec`,
 :class:`Box`, :class:`SourcePiece`, :class:`DestinationPiece`, :class:`DestinationMap`, :class:`ExpertName`,
-:class:`Quantization` and its FP8 constants, :class:`LoraSpec` and :class:`LoraMode`,
+:class:`Quantization` and its FP8 constants, :class:`LoraSpec`, :class:`LoraMode` and merged-mode sources
+(:class:`MergedSourcePiece`, :class:`LoraMerge`, :class:`LoraFactors`, :class:`AdapterFactors`),
 :class:`ParallelLayout`, :class:`Side`), :class:`Backend`,
 ``hookimpl`` and :class:`PluginManager` (refit's hook caller) for plugin authors, and the errors refit raises.
 Plugin authors' helpers are :mod:`refit_core.kit`; the conformance kit is :mod:`refit_core.testing`. Every
@@ -26,7 +27,15 @@ from refit_core.contract.experts import ExpertName
 from refit_core.contract.failures import StepFailedError, StepFailure, UpdateMode
 from refit_core.contract.hookspecs import hookimpl
 from refit_core.contract.layout import ParallelLayout
-from refit_core.contract.lora import LoraMode, LoraSpec
+from refit_core.contract.lora import (
+    AdapterFactors,
+    LoraFactors,
+    LoraMerge,
+    LoraMode,
+    LoraSpec,
+    MergedSourcePiece,
+    adapter_tensor_names,
+)
 from refit_core.contract.options import (
     CastPolicy,
     MessageMode,
@@ -45,12 +54,13 @@ from refit_core.endpoints.receiver import RefitReceiver, StepStats
 from refit_core.endpoints.sender import RefitSender
 
 __all__ = [
-    "BLOCK_SCALE_SUFFIX", "FP8_DTYPES", "GEN", "TRAIN", "AuthenticationError", "Backend", "Box", "CastPolicy",
-    "DestinationMap", "DestinationPiece", "ExpertName", "LoraMode", "LoraSpec", "MessageMode", "MessageOptions",
-    "NcclBackend", "NcclOptions", "OptionError", "ParallelLayout", "PlanError", "PluginError", "PluginManager",
-    "QuantScheme", "Quantization", "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "RelayOptions",
-    "RendezvousError", "Side", "SourcePiece", "StepFailedError", "StepFailure", "StepStats", "TensorSpec",
-    "TransferError", "TransportKind", "UpdateMode", "get_plugin_manager", "hookimpl",
+    "BLOCK_SCALE_SUFFIX", "FP8_DTYPES", "GEN", "TRAIN", "AdapterFactors", "AuthenticationError", "Backend", "Box",
+    "CastPolicy", "DestinationMap", "DestinationPiece", "ExpertName", "LoraFactors", "LoraMerge", "LoraMode",
+    "LoraSpec", "MergedSourcePiece", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "OptionError",
+    "ParallelLayout", "PlanError", "PluginError", "PluginManager", "QuantScheme", "Quantization", "RefitError",
+    "RefitOptions", "RefitReceiver", "RefitSender", "RelayOptions", "RendezvousError", "Side", "SourcePiece",
+    "StepFailedError", "StepFailure", "StepStats", "TensorSpec", "TransferError", "TransportKind", "UpdateMode",
+    "adapter_tensor_names", "get_plugin_manager", "hookimpl",
 ]
 
 _compat.install()

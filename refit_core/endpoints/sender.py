@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from refit_core.contract.errors import RefitError, TransferError
+from refit_core.contract.lora import AdapterFactors, LoraFactors, MergedSourcePiece
 from refit_core.contract.options import RefitOptions, UpdateMode
 from refit_core.contract.pieces import Piece
 from refit_core.contract.plugins import PluginManager
@@ -54,6 +55,8 @@ class RefitSender(RefitEndpoint):
         """The source pieces bound at setup (None before one succeeded)."""
         self._decided = -1
         """The last step train rank 0 published a decision on."""
+        self._adapters: list[AdapterFactors] = []
+        """Merged mode: where this rank's merged pieces get their adapters each step (empty: none merged)."""
 
     def _local_pieces(self) -> list[Piece]:
         pieces: list[Piece] = list(self.plugins.source_pieces(self.model))
@@ -76,6 +79,16 @@ class RefitSender(RefitEndpoint):
     def setup(self) -> Schedule:
         self._decided = -1
         schedule = super().setup()
+        merges = [p.merge if isinstance(p, MergedSourcePiece) else None for p in self._pieces]
+        self._adapters = list({id(m.factors): m.factors for m in merges if m is not None}.values())
+        if self._adapters and self._colocated is not None:
+            problem = (f"train rank {self.rank}: merged-mode LoRA needs network pairs, but the plan reads some of "
+                       "this rank's weights in place (colocated); give the sides different host_id values")
+            self._break(problem)
+            raise RefitError(problem)
+        if isinstance(self._executor, SendExecutor):
+            self._executor.merges = merges
+            self._executor.origins = [p.box.offsets for p in self._pieces]
         self._bind(self._pieces)
         self._signature = source_signature(self._pieces)
         return schedule
@@ -101,6 +114,16 @@ class RefitSender(RefitEndpoint):
         if now is not None:
             return f"source tensor {now.spec.name}{now.box} {MOVED}"
         return None
+
+    def _gather_adapters(self) -> Mapping[str, LoraFactors] | None:
+        """Merged mode: this step's adapters (a collective over the trainer's ranks where they are
+        sharded: every train rank runs it, in the same order); None when nothing is merged."""
+        if not self._adapters:
+            return None
+        factors: dict[str, LoraFactors] = {}
+        for adapters in self._adapters:
+            factors.update(adapters.gather())
+        return factors
 
     @property
     def _confirms(self) -> bool:
@@ -179,6 +202,9 @@ class RefitSender(RefitEndpoint):
                 problem = self._moved_sources(None)
             if problem is not None:
                 raise TransferError(f"train rank {self.rank}: {problem}")
+            factors = self._gather_adapters()
+            if executor is not None:
+                executor.factors = factors
             stats = executor.run(version) if executor is not None else None
             if isinstance(colocated, ColocatedSender):
                 colocated.wait()
