@@ -55,7 +55,7 @@ def adapter_metas(ranks: Sequence[Sequence[PieceMeta]], spec: LoraSpec) -> list[
         out.append(list(mine.values()))
     missing = [t for t in spec.targets if t not in seen]
     if missing:
-        raise PlanError(f"LoRA targets {missing} name no linear module of the model (it has "
+        raise PlanError(f"LoRA targets {missing} name no 2-D weight of the model (its 2-D weights are on "
                         f"{sorted(_leaves(ranks))})")
     return out
 
