@@ -50,7 +50,8 @@ def adapter_metas(ranks: Sequence[Sequence[PieceMeta]], spec: LoraSpec) -> list[
             a = TensorSpec(a_name, (spec.rank, in_features), meta.spec.dtype)
             b = TensorSpec(b_name, (out_features, spec.rank), meta.spec.dtype)
             (row, col), (rows, cols) = meta.box.offsets, meta.box.sizes
-            for piece in (PieceMeta(a, Box((0, col), (spec.rank, cols))), PieceMeta(b, Box((row, 0), (rows, spec.rank)))):
+            for piece in (PieceMeta(a, Box((0, col), (spec.rank, cols))),
+                          PieceMeta(b, Box((row, 0), (rows, spec.rank)))):
                 mine.setdefault((piece.spec.name, piece.box), piece)
         out.append(list(mine.values()))
     missing = [t for t in spec.targets if t not in seen]

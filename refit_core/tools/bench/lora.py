@@ -193,7 +193,7 @@ def _pieces(method: str, specs: list[TensorSpec], adapters: dict[str, tuple[Tens
         merged: list[Any] = []
         for spec in specs:
             module = adapted_module(spec.name, lora)
-            if module in factors:
+            if module is not None and module in factors:
                 merge = LoraMerge(module, lora.scale, provider)
                 merged.append(MergedSourcePiece(spec, spec.full_box(), weights[spec.name], merge=merge))
             else:
