@@ -192,9 +192,9 @@ def _pieces(method: str, specs: list[TensorSpec], adapters: dict[str, tuple[Tens
         provider = StaticAdapters(factors)
         merged: list[Any] = []
         for spec in specs:
-            module = adapted_module(spec.name, lora)
-            if module is not None and module in factors:
-                merge = LoraMerge(module, lora.scale, provider)
+            adapted = adapted_module(spec.name, lora)
+            if adapted is not None and adapted in factors:
+                merge = LoraMerge(adapted, lora.scale, provider)
                 merged.append(MergedSourcePiece(spec, spec.full_box(), weights[spec.name], merge=merge))
             else:
                 merged.append(SourcePiece(spec, spec.full_box(), weights[spec.name]))
