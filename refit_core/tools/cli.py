@@ -208,11 +208,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from refit_core.tools.demo.runner import DemoPlan, default_device, fit_to_gpus, pick_pair, run_demo
 
     if args.loop:
-        from refit_core.tools.demo.rl_loop import LoopSettings, run_cli
+        from refit_core.tools.demo.rl_loop import LoopSettings, loop_lora, run_cli
 
         return run_cli(LoopSettings(model=args.model if args.model != "tiny-llama" else LoopSettings.model,
                                     steps=args.steps if args.steps != 2 else LoopSettings.steps,
-                                    device=args.device or "cpu", plot=args.plot), args.train, args.gen)
+                                    device=args.device or "cpu", plot=args.plot, lora=loop_lora(args.lora)),
+                       args.train, args.gen)
     pm = get_plugin_manager()
     demos = installed_demos(pm)
     able = [demos.of(b.name) for b in pm.backends(GEN)]
@@ -334,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a real RL loop instead: GRPO on a tiny policy (Ray actors, FSDP2 -> vLLM), refit "
                            "after every step, reward and generation-KL table and plot (needs refit-core[ray])")
     demo.add_argument("--plot", default="refit-rl-loop.png", help="with --loop: where to write the PNG")
+    demo.add_argument("--lora", metavar="r=N[,alpha=A][,targets=...][,mode=adapter]",
+                      help="with --loop: train a LoRA adapter on the frozen policy and refit it merged (or, with "
+                           "mode=adapter, into an engine's LoRA slots); prints bytes per step beside the full "
+                           "model's")
     demo.add_argument("--quantize", choices=("fp8",), help="fp8: the gen side holds block-FP8 (128 x 128) linear "
                       "weights, quantized by refit and checked against the reference quantizer")
     demo.set_defaults(func=cmd_demo)
