@@ -4,7 +4,7 @@ probability of rewarded tokens, and the model it refits is the PEFT model in the
 import pytest
 import torch
 
-from refit_core import LoraSpec, SourcePiece, get_plugin_manager
+from refit_core import LoraSpec, get_plugin_manager
 from refit_core.kit.launch import free_port
 from refit_core.kit.models import PRESETS
 from refit_core.kit.rl import Rollout, TargetSetReward, group_advantages
