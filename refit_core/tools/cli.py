@@ -268,7 +268,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from refit_core.tools.bench import main as bench_main
     except ImportError as exc:
         raise RefitError(f"refit bench is unavailable: {exc}") from exc
-    return bench_main(args.rest)
+    return bench_main(args.rest[1:] if args.rest[:1] == ["--"] else args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -363,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # argparse's REMAINDER drops a first argument that looks like an option
+        argv = ["bench", "--", *argv[1:]]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

@@ -236,6 +236,8 @@ class LoraBench:
     """The CPU time of merging every adapted weight of the model once (sum over shapes of
     :func:`time_merge`), what merged mode adds to a CPU sender's pack steps."""
     merge_lines: list[str]
+    merge_gpu_s: float | None = None
+    """The same on the train GPU (None: a CPU run)."""
 
     def table(self) -> str:
         full = self.rows.get("full", {}).get("bytes", 0)
@@ -250,11 +252,15 @@ class LoraBench:
         lines += [f"merge on the CPU (the pack step's extra work in merged mode), per shape: {line}"
                   for line in self.merge_lines]
         lines.append(f"merge on the CPU, the whole model once: {self.merge_cpu_s:.3f} s")
+        if self.merge_gpu_s is not None:
+            lines.append(f"merge on the GPU, the whole model once: {self.merge_gpu_s * 1e3:.1f} ms")
         return "\n".join(lines)
 
 
-def merge_cpu_time(config: dict[str, Any], lora: LoraSpec, repeats: int = 3) -> tuple[float, list[str]]:
-    """The CPU time of merging every adapted weight once: each distinct shape timed, times its count."""
+def merge_cpu_time(config: dict[str, Any], lora: LoraSpec, repeats: int = 3,
+                   device: str = "cpu") -> tuple[float, list[str]]:
+    """The time of merging every adapted weight once on ``device`` (default the CPU): each distinct
+    shape timed, times its count."""
     _, adapters = model_tensors(config, lora)
     shapes: dict[tuple[int, int, torch.dtype], int] = {}
     for a, b in adapters.values():
@@ -262,7 +268,7 @@ def merge_cpu_time(config: dict[str, Any], lora: LoraSpec, repeats: int = 3) -> 
         shapes[key] = shapes.get(key, 0) + 1
     total, lines = 0.0, []
     for (out_features, in_features, dtype), count in sorted(shapes.items(), key=lambda kv: kv[0][:2]):
-        timing = time_merge(out_features, in_features, lora.rank, dtype=dtype, repeats=repeats)
+        timing = time_merge(out_features, in_features, lora.rank, dtype=dtype, repeats=repeats, device=device)
         total += timing.seconds * count
         lines.append(f"{timing.line()} x {count}")
     return total, lines
@@ -285,7 +291,8 @@ def run(model: str, lora: LoraSpec, *, device: str = "cpu", warmup: int = 1, ite
     rows = {m: {"bytes": results[0][m]["bytes"], "seconds": max(results[0][m]["seconds"], results[1][m]["seconds"]),
                 "check": results[1][m]["check"]} for m in methods}
     merge_s, lines = merge_cpu_time(config, lora, merge_repeats)
-    return LoraBench(model, lora, device, rows, merge_s, lines)
+    gpu_s = merge_cpu_time(config, lora, merge_repeats, device="cuda:0")[0] if device == "cuda" else None
+    return LoraBench(model, lora, device, rows, merge_s, lines, gpu_s)
 
 
 def _spec_text(lora: LoraSpec) -> str:
