@@ -206,6 +206,8 @@ class RefitSender(RefitEndpoint):
             if executor is not None:
                 executor.factors = factors
             stats = executor.run(version) if executor is not None else None
+            if executor is not None:
+                executor.factors = None  # the gathered adapters live for one step
             if isinstance(colocated, ColocatedSender):
                 colocated.wait()
             stats = combined_stats(stats, version, colocated, start)

@@ -7,6 +7,7 @@ mode) or PEFT-wrapped (adapter mode) copy with other weights. Ground truth comes
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -97,7 +98,9 @@ def lora_ranks(rank: int, world: int, train_world: int, ports: list[int], cases:
     for index, case in enumerate(cases):
         address = f"127.0.0.1:{ports[2 + index]}"
         run = _train_case if train else _gen_case
+        began = time.perf_counter()
         out[case_name(case)] = run(side_rank, side_world, address, case)
+        out[case_name(case)]["seconds"] = time.perf_counter() - began
     dist.destroy_process_group()
     return out
 
@@ -143,7 +146,7 @@ def _gen_case(rank: int, world: int, address: str, case: dict[str, str]) -> dict
     if case["mode"] == "merged":
         model = build_model(tiny_config(), dtype=gen_dtype, seed=50)
     else:
-        model = peft_model(50, dtype=gen_dtype)
+        model = peft_model(50, dtype=gen_dtype, targets=case.get("gen_targets", ",".join(TARGETS)).split(","))
         for name, param in model.named_parameters():  # PEFT keeps adapters in fp32: the engine's slots may not
             if ".lora_" in name:
                 param.data = param.data.to(gen_dtype)

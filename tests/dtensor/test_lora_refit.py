@@ -20,6 +20,7 @@ CASES = [
     {"mode": "merged", "dtype": "float32", "gen_dtype": "float32"},
     {"mode": "merged", "dtype": "bfloat16", "gen_dtype": "bfloat16"},
     {"mode": "adapter", "dtype": "float32", "gen_dtype": "bfloat16"},  # refused at setup
+    {"mode": "adapter", "dtype": "float32", "gen_dtype": "float32", "gen_targets": "q_proj,v_proj"},  # refused
 ]
 
 
@@ -59,6 +60,12 @@ def test_adapter_dtype_mismatch_fails_setup_on_every_rank_naming_the_module(rank
     for rank in ranks(3):
         assert "PlanError" in rank.get("error", ""), rank
         assert "lora_A.weight" in rank["error"] and "self_attn" in rank["error"]
+
+
+def test_adapter_targets_the_engine_lacks_fail_setup_on_every_rank_naming_the_module(ranks):
+    for rank in ranks(4):  # the trainer adapts k_proj, o_proj, ...: the engine has no slot for them
+        assert "PlanError" in rank.get("error", ""), rank
+        assert "self_attn.k_proj.lora_A.weight" in rank["error"]
 
 
 @pytest.mark.parametrize("setting,word", [({"use_dora": True}, "DoRA"), ({"use_rslora": True}, "rsLoRA"),
