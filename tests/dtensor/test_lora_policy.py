@@ -49,5 +49,5 @@ def test_loop_lora_defaults_to_merged_mode_and_a_lora_learning_rate():
     assert loop_lora("r=8").mode.value == "merged" and loop_lora("r=8,mode=adapter").mode.value == "adapter"
     assert LoopSettings(lora=LoraSpec(rank=8, alpha=16)).learning_rate == LORA_LR
     assert LoopSettings().learning_rate == LoopSettings.lr
-    line = lora_bytes_line(loop_lora("r=8"), 1000, 10, 1000)
-    assert "merged mode" in line and "100.0% of the full model's 1000" in line and "adapter alone: 10" in line
+    line = lora_bytes_line(loop_lora("r=8"), 2048, 1024, 2048)
+    assert "merged mode" in line and "100.0% of the full model's 2.0 KiB" in line and "adapter alone: 1.0 KiB" in line

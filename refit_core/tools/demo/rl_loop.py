@@ -224,9 +224,11 @@ def _model_bytes(config: dict[str, Any]) -> int:
 
 def lora_bytes_line(lora: LoraSpec, sent: int, adapter: int, full: int) -> str:
     """What the loop's refit moves per step, beside the full model's and the adapter's."""
+    from refit_core.units import format_bytes
+
     share = sent / full if full else 0.0
-    return (f"refit loop: LoRA r={lora.rank} ({lora.mode.value} mode): refit moves {sent} bytes per step, "
-            f"{share:.1%} of the full model's {full} (the adapter alone: {adapter} bytes)")
+    return (f"refit loop: LoRA r={lora.rank} ({lora.mode.value} mode): refit moves {format_bytes(sent)} per step, "
+            f"{share:.1%} of the full model's {format_bytes(full)} (the adapter alone: {format_bytes(adapter)})")
 
 
 def start_local_ray(actors: int, env: dict[str, str] | None = None) -> None:
