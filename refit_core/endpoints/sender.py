@@ -7,8 +7,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from refit_core.contract.errors import RefitError, TransferError
-from refit_core.contract.lora import AdapterFactors, LoraFactors, MergedSourcePiece
+from refit_core.contract.errors import PlanError, RefitError, TransferError
+from refit_core.contract.lora import AdapterFactors, LoraFactors, LoraMerge, MergedSourcePiece
 from refit_core.contract.options import RefitOptions, UpdateMode
 from refit_core.contract.pieces import Piece
 from refit_core.contract.plugins import PluginManager
@@ -79,13 +79,8 @@ class RefitSender(RefitEndpoint):
     def setup(self) -> Schedule:
         self._decided = -1
         schedule = super().setup()
-        merges = [p.merge if isinstance(p, MergedSourcePiece) else None for p in self._pieces]
+        merges = _merges(self._pieces)
         self._adapters = list({id(m.factors): m.factors for m in merges if m is not None}.values())
-        if self._adapters and self._colocated is not None:
-            problem = (f"train rank {self.rank}: merged-mode LoRA needs network pairs, but the plan reads some of "
-                       "this rank's weights in place (colocated); give the sides different host_id values")
-            self._break(problem)
-            raise RefitError(problem)
         if isinstance(self._executor, SendExecutor):
             self._executor.merges = merges
             self._executor.origins = [p.box.offsets for p in self._pieces]
@@ -114,6 +109,27 @@ class RefitSender(RefitEndpoint):
         if now is not None:
             return f"source tensor {now.spec.name}{now.box} {MOVED}"
         return None
+
+    def _check_plan(self, schedule: Schedule, pieces: list[Piece]) -> None:
+        """Merged-mode LoRA is computed in the network pack step: a merged piece must not be read in place by a
+        colocated engine, nor quantized on the way."""
+        merges = _merges(pieces)
+        if not any(merges):
+            return
+        for msgs in schedule.rounds_of_source(self.rank):
+            for m in msgs:
+                for seg in m.src_segments:
+                    merge = merges[seg.piece]
+                    if merge is None:
+                        continue
+                    if not self._is_network(m):
+                        raise PlanError(f"{merge.module}: merged-mode LoRA needs network pairs, but gen rank {m.dst} "
+                                        f"would read train rank {self.rank}'s weights in place (colocated); put "
+                                        "the engine on other devices (colocate='auto' on CPU), or move the "
+                                        "adapters (adapter mode)")
+                    if seg.scales is not None:
+                        raise PlanError(f"{merge.module}: merged-mode LoRA into a quantized (FP8) destination is "
+                                        "not supported; send merged weights unquantized, or the adapters")
 
     def _gather_adapters(self) -> Mapping[str, LoraFactors] | None:
         """Merged mode: this step's adapters (a collective over the trainer's ranks where they are
@@ -225,6 +241,11 @@ class RefitSender(RefitEndpoint):
         log.info("refit sent version %d: %s in %.3f s (%.2f GB/s)", version, format_bytes(stats.bytes),
                  stats.seconds, stats.gbps)
         return stats
+
+
+def _merges(pieces: Sequence[Piece]) -> list[LoraMerge | None]:
+    """Per piece, the LoRA adapter merged into it (merged mode), or None."""
+    return [p.merge if isinstance(p, MergedSourcePiece) else None for p in pieces]
 
 
 __all__ = ["RefitSender"]

@@ -109,8 +109,12 @@ def case_name(case: dict[str, str]) -> str:
     return ":".join(case.values())
 
 
-def _options() -> RefitOptions:
-    return RefitOptions(timeout_s=60, bucket_bytes=1 << 18)
+def _options(case: dict[str, str]) -> RefitOptions:
+    """Network pairs (merged mode needs them), unless the case colocates CPU ranks (shared memory)."""
+    from refit_core.contract.options import Colocation
+
+    colocate = Colocation.SHARED if case.get("colocated") else Colocation.AUTO
+    return RefitOptions(timeout_s=60, bucket_bytes=1 << 18, colocate=colocate)
 
 
 def _train_case(rank: int, world: int, address: str, case: dict[str, str]) -> dict[str, Any]:
@@ -124,9 +128,7 @@ def _train_case(rank: int, world: int, address: str, case: dict[str, str]) -> di
     source = merged(model) if case["mode"] == "merged" else model
     if case["mode"] == "adapter":
         out["pieces_vs_peft"] = _pieces_vs(get_plugin_manager().source_pieces(source), adapter_state(model))
-    # host_id: never colocated (merged mode needs the network path)
-    endpoint = RefitSender(source, rendezvous=address, rank=rank, world_size=world, options=_options(),
-                           host_id=f"train-{rank}")
+    endpoint = RefitSender(source, rendezvous=address, rank=rank, world_size=world, options=_options(case))
     try:
         endpoint.setup()
     except Exception as exc:  # noqa: BLE001 - the test inspects it
@@ -150,8 +152,7 @@ def _gen_case(rank: int, world: int, address: str, case: dict[str, str]) -> dict
         for name, param in model.named_parameters():  # PEFT keeps adapters in fp32: the engine's slots may not
             if ".lora_" in name:
                 param.data = param.data.to(gen_dtype)
-    endpoint = RefitReceiver(model, rendezvous=address, rank=rank, world_size=world, options=_options(),
-                             host_id=f"gen-{rank}")
+    endpoint = RefitReceiver(model, rendezvous=address, rank=rank, world_size=world, options=_options(case))
     try:
         endpoint.setup()
     except Exception as exc:  # noqa: BLE001 - the test inspects it

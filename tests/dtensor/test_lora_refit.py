@@ -21,6 +21,7 @@ CASES = [
     {"mode": "merged", "dtype": "bfloat16", "gen_dtype": "bfloat16"},
     {"mode": "adapter", "dtype": "float32", "gen_dtype": "bfloat16"},  # refused at setup
     {"mode": "adapter", "dtype": "float32", "gen_dtype": "float32", "gen_targets": "q_proj,v_proj"},  # refused
+    {"mode": "merged", "dtype": "float32", "gen_dtype": "float32", "colocated": "yes"},  # refused
 ]
 
 
@@ -66,6 +67,12 @@ def test_adapter_targets_the_engine_lacks_fail_setup_on_every_rank_naming_the_mo
     for rank in ranks(4):  # the trainer adapts k_proj, o_proj, ...: the engine has no slot for them
         assert "PlanError" in rank.get("error", ""), rank
         assert "self_attn.k_proj.lora_A.weight" in rank["error"]
+
+
+def test_merged_mode_refuses_colocated_pairs_on_every_rank(ranks):
+    for rank in ranks(5):  # a colocated engine reads the trainer's memory in place: nothing would merge
+        assert "PlanError" in rank.get("error", ""), rank
+        assert "merged-mode LoRA needs network pairs" in rank["error"] and "_proj" in rank["error"]
 
 
 @pytest.mark.parametrize("setting,word", [({"use_dora": True}, "DoRA"), ({"use_rslora": True}, "rsLoRA"),
