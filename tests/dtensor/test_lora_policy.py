@@ -1,8 +1,9 @@
 """The RL loop's FSDP2 policy actor with ``lora``: only the adapter trains, GRPO steps raise the
 probability of rewarded tokens, and the model it refits is the PEFT model in the spec's mode."""
 
-import pytest
 import torch
+
+from tests.environments import require
 
 from refit_core import LoraSpec, get_plugin_manager
 from refit_core.kit.launch import free_port
@@ -10,7 +11,7 @@ from refit_core.kit.models import PRESETS
 from refit_core.kit.rl import Rollout, TargetSetReward, group_advantages
 from refit_core.tools.demo.rl_loop import LORA_LR, LoopSettings, lora_bytes_line, loop_lora
 
-pytest.importorskip("peft")
+require("peft")
 
 
 def test_lora_policy_trains_only_the_adapter_and_learns_the_reward():

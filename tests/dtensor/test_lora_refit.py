@@ -9,10 +9,12 @@ on CPU in fp32 and casts back). Bad input fails setup on every rank, naming what
 import pytest
 from lora_ranks import case_name, lora_ranks, peft_model
 
+from tests.environments import require
+
 from refit_core import PlanError, get_plugin_manager
 from refit_core.kit.launch import free_port, spawn
 
-pytest.importorskip("peft")
+require("peft")
 
 
 CASES = [
