@@ -34,7 +34,7 @@ from refit_core.net.transport import Fence, Transport
 from refit_core.plan.items import Message, Segment, align
 from refit_core.run.copies import StagingCopies
 from refit_core.run.lanes import Lane, current_work, lane_for
-from refit_core.run.merge import BoxToMerge, MergeBatch
+from refit_core.run.merge import BoxToMerge, Deltas, MergeBatch
 from refit_core.run.quant.batched import quantize_batch
 from refit_core.run.quant.boxes import BoxToQuantize, QuantBatch
 from refit_core.run.quant.fast import Quantizer, default_quantizer
@@ -84,15 +84,15 @@ def _buffer_views(buffer: torch.Tensor, segments: Sequence[StagedSegment]) -> li
     return views
 
 
-def _pack(buffer: torch.Tensor, plan: RoundPlan, factors: Mapping[str, LoraFactors] | None = None) -> None:
+def _pack(buffer: torch.Tensor, plan: RoundPlan, deltas: Deltas | None = None) -> None:
     """Copy (casting) every plain source into its segment of ``buffer``; quantize the quantized ones;
-    merge the LoRA-adapted ones (merged mode, from the step's gathered ``factors``)."""
+    merge the LoRA-adapted ones (merged mode, with the step's ``deltas``)."""
     if plan.copies is not None:
         plan.copies.run(buffer)
     if plan.quantization is not None:
         plan.quantization.run(buffer)
     if plan.merges is not None:
-        plan.merges.run(buffer, factors)
+        plan.merges.run(buffer, deltas)
 
 
 def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nbytes: int, *,
@@ -363,6 +363,8 @@ class SendExecutor(_RoundRunner):
     """Per bound piece, its box's offsets in its whole tensor (where merged boxes sit in the base weight)."""
     factors: Mapping[str, LoraFactors] | None = None
     """The adapters gathered for the current step (merged mode: set before every :meth:`run`)."""
+    deltas: Deltas | None = None
+    """The merged boxes' deltas, per step (None: nothing merged)."""
 
     def _peer(self, m: Message) -> int:
         return m.dst
@@ -384,6 +386,8 @@ class SendExecutor(_RoundRunner):
                  for seg, view, planned in zip(plan.segments, plan.views, plan.planned)
                  if seg.quant is not None and self._as_is(planned.piece)], self.quantizer)
             plan.merges = self._merge_batch(plan, self.origins)
+        merged = [box for plan in self.plans if plan.merges is not None for box in plan.merges.boxes]
+        self.deltas = Deltas(merged) if merged else None
         self._warm_up_quantizer()
 
     def _merge_batch(self, plan: RoundPlan, origins: Sequence[tuple[int, ...]]) -> MergeBatch | None:
@@ -418,6 +422,8 @@ class SendExecutor(_RoundRunner):
         self._begin()
         ready = current_work(self.device, "the trainer's pending work")
         self._exchange_headers(version, [ready], deadline)
+        if self.deltas is not None:
+            self.deltas.begin(self.factors)
         buffers = self._buffers()
         free: list[Fence | None] = [None] * len(buffers)
         pending: list[Fence] = []
@@ -430,13 +436,15 @@ class SendExecutor(_RoundRunner):
                 staged += 1
                 buffer = buffers[slot]
                 self._settle(free[slot], deadline)
-                after.append(self.lane.run(partial(_pack, buffer, plan, self.factors),
+                after.append(self.lane.run(partial(_pack, buffer, plan, self.deltas),
                                            after=[ready, free[slot]], mark=self._mark(Phase.PACK, index)))
             fence = self._exchange(plan.pairs(buffer), [], after or [ready], index)
             pending.append(fence)
             if plan.staged_bytes:
                 free[slot] = fence
         self._finish(pending, deadline)
+        if self.deltas is not None:
+            self.deltas.end()
         self._end()
         stats = self._stats(version, start, buffers)
         del buffers, free, pending
