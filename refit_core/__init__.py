@@ -5,7 +5,8 @@ The public surface for users and plugins: :class:`RefitSender` (every train rank
 :class:`RelayOptions`, and the enums of their modes), the data model plugins speak (:class:`TensorSpec`,
 :class:`Box`, :class:`SourcePiece`, :class:`DestinationPiece`, :class:`DestinationMap`, :class:`ExpertName`,
 :class:`Quantization` and its FP8 constants, :class:`LoraSpec` and :class:`LoraMode` (with
-:class:`AdapterTensorName` and :func:`adapter_tensor_names`, the adapter tensors' names),
+:class:`AdapterTensorName` and :func:`adapter_tensor_names`, the adapter tensors' names, and merged-mode
+sources: :class:`MergedSourcePiece`, :class:`LoraMerge`, :class:`LoraFactors`, :class:`AdapterFactors`),
 :class:`ParallelLayout`, :class:`Side`), :class:`Backend`,
 ``hookimpl`` and :class:`PluginManager` (refit's hook caller) for plugin authors, and the errors refit raises.
 Plugin authors' helpers are :mod:`refit_core.kit`; the conformance kit is :mod:`refit_core.testing`. Every
@@ -27,7 +28,16 @@ from refit_core.contract.experts import ExpertName
 from refit_core.contract.failures import StepFailedError, StepFailure, UpdateMode
 from refit_core.contract.hookspecs import hookimpl
 from refit_core.contract.layout import ParallelLayout
-from refit_core.contract.lora import AdapterTensorName, LoraMode, LoraSpec, adapter_tensor_names
+from refit_core.contract.lora import (
+    AdapterFactors,
+    AdapterTensorName,
+    LoraFactors,
+    LoraMerge,
+    LoraMode,
+    LoraSpec,
+    MergedSourcePiece,
+    adapter_tensor_names,
+)
 from refit_core.contract.options import (
     CastPolicy,
     MessageMode,
@@ -46,13 +56,13 @@ from refit_core.endpoints.receiver import RefitReceiver, StepStats
 from refit_core.endpoints.sender import RefitSender
 
 __all__ = [
-    "BLOCK_SCALE_SUFFIX", "FP8_DTYPES", "GEN", "TRAIN", "AdapterTensorName", "AuthenticationError", "Backend", "Box",
-    "CastPolicy",
-    "DestinationMap", "DestinationPiece", "ExpertName", "LoraMode", "LoraSpec", "MessageMode", "MessageOptions",
-    "NcclBackend", "NcclOptions", "OptionError", "ParallelLayout", "PlanError", "PluginError", "PluginManager",
-    "QuantScheme", "Quantization", "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "RelayOptions",
-    "RendezvousError", "Side", "SourcePiece", "StepFailedError", "StepFailure", "StepStats", "TensorSpec",
-    "TransferError", "TransportKind", "UpdateMode", "adapter_tensor_names", "get_plugin_manager", "hookimpl",
+    "AdapterFactors", "AdapterTensorName", "AuthenticationError", "BLOCK_SCALE_SUFFIX", "Backend", "Box",
+    "CastPolicy", "DestinationMap", "DestinationPiece", "ExpertName", "FP8_DTYPES", "GEN", "LoraFactors", "LoraMerge",
+    "LoraMode", "LoraSpec", "MergedSourcePiece", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions",
+    "OptionError", "ParallelLayout", "PlanError", "PluginError", "PluginManager", "QuantScheme", "Quantization",
+    "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "RelayOptions", "RendezvousError", "Side",
+    "SourcePiece", "StepFailedError", "StepFailure", "StepStats", "TRAIN", "TensorSpec", "TransferError",
+    "TransportKind", "UpdateMode", "adapter_tensor_names", "get_plugin_manager", "hookimpl",
 ]
 
 _compat.install()

@@ -9,10 +9,15 @@ values are PEFT's own, unscaled: an engine that folds ``alpha / rank`` into B do
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
+
+import torch
 
 from refit_core.contract.errors import OptionError
+from refit_core.contract.pieces import SourcePiece
 
 LORA_A = "lora_A"
 LORA_B = "lora_B"
@@ -129,3 +134,43 @@ class AdapterTensorName:
 def adapter_tensor_names(module: str) -> tuple[str, str]:
     """The names A and B of the adapter on HF module ``module``."""
     return f"{module}.{LORA_A}.weight", f"{module}.{LORA_B}.weight"
+
+
+@dataclass(frozen=True)
+class LoraFactors:
+    """One adapted module's whole adapter, as one rank sees it for a step: ``a`` ``[rank, in]``,
+    ``b`` ``[out, rank]`` (plain tensors, PEFT's values and dtype)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class AdapterFactors(Protocol):
+    """Where a merged-mode source gets its adapters each step (a plugin implements it).
+
+    ``gather()`` runs once per step on every train rank, before any byte moves, in the same order on
+    all of them (it may be a collective over the trainer's ranks, e.g. DTensor ``full_tensor()``);
+    it returns the :class:`LoraFactors` of every adapted module by module name."""
+
+    def gather(self) -> Mapping[str, LoraFactors]: ...
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """What a merged-mode source piece adds to its box of a base weight: ``scale * B @ A`` over the
+    box's rows and columns, with PEFT's arithmetic (:mod:`refit_core.run.merge`)."""
+
+    module: str
+    """The HF module whose base weight the piece holds (``model.layers.0.self_attn.q_proj``)."""
+    scale: float
+    factors: AdapterFactors = field(compare=False, repr=False)
+    """The provider of this module's adapter; one object for every piece of a model."""
+
+
+@dataclass
+class MergedSourcePiece(SourcePiece):
+    """A source piece of a base weight adapted by LoRA (merged mode): its ``view`` holds the base
+    weight ``W``; the sender sends ``W + scale * B @ A`` for its box, computed in the pack step."""
+
+    merge: LoraMerge | None = field(default=None, repr=False, compare=False)
+    """None: nothing to add (the piece is sent as it is)."""

@@ -213,11 +213,16 @@ class RefitEndpoint:
         self._experts.learn([[p.meta for p in pieces]])
         rankplan.check_against(plan, [group_meta(p.meta, self.plugins.expert_name, self._counts) for p in pieces])
         self._network = plan.facts.network
+        self._check_plan(schedule, pieces)
         self._phases["plan"] = time.perf_counter() - began
         began = time.perf_counter()
         agreement.agree(rdv, self.me, plan.facts.fingerprint, self.sizes)
         self._phases["agree"] = time.perf_counter() - began
         return schedule
+
+    def _check_plan(self, schedule: Schedule, pieces: list[Piece]) -> None:
+        """Refuse (raise) a plan this rank cannot run with its ``pieces``, before the agreement barrier, so
+        that every rank learns why (default: every plan is fine)."""
 
     @property
     def setup_times(self) -> SetupTimes | None:

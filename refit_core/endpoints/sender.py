@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from refit_core.contract.errors import RefitError, TransferError
+from refit_core.contract.errors import PlanError, RefitError, TransferError
+from refit_core.contract.lora import AdapterFactors, LoraFactors, LoraMerge, MergedSourcePiece
 from refit_core.contract.options import RefitOptions, UpdateMode
 from refit_core.contract.pieces import Piece
 from refit_core.contract.plugins import PluginManager
@@ -54,6 +55,8 @@ class RefitSender(RefitEndpoint):
         """The source pieces bound at setup (None before one succeeded)."""
         self._decided = -1
         """The last step train rank 0 published a decision on."""
+        self._adapters: list[AdapterFactors] = []
+        """Merged mode: where this rank's merged pieces get their adapters each step (empty: none merged)."""
 
     def _local_pieces(self) -> list[Piece]:
         pieces: list[Piece] = list(self.plugins.source_pieces(self.model))
@@ -76,6 +79,11 @@ class RefitSender(RefitEndpoint):
     def setup(self) -> Schedule:
         self._decided = -1
         schedule = super().setup()
+        merges = _merges(self._pieces)
+        self._adapters = list({id(m.factors): m.factors for m in merges if m is not None}.values())
+        if isinstance(self._executor, SendExecutor):
+            self._executor.merges = merges
+            self._executor.origins = [p.box.offsets for p in self._pieces]
         self._bind(self._pieces)
         self._signature = source_signature(self._pieces)
         return schedule
@@ -101,6 +109,37 @@ class RefitSender(RefitEndpoint):
         if now is not None:
             return f"source tensor {now.spec.name}{now.box} {MOVED}"
         return None
+
+    def _check_plan(self, schedule: Schedule, pieces: list[Piece]) -> None:
+        """Merged-mode LoRA is computed in the network pack step: a merged piece must not be read in place by a
+        colocated engine, nor quantized on the way."""
+        merges = _merges(pieces)
+        if not any(merges):
+            return
+        for msgs in schedule.rounds_of_source(self.rank):
+            for m in msgs:
+                for seg in m.src_segments:
+                    merge = merges[seg.piece]
+                    if merge is None:
+                        continue
+                    if not self._is_network(m):
+                        raise PlanError(f"{merge.module}: merged-mode LoRA needs network pairs, but gen rank {m.dst} "
+                                        f"would read train rank {self.rank}'s weights in place (colocated); put "
+                                        "the engine on other devices (colocate='auto' on CPU), or move the "
+                                        "adapters (adapter mode)")
+                    if seg.scales is not None:
+                        raise PlanError(f"{merge.module}: merged-mode LoRA into a quantized (FP8) destination is "
+                                        "not supported; send merged weights unquantized, or the adapters")
+
+    def _gather_adapters(self) -> Mapping[str, LoraFactors] | None:
+        """Merged mode: this step's adapters (a collective over the trainer's ranks where they are
+        sharded: every train rank runs it, in the same order); None when nothing is merged."""
+        if not self._adapters:
+            return None
+        factors: dict[str, LoraFactors] = {}
+        for adapters in self._adapters:
+            factors.update(adapters.gather())
+        return factors
 
     @property
     def _confirms(self) -> bool:
@@ -185,7 +224,12 @@ class RefitSender(RefitEndpoint):
                 problem = self._moved_sources(None)
             if problem is not None:
                 raise TransferError(f"train rank {self.rank}: {problem}")
+            factors = self._gather_adapters()
+            if executor is not None:
+                executor.factors = factors
             stats = executor.run(version) if executor is not None else None
+            if executor is not None:
+                executor.factors = None  # the gathered adapters live for one step
             if isinstance(colocated, ColocatedSender):
                 colocated.wait()
             stats = combined_stats(stats, version, colocated, start)
@@ -205,6 +249,11 @@ class RefitSender(RefitEndpoint):
         log.info("refit sent version %d: %s in %.3f s (%.2f GB/s)", version, format_bytes(stats.bytes),
                  stats.seconds, stats.gbps)
         return stats
+
+
+def _merges(pieces: Sequence[Piece]) -> list[LoraMerge | None]:
+    """Per piece, the LoRA adapter merged into it (merged mode), or None."""
+    return [p.merge if isinstance(p, MergedSourcePiece) else None for p in pieces]
 
 
 __all__ = ["RefitSender"]

@@ -12,10 +12,12 @@ from refit_core.contract.backend import GEN, TRAIN
 from refit_core.contract.env import with_overrides
 from refit_core.contract.experts import group_side
 from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.lora import LoraMode, LoraSpec
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.pieces import DestinationPiece, PieceMeta
 from refit_core.contract.plugins import PluginManager
 from refit_core.plan.gcpause import gc_paused
+from refit_core.plan.lora import adapter_metas
 from refit_core.plan.planning import plan_with_relay
 from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
@@ -71,12 +73,15 @@ def _every_tenth(total: int, progress: Progress | None, what: str) -> Callable[[
 
 def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, train_layout: ParallelLayout,
                        gen: str, gen_layout: ParallelLayout, *, options: RefitOptions | None = None,
-                       device: str = "cpu", progress: Progress | None = None) -> PlanSummary:
+                       device: str = "cpu", progress: Progress | None = None,
+                       lora: LoraSpec | None = None) -> PlanSummary:
     """Every rank's pieces from the plugins' layout hooks, then the same planner as a live refit.
 
     ``options`` (default ``RefitOptions()``, with the environment's overrides, as a live refit takes
     them) are resolved for a train rank 0 on ``device``, so the plan and its fingerprint are those of
     a live refit with the same options there. ``progress`` receives a line now and then on large layouts.
+    ``lora`` in adapter mode plans the adapter's tensors only (:func:`refit_core.plan.lora.adapter_metas`);
+    in merged mode (or None) the model's.
     """
     settings = with_overrides(options or RefitOptions()).resolved(device)
     assert settings.bucket_bytes is not None  # resolved above
@@ -96,6 +101,8 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
             dst.append([p.meta for p in mapping.pieces]
                        + [DestinationPiece(s, s.full_box()).meta for s in mapping.loader])
             tick(r + 1)
+        if lora is not None and lora.mode is LoraMode.ADAPTER:
+            src, dst = adapter_metas(src, lora), adapter_metas(dst, lora)
         described, described_cpu = time.perf_counter(), time.process_time()
         if progress is not None and len(src) + len(dst) >= 64:
             progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -28,12 +28,14 @@ import torch
 
 from refit_core.contract.errors import TransferError
 from refit_core.contract.failures import UpdateMode
+from refit_core.contract.lora import LoraFactors, LoraMerge
 from refit_core.contract.spec import Quantization, contiguous_strides, dtype_size
 from refit_core.net.transport import Fence, Transport
 from refit_core.plan.items import Message, Segment, align
 from refit_core.plan.subset import WHOLE
 from refit_core.run.copies import StagingCopies
 from refit_core.run.lanes import Lane, current_work, lane_for
+from refit_core.run.merge import BoxToMerge, Deltas, MergeBatch
 from refit_core.run.quant.batched import quantize_batch
 from refit_core.run.quant.boxes import BoxToQuantize, QuantBatch
 from refit_core.run.quant.fast import Quantizer, default_quantizer
@@ -93,12 +95,15 @@ def _buffer_views(buffer: torch.Tensor, segments: Sequence[StagedSegment]) -> li
     return views
 
 
-def _pack(buffer: torch.Tensor, plan: RoundPlan) -> None:
-    """Copy (casting) every plain source into its segment of ``buffer``; quantize the quantized ones."""
+def _pack(buffer: torch.Tensor, plan: RoundPlan, deltas: Deltas | None = None) -> None:
+    """Copy (casting) every plain source into its segment of ``buffer``; quantize the quantized ones;
+    merge the LoRA-adapted ones (merged mode, with the step's ``deltas``)."""
     if plan.copies is not None:
         plan.copies.run(buffer)
     if plan.quantization is not None:
         plan.quantization.run(buffer)
+    if plan.merges is not None:
+        plan.merges.run(buffer, deltas)
 
 
 def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nbytes: int, *,
@@ -155,6 +160,8 @@ class RoundPlan:
     segments: list[StagedSegment] = field(default_factory=list)
     views: list[torch.Tensor] = field(default_factory=list)
     """The local views of ``segments`` (sources or destinations), in the same order."""
+    planned: list[Segment] = field(default_factory=list)
+    """The schedule's segments of ``segments`` (their pieces and boxes), in the same order."""
     direct_pieces: set[int] = field(default_factory=set)
     """Pieces this round's direct messages read or write (receives land in them as they arrive)."""
     staged_pieces: set[int] = field(default_factory=set)
@@ -163,6 +170,8 @@ class RoundPlan:
     """A sender round's quantized segments, as one batch (None: nothing is quantized)."""
     copies: StagingCopies | None = None
     """The plain copies between ``views`` and the staging buffer (None: none, or not planned)."""
+    merges: MergeBatch | None = None
+    """A sender round's LoRA-merged segments (merged mode; None: none)."""
 
     def pairs(self, buffer: torch.Tensor | None) -> list[tuple[int, torch.Tensor]]:
         """``(peer, tensor)`` of every message for the transport; ``buffer`` is None when nothing is staged."""
@@ -258,7 +267,7 @@ class _RoundRunner:
                 segs = self._segments(m)
                 seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
                 region = (direct_region(seg_views, segs, m.nbytes, gaps_allowed=self.gaps_allowed)
-                          if self.zero_copy else None)
+                          if self.zero_copy and all(self._as_is(seg.piece) for seg in segs) else None)
                 peer = self._peer(m) + self.peer_offset
                 if region is not None:
                     plan.posts.append(Post(peer, m.nbytes, direct=region))
@@ -269,6 +278,7 @@ class _RoundRunner:
                 plan.staged_bytes = align(base + m.nbytes)
                 plan.segments.extend(_staged(seg, base) for seg in segs)
                 plan.views.extend(seg_views)
+                plan.planned.extend(segs)
                 plan.staged_pieces.update(seg.piece for seg in segs)
             plans.append(plan)
         buffer_bytes = max((p.staged_bytes for p in plans), default=0)
@@ -284,11 +294,16 @@ class _RoundRunner:
     def _plan_copies(self, template: torch.Tensor) -> None:
         """Each staged round's plain copies, coalesced and grouped once (``template``: any buffer)."""
         for plan in self.plans:
-            plain = [(view, staged) for view, staged, seg in
-                     zip(plan.views, _buffer_views(template, plan.segments), plan.segments) if seg.quant is None]
+            plain = [(view, staged) for view, staged, seg, planned in
+                     zip(plan.views, _buffer_views(template, plan.segments), plan.segments, plan.planned)
+                     if seg.quant is None and self._as_is(planned.piece)]
             if plain:
                 plan.copies = StagingCopies([v for v, _ in plain], [s for _, s in plain],
                                             into_buffer=self.packs)
+
+    def _as_is(self, piece: int) -> bool:
+        """Whether piece ``piece``'s bytes are its view's as they are (False: the pack step computes them)."""
+        return True
 
     def _settle(self, fence: Fence | None, deadline: float) -> None:
         """On the host path, wait for ``fence`` within the step's deadline (CUDA orders by events)."""
@@ -368,6 +383,15 @@ class SendExecutor(_RoundRunner):
     gaps_allowed = True
     packs = True
     quantizer: Quantizer = default_quantizer()
+    merges: Sequence[LoraMerge | None] = ()
+    """Per bound piece, the LoRA adapter merged into it in the pack step (merged mode; set before
+    :meth:`bind`); empty or None: sent as it is."""
+    origins: Sequence[tuple[int, ...]] = ()
+    """Per bound piece, its box's offsets in its whole tensor (where merged boxes sit in the base weight)."""
+    factors: Mapping[str, LoraFactors] | None = None
+    """The adapters gathered for the current step (merged mode: set before every :meth:`run`)."""
+    deltas: Deltas | None = None
+    """The merged boxes' deltas, per step (None: nothing merged)."""
 
     def _peer(self, m: Message) -> int:
         return m.dst
@@ -375,13 +399,42 @@ class SendExecutor(_RoundRunner):
     def _segments(self, m: Message) -> tuple[Segment, ...]:
         return m.src_segments
 
+    def _merge_of(self, piece: int) -> LoraMerge | None:
+        return self.merges[piece] if piece < len(self.merges) else None
+
+    def _as_is(self, piece: int) -> bool:
+        return self._merge_of(piece) is None
+
     def bind(self, views: list[torch.Tensor]) -> None:
         super().bind(views)
         for plan in self.plans:
             plan.quantization = quantize_batch(
                 [BoxToQuantize(view, seg.quant, seg.offset, seg.scales_offset)
-                 for seg, view in zip(plan.segments, plan.views) if seg.quant is not None], self.quantizer)
+                 for seg, view, planned in zip(plan.segments, plan.views, plan.planned)
+                 if seg.quant is not None and self._as_is(planned.piece)], self.quantizer)
+            plan.merges = self._merge_batch(plan, self.origins)
+        merged = [box for plan in self.plans if plan.merges is not None for box in plan.merges.boxes]
+        self.deltas = Deltas(merged) if merged else None
         self._warm_up_quantizer()
+
+    def _merge_batch(self, plan: RoundPlan, origins: Sequence[tuple[int, ...]]) -> MergeBatch | None:
+        """The round's merged segments (each a box of a base weight; its rows and columns in the whole weight)."""
+        merged = []
+        for staged, view, seg in zip(plan.segments, plan.views, plan.planned):
+            piece = seg.piece
+            merge = self._merge_of(piece)
+            if merge is None:
+                continue
+            if staged.quant is not None:
+                raise TransferError(f"{merge.module}: merged LoRA cannot be quantized in the same pack step "
+                                    "(send merged weights unquantized, or adapters in adapter mode)")
+            if len(seg.box.sizes) != 2 or piece >= len(origins):
+                raise TransferError(f"refit bug: merged piece {piece} ({merge.module}) is not a bound 2-D box")
+            row, col = (o + s for o, s in zip(origins[piece], seg.box.offsets))
+            rows, cols = seg.box.sizes
+            merged.append(BoxToMerge(view, merge, slice(row, row + rows), slice(col, col + cols), staged.dtype,
+                                     staged.sizes, staged.strides, staged.offset))
+        return MergeBatch(merged) if merged else None
 
     def _warm_up_quantizer(self) -> None:
         """Compile the quantizer's kernels at setup, not inside the first step (where peers would wait)."""
@@ -396,6 +449,8 @@ class SendExecutor(_RoundRunner):
         self._begin()
         ready = current_work(self.device, "the trainer's pending work")
         self._exchange_headers(version, [ready], deadline)
+        if self.deltas is not None:
+            self.deltas.begin(self.factors)
         buffers = self._buffers()
         free: list[Fence | None] = [None] * len(buffers)
         pending: list[Fence] = []
@@ -408,13 +463,15 @@ class SendExecutor(_RoundRunner):
                 staged += 1
                 buffer = buffers[slot]
                 self._settle(free[slot], deadline)
-                after.append(self.lane.run(partial(_pack, buffer, plan),
+                after.append(self.lane.run(partial(_pack, buffer, plan, self.deltas),
                                            after=[ready, free[slot]], mark=self._mark(Phase.PACK, index)))
             fence = self._exchange(plan.pairs(buffer), [], after or [ready], index)
             pending.append(fence)
             if plan.staged_bytes:
                 free[slot] = fence
         self._finish(pending, deadline)
+        if self.deltas is not None:
+            self.deltas.end()
         self._end()
         stats = self._stats(version, start, buffers)
         del buffers, free, pending

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 from refit_core.contract.backend import GEN
 from refit_core.contract.errors import RefitError
 from refit_core.contract.layout import parse_backend_layout
+from refit_core.contract.lora import LoraSpec
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.kit.models import PRESETS, load_config, model_inventory
 from refit_core.plan.choose import FORWARD_FLOORS
+from refit_core.units import format_bytes
 
 if TYPE_CHECKING:
     from refit_core.contract.options import RelayOptions
@@ -64,12 +66,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bucket = None if args.bucket_mb is None else args.bucket_mb << 20
     config = load_config(args.model)
 
-    def plan(relay: RelayOptions) -> PlanSummary:
+    lora = LoraSpec.parse(args.lora) if args.lora else None
+
+    def plan(relay: RelayOptions, adapters: LoraSpec | None = lora) -> PlanSummary:
         return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
                                   options=RefitOptions(bucket_bytes=bucket, relay=relay,
                                                       allow_unused_sources=args.allow_unused_sources),
                                   device=args.device or ("cuda" if simulating else default_device()),
-                                  progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True))
+                                  progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True),
+                                  lora=adapters)
 
     summary = None
     unforwarded_s: float | None = None  # the prediction without forwarding, where a choice simulated it
@@ -84,6 +89,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"refit plan: {args.model}, {train}:{train_layout} -> {gen}:{gen_layout}")
     for line in summary.lines():
         print("  " + line)
+    if lora is not None:
+        print("  " + lora_line(lora, summary.schedule.summary.bytes, plan(relay, None).schedule.summary.bytes))
     forwarding = relay.node_ranks > 0
     if forwarding and summary.relay is None:
         print(f"  forwarding:   none: no region of at least {relay.forward_min_bytes} bytes is "
@@ -112,6 +119,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             path = write_plan_picture(summary.schedule, simulation, args.explain, title)
             print(f"refit plan: picture written to {path}")
     return 0
+
+
+def lora_line(lora: LoraSpec, lora_bytes: int, full_bytes: int) -> str:
+    """The LoRA refit's bytes per step beside the full model's."""
+    share = lora_bytes / full_bytes if full_bytes else 0.0
+    return (f"lora:         {lora.mode.value} mode, r={lora.rank}, targets {','.join(lora.targets)}: "
+            f"{format_bytes(lora_bytes)} per step vs {format_bytes(full_bytes)} for the full model "
+            f"({share:.2%})")
 
 
 def _relay_settings(text: str | None) -> dict[str, int]:
@@ -193,11 +208,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from refit_core.tools.demo.runner import DemoPlan, default_device, fit_to_gpus, pick_pair, run_demo
 
     if args.loop:
-        from refit_core.tools.demo.rl_loop import LoopSettings, run_cli
+        from refit_core.tools.demo.rl_loop import LoopSettings, loop_lora, run_cli
 
         return run_cli(LoopSettings(model=args.model if args.model != "tiny-llama" else LoopSettings.model,
                                     steps=args.steps if args.steps != 2 else LoopSettings.steps,
-                                    device=args.device or "cpu", plot=args.plot), args.train, args.gen)
+                                    device=args.device or "cpu", plot=args.plot, lora=loop_lora(args.lora)),
+                       args.train, args.gen)
     pm = get_plugin_manager()
     demos = installed_demos(pm)
     able = [demos.of(b.name) for b in pm.backends(GEN)]
@@ -252,7 +268,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from refit_core.tools.bench import main as bench_main
     except ImportError as exc:
         raise RefitError(f"refit bench is unavailable: {exc}") from exc
-    return bench_main(args.rest)
+    return bench_main(args.rest[1:] if args.rest[:1] == ["--"] else args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--allow-unused-sources", action="store_true",
                       help="plan although some train tensors have no destination (e.g. DeepSeek-V3's MTP "
                            "layer, which vLLM's main model does not hold)")
+    plan.add_argument("--lora", metavar="r=N[,alpha=A][,targets=q,k,v,o,gate,up,down][,mode=merged]",
+                      help="plan a LoRA refit: adapter mode moves only the adapters (derived from the model's "
+                           "linear shapes), merged mode the merged weights; prints bytes per step beside the "
+                           "full model's")
     plan.add_argument("--relay", metavar="replicas=N[,direct=N][,fanout=N]",
                       help="relay fanout: the gen ranks form N identical replicas; the trainers feed `direct` of "
                            "them and every holder forwards to `fanout` more per wave (without direct: simulate "
@@ -315,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a real RL loop instead: GRPO on a tiny policy (Ray actors, FSDP2 -> vLLM), refit "
                            "after every step, reward and generation-KL table and plot (needs refit-core[ray])")
     demo.add_argument("--plot", default="refit-rl-loop.png", help="with --loop: where to write the PNG")
+    demo.add_argument("--lora", metavar="r=N[,alpha=A][,targets=...][,mode=adapter]",
+                      help="with --loop: train a LoRA adapter on the frozen policy and refit it merged (or, with "
+                           "mode=adapter, into an engine's LoRA slots); prints bytes per step beside the full "
+                           "model's")
     demo.add_argument("--quantize", choices=("fp8",), help="fp8: the gen side holds block-FP8 (128 x 128) linear "
                       "weights, quantized by refit and checked against the reference quantizer")
     demo.set_defaults(func=cmd_demo)
@@ -339,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # argparse's REMAINDER drops a first argument that looks like an option
+        argv = ["bench", "--", *argv[1:]]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

@@ -27,6 +27,7 @@ from refit_core import (
 from refit_core.kit import DemoPrograms, refuse_serving, resume_serving
 
 from .layout import layout_pieces
+from .lora import inner_model, lora_pieces, peft_of
 from .names import clean_name, tied_targets, unwrap
 from .shards import model_pieces, reshard
 
@@ -56,6 +57,8 @@ def refit_register_demos(register: Callable[[DemoPrograms], None]) -> None:
 
 @hookimpl
 def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
+    if peft_of(model) is not None:
+        return lora_pieces(model, SourcePiece)
     if unwrap(model) is None:
         return None
     return model_pieces(model, SourcePiece)
@@ -63,6 +66,8 @@ def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
 
 @hookimpl
 def refit_destination_map(model: Any) -> DestinationMap | None:
+    if peft_of(model) is not None:
+        return DestinationMap(lora_pieces(model, DestinationPiece))
     hf = unwrap(model)
     if hf is None:
         return None
@@ -72,7 +77,7 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
 
 @hookimpl
 def refit_begin_update(model: Any) -> bool | None:
-    hf = unwrap(model)
+    hf = _hf(model)
     if hf is None:
         return None
     reshard(hf)  # drop FSDP2's all-gathered copies: the next forward gathers the new weights
@@ -81,7 +86,7 @@ def refit_begin_update(model: Any) -> bool | None:
 
 @hookimpl
 def refit_finish_update(model: Any, version: int) -> bool | None:
-    hf = unwrap(model)
+    hf = _hf(model)
     if hf is None:
         return None
     for copy, original in _untied.get(hf, ()):
@@ -97,7 +102,7 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
 def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
     """A failed in-place step: the module keeps no second copy, so it refuses to serve (its forward
     raises) until a refit succeeds; in staged mode ``torn`` is empty and nothing changed."""
-    hf = unwrap(model)
+    hf = _hf(model)
     if hf is None:
         return None
     if torn:
@@ -141,3 +146,9 @@ def _broken_ties(hf: Any) -> list[tuple[Any, Any]]:
                               "refit cannot keep the copy in sync; shard them alike or untie them")
         broken.append((copy, original))
     return broken
+
+
+def _hf(model: Any) -> Any | None:
+    """The transformers model ``model`` is or holds (inside a PeftModel too), or None."""
+    peft = peft_of(model)
+    return unwrap(model) if peft is None else inner_model(peft)

@@ -4,6 +4,10 @@ One actor per rank; the ranks form their own gloo (CPU) or NCCL (CUDA) process g
 ``transformers`` causal LM with FSDP2 (fp32 master weights), and take GRPO steps with AdamW on the
 rollouts the controller hands them. The actor is a :class:`refit_core.kit.ray.RefitTrainActor`, so
 :class:`refit_core.kit.ray.RayRefit` sends its shards to the engine after every step, in place.
+
+With ``lora`` (a :class:`~refit_core.LoraSpec`) the policy is a PEFT LoRA model whose base weights stay
+frozen; it refits in the spec's mode (merged: the engine gets ``W + scale * B @ A`` as plain weights;
+adapter: only the adapters move, into an engine's LoRA slots).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_core import ParallelLayout
+from refit_core import LoraMode, LoraSpec, ParallelLayout
 from refit_core.kit import RefitTrainActor, Rollout, completion_logprobs, reference_state_dict
 
 from .parallel import build_model, init_mesh, shard_model
@@ -27,9 +31,10 @@ class FSDPPolicyActor(RefitTrainActor):
     """
 
     def __init__(self, rank: int, world_size: int, config: dict[str, Any], *, seed: int, lr: float,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", lora: LoraSpec | None = None) -> None:
         self.rank, self.world_size = rank, world_size
         self.config, self.seed, self.lr, self.device = config, seed, lr, device
+        self.lora = lora
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -47,14 +52,23 @@ class FSDPPolicyActor(RefitTrainActor):
                                 world_size=self.world_size)
         layout = ParallelLayout(fsdp=self.world_size)
         model = build_model(self.config, dtype=torch.float32, device=device)
-        shard_model(model, layout, init_mesh(layout, device.type))
         load_hf_weights(model, reference_state_dict(self.config, self.seed, 0))
-        self.model = model.train()
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        return sum(p.numel() for p in model.parameters())
+        policy = model if self.lora is None else _with_lora(model, self.lora, self.seed)
+        shard_model(model, layout, init_mesh(layout, device.type))  # the PEFT layers live inside ``model``
+        self.model = policy.train()
+        trained = [p for p in policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=self.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        return sum(p.numel() for p in trained)
 
-    def refit_model(self) -> torch.nn.Module:
+    def refit_model(self) -> Any:
+        if self.lora is not None and self.lora.mode is LoraMode.MERGED:
+            from .lora import merged
+            return merged(self.model)
         return self.model
+
+    def adapter_bytes(self) -> int:
+        """The bytes of the LoRA adapter (A and B of every adapted module; 0 without LoRA)."""
+        return sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if ".lora_" in n)
 
     def train_step(self, rollouts: list[Rollout], advantages: list[float]) -> dict[str, Any]:
         """One GRPO step on this rank's share of the batch (every ``world_size``-th rollout).
@@ -80,6 +94,15 @@ class FSDPPolicyActor(RefitTrainActor):
         self.refit_close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _with_lora(model: torch.nn.Module, lora: LoraSpec, seed: int) -> Any:
+    """``model`` wrapped by PEFT with ``lora``'s rank, alpha and targets (A random, B zero: PEFT's init)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets),
+                                            lora_dropout=0.0))
 
 
 __all__ = ["FSDPPolicyActor"]

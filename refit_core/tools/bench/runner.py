@@ -287,6 +287,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeline", metavar="PNG", default=None,
                    help="record the first refit method's last step (pack / transfer / unpack per lane) on every "
                         "rank and draw it into PNG (one file per model: MODEL is added to the name after the first)")
+    p.add_argument("--lora", default=None, metavar="r=N[,alpha=A][,targets=q,k,v,o,gate,up,down]",
+                   help="instead: a LoRA-trained model refitted three ways (full, adapter, merged) on one train and "
+                        "one gen rank, and the CPU time of the merge (refit_core.tools.bench.lora)")
     p.add_argument("--fp8-block", default=None, metavar="BN,BK",
                    help="also run every model into a block-FP8 destination (e.g. 128,128): BF16 refit, FP8 "
                         "refit and refit-quantize-after side by side (refit_core.tools.bench.fp8)")
@@ -447,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
+    if args.lora:
+        return _lora_bench(args)
     ranks = _ranks(args)
     one_to_one = len(ranks) == 2
     methods = (args.methods or (DEFAULT_METHODS if one_to_one else "wire,refit")).split(",")
@@ -512,6 +517,24 @@ def main(argv: list[str] | None = None) -> int:
             print(flush=True)
         if args.out:  # after every model, so a later failure keeps what was measured
             _write(report, args.out)
+    return 0 if ok else 1
+
+
+def _lora_bench(args: argparse.Namespace) -> int:
+    """``refit bench --lora``: each model's three LoRA refits; 0 when every check passed."""
+    from refit_core.contract.lora import LoraSpec
+    from refit_core.tools.bench.lora import run
+
+    lora = LoraSpec.parse(args.lora)
+    ok = True
+    for model in args.models.split(","):
+        bench = run(model, lora, device=args.device, warmup=args.warmup, iters=args.iters,
+                    bucket_bytes=args.bucket_mib * MiB if args.bucket_mib else None, timeout_s=args.timeout_s)
+        print(bench.table(), flush=True)
+        ok = ok and all(row["check"] == "bitwise ok" for row in bench.rows.values())
+        if args.out:
+            with open(f"{args.out}-lora-{model.replace('/', '_')}.md", "w") as f:
+                f.write(bench.table() + "\n")
     return 0 if ok else 1
 
 

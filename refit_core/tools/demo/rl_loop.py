@@ -25,6 +25,12 @@ actor classes) in their :class:`~refit_core.kit.demo.DemoPrograms`:
   max_tokens, temperature, seed) -> list[Rollout]``, ``wait_in_flight(min_tokens)``,
   ``weight_version()``, ``shutdown()``, and the gen-actor protocol of :mod:`refit_core.kit.ray`
   (e.g. ``refit_vllm.ray.VLLMEngineActor``).
+
+With ``--lora r=8[,mode=merged]`` the trainers train a PEFT LoRA adapter on the frozen policy (their
+actor takes ``lora=LoraSpec``). Merged mode (the loop's default for LoRA) sends ``W + scale * B @ A`` into
+any engine; adapter mode needs a gen actor class with ``supports_lora = True``, built with
+``lora=LoraSpec``, that serves the adapter from its LoRA slots. The loop prints the bytes refit moved per
+step beside the full model's and the adapter's.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from typing import Any
 
 from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.errors import RefitError
+from refit_core.contract.lora import LoraMode, LoraSpec
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.contract.side import Side
 from refit_core.kit.demo import installed_demos
@@ -68,6 +75,13 @@ class LoopSettings:
     device: str = "cpu"
     timeout_s: float = 300.0
     plot: str | None = "refit-rl-loop.png"
+    lora: LoraSpec | None = None
+    """Train a LoRA adapter instead of the whole policy (None: full fine-tuning; ``lr`` then applies
+    unless it was left at the default, where :data:`LORA_LR` does)."""
+
+    @property
+    def learning_rate(self) -> float:
+        return LORA_LR if self.lora is not None and self.lr == LoopSettings.lr else self.lr
 
 
 @dataclass(frozen=True)
@@ -130,18 +144,29 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
         report("refit loop: local Ray cluster up (actor logs under /tmp/ray/session_latest/logs)")
     try:
         start = time.perf_counter()
+        engine_class = _actor_class(gen, GEN)
+        lora = settings.lora
+        adapter_mode = lora is not None and lora.mode is LoraMode.ADAPTER
+        if adapter_mode and not getattr(engine_class, "supports_lora", False):
+            raise RefitError(f"--lora mode=adapter needs a {gen.name} engine actor with LoRA slots "
+                             f"({engine_class.__qualname__} has none): use mode=merged")
         Trainer: Any = ray.remote(num_cpus=1)(_actor_class(train, TRAIN))
-        Engine: Any = ray.remote(num_cpus=1)(_actor_class(gen, GEN))
-        trainers = [Trainer.remote(r, settings.train_ranks, config, seed=settings.seed, lr=settings.lr,
-                                   device=settings.device) for r in range(settings.train_ranks)]
-        engine = Engine.remote(None, config=config, seed=settings.seed, device=settings.device)
+        Engine: Any = ray.remote(num_cpus=1)(engine_class)
+        extra: dict[str, Any] = {} if lora is None else {"lora": lora}
+        trainers = [Trainer.remote(r, settings.train_ranks, config, seed=settings.seed, lr=settings.learning_rate,
+                                   device=settings.device, **extra) for r in range(settings.train_ranks)]
+        engine = Engine.remote(None, config=config, seed=settings.seed, device=settings.device,
+                               **(extra if adapter_mode else {}))
         (address,) = gather({trainers[0].refit_address.remote(): "train actor 0"}, "picking an address",
                             settings.timeout_s)
         gather({t.init_training.remote(address): f"train actor {r}" for r, t in enumerate(trainers)},
                "building the policy", settings.timeout_s)
         refit = RayRefit(trainers, [engine], timeout_s=settings.timeout_s)
         refit.setup()
-        refit.sync(version=0)
+        first = refit.sync(version=0)
+        if lora is not None:
+            adapter = ray.get(trainers[0].adapter_bytes.remote(), timeout=settings.timeout_s)
+            report(lora_bytes_line(lora, first.bytes, adapter, _model_bytes(config)))
         result.setup_s = time.perf_counter() - start
         report(f"refit loop: {settings.model}, {train.name} trainer x{settings.train_ranks} -> {gen.name} engine, "
                f"ready in {result.setup_s:.1f} s (plan {refit.fingerprint}); reward = fraction of tokens "
@@ -188,6 +213,22 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
         result.plot = write_plot(result, settings.plot)
         report(f"refit loop: plot written to {result.plot}")
     return result
+
+
+def _model_bytes(config: dict[str, Any]) -> int:
+    """The bytes of the model's checkpoint (what a full refit moves per step)."""
+    from refit_core.kit.models import checkpoint_specs
+
+    return sum(s.nbytes for s in checkpoint_specs(config))
+
+
+def lora_bytes_line(lora: LoraSpec, sent: int, adapter: int, full: int) -> str:
+    """What the loop's refit moves per step, beside the full model's and the adapter's."""
+    from refit_core.units import format_bytes
+
+    share = sent / full if full else 0.0
+    return (f"refit loop: LoRA r={lora.rank} ({lora.mode.value} mode): refit moves {format_bytes(sent)} per step, "
+            f"{share:.1%} of the full model's {format_bytes(full)} (the adapter alone: {format_bytes(adapter)})")
 
 
 def start_local_ray(actors: int, env: dict[str, str] | None = None) -> None:
@@ -259,8 +300,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=LoopSettings.model)
     parser.add_argument("--steps", type=int, default=LoopSettings.steps)
     parser.add_argument("--plot", default=LoopSettings.plot)
+    parser.add_argument("--lora", default=None, metavar="r=N[,alpha=A][,targets=...][,mode=adapter]",
+                        help="train a LoRA adapter (merged mode unless mode=adapter is given)")
     args = parser.parse_args(argv)
-    return run_cli(LoopSettings(model=args.model, steps=args.steps, plot=args.plot), args.train, args.gen)
+    return run_cli(LoopSettings(model=args.model, steps=args.steps, plot=args.plot, lora=loop_lora(args.lora)),
+                   args.train, args.gen)
+
+
+def loop_lora(text: str | None) -> LoraSpec | None:
+    """``--lora`` of the loop: :meth:`LoraSpec.parse`, merged mode unless ``mode=`` says otherwise (any
+    engine serves merged weights), and a LoRA learning rate."""
+    if not text:
+        return None
+    if "mode=" not in text:
+        text += ",mode=merged"
+    return LoraSpec.parse(text)
+
+
+LORA_LR = 1e-2
+"""The loop's learning rate for LoRA (B starts at zero: a larger step than full fine-tuning's)."""
 
 
 def summarize(result: LoopResult, settings: LoopSettings, report: Callable[[str], None] = print) -> bool:
