@@ -28,6 +28,8 @@
 #      process) beside refit colocated and the copy bound, both shapes, bitwise (benchmarks/peer_checkpoint_engine.py).
 #      peer2 (not in the default STEPS; two GPUs): the same over its NCCL broadcast, GPU 0 -> GPU 1, beside
 #      refit and the wire. Both install checkpoint-engine and its dependencies from the carried .whl-peer/.
+#  12. lora (not in the default STEPS; two GPUs): `refit bench --lora r=64` on the Llama-3-8B shape, GPU 0 ->
+#      GPU 1: full refit vs adapter mode vs merged mode, bytes and time, and the merge's own time.
 # Results and logs go to $OUT (default benchmarks/results). nccl4py is installed from .whl/ if present.
 #
 #   OUT=/somewhere bash benchmarks/run_gpu.sh            # everything
@@ -99,7 +101,7 @@ EOF
 fi
 
 if step bench; then
-  CMD="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit-staged} --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
+  CMD="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit-staged} --train-gpus 0 --gen-gpus 1 --machine $MACHINE${BENCH_ITERS:+ --iters $BENCH_ITERS}"
   limit ${BENCH_TIMEOUT:-300} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 120 \
     --command "$CMD" --out "$OUT/$MACHINE-bench-$DATE" 2>&1 | tee -a "$LOG"
   echo "bench exit: $?" | tee -a "$LOG"
@@ -203,6 +205,12 @@ peer_bench() {
     --timeout-s 150 --machine "$MACHINE" --out "$OUT/$name-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
   echo "$name exit: $?" | tee -a "$LOG"
 }
+if step lora; then
+  CMD="refit bench --models llama-3-8b-shape --lora r=64 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
+  limit ${LORA_TIMEOUT:-240} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 120 \
+    --command "$CMD" --out "$OUT/$MACHINE-lora-$DATE" 2>&1 | tee -a "$LOG"
+  echo "lora exit: $?" | tee -a "$LOG"
+fi
 if step peer; then
   peer_bench peer 1
 fi
