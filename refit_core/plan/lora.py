@@ -10,10 +10,10 @@ row-parallel ``A``); a trainer that shards them otherwise moves the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from refit_core.contract.errors import PlanError
-from refit_core.contract.lora import AdapterTensorName, LoraSpec, adapter_tensor_names
+from refit_core.contract.lora import LoraSpec, adapter_tensor_names
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, TensorSpec
 
@@ -66,16 +66,4 @@ def _leaves(ranks: Sequence[Sequence[PieceMeta]]) -> set[str]:
             if m.spec.name.endswith(_WEIGHT) and len(m.spec.shape) == 2}
 
 
-def check_adapter_dtypes(src: Mapping[str, TensorSpec], dst: Mapping[str, TensorSpec]) -> None:
-    """A :class:`PlanError` naming every adapter tensor whose two sides disagree on the dtype: an
-    engine's LoRA slots hold the trainer's adapter as it is (no cast on the way)."""
-    bad = [f"{name} ({AdapterTensorName.read(name).module}): source {src[name].dtype} vs "  # type: ignore[union-attr]
-           f"destination {spec.dtype}" for name, spec in dst.items()
-           if name in src and src[name].dtype != spec.dtype and AdapterTensorName.read(name) is not None]
-    if bad:
-        shown = ", ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
-        raise PlanError(f"LoRA adapter dtype mismatch in {len(bad)} tensor(s): {shown}; start the engine's "
-                        "LoRA slots in the trainer's adapter dtype")
-
-
-__all__ = ["adapted_module", "adapter_metas", "check_adapter_dtypes"]
+__all__ = ["adapted_module", "adapter_metas"]

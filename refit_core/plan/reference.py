@@ -18,7 +18,6 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.side import Side
 from refit_core.contract.spec import Box, TensorSpec, dtype_size
 from refit_core.plan.items import Transfer
-from refit_core.plan.lora import check_adapter_dtypes
 from refit_core.plan.quant_rules import assign_sites, computed_scales, quantization_rules
 from refit_core.plan.regions import (
     Holder,
@@ -62,7 +61,6 @@ def check_specs(src: dict[str, TensorSpec], dst: dict[str, TensorSpec], *, cast:
               if src[n].shape != d.shape]
     if shapes:
         raise PlanError(f"shape mismatch in {len(shapes)} tensor(s): {_listing(shapes)}")
-    check_adapter_dtypes(src, dst)
     if cast == CastPolicy.STRICT:  # a quantized destination asks for its conversion itself
         dtypes = [f"{n}: source {src[n].dtype} vs destination {d.dtype}" for n, d in dst.items()
                   if src[n].dtype != d.dtype and d.quant is None]

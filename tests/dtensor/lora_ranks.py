@@ -114,7 +114,8 @@ def _options(case: dict[str, str]) -> RefitOptions:
     from refit_core.contract.options import Colocation
 
     colocate = Colocation.SHARED if case.get("colocated") else Colocation.AUTO
-    return RefitOptions(timeout_s=60, bucket_bytes=1 << 18, colocate=colocate)
+    return RefitOptions(timeout_s=60, bucket_bytes=1 << 18, colocate=colocate,
+                        **({"cast": case["cast"]} if "cast" in case else {}))
 
 
 def _train_case(rank: int, world: int, address: str, case: dict[str, str]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ CASES = [
     {"mode": "adapter", "dtype": "float32", "gen_dtype": "float32"},
     {"mode": "merged", "dtype": "float32", "gen_dtype": "float32"},
     {"mode": "merged", "dtype": "bfloat16", "gen_dtype": "bfloat16"},
-    {"mode": "adapter", "dtype": "float32", "gen_dtype": "bfloat16"},  # refused at setup
+    {"mode": "adapter", "dtype": "float32", "gen_dtype": "bfloat16", "cast": "strict"},  # refused at setup
     {"mode": "adapter", "dtype": "float32", "gen_dtype": "float32", "gen_targets": "q_proj,v_proj"},  # refused
     {"mode": "merged", "dtype": "float32", "gen_dtype": "float32", "colocated": "yes"},  # refused
 ]
@@ -60,6 +60,8 @@ def test_merged_mode_equals_merge_and_unload_bitwise(ranks, index):
 
 
 def test_adapter_dtype_mismatch_fails_setup_on_every_rank_naming_the_module(ranks):
+    """Adapters follow ``RefitOptions.cast`` as weights do: cast on the way by default (as vLLM's own
+    adapter loader casts to its ``lora_dtype``), refused under ``cast="strict"``, naming every tensor."""
     for rank in ranks(3):
         assert "PlanError" in rank.get("error", ""), rank
         assert "lora_A.weight" in rank["error"] and "self_attn" in rank["error"]
