@@ -142,3 +142,14 @@ def test_refit_plan_for_vllm_in_adapter_mode_plans_its_lora_slots(capsys) -> Non
     assert main(["plan", "--model", "tiny-llama", "--train", "dtensor:fsdp=2", "--gen", "vllm:tp=2",
                  "--lora", "r=8,targets=q,v", "--device", "cpu"]) == 0
     assert "lora:         adapter mode, r=8, targets q_proj,v_proj" in capsys.readouterr().out
+
+
+def test_the_loops_engine_actor_takes_an_adapter_and_picks_a_slot_rank_vllm_accepts() -> None:
+    from refit_vllm.ray import VLLMEngineActor, lora_slot_rank
+
+    from refit_core import PlanError
+
+    assert VLLMEngineActor.supports_lora
+    assert (lora_slot_rank(1), lora_slot_rank(8), lora_slot_rank(9), lora_slot_rank(500)) == (1, 8, 16, 512)
+    with pytest.raises(PlanError, match="r=600 exceeds vLLM's largest max_lora_rank 512"):
+        lora_slot_rank(600)
