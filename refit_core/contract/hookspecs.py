@@ -27,7 +27,8 @@ Call order.
    (``refit_expert_member_name`` names grouped experts back); ``refit_finish_update``. If anything fails after
    ``refit_begin_update``, ``refit_abort_update`` runs instead of ``refit_finish_update`` and the
    error is re-raised.
-4. ``refit plan``: ``refit_source_layout`` / ``refit_destination_layout`` per rank (no model built).
+4. ``refit plan``: ``refit_source_layout`` / ``refit_destination_layout`` per rank (no model built); with
+   ``--lora`` in adapter mode, ``refit_adapter_destination_layout`` per gen rank first.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from refit_core.contract.backend import Backend
     from refit_core.contract.experts import ExpertName
     from refit_core.contract.layout import ParallelLayout
+    from refit_core.contract.lora import LoraSpec
     from refit_core.contract.pieces import DestinationMap, SourcePiece
 
 hookspec = pluggy.HookspecMarker("refit")
@@ -134,6 +136,19 @@ def refit_destination_layout(
     backend: str, config: dict[str, Any], layout: ParallelLayout, rank: int
 ) -> DestinationMap | None:
     """The destination map of ``rank`` from metadata alone (views are None), or None."""
+
+
+@hookspec(firstresult=True)
+def refit_adapter_destination_layout(
+    backend: str, config: dict[str, Any], layout: ParallelLayout, rank: int, lora: LoraSpec
+) -> DestinationMap | None:
+    """The adapter pieces ``rank`` receives in adapter mode (``lora``), from metadata alone: the boxes of
+    ``lora_A`` / ``lora_B`` (:func:`refit_core.adapter_tensor_names`) the engine's LoRA slots hold.
+
+    None if not ``backend``, or if its slots are sharded like its base weights: refit then derives the
+    adapter from :func:`refit_destination_layout`'s pieces (:func:`refit_core.plan.lora.adapter_metas`).
+    Raise :class:`~refit_core.contract.errors.PlanError` for an adapter the engine cannot hold.
+    """
 
 
 # -------------------------------------------------------------------------------------------------

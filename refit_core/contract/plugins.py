@@ -22,6 +22,8 @@ from refit_core.contract.pieces import DestinationMap, SourcePiece
 if TYPE_CHECKING:
     import torch
 
+    from refit_core.contract.lora import LoraSpec
+
 ENTRY_POINT_GROUP = "refit"
 REGISTER_BACKENDS = "refit_register_backends"
 
@@ -176,6 +178,13 @@ class PluginManager:
             raise PluginError(f"no installed plugin describes gen backend {backend!r} from metadata "
                               f"(installed plugins: {self._installed()})")
         return mapping
+
+    def adapter_destination_layout(self, backend: str, config: dict, layout: ParallelLayout, rank: int,
+                                   lora: LoraSpec) -> DestinationMap | None:
+        """The engine's own adapter map of ``rank`` (adapter mode), or None where refit derives it from the
+        base layout (no plugin answers for ``backend``)."""
+        return self.hook.refit_adapter_destination_layout(backend=backend, config=config, layout=layout,
+                                                          rank=rank, lora=lora)
 
     def expert_name(self, hf_name: str) -> ExpertName | None:
         """``hf_name`` split into its expert group and index, or None if it is no per-expert name."""

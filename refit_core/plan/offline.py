@@ -80,8 +80,9 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
     ``options`` (default ``RefitOptions()``, with the environment's overrides, as a live refit takes
     them) are resolved for a train rank 0 on ``device``, so the plan and its fingerprint are those of
     a live refit with the same options there. ``progress`` receives a line now and then on large layouts.
-    ``lora`` in adapter mode plans the adapter's tensors only (:func:`refit_core.plan.lora.adapter_metas`);
-    in merged mode (or None) the model's.
+    ``lora`` in adapter mode plans the adapter's tensors only: the gen backend's own adapter map where its
+    plugin states one (``refit_adapter_destination_layout``, e.g. vLLM's LoRA slots), else derived from the
+    base layouts (:func:`refit_core.plan.lora.adapter_metas`); in merged mode (or None) the model's.
     """
     settings = with_overrides(options or RefitOptions()).resolved(device)
     assert settings.bucket_bytes is not None  # resolved above
@@ -94,15 +95,24 @@ def plan_from_metadata(pm: PluginManager, config: dict[str, Any], train: str, tr
         for r in range(train_layout.world_size):
             src.append([p.meta for p in pm.source_layout(train, config, train_layout, r)])
             tick(r + 1)
+        adapter = lora if lora is not None and lora.mode is LoraMode.ADAPTER else None
         dst: list[list[PieceMeta]] = []
+        slots: list[bool] = []  # per gen rank: the engine stated its own adapter map (not derived below)
         tick = _every_tenth(gen_layout.world_size, progress, GEN)
         for r in range(gen_layout.world_size):
-            mapping = pm.destination_layout(gen, config, gen_layout, r)
+            mapping = (pm.adapter_destination_layout(gen, config, gen_layout, r, adapter)
+                       if adapter is not None else None)
+            slots.append(mapping is not None)
+            if mapping is None:
+                mapping = pm.destination_layout(gen, config, gen_layout, r)
             dst.append([p.meta for p in mapping.pieces]
                        + [DestinationPiece(s, s.full_box()).meta for s in mapping.loader])
             tick(r + 1)
-        if lora is not None and lora.mode is LoraMode.ADAPTER:
-            src, dst = adapter_metas(src, lora), adapter_metas(dst, lora)
+        if adapter is not None:
+            src = adapter_metas(src, adapter)
+            derived = iter(adapter_metas([m for m, own in zip(dst, slots) if not own], adapter)
+                           if not all(slots) else [])
+            dst = [m if own else next(derived) for m, own in zip(dst, slots)]
         described, described_cpu = time.perf_counter(), time.process_time()
         if progress is not None and len(src) + len(dst) >= 64:
             progress(f"planning {sum(map(len, src))} source and {sum(map(len, dst))} destination pieces")

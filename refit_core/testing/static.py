@@ -16,6 +16,7 @@ from refit_core.contract.backend import GEN, TRAIN
 from refit_core.contract.errors import PluginError
 from refit_core.contract.experts import group_side
 from refit_core.contract.layout import ParallelLayout
+from refit_core.contract.lora import LoraSpec
 from refit_core.contract.pieces import DestinationPiece, Piece, PieceMeta
 from refit_core.contract.plugins import PluginManager
 from refit_core.plan.offline import plan_from_metadata
@@ -96,10 +97,11 @@ def check_foreign(pm: PluginManager, suite: Conformance) -> list[str]:
                     problems.append(f"{hook} claims a foreign {type(model).__module__}.{type(model).__qualname__} "
                                     f"(returned {type(answer).__name__}, must return None)")
     config = dict(suite.models[0].config) if suite.models else {}
-    for hook in ("refit_source_layout", "refit_destination_layout"):
+    for hook in ("refit_source_layout", "refit_destination_layout", "refit_adapter_destination_layout"):
         for impl in _impls(pm, suite.plugin, hook):
             for backend in (FOREIGN_BACKEND, REFERENCE_BACKEND):
-                answer = _call(impl, backend=backend, config=config, layout=ParallelLayout(), rank=0)
+                answer = _call(impl, backend=backend, config=config, layout=ParallelLayout(), rank=0,
+                               lora=LoraSpec(rank=8, alpha=16.0))
                 if answer is not None:
                     problems.append(f"{hook} answers for backend {backend!r}, which is not its own")
     return problems

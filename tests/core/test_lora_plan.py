@@ -1,10 +1,14 @@
 """LoRA from metadata alone: ``LoraSpec.parse``, adapter pieces derived from a model's linear shapes, and
-``refit plan --lora`` printing adapter bytes beside the full model's."""
+``refit plan --lora`` printing adapter bytes beside the full model's, and an engine's own adapter map
+(``refit_adapter_destination_layout``) used in place of the derived one."""
 
 import pytest
 
-from refit_core import LoraMode, LoraSpec, OptionError, ParallelLayout, PlanError, get_plugin_manager
+from refit_core import (DestinationMap, DestinationPiece, LoraMode, LoraSpec, OptionError, ParallelLayout, PlanError,
+                        get_plugin_manager, hookimpl)
+from refit_core.contract.plugins import PluginManager
 from refit_core.kit.models import PRESETS
+from refit_core.plan.lora import adapter_metas
 from refit_core.plan.offline import plan_from_metadata
 from refit_core.tools.cli import main
 
@@ -48,3 +52,31 @@ def test_plan_lora_prints_bytes_beside_the_full_models(capsys):
     assert code == 0, out.err
     assert "lora:         adapter mode, r=8" in out.out
     assert "128.0 KiB per step vs" in out.out, out.out
+
+
+class WholeSlots:
+    """A gen plugin whose LoRA slots hold every adapter tensor whole on every rank (no TP slicing)."""
+
+    @hookimpl
+    def refit_adapter_destination_layout(self, backend: str, config: dict, layout: ParallelLayout, rank: int,
+                                         lora: LoraSpec) -> DestinationMap | None:
+        if backend != "dtensor":
+            return None
+        metas = adapter_metas([[p.meta for p in get_plugin_manager().destination_layout(
+            backend, config, ParallelLayout(), 0).pieces]], lora)[0]
+        return DestinationMap(pieces=[DestinationPiece(m.spec, m.spec.full_box()) for m in metas])
+
+
+def test_an_engines_own_adapter_map_replaces_the_derived_one():
+    pm = PluginManager()
+    lora = LoraSpec.parse("r=8,targets=q,o")
+    derived = plan_from_metadata(pm, dict(TINY), "dtensor", ParallelLayout(fsdp=2), "dtensor", ParallelLayout(tp=2),
+                                 lora=lora).schedule.summary.bytes
+    pm.register(WholeSlots(), name="whole-slots")
+    whole = plan_from_metadata(pm, dict(TINY), "dtensor", ParallelLayout(fsdp=2), "dtensor", ParallelLayout(tp=2),
+                               lora=lora).schedule.summary.bytes
+    assert derived == 2 * 2 * 8 * ((128 // 2 + 128) * 2) * 4  # q: B split, A whole; o: A split, B whole
+    assert whole == 2 * 2 * 8 * ((128 + 128) * 2) * 4  # both whole on both ranks
+    merged = plan_from_metadata(pm, dict(TINY), "dtensor", ParallelLayout(fsdp=2), "dtensor", ParallelLayout(tp=2),
+                                lora=LoraSpec.parse("r=8,targets=q,o,mode=merged")).schedule.summary.bytes
+    assert merged == _bytes(None)  # merged mode asks no adapter map

@@ -116,3 +116,40 @@ def test_metadata_only_adapter_layout_replicates_kv_heads_and_refuses_what_adapt
     with pytest.raises(PlanError, match="target down_proj is held by MoE experts"):
         adapter_destination_layout(moe, LoraSpec(rank=4, alpha=8, targets=("q_proj", "down_proj")),
                                    ParallelLayout(tp=1), 0)
+
+
+def test_refit_plan_for_vllm_in_adapter_mode_plans_its_lora_slots(capsys) -> None:
+    """``refit plan --gen vllm --lora`` plans vLLM's slot boxes (:mod:`refit_vllm.lora_layout`), metadata only:
+    its bytes are those boxes', and what vLLM's slots cannot hold (MoE MLPs) is refused by the plan."""
+    from refit_vllm.lora_layout import adapter_destination_layout
+
+    from refit_core import ParallelLayout, PlanError, get_plugin_manager
+    from refit_core.kit.models import PRESETS
+    from refit_core.plan.offline import plan_from_metadata
+    from refit_core.tools.cli import main
+
+    mqa = dict(PRESETS["tiny-llama"], num_key_value_heads=1)
+    spec = LoraSpec.parse("r=4,targets=q,k,v,o,gate,up,down")
+    slots = sum(p.box.numel * 4 for r in (0, 1)
+                for p in adapter_destination_layout(mqa, spec, ParallelLayout(tp=2), r).pieces)
+    plan = plan_from_metadata(get_plugin_manager(), mqa, "dtensor", ParallelLayout(fsdp=2), "vllm",
+                              ParallelLayout(tp=2), lora=spec)
+    kv_whole = 2 * 2 * 4 * 32 // 2  # per rank: k / v B of 2 layers hold the one KV head whole, not half of it
+    assert plan.schedule.summary.bytes == slots == 2 * 4 * (adapter_numel(mqa, 4, 2) + kv_whole)
+    with pytest.raises(PlanError, match="target down_proj is held by MoE experts"):
+        plan_from_metadata(get_plugin_manager(), dict(PRESETS["tiny-qwen3-moe"]), "dtensor", ParallelLayout(fsdp=2),
+                           "vllm", ParallelLayout(tp=1), lora=LoraSpec.parse("r=4,targets=q,down"))
+    assert main(["plan", "--model", "tiny-llama", "--train", "dtensor:fsdp=2", "--gen", "vllm:tp=2",
+                 "--lora", "r=8,targets=q,v", "--device", "cpu"]) == 0
+    assert "lora:         adapter mode, r=8, targets q_proj,v_proj" in capsys.readouterr().out
+
+
+def test_the_loops_engine_actor_takes_an_adapter_and_picks_a_slot_rank_vllm_accepts() -> None:
+    from refit_vllm.ray import VLLMEngineActor, lora_slot_rank
+
+    from refit_core import PlanError
+
+    assert VLLMEngineActor.supports_lora
+    assert (lora_slot_rank(1), lora_slot_rank(8), lora_slot_rank(9), lora_slot_rank(500)) == (1, 8, 16, 512)
+    with pytest.raises(PlanError, match="r=600 exceeds vLLM's largest max_lora_rank 512"):
+        lora_slot_rank(600)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, SourcePiece, hookimpl
+from refit_core import (GEN, Backend, DestinationMap, DestinationPiece, LoraSpec, ParallelLayout, RefitError,
+                        SourcePiece, hookimpl)
 from refit_core.kit import DemoPrograms, read_env, refuse_serving, resume_serving
 
 from .lora import AdapterTarget
@@ -211,3 +212,14 @@ def refit_destination_layout(backend: str, config: dict[str, Any], layout: Paral
     from .layout import destination_layout
 
     return destination_layout(config, layout, rank)
+
+
+@hookimpl
+def refit_adapter_destination_layout(backend: str, config: dict[str, Any], layout: ParallelLayout, rank: int,
+                                     lora: LoraSpec) -> DestinationMap | None:
+    """vLLM's LoRA slots (``enable_lora``) as adapter mode writes them: :mod:`refit_vllm.lora_layout`."""
+    if backend != "vllm":
+        return None
+    from .lora_layout import adapter_destination_layout
+
+    return adapter_destination_layout(config, lora, layout, rank)

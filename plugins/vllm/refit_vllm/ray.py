@@ -9,6 +9,10 @@ protocol of :mod:`refit_core.kit.ray`. Every update pauses generation with ``mod
 flight stay in the engine and continue on the new weights after ``resume_generation()`` (their
 outputs' ``weight_versions`` show where the version changed); the prefix cache is reset, since
 cached KV came from the old weights. :meth:`sample` serves the RL loop's rollouts.
+
+Built with ``lora=LoraSpec`` (adapter mode), the engine serves with LoRA slots (``enable_lora``, one slot
+of the smallest ``max_lora_rank`` vLLM allows at or above the adapter's rank), refit moves only the
+adapter into them (:mod:`.lora`), and :meth:`sample` generates with it.
 """
 
 from __future__ import annotations
@@ -18,25 +22,36 @@ import itertools
 import tempfile
 from typing import Any
 
-from refit_core import RefitOptions
+from refit_core import LoraSpec, PlanError, RefitOptions
 from refit_core.kit import Rollout
 
 from .demo import engine_env, engine_kwargs
 from .extension import EXTENSION
+from .lora import lora_request, lora_spec
 from .reference import reference_dir
 
 
 class VLLMEngineActor:
     """One vLLM engine (``tp`` workers) in a Ray actor; use it with ``ray.remote(VLLMEngineActor)``."""
 
+    supports_lora = True
+    """It takes ``lora=LoraSpec`` (adapter mode): ``refit demo --loop --lora ...,mode=adapter``."""
+
     def __init__(self, model: str | None, *, config: dict[str, Any], seed: int = 0, tp: int = 1,
-                 device: str = "cpu", **engine_args: Any) -> None:
+                 device: str = "cpu", lora: LoraSpec | None = None, **engine_args: Any) -> None:
         """An engine for the HF model directory ``model``, or (None) for ``config`` with random weights
-        (``reference_state_dict(config, seed, -1)``: a step no trainer sends)."""
+        (``reference_state_dict(config, seed, -1)``: a step no trainer sends). ``lora``: refit moves this
+        adapter into the engine's LoRA slots and :meth:`sample` generates with it; None: the weights.
+        With ``lora`` and no ``model`` the base weights are ``reference_state_dict(config, seed, 0)``, the
+        RL loop trainers' frozen base, since refit never moves them."""
+        self.lora = None if lora is None else lora_spec(lora)
+        if self.lora is not None:
+            engine_args = {"enable_lora": True, "max_lora_rank": lora_slot_rank(self.lora.rank), "max_loras": 1,
+                           **engine_args}
         engine_env(tp, device)
         if model is None:
             self._checkpoint = tempfile.TemporaryDirectory(prefix="refit-vllm-actor-")
-            model = str(reference_dir(config, seed, -1, self._checkpoint.name))
+            model = str(reference_dir(config, seed, -1 if self.lora is None else 0, self._checkpoint.name))
         from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -57,8 +72,11 @@ class VLLMEngineActor:
                           options: RefitOptions) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        info = {"rendezvous": rendezvous, "rank_offset": rank_offset, "world_size": world_size,
-                "options": options.to_wire(secrets=True)}  # to this job's own engine, through Ray
+        info: dict[str, Any] = {"rendezvous": rendezvous, "rank_offset": rank_offset, "world_size": world_size,
+                                "options": options.to_wire(secrets=True)}  # to this job's own engine, through Ray
+        if self.lora is not None:
+            info["lora"] = {"rank": self.lora.rank, "alpha": self.lora.alpha, "targets": list(self.lora.targets),
+                            "name": self.lora.name}
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def refit_receive(self, version: int) -> int:
@@ -89,6 +107,8 @@ class VLLMEngineActor:
         """``group_size`` completions of every prompt (consecutive), with the sampled tokens' log-probs."""
         from vllm import SamplingParams
 
+        adapter = None if self.lora is None else lora_request(self.lora.name)
+
         async def one(index: int, prompt: list[int], sample_seed: int) -> Rollout:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                                     logprobs=0, seed=sample_seed)
@@ -97,7 +117,7 @@ class VLLMEngineActor:
             final = None
             try:
                 async for final in self.engine.generate({"prompt_token_ids": prompt}, params,
-                                                        request_id=request_id):
+                                                        request_id=request_id, lora_request=adapter):
                     self._in_flight[request_id] = len(final.outputs[0].token_ids)
             finally:
                 self._in_flight.pop(request_id, None)
@@ -125,4 +145,17 @@ class VLLMEngineActor:
         self.engine.shutdown()
 
 
-__all__ = ["VLLMEngineActor"]
+def lora_slot_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``rank``."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
+    fits = [r for r in allowed if r >= rank]
+    if not fits:
+        raise PlanError(f"LoRA rank r={rank} exceeds vLLM's largest max_lora_rank {allowed[-1]}")
+    return fits[0]
+
+
+__all__ = ["VLLMEngineActor", "lora_slot_rank"]

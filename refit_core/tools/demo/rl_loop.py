@@ -29,7 +29,9 @@ actor classes) in their :class:`~refit_core.kit.demo.DemoPrograms`:
 With ``--lora r=8[,mode=merged]`` the trainers train a PEFT LoRA adapter on the frozen policy (their
 actor takes ``lora=LoraSpec``). Merged mode (the loop's default for LoRA) sends ``W + scale * B @ A`` into
 any engine; adapter mode needs a gen actor class with ``supports_lora = True``, built with
-``lora=LoraSpec``, that serves the adapter from its LoRA slots. The loop prints the bytes refit moved per
+``lora=LoraSpec``, that serves the adapter from its LoRA slots on the trainers' frozen base weights
+(refit never moves them: ``reference_state_dict(config, seed, 0)``, the train actors' initial weights,
+e.g. ``refit_vllm.ray.VLLMEngineActor``). The loop prints the bytes refit moved per
 step beside the full model's and the adapter's.
 """
 
