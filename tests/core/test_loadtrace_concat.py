@@ -64,8 +64,16 @@ def _columns(param: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> None:
     param.copy_(torch.cat([q[:KV], kv], dim=1)[:, 3:7])
 
 
+def _reconcatenated(param: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> None:
+    """Slices of a concatenation concatenated again (SGLang's fused LoRA B, cut per TP rank): rows 1..3
+    of q, then rows 7..9 (the end of kv)."""
+    fused = torch.cat([q, kv])
+    param.copy_(torch.cat([fused[1:4], fused[Q + 1:]]))
+
+
 CASES = {"whole": ((Q + KV, HIDDEN), _whole), "spanning-slice": ((Q + KV - 5, HIDDEN), _rank1_of_2),
-         "transposed": ((HIDDEN, Q + KV), _transposed), "other-dim": ((KV, 4), _columns)}
+         "transposed": ((HIDDEN, Q + KV), _transposed), "other-dim": ((KV, 4), _columns),
+         "re-concatenated": ((3 + KV - 1, HIDDEN), _reconcatenated)}
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
