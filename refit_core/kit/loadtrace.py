@@ -14,7 +14,8 @@ A loader that concatenates HF tensors (``torch.cat``: SGLang fuses DeepSeek's ``
 ``kv_a_proj_with_mqa`` into one ``fused_qkv_a_proj_with_mqa`` so) is traced through: the
 concatenation's pieces are remembered (a :class:`Concat`), and a copy from it is recorded as one
 write per HF tensor it spans (also when the loader concatenates slices of its own concatenation
-again: SGLang's fused LoRA B, cut per TP rank). A write whose source is not a plain box of HF tensors, or any other
+again: SGLang's fused LoRA B, cut per TP rank; a ``clone`` / ``.contiguous()`` of such a box is a
+concatenation of one). A write whose source is not a plain box of HF tensors, or any other
 mutation of a traced tensor, is recorded as *opaque*, credited to every HF tensor the source was
 built from that the tracer can see: its module then takes the loader path (see
 :mod:`refit_core.kit.loadplan`), with every such tensor.
@@ -40,6 +41,7 @@ aten = torch.ops.aten
 _COPY_OPS = {aten.copy_.default}
 _FILL_OPS = {aten.fill_.Scalar, aten.zero_.default}
 _CAT_OPS = {aten.cat.default}
+_CLONE_OPS = {aten.clone.default}
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,8 @@ class TraceRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
             if func in _CAT_OPS:
                 self._on_cat(out, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            elif func in _CLONE_OPS:  # a copy of a box (``.contiguous()`` of a slice): a concatenation of one
+                self._on_cat(out, [args[0]], 0)
             self._derive(out, (*args, *kwargs.values()))
             return out
         return func(*args, **kwargs)

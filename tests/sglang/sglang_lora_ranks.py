@@ -1,7 +1,8 @@
 """Rank programs of the SGLang adapter-mode test (spawned, so importable at top level).
 
 Rank 0 trains: it holds a PEFT adapter's tensors whole (``refit bench --lora``'s plain holder) and sends
-two versions of them. Rank 1 is one SGLang TP worker: SGLang's model class, its real ``LoRAManager`` and
+two versions of them. Ranks 1.. are the TP workers of one SGLang engine: SGLang's parallel state over gloo,
+its model class, its real ``LoRAManager`` and
 ``LoRAMemoryPool`` (``torch_native`` backend, built as a model runner builds them: ``sglang_cpu.py``), and
 refit's :class:`refit_sglang.lora.AdapterTarget` receiving into the pool's slots. Ground truth never comes
 from refit: after each step the same adapter is loaded into another slot by SGLang's own
@@ -48,7 +49,7 @@ def adapter_values(specs: list[TensorSpec], step: int) -> dict[str, torch.Tensor
 
 
 def lora_ranks(rank: int, world: int, rendezvous: int, sglang_port: int) -> dict[str, Any]:
-    return _train(rendezvous) if rank == 0 else _serve(rendezvous, sglang_port)
+    return _train(rendezvous) if rank == 0 else _serve(rendezvous, sglang_port, rank - 1, world - 1)
 
 
 def _train(port: int) -> dict[str, Any]:
@@ -93,19 +94,19 @@ def _refusal(manager: Any, spec: LoraSpec) -> str | None:
     return None
 
 
-def _serve(port: int, sglang_port: int) -> dict[str, Any]:
+def _serve(port: int, sglang_port: int, tp_rank: int, tp: int) -> dict[str, Any]:
     from sglang.srt.lora.lora_registry import LoRARef
     from sglang_cpu import build_lora_manager, build_model, init_sglang
 
     from refit_sglang.lora import AdapterTarget
 
-    init_sglang(0, 1, sglang_port)
+    init_sglang(tp_rank, tp, sglang_port)
     manager = build_lora_manager(build_model(PRESET), max_lora_rank=MAX_RANK, slots=SLOTS)
     target = AdapterTarget(manager, SPEC)
-    receiver = RefitReceiver(target, rendezvous=f"127.0.0.1:{port}", rank=0, world_size=1, options=OPTIONS)
+    receiver = RefitReceiver(target, rendezvous=f"127.0.0.1:{port}", rank=tp_rank, world_size=tp, options=OPTIONS)
     receiver.setup()
     specs = adapter_specs()
-    out: dict[str, Any] = {"steps": [], "numel": sum(s.numel for s in specs)}
+    out: dict[str, Any] = {"steps": []}
     for step in STEPS:
         stats = receiver.receive()
         reference = LoRARef(lora_name=f"reference-{step}", lora_path="reference", pinned=False)
@@ -116,7 +117,8 @@ def _serve(port: int, sglang_port: int) -> dict[str, Any]:
         slot = manager.memory_pool.uid_to_buffer_id[reference.lora_id]
         out["steps"].append({"version": stats.version, "bytes": stats.bytes, "slot": target.plan.slot,
                              "reference_slot": slot, "differ": _slot_differences(manager, target.plan.slot, slot),
-                             "nonzero": _nonzero(manager, target.plan.slot), "target_version": target.version})
+                             "nonzero": _nonzero(manager, target.plan.slot), "reference_nonzero": _nonzero(manager, slot),
+                             "target_version": target.version})
         manager.unload_lora_adapter(reference)
     receiver.close()
 
