@@ -117,8 +117,8 @@ def _serve(port: int, sglang_port: int, tp_rank: int, tp: int) -> dict[str, Any]
         slot = manager.memory_pool.uid_to_buffer_id[reference.lora_id]
         out["steps"].append({"version": stats.version, "bytes": stats.bytes, "slot": target.plan.slot,
                              "reference_slot": slot, "differ": _slot_differences(manager, target.plan.slot, slot),
-                             "nonzero": _nonzero(manager, target.plan.slot), "reference_nonzero": _nonzero(manager, slot),
-                             "target_version": target.version})
+                             "nonzero": _nonzero(manager, target.plan.slot),
+                             "reference_nonzero": _nonzero(manager, slot), "target_version": target.version})
         manager.unload_lora_adapter(reference)
     receiver.close()
 
