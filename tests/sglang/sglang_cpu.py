@@ -83,19 +83,23 @@ def build_model(preset: str | dict[str, Any], dtype: torch.dtype = torch.float32
 
 
 def _stand_in_pinned_memory() -> None:
-    """SGLang's LoRA layers allocate small index tensors in pinned host memory (``torch.tensor(...,
-    pin_memory=True)``, ``.pin_memory()``), which raises without an NVIDIA driver. Pinning only speeds
+    """SGLang's LoRA layers and its torch_native LoRA backend allocate small index tensors in pinned host
+    memory (``torch.tensor / zeros / empty(..., pin_memory=True)``, ``.pin_memory()``), which raises
+    without an NVIDIA driver. Pinning only speeds
     host-to-device copies, so on a CPU-only host it is left out: values and shapes are unchanged."""
     if torch.cuda.is_available() or getattr(torch.tensor, "_refit_unpinned", False):
         return
-    tensor = torch.tensor
+    for name in ("tensor", "zeros", "empty"):
+        setattr(torch, name, _unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
+
+def _unpinned(factory: Any) -> Any:
     def unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        return tensor(*args, **kwargs)
+        return factory(*args, **kwargs)
 
     unpinned._refit_unpinned = True  # type: ignore[attr-defined]
-    torch.tensor = unpinned  # type: ignore[assignment]
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    return unpinned
 
 
 def build_lora_manager(model: torch.nn.Module, *, max_lora_rank: int, slots: int, dtype: torch.dtype = torch.float32,

@@ -6,7 +6,9 @@ its model class, its real ``LoRAManager`` and
 ``LoRAMemoryPool`` (``torch_native`` backend, built as a model runner builds them: ``sglang_cpu.py``), and
 refit's :class:`refit_sglang.lora.AdapterTarget` receiving into the pool's slots. Ground truth never comes
 from refit: after each step the same adapter is loaded into another slot by SGLang's own
-``load_lora_adapter_from_tensors`` + ``fetch_new_loras``, and every slot byte must equal it.
+``load_lora_adapter_from_tensors`` + ``fetch_new_loras``, and every slot byte must equal it; and SGLang's
+own LoRA forward with refit's adapter (``prepare_lora_batch``, its torch_native LoRA backend) must give
+the next-token logits of HF transformers running the PEFT model.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import torch
 
 from refit_core import Box, LoraSpec, RefitOptions, RefitReceiver, RefitSender, SourcePiece, TensorSpec
 from refit_core.kit import same_bytes
-from refit_core.kit.models import PRESETS
+from refit_core.kit.models import PRESETS, reference_state_dict
 
 torch.set_num_threads(1)
 
 PRESET = "tiny-llama"
+SEED = 11
 STEPS = (1, 2)
 MAX_RANK, SLOTS = 8, 3
 SPEC = LoraSpec(rank=8, alpha=20, targets=("q", "v", "o", "gate", "up", "down"), name="policy")
@@ -82,6 +85,38 @@ def _nonzero(manager: Any, slot: int) -> int:
                for tensors in getattr(pool, buffer).values() for t in tensors)
 
 
+def _compare(ours: torch.Tensor, theirs: torch.Tensor) -> dict[str, Any]:
+    return {"rel_diff": float((ours - theirs).abs().max() / theirs.abs().max()),
+            "same_argmax": bool(torch.equal(ours.argmax(-1), theirs.argmax(-1)))}
+
+
+def _peft_logits(base: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> torch.Tensor:
+    """HF transformers' next-token logits of the base model with the PEFT adapter ``values``."""
+    import os
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from sglang_cpu import hf_config
+    from sglang_forward import PROMPTS
+    from transformers import AutoModelForCausalLM
+
+    from refit_core import AdapterTensorName
+
+    with tempfile.TemporaryDirectory() as folder:
+        hf_config(PRESET).save_pretrained(folder)
+        save_file({k: v.contiguous() for k, v in base.items()}, os.path.join(folder, "model.safetensors"))
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = LoraConfig(r=SPEC.rank, lora_alpha=SPEC.alpha, target_modules=list(SPEC.targets), lora_dropout=0.0)
+    model = get_peft_model(hf, config).eval()
+    with torch.no_grad():
+        for name, value in values.items():
+            parsed = AdapterTensorName.read(name)
+            assert parsed is not None
+            getattr(model.base_model.model.get_submodule(parsed.module), parsed.half)["default"].weight.copy_(value)
+        return torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+
+
 def _refusal(manager: Any, spec: LoraSpec) -> str | None:
     from refit_sglang.lora import AdapterTarget
 
@@ -96,12 +131,17 @@ def _refusal(manager: Any, spec: LoraSpec) -> str | None:
 
 def _serve(port: int, sglang_port: int, tp_rank: int, tp: int) -> dict[str, Any]:
     from sglang.srt.lora.lora_registry import LoRARef
-    from sglang_cpu import build_lora_manager, build_model, init_sglang
+    from sglang_cpu import build_lora_manager, build_model, hf_config, init_sglang
+    from sglang_forward import hf_logits, sglang_logits
 
     from refit_sglang.lora import AdapterTarget
 
     init_sglang(tp_rank, tp, sglang_port)
-    manager = build_lora_manager(build_model(PRESET), max_lora_rank=MAX_RANK, slots=SLOTS)
+    model = build_model(PRESET)
+    base = reference_state_dict(dict(PRESETS[PRESET]), SEED, 0)
+    model.load_weights(iter(base.items()))  # the engine's base weights, loaded before LoRA wraps its layers
+    manager = build_lora_manager(model, max_lora_rank=MAX_RANK, slots=SLOTS)
+    base_logits = hf_logits(hf_config(PRESET), base)
     target = AdapterTarget(manager, SPEC)
     receiver = RefitReceiver(target, rendezvous=f"127.0.0.1:{port}", rank=tp_rank, world_size=tp, options=OPTIONS)
     receiver.setup()
@@ -109,8 +149,17 @@ def _serve(port: int, sglang_port: int, tp_rank: int, tp: int) -> dict[str, Any]
     out: dict[str, Any] = {"steps": []}
     for step in STEPS:
         stats = receiver.receive()
+        values = adapter_values(specs, step)
+
+        def with_adapter(batch: Any) -> None:
+            batch.lora_ids = [target.plan.lora_id] * batch.batch_size
+            manager.prepare_lora_batch(batch)
+
+        ours = sglang_logits(model, model.config.vocab_size, prepare=with_adapter)
+        peft = _compare(ours, _peft_logits(base, values))
+        peft["differs_from_base"] = _compare(ours, base_logits)["rel_diff"] > 0.1
         reference = LoRARef(lora_name=f"reference-{step}", lora_path="reference", pinned=False)
-        tensors = {f"base_model.model.{n}": v for n, v in adapter_values(specs, step).items()}
+        tensors = {f"base_model.model.{n}": v for n, v in values.items()}
         config = {"peft_type": "LORA", "r": SPEC.rank, "lora_alpha": SPEC.alpha, "target_modules": list(SPEC.targets)}
         assert manager.load_lora_adapter_from_tensors(reference, tensors, config).success
         manager.fetch_new_loras({reference.lora_id})
@@ -118,7 +167,8 @@ def _serve(port: int, sglang_port: int, tp_rank: int, tp: int) -> dict[str, Any]
         out["steps"].append({"version": stats.version, "bytes": stats.bytes, "slot": target.plan.slot,
                              "reference_slot": slot, "differ": _slot_differences(manager, target.plan.slot, slot),
                              "nonzero": _nonzero(manager, target.plan.slot),
-                             "reference_nonzero": _nonzero(manager, slot), "target_version": target.version})
+                             "reference_nonzero": _nonzero(manager, slot), "target_version": target.version,
+                             "peft": peft})
         manager.unload_lora_adapter(reference)
     receiver.close()
 

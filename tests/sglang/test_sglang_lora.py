@@ -1,9 +1,9 @@
 """Adapter mode into SGLang's real LoRA manager and memory pool on CPU: a PEFT adapter's tensors land in
 the pool's slot buffers (``refit_sglang.lora``) over a real refit, two versions, each checked byte for
-byte against what SGLang's own adapter loader puts in a slot; a failed step's restore, registration once,
+byte against what SGLang's own adapter loader puts in a slot, and SGLang's own LoRA forward (torch_native
+LoRA backend) against HF transformers running the PEFT model; a failed step's restore, registration once,
 and the bad inputs refused at setup naming what is wrong, on every TP worker of a TP-2 engine (column-parallel
-B and the fused q/k/v B cut per rank, row-parallel A). Not run here: SGLang's LoRA forward (a real engine's
-kernels need CUDA)."""
+B and the fused q/k/v B cut per rank, row-parallel A). Not run here: a served engine (its kernels need CUDA)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tests.environments import require
 
 require("sglang")
 
+from sglang_forward import LOGITS_TOLERANCE
 from sglang_lora_ranks import STEPS, lora_ranks
 
 from refit_core.kit.launch import free_port, spawn
@@ -33,6 +34,9 @@ def _check_worker(worker: int, gen: dict) -> None:
         assert got["slot"] != got["reference_slot"]
         assert got["nonzero"] == got["reference_nonzero"] > 0, "the check could not fail"
         assert got["bytes"] == 4 * got["nonzero"]  # this worker's fp32 adapter bytes, nothing else
+        peft = got["peft"]
+        assert peft["rel_diff"] < LOGITS_TOLERANCE and peft["same_argmax"], f"step {step}: SGLang vs HF + PEFT {peft}"
+        assert peft["differs_from_base"], "the adapter changed no logit: the check could not fail"
     assert gen["restored"], "a failed step's restore left other bytes in the slot"
     assert gen["again"] == {"slot": True, "loaded": True}, "a second session for the name registered it again"
     refused = gen["refused"]
