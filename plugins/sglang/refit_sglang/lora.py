@@ -42,9 +42,7 @@ from refit_core import (
     Box,
     DestinationMap,
     DestinationPiece,
-    LoraMode,
     LoraSpec,
-    OptionError,
     PlanError,
     TensorSpec,
     adapter_tensor_names,
@@ -139,20 +137,6 @@ class AdapterTarget:
                 for view, old in zip(self.views(), self.saved):
                     view.copy_(old)
         self.saved = None
-
-
-def lora_spec(value: LoraSpec | dict[str, Any] | str) -> LoraSpec:
-    """A :class:`refit_core.LoraSpec` from itself, its fields or its ``--lora`` text; adapter mode only."""
-    if isinstance(value, str):
-        spec = LoraSpec.parse(value)
-    elif isinstance(value, dict):
-        spec = LoraSpec(**{k: tuple(v) if k == "targets" else v for k, v in value.items()})
-    else:
-        spec = value
-    if spec.mode is not LoraMode.ADAPTER:
-        raise OptionError(f"refit adapter {spec.name!r}: the engine takes a LoraSpec in adapter mode only; in "
-                          f"{spec.mode.value} mode it serves plain weights (refit it without lora)")
-    return spec
 
 
 # -- what the engine can hold -----------------------------------------------------------------
@@ -361,4 +345,4 @@ def plan_slots(manager: Any, spec: LoraSpec, specs: tuple[TensorSpec, ...], lora
     return SlotPlan(lora_id, slot, specs, tuple(pieces))
 
 
-__all__ = ["AdapterTarget", "SlotPlan", "adapter_specs", "lora_spec", "plan_slots", "register", "registered_id"]
+__all__ = ["AdapterTarget", "SlotPlan", "adapter_specs", "plan_slots", "register", "registered_id"]
