@@ -13,7 +13,9 @@ constant ``fill_`` (padding). No byte is allocated or moved; the live model is r
 A loader that concatenates HF tensors (``torch.cat``: SGLang fuses DeepSeek's ``q_a_proj`` and
 ``kv_a_proj_with_mqa`` into one ``fused_qkv_a_proj_with_mqa`` so) is traced through: the
 concatenation's pieces are remembered (a :class:`Concat`), and a copy from it is recorded as one
-write per HF tensor it spans. A write whose source is not a plain box of HF tensors, or any other
+write per HF tensor it spans (also when the loader concatenates slices of its own concatenation
+again: SGLang's fused LoRA B, cut per TP rank; a ``clone`` / ``.contiguous()`` of such a box is a
+concatenation of one). A write whose source is not a plain box of HF tensors, or any other
 mutation of a traced tensor, is recorded as *opaque*, credited to every HF tensor the source was
 built from that the tracer can see: its module then takes the loader path (see
 :mod:`refit_core.kit.loadplan`), with every such tensor.
@@ -39,6 +41,7 @@ aten = torch.ops.aten
 _COPY_OPS = {aten.copy_.default}
 _FILL_OPS = {aten.fill_.Scalar, aten.zero_.default}
 _CAT_OPS = {aten.cat.default}
+_CLONE_OPS = {aten.clone.default}
 
 
 @dataclass(frozen=True)
@@ -319,6 +322,8 @@ class TraceRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
             if func in _CAT_OPS:
                 self._on_cat(out, list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            elif func in _CLONE_OPS:  # a copy of a box (``.contiguous()`` of a slice): a concatenation of one
+                self._on_cat(out, [args[0]], 0)
             self._derive(out, (*args, *kwargs.values()))
             return out
         return func(*args, **kwargs)
@@ -358,16 +363,44 @@ class TraceRecorder(TorchDispatchMode):
         if not isinstance(out, torch.Tensor) or out.device.type != "meta" or not out.is_contiguous():
             return
         dim = dim % out.dim() if out.dim() else 0
-        parts, start = [], 0
+        parts: list[ConcatPart] = []
+        start = 0
         for tensor in inputs:
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() != out.dim():
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != out.dim() or tensor.device.type != "meta":
                 return
-            found = self.sources.get(storage_key(tensor)) if tensor.device.type == "meta" else None
-            if found is None:
-                return
-            parts.append(ConcatPart(found[0], found[1], tensor, start))
+            found = self.sources.get(storage_key(tensor))
+            if found is not None:
+                parts.append(ConcatPart(found[0], found[1], tensor, start))
+            else:
+                inner = self._concat_parts(tensor, dim, start)
+                if inner is None:
+                    return
+                parts += inner
             start += tensor.shape[dim]
         self.concats[storage_key(out)] = Concat(dim, tuple(out.shape), tuple(parts), out)
+
+    def _concat_parts(self, tensor: torch.Tensor, dim: int, start: int) -> list[ConcatPart] | None:
+        """The HF pieces of ``tensor``, a plain slice of an earlier :class:`Concat` along the same ``dim``
+        (a loader that re-concatenates slices of its own concatenation: SGLang's fused LoRA B, sliced
+        per TP rank), as parts starting at ``start``; None if it is anything else."""
+        concat = self.concats.get(storage_key(tensor))
+        if concat is None or concat.dim != dim:
+            return None
+        placed = view_as_box(concat.shape, contiguous_strides(concat.shape), int(tensor.storage_offset()),
+                             tuple(tensor.shape), tuple(tensor.stride()))
+        if placed is None or any(d not in (-1, i) for i, d in enumerate(placed[1])):
+            return None
+        box = placed[0]
+        lo, hi = box.offsets[dim], box.ends[dim]
+        parts = []
+        for part in concat.parts:
+            first, last = max(lo, part.start), min(hi, part.start + part.view.shape[dim])
+            if first >= last:
+                continue
+            index = [slice(o, e) for o, e in zip(box.offsets, box.ends)]
+            index[dim] = slice(first - part.start, last - part.start)
+            parts.append(ConcatPart(part.hf_name, part.root, part.view[tuple(index)], start + first - lo))
+        return parts
 
     def _on_fill(self, dst: torch.Tensor, value: float) -> None:
         key = self._target(dst)

@@ -64,8 +64,21 @@ def _columns(param: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> None:
     param.copy_(torch.cat([q[:KV], kv], dim=1)[:, 3:7])
 
 
+def _reconcatenated(param: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> None:
+    """Slices of a concatenation concatenated again (SGLang's fused LoRA B, cut per TP rank): rows 1..3
+    of q, then rows 7..9 (the end of kv)."""
+    fused = torch.cat([q, kv])
+    param.copy_(torch.cat([fused[1:4], fused[Q + 1:]]))
+
+
+def _cloned_columns(param: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> None:
+    """Contiguous copies of column slices (SGLang's row-parallel LoRA A, cut per TP rank), concatenated."""
+    param.copy_(torch.cat([q[:, 1:4].contiguous(), kv[:, 1:4].contiguous()]))
+
+
 CASES = {"whole": ((Q + KV, HIDDEN), _whole), "spanning-slice": ((Q + KV - 5, HIDDEN), _rank1_of_2),
-         "transposed": ((HIDDEN, Q + KV), _transposed), "other-dim": ((KV, 4), _columns)}
+         "transposed": ((HIDDEN, Q + KV), _transposed), "other-dim": ((KV, 4), _columns),
+         "re-concatenated": ((3 + KV - 1, HIDDEN), _reconcatenated), "cloned-slices": ((Q + KV, 3), _cloned_columns)}
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

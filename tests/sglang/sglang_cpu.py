@@ -80,3 +80,39 @@ def build_model(preset: str | dict[str, Any], dtype: torch.dtype = torch.float32
             return cls(config=config, quant_config=None).eval()
     finally:
         torch.set_default_dtype(previous)
+
+
+def _stand_in_pinned_memory() -> None:
+    """SGLang's LoRA layers and its torch_native LoRA backend allocate small index tensors in pinned host
+    memory (``torch.tensor / zeros / empty(..., pin_memory=True)``, ``.pin_memory()``), which raises
+    without an NVIDIA driver. Pinning only speeds
+    host-to-device copies, so on a CPU-only host it is left out: values and shapes are unchanged."""
+    if torch.cuda.is_available() or getattr(torch.tensor, "_refit_unpinned", False):
+        return
+    for name in ("tensor", "zeros", "empty"):
+        setattr(torch, name, _unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+
+
+def _unpinned(factory: Any) -> Any:
+    def unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return factory(*args, **kwargs)
+
+    unpinned._refit_unpinned = True  # type: ignore[attr-defined]
+    return unpinned
+
+
+def build_lora_manager(model: torch.nn.Module, *, max_lora_rank: int, slots: int, dtype: torch.dtype = torch.float32,
+                       targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj")) -> Any:
+    """SGLang's real ``LoRAManager`` over ``model`` (its LoRA layers wrap the model's linear layers, its
+    ``LoRAMemoryPool`` holds ``slots`` adapters of rank <= ``max_lora_rank``), as a model runner builds it
+    for ``--enable-lora --lora-backend torch_native``; needs :func:`init_sglang` first."""
+    _stand_in_pinned_memory()
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.lora.lora_manager import LoRAManager
+    from sglang.srt.runtime_context import get_server_args
+
+    return LoRAManager(base_model=model, base_hf_config=model.config, max_loras_per_batch=slots,
+                       load_config=LoadConfig(), dtype=dtype, server_args=get_server_args(),
+                       lora_backend="torch_native", max_lora_rank=max_lora_rank, target_modules=set(targets))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import tempfile
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,10 +67,11 @@ def _select_mla_forward_for_torch_native() -> None:
 
 
 @torch.no_grad()
-def sglang_logits(model: torch.nn.Module, vocab: int, prompts: tuple[tuple[int, ...], ...] = PROMPTS
-                  ) -> torch.Tensor:
+def sglang_logits(model: torch.nn.Module, vocab: int, prompts: tuple[tuple[int, ...], ...] = PROMPTS,
+                  prepare: Callable[[Any], None] | None = None) -> torch.Tensor:
     """Next-token logits ``[len(prompts), vocab]`` of SGLang's forward of one prefill batch (every
-    TP rank calls it together)."""
+    TP rank calls it together); ``prepare`` sees the ``ForwardBatch`` before the forward (a LoRA
+    manager's ``prepare_lora_batch``)."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -98,6 +100,8 @@ def sglang_logits(model: torch.nn.Module, vocab: int, prompts: tuple[tuple[int, 
         extend_seq_lens=seq_lens, extend_prefix_lens=torch.zeros(len(prompts), dtype=torch.long),
         extend_start_loc=torch.tensor(starts), extend_prefix_lens_cpu=[0] * len(prompts),
         extend_seq_lens_cpu=lens, extend_logprob_start_lens_cpu=lens, capture_hidden_mode=CaptureHiddenMode.NULL)
+    if prepare is not None:
+        prepare(batch)
     backend.init_forward_metadata(batch)
     with forward_context(ForwardContext(attn_backend=backend), forward_batch=batch):
         out = model(ids, positions, batch)
