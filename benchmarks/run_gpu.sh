@@ -79,6 +79,15 @@ limit() {
   return $rc
 }
 
+# bench_run NAME SECONDS STEP_TIMEOUT PREFIX "refit bench ARGS...": one `refit bench` run, stopped after SECONDS,
+# its command line recorded in the results (PREFIX.md / .json), its exit status in the log.
+bench_run() {
+  local name=$1 seconds=$2 step_timeout=$3 prefix=$4 cmd=$5
+  limit "$seconds" $PY -m refit_core.tools.bench ${cmd#refit bench } --timeout-s "$step_timeout" \
+    --command "$cmd" --out "$prefix" 2>&1 | tee -a "$LOG"
+  echo "$name exit: $?" | tee -a "$LOG"
+}
+
 if step env; then
   {
     echo "== $(date -u) on $(hostname)"
@@ -101,10 +110,8 @@ EOF
 fi
 
 if step bench; then
-  CMD="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit-staged} --train-gpus 0 --gen-gpus 1 --machine $MACHINE${BENCH_ITERS:+ --iters $BENCH_ITERS}"
-  limit ${BENCH_TIMEOUT:-300} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 120 \
-    --command "$CMD" --out "$OUT/$MACHINE-bench-$DATE" 2>&1 | tee -a "$LOG"
-  echo "bench exit: $?" | tee -a "$LOG"
+  bench_run bench ${BENCH_TIMEOUT:-300} 120 "$OUT/$MACHINE-bench-$DATE" \
+    "refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit-staged} --train-gpus 0 --gen-gpus 1 --machine $MACHINE${BENCH_ITERS:+ --iters $BENCH_ITERS}"
 fi
 
 if step tests; then
@@ -113,17 +120,13 @@ if step tests; then
 fi
 
 if step reshard; then
-  CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
-  limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
-    --command "$CMD" --out "$OUT/$MACHINE-reshard-$DATE" 2>&1 | tee -a "$LOG"
-  echo "reshard exit: $?" | tee -a "$LOG"
+  bench_run reshard ${RESHARD_TIMEOUT:-110} 60 "$OUT/$MACHINE-reshard-$DATE" \
+    "refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
 fi
 
 if step reshard-dp; then
-  CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
-  limit ${RESHARD_TIMEOUT:-110} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
-    --command "$CMD" --out "$OUT/$MACHINE-reshard-dp-$DATE" 2>&1 | tee -a "$LOG"
-  echo "reshard-dp exit: $?" | tee -a "$LOG"
+  bench_run reshard-dp ${RESHARD_TIMEOUT:-110} 60 "$OUT/$MACHINE-reshard-dp-$DATE" \
+    "refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
 fi
 if step demo; then
   limit ${DEMO_TIMEOUT:-240} $PY -m refit_core demo --train dtensor --gen dtensor --device cuda --steps 2 \
@@ -135,22 +138,16 @@ if step colocated; then
   echo "colocated exit: $?" | tee -a "$LOG"
 fi
 if step timeline; then
-  CMD="refit bench --models llama-3-8b-shape --methods wire,refit --train-gpus 0 --gen-gpus 1 --machine $MACHINE --timeline $OUT/timeline-$MACHINE-$DATE.png"
-  limit ${TIMELINE_TIMEOUT:-150} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
-    --command "$CMD" --out "$OUT/timeline-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
-  echo "timeline exit: $?" | tee -a "$LOG"
+  bench_run timeline ${TIMELINE_TIMEOUT:-150} 60 "$OUT/timeline-$MACHINE-$DATE" \
+    "refit bench --models llama-3-8b-shape --methods wire,refit --train-gpus 0 --gen-gpus 1 --machine $MACHINE --timeline $OUT/timeline-$MACHINE-$DATE.png"
 fi
 if step relay; then
-  CMD="refit bench --models llama-3-8b-shape --methods wire,refit,refit@replicas=3+relay=1 --gen-dp 3 --train-gpus 0 --gen-gpus 1,2,3 --machine $MACHINE"
-  limit ${RELAY_TIMEOUT:-200} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 60 \
-    --command "$CMD" --out "$OUT/relay-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
-  echo "relay exit: $?" | tee -a "$LOG"
+  bench_run relay ${RELAY_TIMEOUT:-200} 60 "$OUT/relay-$MACHINE-$DATE" \
+    "refit bench --models llama-3-8b-shape --methods wire,refit,refit@replicas=3+relay=1 --gen-dp 3 --train-gpus 0 --gen-gpus 1,2,3 --machine $MACHINE"
 fi
 if step reshard-x4; then
-  CMD="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,1 --gen-gpus 2,3 --machine $MACHINE"
-  limit ${RESHARD_TIMEOUT:-240} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 120 \
-    --command "$CMD" --out "$OUT/$MACHINE-reshard-x4-$DATE" 2>&1 | tee -a "$LOG"
-  echo "reshard-x4 exit: $?" | tee -a "$LOG"
+  bench_run reshard-x4 ${RESHARD_TIMEOUT:-240} 120 "$OUT/$MACHINE-reshard-x4-$DATE" \
+    "refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,1 --gen-gpus 2,3 --machine $MACHINE"
 fi
 if step megatron; then
   OUT="$OUT" PY="$PY" MACHINE="$MACHINE" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"
@@ -206,10 +203,8 @@ peer_bench() {
   echo "$name exit: $?" | tee -a "$LOG"
 }
 if step lora; then
-  CMD="refit bench --models llama-3-8b-shape --lora r=64 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
-  limit ${LORA_TIMEOUT:-240} $PY -m refit_core.tools.bench ${CMD#refit bench } --timeout-s 120 \
-    --command "$CMD" --out "$OUT/$MACHINE-lora-$DATE" 2>&1 | tee -a "$LOG"
-  echo "lora exit: $?" | tee -a "$LOG"
+  bench_run lora ${LORA_TIMEOUT:-240} 120 "$OUT/$MACHINE-lora-$DATE" \
+    "refit bench --models llama-3-8b-shape --lora r=64 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
 fi
 if step peer; then
   peer_bench peer 1
