@@ -18,7 +18,7 @@ from typing import Any
 
 import scenarios  # noqa: F401 - the engine environment, before vLLM is imported
 import torch
-from scenarios import NEW_TOKENS, SEED, Trainers, scratch_dir, tiny_config
+from scenarios import NEW_TOKENS, SEED, Trainers, count_calls, scratch_dir, tiny_config
 
 SPEC = {"rank": 8, "alpha": 20.0, "name": "policy"}
 """alpha / r = 2.5: folding it into B rounds, so equal slot bytes show the same transform as vLLM's."""
@@ -180,19 +180,11 @@ def _try_init(worker: Any, rendezvous: str, spec: dict[str, Any], options: dict[
 
 def _count_adapter_loads(worker: Any) -> None:
     """Count the calls of vLLM's adapter loader (``add_lora`` reads an adapter folder through it)."""
-    manager = worker.model_runner.lora_manager
-    original = manager._load_adapter
-    manager._refit_test_loads = 0
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        manager._refit_test_loads += 1
-        return original(*args, **kwargs)
-
-    manager._load_adapter = counted
+    count_calls(worker.model_runner.lora_manager, "_load_adapter")
 
 
 def _adapter_loads(worker: Any) -> int:
-    return worker.model_runner.lora_manager._refit_test_loads
+    return worker.model_runner.lora_manager._refit_test_calls
 
 
 def scenario_lora(model: str = "tiny-llama", tp: int = 1) -> dict[str, Any]:

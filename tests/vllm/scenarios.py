@@ -220,16 +220,20 @@ def hf_tokens(cfg: dict[str, Any], step: int, prompts: list[list[int]], tmp: str
     return hf_greedy(reference_dir(cfg, SEED, step, os.path.join(tmp, f"hf{step}")), prompts, NEW_TOKENS)
 
 
-def _count_load_weights(worker: Any) -> None:
-    model = worker.model_runner.get_model()
-    original = model.load_weights
-    model._refit_test_calls = 0
+def count_calls(owner: Any, method: str) -> None:
+    """Wrap ``owner``'s ``method`` so that ``owner._refit_test_calls`` counts its calls."""
+    original = getattr(owner, method)
+    owner._refit_test_calls = 0
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        model._refit_test_calls += 1
+        owner._refit_test_calls += 1
         return original(*args, **kwargs)
 
-    model.load_weights = counted
+    setattr(owner, method, counted)
+
+
+def _count_load_weights(worker: Any) -> None:
+    count_calls(worker.model_runner.get_model(), "load_weights")
 
 
 def _load_weights_calls(worker: Any) -> int:
