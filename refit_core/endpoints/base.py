@@ -220,6 +220,10 @@ class RefitEndpoint:
         self._phases["agree"] = time.perf_counter() - began
         return schedule
 
+    def _prepare_network_executor(self, executor: SendExecutor | ReceiveExecutor) -> None:
+        """Give a network executor this rank's per-piece settings before it is bound: the whole schedule's
+        at setup, and each subset's when it is derived (default: none)."""
+
     def _check_plan(self, schedule: Schedule, pieces: list[Piece]) -> None:
         """Refuse (raise) a plan this rank cannot run with its ``pieces``, before the agreement barrier, so
         that every rank learns why (default: every plan is fine)."""
@@ -425,6 +429,7 @@ class RefitEndpoint:
             assert self.schedule is not None and self.settings is not None
             executor = type(whole)(self._subsets.rounds_for(chosen), whole.transport, whole.peer_offset,
                                    **self._network_executor_args(self.schedule, self.settings))
+            self._prepare_network_executor(executor)
             executor.subset = (chosen.digest, len(chosen))
             executor.header_peers = whole.peers()
             executor.explain = self._explain_subsets

@@ -18,7 +18,7 @@ from refit_core.endpoints import commit
 from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, first_moved, split_rounds
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedSender
-from refit_core.run.executor import SendExecutor, StepStats
+from refit_core.run.executor import ReceiveExecutor, SendExecutor, StepStats
 from refit_core.units import format_bytes
 
 log = logging.getLogger("refit")
@@ -55,6 +55,8 @@ class RefitSender(RefitEndpoint):
         """The source pieces bound at setup (None before one succeeded)."""
         self._decided = -1
         """The last step train rank 0 published a decision on."""
+        self._merges: list[LoraMerge | None] = []
+        """Merged mode: per bound source piece, the adapter folded into it (None: sent as it is)."""
         self._adapters: list[AdapterFactors] = []
         """Merged mode: where this rank's merged pieces get their adapters each step (empty: none merged)."""
 
@@ -79,11 +81,10 @@ class RefitSender(RefitEndpoint):
     def setup(self) -> Schedule:
         self._decided = -1
         schedule = super().setup()
-        merges = _merges(self._pieces)
-        self._adapters = list({id(m.factors): m.factors for m in merges if m is not None}.values())
-        if isinstance(self._executor, SendExecutor):
-            self._executor.merges = merges
-            self._executor.origins = [p.box.offsets for p in self._pieces]
+        self._merges = _merges(self._pieces)
+        self._adapters = list({id(m.factors): m.factors for m in self._merges if m is not None}.values())
+        if self._executor is not None:
+            self._prepare_network_executor(self._executor)
         self._bind(self._pieces)
         self._signature = source_signature(self._pieces)
         return schedule
@@ -109,6 +110,13 @@ class RefitSender(RefitEndpoint):
         if now is not None:
             return f"source tensor {now.spec.name}{now.box} {MOVED}"
         return None
+
+    def _prepare_network_executor(self, executor: SendExecutor | ReceiveExecutor) -> None:
+        """Merged mode: which bound pieces get an adapter folded in when packed, and where their boxes sit
+        (a subset step's executor packs the same pieces the same way)."""
+        if isinstance(executor, SendExecutor):
+            executor.merges = self._merges
+            executor.origins = [p.box.offsets for p in self._pieces]
 
     def _check_plan(self, schedule: Schedule, pieces: list[Piece]) -> None:
         """Merged-mode LoRA is computed in the network pack step: a merged piece must not be read in place by a

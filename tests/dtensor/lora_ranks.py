@@ -24,6 +24,9 @@ torch.set_num_threads(1)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 8, 16
 STEPS = (1, 2)
+SUBSET_STEP = 3
+SUBSET = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
+"""Merged mode's last step moves only these merged weights (a subset step's executor merges as the whole one)."""
 PEFT_PREFIX = "base_model.model."
 
 
@@ -137,6 +140,9 @@ def _train_case(rank: int, world: int, address: str, case: dict[str, str]) -> di
     for step in STEPS:
         set_adapter_weights(model, 1, step)
         out[f"bytes_{step}"] = endpoint.send(version=step).bytes
+    if case["mode"] == "merged":
+        set_adapter_weights(model, 1, SUBSET_STEP)
+        out["bytes_subset"] = endpoint.send(version=SUBSET_STEP, only=SUBSET).bytes
     endpoint.close()
     return out
 
@@ -169,5 +175,12 @@ def _gen_case(rank: int, world: int, address: str, case: dict[str, str]) -> dict
             state, want = adapter_state(model), adapter_state(twin)
         out[f"mismatch_{step}"] = sorted(n for n in want if n not in state or not same_bytes(state[n], want[n]))
         out[f"checked_{step}"] = len(want)
+    if case["mode"] == "merged":  # the named weights merged with step 3's adapters, the others still step 2's
+        out["version_subset"] = endpoint.receive(only=SUBSET).version
+        before, after, state = merged_reference(1, STEPS[-1], dtype), merged_reference(1, SUBSET_STEP, dtype), \
+            model.state_dict()
+        want = {n: after[n] if n in SUBSET else t for n, t in before.items()}
+        out["mismatch_subset"] = sorted(n for n in want if n not in state or not same_bytes(state[n], want[n]))
+        out["subset_changes"] = [n for n in SUBSET if not same_bytes(before[n], after[n])]
     endpoint.close()
     return out

@@ -7,7 +7,7 @@ on CPU in fp32 and casts back). Bad input fails setup on every rank, naming what
 """
 
 import pytest
-from lora_ranks import case_name, lora_ranks, peft_model
+from lora_ranks import SUBSET, case_name, lora_ranks, peft_model
 
 from tests.environments import require
 
@@ -57,6 +57,10 @@ def test_merged_mode_equals_merge_and_unload_bitwise(ranks, index):
         assert gen[f"checked_{step}"] > 0
         assert gen[f"mismatch_{step}"] == [], f"step {step}"
     assert train0["bytes_1"] + train1["bytes_1"] > 10 * 65536  # the whole model moves
+    # a subset step's sub-schedule merges too: the two named weights move merged, the others keep step 2's
+    assert gen["version_subset"] == 3 and gen["mismatch_subset"] == []
+    assert gen["subset_changes"] == list(SUBSET)  # step 3's adapters change both (the check can fail)
+    assert train0["bytes_subset"] + train1["bytes_subset"] < train0["bytes_1"] + train1["bytes_1"]
 
 
 def test_adapter_dtype_mismatch_fails_setup_on_every_rank_naming_the_module(ranks):
