@@ -3,6 +3,7 @@
 What a plugin speaks to refit (the data model, ``Backend``, ``hookimpl``, settings, errors) is in
 :mod:`refit_core`; what it may use to build its pieces, its demo programs and its tests is here: model
 inventories and reference weights, load tracing and planning for engines, tensor-parallel decoder layouts,
+an adapter's boxes in an engine's LoRA slots (:class:`AdapterSlots`),
 bitwise verification (:func:`same_bytes`: equal bytes, not equal values), the serving guard and the
 engine-wide serving verdict, rank launching, ``refit demo`` programs (:class:`DemoPrograms`, registered
 through the hook ``refit_register_demos`` of :class:`refit_core.kit.demo.DemoHookspecs`), RL-loop pieces
@@ -57,6 +58,7 @@ from refit_core.kit.models import (
     reference_tensor,
 )
 from refit_core.kit.rl import Rollout, completion_logprobs
+from refit_core.kit.slots import AdapterSlots, SlotBox, SlotPlan
 from refit_core.kit.serving import (
     RankState,
     Suspect,
@@ -79,9 +81,10 @@ _LAZY = {"RayRefit": "refit_core.kit.ray", "RefitReceiveActor": "refit_core.kit.
 """Names whose module is heavy to import (Ray): loaded on first access."""
 
 __all__ = [
-    "PRESETS", "BoxIndex", "DemoContext", "DemoProgram", "DemoPrograms", "DemoReport", "EngineRank",
+    "PRESETS", "AdapterSlots", "BoxIndex", "DemoContext", "DemoProgram", "DemoPrograms", "DemoReport", "EngineRank",
     "EngineRefusesError", "Fill", "ModelInventory", "ModelPlan", "Phase", "Piece", "PlannedPiece", "ProgressLog",
-    "RankFailure", "RankState", "RayRefit", "RefitReceiveActor", "RefitTrainActor", "Rollout", "Suspect", "Target",
+    "RankFailure", "RankState", "RayRefit", "RefitReceiveActor", "RefitTrainActor", "Rollout", "SlotBox", "SlotPlan",
+    "Suspect", "Target",
     "TensorSwap", "TornWeightsError", "Trace", "WorkerReport", "Write", "checkpoint_specs", "completion_logprobs",
     "config_dtype", "decoder_pieces", "engine_refusal", "first_overlap", "format_bytes", "format_duration", "free_port",
     "gather_reports", "head_dim", "load_config", "meta_copy", "mismatches", "model_inventory", "num_experts",

@@ -39,15 +39,12 @@ from typing import Any
 import torch
 
 from refit_core import (
-    Box,
-    DestinationMap,
-    DestinationPiece,
     LoraSpec,
     PlanError,
     TensorSpec,
     adapter_tensor_names,
 )
-from refit_core.kit import TensorSwap, meta_copy, trace_loads
+from refit_core.kit import AdapterSlots, SlotBox, SlotPlan, TensorSwap, meta_copy, trace_loads
 
 log = logging.getLogger("refit.sglang")
 
@@ -62,32 +59,25 @@ _REQUIRED = {"qkv_proj": ("q_proj", "v_proj"), "gate_up_proj": ("gate_proj",)}
 
 
 @dataclass(frozen=True)
-class SlotPiece:
+class SlotPiece(SlotBox):
     """Where one box of an adapter tensor lands: ``buffer[module][layer]`` of the pool, viewed as strided."""
 
-    spec: TensorSpec
-    box: Box
     buffer: str
     """``A_buffer`` or ``B_buffer``."""
     module: str
     """The pool's module key (``qkv_proj``, ``o_proj``, ...)."""
     layer: int
-    offset: int
-    strides: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class SlotPlan:
-    """An adapter's place in the pool: its ``lora_id``, slot, tensors and where every box of them lands."""
+class PoolPlan(SlotPlan):
+    """An adapter's place in the pool: a :class:`~refit_core.kit.SlotPlan` and the adapter's ``lora_id``."""
 
     lora_id: str
-    slot: int
-    specs: tuple[TensorSpec, ...]
-    pieces: tuple[SlotPiece, ...]
 
 
 @dataclass
-class AdapterTarget:
+class AdapterTarget(AdapterSlots):
     """What a gen rank's :class:`refit_core.RefitReceiver` receives into in adapter mode: adapter ``spec``
     in the LoRA pool of SGLang's ``manager`` (a TP worker's ``model_runner.lora_manager``). ``version``
     is the last version that landed (None before the first); ``saved`` holds the slot bytes a running
@@ -95,36 +85,20 @@ class AdapterTarget:
 
     manager: Any
     spec: LoraSpec
-    plan: SlotPlan | None = field(default=None, init=False)
+    plan: PoolPlan | None = field(default=None, init=False)
     version: int | None = field(default=None, init=False)
     saved: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.plan = register(self.manager, self.spec)
 
-    def views(self) -> list[torch.Tensor]:
-        """Each piece's view of the live slot buffers."""
-        assert self.plan is not None
-        pool = self.manager.memory_pool
-        views = []
-        for p in self.plan.pieces:
-            live = getattr(pool, p.buffer)[p.module][p.layer]
-            views.append(live.as_strided(p.box.sizes, p.strides, live.storage_offset() + p.offset))
-        return views
-
-    def destination_map(self) -> DestinationMap:
-        assert self.plan is not None
-        return DestinationMap(pieces=[DestinationPiece(p.spec, p.box, v) for p, v in zip(self.plan.pieces,
-                                                                                        self.views())])
-
-    def catalog(self) -> dict[str, TensorSpec]:
-        """The adapter tensors a step moves, by name."""
-        assert self.plan is not None
-        return {s.name: s for s in self.plan.specs}
+    def live_slot(self, piece: SlotBox) -> torch.Tensor:
+        assert isinstance(piece, SlotPiece)
+        return getattr(self.manager.memory_pool, piece.buffer)[piece.module][piece.layer]
 
     def begin(self) -> None:
         """Before any byte lands: save the slot bytes the step overwrites."""
-        self.saved = [v.clone() for v in self.views()]
+        self.save_slots()
 
     def finish(self, version: int) -> None:
         """The bytes landed (nothing to fold in: SGLang scales dense LoRA at run time)."""
@@ -132,11 +106,7 @@ class AdapterTarget:
 
     def abort(self) -> None:
         """Put back the slot bytes saved when the step began (the previous version serves)."""
-        if self.saved is not None:
-            with torch.no_grad():
-                for view, old in zip(self.views(), self.saved):
-                    view.copy_(old)
-        self.saved = None
+        self.restore_slots()
 
 
 # -- what the engine can hold -----------------------------------------------------------------
@@ -215,7 +185,7 @@ def registered_id(manager: Any, name: str) -> str | None:
     return next((i for i, ref in manager.lora_refs.items() if ref.lora_name == name), None)
 
 
-def register(manager: Any, spec: LoraSpec) -> SlotPlan:
+def register(manager: Any, spec: LoraSpec) -> PoolPlan:
     """Register adapter ``spec`` (zeros, pinned) in SGLang's LoRA manager unless one of its name is there,
     make it resident in a pool slot, and return where its tensors land."""
     specs = adapter_specs(manager, spec)
@@ -318,7 +288,7 @@ def _phantoms(manager: Any, spec: LoraSpec) -> tuple[TensorSpec, ...]:
                          and not spec.targets_module(module))
 
 
-def plan_slots(manager: Any, spec: LoraSpec, specs: tuple[TensorSpec, ...], lora_id: str, slot: int) -> SlotPlan:
+def plan_slots(manager: Any, spec: LoraSpec, specs: tuple[TensorSpec, ...], lora_id: str, slot: int) -> PoolPlan:
     """Run SGLang's adapter stacking and pool loader for ``slot`` on meta tensors and record where each
     box of each adapter tensor lands; :class:`~refit_core.PlanError` if SGLang does anything but box copies."""
     phantoms = _phantoms(manager, spec)
@@ -336,13 +306,13 @@ def plan_slots(manager: Any, spec: LoraSpec, specs: tuple[TensorSpec, ...], lora
     for w in trace.writes:
         if w.hf_name in by_name:
             buffer, module = w.target[0].split(".", 1)
-            pieces.append(SlotPiece(by_name[w.hf_name], w.hf_box, buffer, module, int(w.target[1]), w.offset,
-                                    w.strides))
+            pieces.append(SlotPiece(spec=by_name[w.hf_name], box=w.hf_box, offset=w.offset, strides=w.strides,
+                                    buffer=buffer, module=module, layer=int(w.target[1])))
     unwritten = sorted(set(by_name) - {p.spec.name for p in pieces})
     if unwritten:
         raise PlanError(f"refit adapter mode: SGLang's LoRA pool holds nothing of {unwritten[0]} "
                         f"({len(unwritten)} adapter tensor(s) not placed)")
-    return SlotPlan(lora_id, slot, specs, tuple(pieces))
+    return PoolPlan(slot=slot, specs=specs, pieces=tuple(pieces), lora_id=lora_id)
 
 
-__all__ = ["AdapterTarget", "SlotPlan", "adapter_specs", "plan_slots", "register", "registered_id"]
+__all__ = ["AdapterTarget", "PoolPlan", "SlotPiece", "adapter_specs", "plan_slots", "register", "registered_id"]

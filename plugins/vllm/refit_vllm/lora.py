@@ -42,9 +42,6 @@ import torch
 
 from refit_core import (
     AdapterTensorName,
-    Box,
-    DestinationMap,
-    DestinationPiece,
     LoraMode,
     LoraSpec,
     OptionError,
@@ -52,7 +49,7 @@ from refit_core import (
     TensorSpec,
     adapter_tensor_names,
 )
-from refit_core.kit import Target, TensorSwap, Trace, meta_copy, trace_loads
+from refit_core.kit import AdapterSlots, SlotBox, SlotPlan, Target, TensorSwap, Trace, meta_copy, trace_loads
 
 log = logging.getLogger("refit.vllm")
 
@@ -79,29 +76,16 @@ def lora_request(name: str) -> Any:
 
 
 @dataclass(frozen=True)
-class SlotPiece:
-    """Where one box of an adapter tensor lands: ``tensor`` (a layer's slot tensor) viewed as strided."""
+class SlotPiece(SlotBox):
+    """Where one box of an adapter tensor lands: ``tensor`` of LoRA layer ``layer``, viewed as strided."""
 
-    spec: TensorSpec
-    box: Box
     layer: str
     tensor: str
     """``lora_a_stacked.{i}`` or ``lora_b_stacked.{i}``."""
-    offset: int
-    strides: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SlotPlan:
-    """An adapter's place in the engine: its slot, its tensors and where every box of them lands."""
-
-    slot: int
-    specs: tuple[TensorSpec, ...]
-    pieces: tuple[SlotPiece, ...]
 
 
 @dataclass
-class AdapterTarget:
+class AdapterTarget(AdapterSlots):
     """What a gen rank's :class:`refit_core.RefitReceiver` receives into in adapter mode: adapter
     ``spec`` in the LoRA slots of the vLLM ``model``. ``version`` is the last version that landed
     (None before the first); ``saved`` holds the slot bytes a running step may overwrite (None
@@ -117,25 +101,9 @@ class AdapterTarget:
     def __post_init__(self) -> None:
         self.plan = register(self.model, self.spec)
 
-    def views(self) -> list[torch.Tensor]:
-        """Each piece's view of the live slot tensors."""
-        assert self.plan is not None
-        layers = _manager(self.model).modules
-        views = []
-        for p in self.plan.pieces:
-            live = _slot_tensor(layers[p.layer], p.tensor)
-            views.append(live.as_strided(p.box.sizes, p.strides, live.storage_offset() + p.offset))
-        return views
-
-    def destination_map(self) -> DestinationMap:
-        assert self.plan is not None
-        return DestinationMap(pieces=[DestinationPiece(p.spec, p.box, v) for p, v in zip(self.plan.pieces,
-                                                                                        self.views())])
-
-    def catalog(self) -> dict[str, TensorSpec]:
-        """The adapter tensors a step moves, by name (what an nccl-style ``update_info`` is held against)."""
-        assert self.plan is not None
-        return {s.name: s for s in self.plan.specs}
+    def live_slot(self, piece: SlotBox) -> torch.Tensor:
+        assert isinstance(piece, SlotPiece)
+        return _slot_tensor(_manager(self.model).modules[piece.layer], piece.tensor)
 
     def begin(self) -> None:
         """Before any byte lands: fail with the error the engine refused this step with (as for the
@@ -146,7 +114,7 @@ class AdapterTarget:
         if state is not None and state.refusal is not None:
             error, state.refusal = state.refusal, None
             raise error
-        self.saved = [v.clone() for v in self.views()]
+        self.save_slots()
 
     def finish(self, version: int) -> None:
         """The bytes landed: fold ``alpha / r`` into B as vLLM's loader does (``lora_b *= scaling``)."""
@@ -162,11 +130,7 @@ class AdapterTarget:
 
     def abort(self) -> None:
         """Put back the slot bytes saved when the step began (the previous version serves)."""
-        if self.saved is not None:
-            with torch.no_grad():
-                for view, old in zip(self.views(), self.saved):
-                    view.copy_(old)
-        self.saved = None
+        self.restore_slots()
 
 
 def lora_spec(value: LoraSpec | dict[str, Any] | str) -> LoraSpec:
@@ -451,8 +415,8 @@ def _slot_plan(trace: Trace, specs: tuple[TensorSpec, ...], slot: int) -> SlotPl
         raise PlanError(f"refit adapter mode: vLLM's LoRA layer {layer} writes {tensor} with {why}; refit writes "
                         "only box copies")
     by_name = {s.name: s for s in specs}
-    pieces = [SlotPiece(by_name[w.hf_name], w.hf_box, w.target[0], w.target[1], w.offset, w.strides)
-              for w in trace.writes]
+    pieces = [SlotPiece(spec=by_name[w.hf_name], box=w.hf_box, offset=w.offset, strides=w.strides, layer=w.target[0],
+                        tensor=w.target[1]) for w in trace.writes]
     # under tensor parallelism a rank holds a slice of each tensor (row-parallel A, column-parallel B)
     unwritten = sorted(set(by_name) - {p.spec.name for p in pieces})
     if unwritten:
@@ -469,5 +433,5 @@ def _check_targets(targets: dict[tuple[str, str], Target]) -> None:
             raise PlanError(f"refit adapter mode: {layer}.{name} is not a dense tensor")
 
 
-__all__ = ["AdapterTarget", "Registered", "SlotPlan", "adapter_specs", "adapter_versions", "lora_int_id",
+__all__ = ["AdapterTarget", "Registered", "SlotPiece", "adapter_specs", "adapter_versions", "lora_int_id",
            "lora_request", "lora_spec", "plan_slots", "register"]
