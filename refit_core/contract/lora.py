@@ -133,7 +133,7 @@ class AdapterTensorName:
 
 def adapter_tensor_names(module: str) -> tuple[str, str]:
     """The names A and B of the adapter on HF module ``module``."""
-    return f"{module}.{LORA_A}.weight", f"{module}.{LORA_B}.weight"
+    return AdapterTensorName(module, LORA_A).name, AdapterTensorName(module, LORA_B).name
 
 
 @dataclass(frozen=True)

@@ -302,10 +302,10 @@ class CopyProgram:
         launches: list[Callable[[], None]] = []
         gathered: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         if self.strided is StridedCopy.TRITON:
-            tiled = [(d, s) for d, s in pairs if triton_copies.qualifies(d, s)]
-            if tiled:
-                launches += triton_copies.TritonCopies(tiled).launches()
-                pairs = [(d, s) for d, s in pairs if not triton_copies.qualifies(d, s)]
+            tiled = [triton_copies.qualifies(d, s) for d, s in pairs]
+            if any(tiled):
+                launches += triton_copies.TritonCopies([p for p, t in zip(pairs, tiled) if t]).launches()
+                pairs = [p for p, t in zip(pairs, tiled) if not t]
         for dst, src in pairs:
             if self.strided is StridedCopy.MEMCPY2D and dst.device.type == "cuda":
                 shape = pitched(dst, src)
