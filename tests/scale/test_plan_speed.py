@@ -2,7 +2,8 @@
 
 The fingerprints below are golden values of the whole static plan: the transfers, cut into messages
 and placed in rounds by ``refit_core.plan.schedule``, hashed with the options' digest. The commits that
-changed the schedule (rounds filled by the ranks' remaining load, then paced rounds) re-recorded them
+changed the schedule (rounds filled by the ranks' remaining load, then paced rounds; sibling experts
+that both backends hold grouped interleaved expert by expert) re-recorded them
 from the production path (``plan_from_metadata``, whose planner is ``refit_core.plan.fast``).
 ``test_the_reference_planner_gives_the_recorded_fingerprint`` plans every case again with the reference
 planner (``refit_core.plan.reference``) into the same schedule, so each value is also the reference
@@ -23,7 +24,7 @@ from refit_core.plan.offline import plan_from_metadata
 from refit_core.plan.reference import plan_transfers
 
 RECORDED = [  # (model, train, gen, fingerprint, messages, segments)
-    ("tiny-qwen3-moe", "dtensor:fsdp=2", "vllm:tp=2", "12c525189932bc8e", 4, 92),
+    ("tiny-qwen3-moe", "dtensor:fsdp=2", "vllm:tp=2", "0ca06cfae299755d", 4, 140),
     ("tiny-llama", "dtensor:fsdp=2,tp=2", "vllm:tp=2,dp=2", "2c97fc393efd102f", 8, 168),
     ("tiny-mixtral", "dtensor:fsdp=2,tp=2", "vllm:tp=2,ep=2", "9f7354c22ea28502", 4, 92),
     ("tiny-qwen3-tied", "dtensor:fsdp=3", "vllm:tp=2,pp=2", "f612cf98979f0232", 12, 126),
