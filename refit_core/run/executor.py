@@ -198,7 +198,8 @@ class _RoundRunner:
         self.peer_offset = peer_offset
         self.bucket_bytes = bucket_bytes
         self.num_buffers = max(1, num_buffers)
-        self.zero_copy = zero_copy and mode is UpdateMode.IN_PLACE  # staged: nothing lands before commit
+        # staged mode: nothing lands in a gen rank's weights before the commit; a sender still sends from them
+        self.zero_copy = zero_copy and (self.packs or mode is UpdateMode.IN_PLACE)
         self.timeout_s = timeout_s
         self.fingerprint = int(fingerprint[:15], 16)
         self.payload_bytes = sum(m.nbytes for msgs in rounds for m in msgs)
@@ -216,6 +217,8 @@ class _RoundRunner:
         self.explain: Callable[[tuple[int, int], tuple[int, int]], str] | None = None
         """Names what differs between a peer's subset and this rank's (theirs, ours), for the error."""
         self.header_peers: list[int] | None = None
+        self._header_memory: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(pinned host words, device words) of this rank's header, on CUDA (made at the first step)."""
         """The peers the headers go to (None: this executor's own): a sub-schedule's executor talks to
         every peer of the whole schedule, so that two ends running different subsets both find out."""
 
@@ -320,22 +323,43 @@ class _RoundRunner:
 
     def _exchange_headers(self, version: int, after: Sequence[Fence], deadline: float,
                           peers: Sequence[int] | None = None) -> int:
-        """Both sides send ``[magic, fingerprint, version, step, subset digest, subset size]`` to each peer
-        (default: :attr:`header_peers`, else this side's peers) and check theirs."""
+        """:meth:`_post_headers`, then :meth:`_check_headers`: the version the train ranks send."""
+        return self._check_headers(self._post_headers(version, after, peers), version, deadline)
+
+    def _post_headers(self, version: int, after: Sequence[Fence], peers: Sequence[int] | None = None
+                      ) -> _Headers | None:
+        """Send ``[magic, fingerprint, version, step, subset digest, subset size]`` to each peer (default:
+        :attr:`header_peers`, else this side's peers) and post the receives of theirs; None without peers.
+        The step's other host work runs while they travel."""
         if peers is None:
             peers = self.peers() if self.header_peers is None else self.header_peers
         if not peers:
-            return version
-        mine = torch.tensor([MAGIC, self.fingerprint, version, self.step, *self.subset], dtype=torch.int64,
-                            device=self.device)
-        theirs = {p: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device) for p in peers}
+            return None
+        words = torch.tensor([MAGIC, self.fingerprint, version, self.step, *self.subset], dtype=torch.int64)
+        if self.device.type == "cuda":  # through pinned memory: no pageable copy, no allocation per step
+            if self._header_memory is None:
+                self._header_memory = (torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True),
+                                       torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device))
+            pinned, mine = self._header_memory
+            pinned.copy_(words)
+            mine.copy_(pinned, non_blocking=True)  # the previous step's copy is done: its exchange completed
+        else:
+            mine = words
+        theirs = torch.empty((len(peers), HEADER_WORDS), dtype=torch.int64, device=self.device)
         after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
         fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
-                               [(p + self.peer_offset, t) for p, t in theirs.items()], after, -1)
-        fence.synchronize(self._remaining(deadline))
+                               [(p + self.peer_offset, theirs[i]) for i, p in enumerate(peers)], after, -1)
+        return _Headers(fence, list(peers), theirs)
+
+    def _check_headers(self, posted: _Headers | None, version: int, deadline: float) -> int:
+        """Wait for the peers' headers and check them (same plan, step and subset; one version)."""
+        if posted is None:
+            return version
+        posted.fence.synchronize(self._remaining(deadline))
+        theirs = dict(zip(posted.peers, posted.theirs.tolist()))
         versions = set()
         for peer, header in theirs.items():
-            magic, fp, peer_version, step, *subset = header.tolist()
+            magic, fp, peer_version, step, *subset = header
             if magic != MAGIC or fp != self.fingerprint or step != self.step:
                 raise TransferError(
                     f"peer rank {peer + self.peer_offset} runs a different refit plan or step "
@@ -367,6 +391,15 @@ class _RoundRunner:
         self.step += 1
         return StepStats(version, self.payload_bytes, time.perf_counter() - start,
                          len(buffers) * self.buffer_bytes, self.direct_bytes)
+
+
+@dataclass(frozen=True)
+class _Headers:
+    """One step's header exchange in flight: its fence and the peers' headers as they land (a row each)."""
+
+    fence: Fence
+    peers: list[int]
+    theirs: torch.Tensor
 
 
 def _staged(seg: Segment, base: int) -> StagedSegment:
@@ -448,10 +481,11 @@ class SendExecutor(_RoundRunner):
         deadline = time.monotonic() + self.timeout_s
         self._begin()
         ready = current_work(self.device, "the trainer's pending work")
-        self._exchange_headers(version, [ready], deadline)
+        headers = self._post_headers(version, [ready])
+        buffers = self._buffers()
+        self._check_headers(headers, version, deadline)
         if self.deltas is not None:
             self.deltas.begin(self.factors)
-        buffers = self._buffers()
         free: list[Fence | None] = [None] * len(buffers)
         pending: list[Fence] = []
         staged = 0
@@ -489,6 +523,9 @@ class ReceiveExecutor(_RoundRunner):
 
     touched: set[int]
     _landed: tuple[torch.Tensor, list[int]] | None = None
+    _commit_copies: StagingCopies | None = None
+    """Staged mode: every round's copies from the step-wide buffer into the destinations, planned at the
+    first commit (the buffer's layout is the same every step, its address need not be)."""
 
     def run(self, version_hint: int = -1) -> StepStats:
         """Receive one step. In place: straight into the destinations (``touched`` names the pieces
@@ -500,10 +537,11 @@ class ReceiveExecutor(_RoundRunner):
         self._landed = None
         self._begin()
         ready = current_work(self.device, "the engine's pending work")
-        version = self._exchange_headers(version_hint, [ready], deadline)
+        headers = self._post_headers(version_hint, [ready])
         if self.mode is UpdateMode.STAGED:
-            return self._run_staged(version, start, deadline, ready)
+            return self._run_staged(self._check_headers(headers, version_hint, deadline), start, deadline, ready)
         buffers = self._buffers()
+        version = self._check_headers(headers, version_hint, deadline)
         free: list[Fence | None] = [None] * len(buffers)
         pending: list[Fence] = []
         staged = 0
@@ -553,12 +591,14 @@ class ReceiveExecutor(_RoundRunner):
             return
         buffer, offsets = self._landed
         self._landed = None
-        for plan, off in zip(self.plans, offsets):
-            if plan.segments:
-                self.touched |= plan.staged_pieces
-                shifted = [dataclasses.replace(seg, offset=seg.offset + off) for seg in plan.segments]
-                sources = _buffer_views(buffer, shifted)  # as_strided offsets count from the storage's start
-                self.lane.run(partial(torch._foreach_copy_, plan.views, sources)).synchronize(self.timeout_s)
+        if self._commit_copies is None:
+            shifted = [dataclasses.replace(seg, offset=seg.offset + off)
+                       for plan, off in zip(self.plans, offsets) for seg in plan.segments]
+            self._commit_copies = StagingCopies([view for plan in self.plans for view in plan.views],
+                                                _buffer_views(buffer, shifted), into_buffer=False)
+        for plan in self.plans:
+            self.touched |= plan.staged_pieces
+        self.lane.run(partial(self._commit_copies.run, buffer)).synchronize(self.timeout_s)
 
     def discard(self) -> None:
         """Staged mode: drop a landed step without touching the destinations."""
