@@ -40,6 +40,8 @@
 #   STEPS="env peer" bash benchmarks/run_gpu.sh          # checkpoint-engine beside refit, one GPU (carry .whl-peer)
 #   STEPS="env peer2" bash benchmarks/run_gpu.sh         # the same over two GPUs (its NCCL broadcast)
 #   STEPS="tests" GPU_TESTS=tests/gpu/test_fp8_gpu.py bash benchmarks/run_gpu.sh   # some GPU tests only
+#   STEPS="bench" BENCH_MODELS=llama-3-8b-shape BENCH_METHODS=wire,refit,wire@copy,refit@mode=staged BENCH_ITERS=10 \
+#     BENCH_ARGS="--timeline /tmp/t.png" bash benchmarks/run_gpu.sh   # the bench step's knobs
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -111,7 +113,7 @@ fi
 
 if step bench; then
   bench_run bench ${BENCH_TIMEOUT:-300} 120 "$OUT/$MACHINE-bench-$DATE" \
-    "refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit-staged} --train-gpus 0 --gen-gpus 1 --machine $MACHINE${BENCH_ITERS:+ --iters $BENCH_ITERS}"
+    "refit bench --models ${BENCH_MODELS:-llama-3-8b-shape,qwen3-30b-a3b-shape} --methods ${BENCH_METHODS:-wire,per-tensor,packed,refit,refit@comms=1,refit@mode=staged,wire@copy} --train-gpus 0 --gen-gpus 1 --machine $MACHINE${BENCH_ITERS:+ --iters $BENCH_ITERS}${BENCH_ARGS:+ $BENCH_ARGS}"
 fi
 
 if step tests; then

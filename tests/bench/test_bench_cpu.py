@@ -17,14 +17,14 @@ def test_bench_smoke_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("REFIT_DIRECT_MIN_BYTES", "4096")  # exercise own messages and zero-copy at toy size
     prefix = str(tmp_path / "out")
     rc = main(["--device", "cpu", "--models", f"tiny-llama,{path}", "--methods",
-               "wire,per-tensor,packed,refit,refit-staged", "--warmup", "1", "--iters", "1",
+               "wire,per-tensor,packed,refit,refit@zero_copy=0", "--warmup", "1", "--iters", "1",
                "--min-iters", "1", "--bucket-mib", "1", "--out", prefix])
     report = json.loads(open(prefix + ".json").read())
     assert rc == 0
     for model in report["models"]:
         checks = {r["method"]: r["checks"] for r in model["rows"]}
         assert checks["wire"] == ["checksum ok"]
-        assert all(checks[m] == ["bitwise ok"] for m in ("per-tensor", "packed", "refit", "refit-staged"))
+        assert all(checks[m] == ["bitwise ok"] for m in ("per-tensor", "packed", "refit", "refit@zero_copy=0"))
     text = open(prefix + ".md").read()
     assert text.startswith("# refit bench")
     assert "refit setup (slowest rank per phase): " in text and "the planner (train rank 0) planned in " in text

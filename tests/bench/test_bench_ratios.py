@@ -83,7 +83,7 @@ def test_the_multi_rank_wire_moves_refits_bytes_over_refits_pairs():
 
 def test_a_multi_rank_wire_runs_after_the_refit_it_copies():
     assert wire_after_refit(["wire", "refit", "refit@comms=1"]) == ["refit", "wire", "refit@comms=1"]
-    assert wire_after_refit(["refit-staged", "wire@ops=4"]) == ["refit-staged", "wire@ops=4"]
+    assert wire_after_refit(["refit@zero_copy=0", "wire@ops=4"]) == ["refit@zero_copy=0", "wire@ops=4"]
     with pytest.raises(SystemExit, match="add a refit method"):
         wire_after_refit(["wire"])
 

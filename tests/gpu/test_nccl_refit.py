@@ -51,13 +51,13 @@ def test_two_process_nccl_refit_is_bitwise(tmp_path, monkeypatch):
     """Megatron-style on GPU 0 -> vLLM-style on GPU 1: wire, both baselines, refit (zero-copy and
     staged) all land every byte; refit's staging stays within buckets x buffers and is freed."""
     monkeypatch.setenv("REFIT_DIRECT_MIN_BYTES", str(64 * 1024))  # own messages at toy sizes
-    report = _run(tmp_path, "--methods", "wire,per-tensor,packed,refit,refit-staged", "--bucket-mib", "1",
+    report = _run(tmp_path, "--methods", "wire,per-tensor,packed,refit,refit@zero_copy=0", "--bucket-mib", "1",
                   "--buffers", "3", "--train-gpus", "0", "--gen-gpus", "1")
     for model in report["models"]:
         rows = {r["method"]: r for r in model["rows"]}
-        for name in ("per-tensor", "packed", "refit", "refit-staged"):
+        for name in ("per-tensor", "packed", "refit", "refit@zero_copy=0"):
             assert rows[name]["checks"] == ["bitwise ok"], (model["model"], name, rows[name]["checks"])
-        for name in ("refit", "refit-staged"):
+        for name in ("refit", "refit@zero_copy=0"):
             row = rows[name]
             assert row["info"]["transport"] == "nccl4py" or row["info"]["transport"] == "torch"
             for side in ("sender", "receiver"):

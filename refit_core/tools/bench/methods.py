@@ -1,6 +1,7 @@
 """What ``refit bench`` times, each as a sender half and a receiver half.
 
-- ``wire``: one NCCL send/recv of one contiguous buffer of the model's size: the ceiling.
+- ``wire``: one NCCL send/recv of one contiguous buffer of the model's size: the ceiling. ``wire@copy``: the
+  same, then a device copy of those bytes on the receiver: the ceiling of staged mode (``refit@mode=staged``).
 - ``per-tensor`` (baseline A, the old vLLM / OpenRLHF example pattern): every HF tensor is produced
   on the trainer (gathered into a contiguous tensor where the layout splits it), broadcast on its own,
   received into a fresh tensor and copied into the engine's layout.
@@ -216,6 +217,35 @@ class Wire(Method):
         return "checksum ok" if not bad else f"CHECKSUM MISMATCH ({', '.join(bad)})"
 
 
+class WireThenCopy(Wire):
+    """``wire@copy``, the bound of staged mode (``refit@mode=staged``): the wire, then on each receiver a
+    device copy of every byte it received (through two buffers of at most 1 GiB, chunk after chunk), as a
+    staged commit copies the landed step into the engine's weights."""
+
+    name = "wire@copy"
+    CHUNK = 1 << 30
+
+    def setup(self) -> None:
+        super().setup()
+        if not self.ctx.is_train and self.buffer is not None:
+            chunk = min(self.CHUNK, max(1, self.buffer.numel()))
+            self.chunks = (torch.empty(chunk, dtype=torch.uint8, device=self.ctx.device),
+                           torch.empty(chunk, dtype=torch.uint8, device=self.ctx.device))
+
+    def step(self, index: int) -> None:
+        super().step(index)
+        if self.ctx.is_train or self.buffer is None:
+            return
+        src, dst = self.chunks
+        for start in range(0, self.buffer.numel(), src.numel()):
+            n = min(src.numel(), self.buffer.numel() - start)
+            dst[:n].copy_(src[:n])
+
+    def close(self) -> None:
+        self.__dict__.pop("chunks", None)
+        super().close()
+
+
 class PerTensor(Method):
     """Baseline A: broadcast every HF tensor on its own, then copy it into place."""
 
@@ -419,15 +449,7 @@ class RefitQuantizeAfter(Refit):
         self.__dict__.pop("staging", None)  # the BF16 copy of the engine's layout
 
 
-class RefitStaged(Refit):
-    """refit with every message staged through the buffers (no zero-copy): for comparison."""
-
-    name = "refit-staged"
-    settings = {"messages.zero_copy": False}
-
-
-METHODS: dict[str, type[Method]] = {m.name: m for m in (Wire, PerTensor, Packed, Refit, RefitStaged,
-                                                         RefitQuantizeAfter)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (Wire, PerTensor, Packed, Refit, RefitQuantizeAfter)}
 
 
 def _size(text: str) -> int:
@@ -440,10 +462,13 @@ def method_class(name: str) -> type[Method]:
     """A method by name; ``refit@bucket=256M+buffers=2+messages=runs+direct=64M+zero_copy=0+comms=1``
     is a refit variant (``refit@mode=staged``: staged commits; ``refit@confirm=0``: in place without the
     landing vote) (``refit@replicas=3+relay=1``: relay fanout, the trainers feed 1 of 3 replicas),
-    ``wire@ops=64`` the wire cut into 64 operations of one NCCL group."""
+    ``wire@ops=64`` the wire cut into 64 operations of one NCCL group, ``wire@copy`` the wire and then a device
+    copy of the received bytes (staged mode's bound)."""
     if name in METHODS:
         return METHODS[name]
     base, sep, spec = name.partition("@")
+    if base == "wire" and spec == "copy":
+        return WireThenCopy
     if base == "wire" and spec.startswith("ops="):
         return type("WireOps", (Wire,), {"name": name, "ops": int(spec[4:])})
     if base != "refit" or not sep:
