@@ -244,16 +244,23 @@ class MessageOptions(_Settings):
       their own (16 MiB).
     - ``zero_copy``: send or receive a message that is one contiguous run of local memory straight
       from or into that memory (True); False stages every message through the buffers.
+    - ``shared_max_bytes``: in ``units`` mode, the most bytes of one message that smaller units share
+      (64 MiB, at most the bucket). Such a message is staged on both sides; capped, its copies spread over
+      the step and hide behind the transfers.
     """
 
     mode: MessageMode = _setting(MessageMode.UNITS, MessageMode)
     direct_min_bytes: int = _setting(16 * MiB, int)
     zero_copy: bool = _setting(True, bool)
+    shared_max_bytes: int = _setting(64 * MiB, int)
 
     def __post_init__(self) -> None:
         self._coerce()
         if self.direct_min_bytes < 0:
             raise OptionError(f"MessageOptions.direct_min_bytes={self.direct_min_bytes}: must be >= 0")
+        if self.shared_max_bytes < _MESSAGE_ALIGN or self.shared_max_bytes % _MESSAGE_ALIGN:
+            raise OptionError(f"MessageOptions.shared_max_bytes={self.shared_max_bytes}: must be a positive "
+                              f"multiple of {_MESSAGE_ALIGN}")
 
 
 @_tracks_explicit
@@ -467,6 +474,8 @@ class RefitOptions(_Settings):
                 wire.pop(f.name, None)
         if not self.confirm:  # the default: the same fingerprints as before the setting existed
             wire.pop("confirm")
+        if self.messages.shared_max_bytes == MessageOptions().shared_max_bytes:  # likewise
+            wire["messages"].pop("shared_max_bytes")
         if not self.relay.active:  # no relay: the same fingerprints as before relay existed
             wire.pop("relay", None)
         elif not self.relay.forwards_within_nodes:  # nor does node forwarding change replica relay's

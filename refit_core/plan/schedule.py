@@ -9,7 +9,9 @@ its rounds in increasing order, so rounds never wait on each other in a cycle.
 Messages are cut from *units*: the transfers of one pair into one destination piece (e.g. the eight
 query-group blocks that make up ``q_proj``), with sibling grouped-expert tensors of equal shape
 (``experts.gate_proj`` and ``experts.up_proj``) interleaved expert by expert. By default (``units``)
-a unit of at least ``direct_bytes`` gets messages of its own and smaller units share packed messages.
+a unit of at least ``direct_bytes`` gets messages of its own and smaller units share packed messages
+of at most ``shared_max_bytes`` (64 MiB: a bucket-sized one, a Llama-3-8B's 512 MiB of ``k`` / ``v`` blocks,
+took 2.7 ms to pack on an H200 while NCCL ran, late in the step, and its unpacking ended the step).
 A message whose segments are one contiguous, gap-free run of memory on a side (a whole parameter, the
 ``q_proj`` rows of a fused QKV, ``[gate_e; up_e]`` of a stacked ``w13``) is then sent or received by the
 executor straight from or into that memory, with no staging copy; each side decides that alone, since
@@ -87,13 +89,6 @@ class Schedule:
     def rounds_of_destination(self, rank: int) -> list[list[Message]]:
         picked = ([m for m in msgs if m.dst == rank] for msgs in self.rounds)
         return [msgs for msgs in picked if msgs]
-
-
-SHARED_MESSAGE_BYTES = 64 << 20
-"""Most bytes of a message that small units share (``units`` mode). Such a message is staged on both
-sides (its units are scattered in memory); capped, its packing and unpacking spread over the step in
-small copies that hide behind the transfers. A bucket-sized one (a Llama-3-8B's 32 layers of ``k`` and
-``v`` blocks: 512 MiB) took 2.7 ms to pack on an H200 while NCCL ran, and its unpacking ended the step."""
 
 
 def _chunks(box: Box, max_numel: int, block: tuple[int, ...] | None = None) -> Iterator[Box]:
@@ -260,7 +255,7 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
     messages: list[Message] = []
     kind = None
     runs_mode, direct_min = formation.mode == MessageMode.RUNS, formation.direct_min_bytes
-    shared = _MessageBuilder(bucket_bytes if runs_mode else min(bucket_bytes, SHARED_MESSAGE_BYTES), messages)
+    shared = _MessageBuilder(bucket_bytes if runs_mode else min(bucket_bytes, formation.shared_max_bytes), messages)
     plain = not runs_mode and all(t.quantize is None for t in pair_transfers)
     for gather, parts in _units(pair_transfers, expert_groups):
         if plain and len(parts) == 1:  # the common case, kept short: one small plain transfer

@@ -459,7 +459,7 @@ def _size(text: str) -> int:
 
 
 def method_class(name: str) -> type[Method]:
-    """A method by name; ``refit@bucket=256M+buffers=2+messages=runs+direct=64M+zero_copy=0+comms=1``
+    """A method by name; ``refit@bucket=256M+buffers=2+messages=runs+direct=64M+shared=512M+zero_copy=0+comms=1``
     is a refit variant (``refit@mode=staged``: staged commits; ``refit@confirm=0``: in place without the
     landing vote) (``refit@replicas=3+relay=1``: relay fanout, the trainers feed 1 of 3 replicas),
     ``wire@ops=64`` the wire cut into 64 operations of one NCCL group, ``wire@copy`` the wire and then a device
@@ -488,6 +488,7 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "bucket": ("bucket_bytes", _size),
     "buffers": ("num_buffers", int),
     "direct": ("messages.direct_min_bytes", _size),
+    "shared": ("messages.shared_max_bytes", _size),
     "zero_copy": ("messages.zero_copy", lambda v: v not in ("0", "false", "False")),
     "messages": ("messages.mode", str),
     "comms": ("nccl.comms_per_link", int),
