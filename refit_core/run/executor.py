@@ -217,8 +217,8 @@ class _RoundRunner:
         self.explain: Callable[[tuple[int, int], tuple[int, int]], str] | None = None
         """Names what differs between a peer's subset and this rank's (theirs, ours), for the error."""
         self.header_peers: list[int] | None = None
-        self._header_memory: tuple[torch.Tensor, torch.Tensor] | None = None
-        """(pinned host words, device words) of this rank's header, on CUDA (made at the first step)."""
+        self._pinned_header: torch.Tensor | None = None
+        """This rank's header words in pinned host memory, on CUDA (made at the first step)."""
         """The peers the headers go to (None: this executor's own): a sub-schedule's executor talks to
         every peer of the whole schedule, so that two ends running different subsets both find out."""
 
@@ -336,20 +336,19 @@ class _RoundRunner:
         if not peers:
             return None
         words = torch.tensor([MAGIC, self.fingerprint, version, self.step, *self.subset], dtype=torch.int64)
-        if self.device.type == "cuda":  # through pinned memory: no pageable copy, no allocation per step
-            if self._header_memory is None:
-                self._header_memory = (torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True),
-                                       torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device))
-            pinned, mine = self._header_memory
-            pinned.copy_(words)
-            mine.copy_(pinned, non_blocking=True)  # the previous step's copy is done: its exchange completed
+        if self.device.type == "cuda":  # through pinned memory: no pageable copy
+            if self._pinned_header is None:
+                self._pinned_header = torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True)
+            self._pinned_header.copy_(words)  # the previous step's copy is done: its exchange completed
+            mine = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+            mine.copy_(self._pinned_header, non_blocking=True)
         else:
             mine = words
         theirs = torch.empty((len(peers), HEADER_WORDS), dtype=torch.int64, device=self.device)
         after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
         fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
                                [(p + self.peer_offset, theirs[i]) for i, p in enumerate(peers)], after, -1)
-        return _Headers(fence, list(peers), theirs)
+        return _Headers(fence, list(peers), mine, theirs)
 
     def _check_headers(self, posted: _Headers | None, version: int, deadline: float) -> int:
         """Wait for the peers' headers and check them (same plan, step and subset; one version)."""
@@ -395,10 +394,12 @@ class _RoundRunner:
 
 @dataclass(frozen=True)
 class _Headers:
-    """One step's header exchange in flight: its fence and the peers' headers as they land (a row each)."""
+    """One step's header exchange in flight: its fence, this rank's header (alive until the fence completes)
+    and the peers' headers as they land (a row each)."""
 
     fence: Fence
     peers: list[int]
+    mine: torch.Tensor
     theirs: torch.Tensor
 
 
