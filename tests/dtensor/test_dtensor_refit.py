@@ -13,21 +13,26 @@ from dtensor_ranks import REPLICATED, case_id, refit_ranks, write_truth
 from refit_core.kit.launch import free_port, spawn
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe"]
-ALL = [{"model": m} for m in MODELS]
-QWEN3S = [{"model": m} for m in MODELS if m != "tiny-llama"]
-"""tiny-llama's parameters are tiny-qwen3's but its q/k norms, under the same names, shapes and placements
-(the TP plan goes by module name and kind): next to tiny-qwen3 in a pair it repeats it. It stays in
-fsdp2-to-tp2 (the fp32 twin of its bf16 case) and in the replicated pair (which splits its sends)."""
+LLAMA, QWEN3, TIED, MOE = ({"model": m} for m in MODELS)
+# What each model adds (the TP plan goes by module name and kind, so the same modules shard alike in
+# every model): tiny-llama, untied embeddings and lm_head, a dense MLP; tiny-qwen3, tiny-llama's very
+# parameters plus q/k norms; tiny-qwen3-tied, the tie (embeddings left replicated under TP) with a dense
+# MLP and q/k norms; tiny-qwen3-moe, fused experts with untied embeddings and q/k norms. So tiny-qwen3
+# repeats tiny-llama plus tiny-qwen3-tied's norms, and a pair runs it only where no other case covers
+# its checks: tp2-to-2d's sharded forward of an untied model under TP (tiny-llama is not there; a TP
+# MoE has no sharded forward). tiny-llama stays in fsdp2-to-tp2 (the fp32 twin of its bf16 case, and
+# the untied sharded forward under TP) and in the replicated pair (which splits its sends).
 
 # name: (source layout, train ranks, destination layout, gen ranks, cases)
 PAIRS = {
-    "fsdp2-to-tp2": ("fsdp=2", 2, "tp=2", 2, ALL + [
+    "fsdp2-to-tp2": ("fsdp=2", 2, "tp=2", 2, [
+        LLAMA, TIED, MOE,
         {"model": "tiny-llama", "dtype": "bfloat16"},
         {"model": "tiny-qwen3-tied", "shard_tied_embeddings": True},
     ]),
-    "tp2-to-2d": ("tp=2", 2, "fsdp=2,tp=2", 4, QWEN3S),
-    "2d-to-fsdp2": ("fsdp=2,tp=2", 4, "fsdp=2", 2, QWEN3S),
-    "replicated2-to-fsdp2": (REPLICATED, 2, "fsdp=2", 2, [{"model": "tiny-llama"}, {"model": "tiny-qwen3-moe"}]),
+    "tp2-to-2d": ("tp=2", 2, "fsdp=2,tp=2", 4, [QWEN3, TIED, MOE]),
+    "2d-to-fsdp2": ("fsdp=2,tp=2", 4, "fsdp=2", 2, [TIED, MOE]),
+    "replicated2-to-fsdp2": (REPLICATED, 2, "fsdp=2", 2, [LLAMA, MOE]),
 }
 MISMATCH = ("fsdp2-to-tp2", {"intermediate_size": 192})
 """The pair whose ranks, after their cases, set up once more with this in the gen side's config (a
