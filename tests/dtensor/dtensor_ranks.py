@@ -187,9 +187,11 @@ def case_id(case: dict[str, Any]) -> str:
 
 
 def refit_ranks(rank: int, world: int, train_world: int, ports: list[int], src_layout: str, dst_layout: str,
-                cases: list[dict[str, Any]], truth_dir: str) -> dict[str, Any]:
+                cases: list[dict[str, Any]], truth_dir: str, mismatch: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
     """One rank of a train (``rank < train_world``) or gen program running every case: a fresh
-    model pair, checked, then refitted twice (steps 1 and 2) and checked again."""
+    model pair, checked, then refitted twice (steps 1 and 2) and checked again. With ``mismatch``,
+    then :func:`mismatched_setup` on rendezvous port ``ports[2 + len(cases)]``, under key ``"mismatch"``."""
     from refit_dtensor import load_hf_weights
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -261,6 +263,9 @@ def refit_ranks(rank: int, world: int, train_world: int, ports: list[int], src_l
                 checks[f"logits_{step}"] = _logits(model, config, full, truth["logits"], layout, dtype)
         endpoint.close()
         out[case_id(case)] = checks
+    if mismatch is not None:
+        out["mismatch"] = mismatched_setup(train, side_rank, side_world, layout, mesh,
+                                           f"127.0.0.1:{ports[2 + len(cases)]}", mismatch)
     dist.destroy_process_group()
     return out
 
@@ -290,26 +295,20 @@ def _logits(model: torch.nn.Module, config: dict[str, Any], full: dict[str, torc
 
 # -- setup errors -------------------------------------------------------------------------------
 
-def mismatch_ranks(rank: int, world: int, train_world: int, ports: list[int], overrides: dict[str, Any]
-                   ) -> tuple[str, str]:
-    """FSDP2 train ranks with a stock tiny Llama, TP gen ranks with ``overrides`` in its config:
-    setup must fail on every rank, before any transfer. Returns ``(error type, message)``."""
+def mismatched_setup(train: bool, side_rank: int, side_world: int, layout: ParallelLayout, mesh: Any, address: str,
+                     overrides: dict[str, Any]) -> tuple[str, str]:
+    """A stock tiny Llama on the train side, ``overrides`` in the gen side's config, sharded as
+    ``layout`` on ``mesh``: setup must fail on every rank, before any transfer. Returns ``(error type,
+    message)``."""
     from refit_core import RefitOptions, RefitReceiver, RefitSender
 
-    train = rank < train_world
-    side_rank, side_world = (rank, train_world) if train else (rank - train_world, world - train_world)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0 if train else 1]}",
-                            rank=side_rank, world_size=side_world)
-    layout = ParallelLayout(fsdp=2) if train else ParallelLayout(tp=2)
     config = model_config("tiny-llama", **({} if train else overrides))
-    model = shard_model(build_model(config), layout, init_mesh(layout))
+    model = shard_model(build_model(config), layout, mesh)
     kind = RefitSender if train else RefitReceiver
-    endpoint = kind(model, rendezvous=f"127.0.0.1:{ports[2]}", rank=side_rank, world_size=side_world,
+    endpoint = kind(model, rendezvous=address, rank=side_rank, world_size=side_world,
                     options=RefitOptions(timeout_s=30))
     try:
         endpoint.setup()
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return type(exc).__name__, str(exc)
-    finally:
-        dist.destroy_process_group()
     return "none", "setup succeeded"

@@ -62,29 +62,30 @@ LAYOUTS = {"tp1": "dp=2", "tp2": "tp=2", "pp2": "pp=2", "ep2": "dp=2,ep=2", "pp2
 """Layouts of the 2 train ranks (TP 1 with two data-parallel replicas, TP 2, PP 2, EP 2)."""
 
 
-def engine_ranks(rank: int, world: int, ports: tuple[int, int], tmp: str, model: str,
-                 layouts: list[str]) -> dict[str, Any]:
-    """Train ranks ``0..1`` (megatron) or gen rank 2 (the reference engine), every layout of ``model``."""
+def engine_ranks(rank: int, world: int, ports: tuple[int, int], tmp: str,
+                 cases: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """Train ranks ``0..1`` (megatron) or gen rank 2 (the reference engine), every ``(model, layout)``
+    case in turn; results by model, then layout."""
     train = rank < TRAIN_WORLD
     side_rank, side_world = (rank, TRAIN_WORLD) if train else (rank - TRAIN_WORLD, GEN_WORLD)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0 if train else 1]}",
                             rank=side_rank, world_size=side_world)
-    results = {}
-    for name in layouts:
+    results: dict[str, dict[str, Any]] = {}
+    for model, name in cases:
         address = _rendezvous(train, side_rank, os.path.join(tmp, f"{model}-{name}.address"))
-        results[name] = (_train if train else _gen)(side_rank, ENGINE_MODELS[model], name, address,
-                                                     os.path.join(tmp, f"{model}-{name}"))
+        results.setdefault(model, {})[name] = (_train if train else _gen)(
+            side_rank, ENGINE_MODELS[model], name, address, os.path.join(tmp, f"{model}-{name}"))
     dist.destroy_process_group()
     return results
 
 
-def run_engine_ranks(tmp: str, model: str, layouts: list[str]) -> tuple[list[Any], list[Any]]:
+def run_engine_ranks(tmp: str, cases: list[tuple[str, str]]) -> tuple[list[Any], list[Any]]:
     """:func:`engine_ranks` on ``TRAIN_WORLD + GEN_WORLD`` fresh processes: (train results, gen results)."""
     from refit_core.kit.launch import free_port, spawn
 
-    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()), tmp, model, layouts,
-                timeout_s=180)  # about 11 s here; under pytest's 900 s per test, so the ranks' own errors come first
-    return out[:TRAIN_WORLD], out[TRAIN_WORLD:]
+    out = spawn(engine_ranks, TRAIN_WORLD + GEN_WORLD, (free_port(), free_port()), tmp, cases,
+                timeout_s=240)  # every case (10): 20 s here; under pytest's 900 s per test, so the ranks' own
+    return out[:TRAIN_WORLD], out[TRAIN_WORLD:]  # errors come first
 
 
 def assert_two_refits_landed(gen: list[Any], layout: str) -> None:

@@ -15,16 +15,18 @@ from tests.environments import require
 
 require("refit_megatron")
 
-from engine_ranks import ENGINE_MODELS, assert_two_refits_landed, run_engine_ranks
+from engine_ranks import ENGINE_MODELS, assert_two_refits_landed
 
+ENGINE_MODEL = "mla-mtp"
+"""The model this module refits into the reference engine (``tests/megatron/conftest.py``: one spawn for
+every such module)."""
 LAYOUTS = ["tp2", "pp2", "ep2", "pp2-uneven"]
 MTP_LAYER = f"model.layers.{ENGINE_MODELS['mla-mtp'].config['num_hidden_layers']}."
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    require("megatron.core")
-    return run_engine_ranks(str(tmp_path_factory.mktemp("mtp")), "mla-mtp", LAYOUTS)
+def results(engine_results):
+    return engine_results(ENGINE_MODEL)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -16,19 +16,21 @@ from tests.environments import require
 require("refit_megatron")
 
 from engine_ranks import LAYOUTS as ALL_LAYOUTS
-from engine_ranks import assert_two_refits_landed, run_engine_ranks
+from engine_ranks import assert_two_refits_landed
 from nemotronh_build import CONFIG
 
 from refit_core import ParallelLayout, PluginError
 
+ENGINE_MODEL = "nemotronh"
+"""The model this module refits into the reference engine (``tests/megatron/conftest.py``: one spawn for
+every such module)."""
 LAYOUTS = [name for name in ALL_LAYOUTS if name != "pp2-uneven"]
 """The shared uneven split (1 + 3 layers) fits the 4-layer GPT models, not the hybrid stack's layer count."""
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    require("megatron.core")
-    return run_engine_ranks(str(tmp_path_factory.mktemp("nemotronh")), "nemotronh", LAYOUTS)
+def results(engine_results):
+    return engine_results(ENGINE_MODEL)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -12,15 +12,17 @@ from tests.environments import require
 
 require("refit_megatron")
 
-from engine_ranks import assert_two_refits_landed, run_engine_ranks
+from engine_ranks import assert_two_refits_landed
 
+ENGINE_MODEL = "dense-tied"
+"""The model this module refits into the reference engine (``tests/megatron/conftest.py``: one spawn for
+every such module)."""
 LAYOUTS = ["pp2", "tp2"]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    require("megatron.core")
-    return run_engine_ranks(str(tmp_path_factory.mktemp("tied")), "dense-tied", LAYOUTS)
+def results(engine_results):
+    return engine_results(ENGINE_MODEL)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -406,12 +406,22 @@ def _refit_engine(cfg: dict[str, Any]) -> tuple[Any, list[list[int]], str, Calla
     return llm, prompts, tmp, generate
 
 
-def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
+def scenario_mismatch_then_subset(engine_model: str, train_model: str) -> dict[str, Any]:
+    """One engine of ``engine_model`` (one engine start for two scenarios): :func:`mismatched_setup`,
+    then, on the weights that failed setup left, :func:`subset_then_whole`."""
+    cfg = tiny_config(engine_model)
+    llm, prompts, tmp, generate = _refit_engine(cfg)
+    result = {"mismatch": mismatched_setup(llm, cfg, prompts, tmp, generate, train_model),
+              "subset": subset_then_whole(llm, cfg, prompts, tmp, generate)}
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def mismatched_setup(llm: Any, cfg: dict[str, Any], prompts: list[list[int]], tmp: str,
+                     generate: Callable[[], list[list[int]]], train_model: str) -> dict[str, Any]:
     """A trainer whose model does not match the engine's: setup fails, the engine keeps serving."""
     from refit_core.kit.launch import free_port
 
-    cfg = tiny_config(engine_model)
-    llm, prompts, tmp, generate = _refit_engine(cfg)
     before = generate()
     rendezvous = f"127.0.0.1:{free_port()}"
     trainers = Trainers(train_sender, 2, tiny_config(train_model), rendezvous, free_port(), [1],
@@ -428,7 +438,6 @@ def scenario_mismatch(engine_model: str, train_model: str) -> dict[str, Any]:
     after = generate()
     result["still_generates"] = after == before
     result["matches_hf_initial"] = after == hf_tokens(cfg, 0, prompts, tmp)
-    llm.llm_engine.engine_core.shutdown()
     return result
 
 
@@ -566,19 +575,18 @@ def _which_version(held: dict[str, torch.Tensor], cfg: dict[str, Any], steps: tu
             for n, t in held.items()}
 
 
-def scenario_subset(model: str) -> dict[str, Any]:
-    """One session, two steps: step 1 names a subset in vLLM's nccl-style update info (the trainers
-    send the same with ``send(only=...)``): two fused groups (layer 0's q/k/v, layer 1's gate/up) and
-    two norms. Step 2 is whole. After each: the norms' bytes as vLLM holds them, and greedy tokens
-    against HF transformers with the weights the engine should hold (step 1: the subset's tensors
-    from step 1, the rest from step 0)."""
+def subset_then_whole(llm: Any, cfg: dict[str, Any], prompts: list[list[int]], tmp: str,
+                      generate: Callable[[], list[list[int]]]) -> dict[str, Any]:
+    """One session, two steps, into an engine holding step 0's weights: step 1 names a subset in
+    vLLM's nccl-style update info (the trainers send the same with ``send(only=...)``): two fused
+    groups (layer 0's q/k/v, layer 1's gate/up) and two norms. Step 2 is whole. After each: the
+    norms' bytes as vLLM holds them, and greedy tokens against HF transformers with the weights the
+    engine should hold (step 1: the subset's tensors from step 1, the rest from step 0)."""
     from refit_vllm.reference import hf_greedy, write_model_dir
 
     from refit_core.kit.launch import free_port
     from refit_core.kit.models import reference_state_dict
 
-    cfg = tiny_config(model)
-    llm, prompts, tmp, generate = _refit_engine(cfg)
     subset = ["model.norm.weight", "model.layers.0.input_layernorm.weight",
               *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"),
               *(f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up"))]
@@ -614,7 +622,6 @@ def scenario_subset(model: str) -> dict[str, Any]:
     result["whole_tokens_equal_hf"] = generate() == hf_tokens(cfg, 2, prompts, tmp)
     result["version_after_whole"] = llm.get_weight_version()
     result["subset"] = subset
-    llm.llm_engine.engine_core.shutdown()
     return result
 
 
@@ -822,8 +829,8 @@ def scenario_lora(**kwargs: Any) -> dict[str, Any]:
     return run(**kwargs)
 
 
-SCENARIOS = {"refit": scenario_refit, "mismatch": scenario_mismatch, "abort": scenario_abort,
-             "inflight": scenario_inflight, "subset": scenario_subset, "docs": scenario_docs, "lora": scenario_lora}
+SCENARIOS = {"refit": scenario_refit, "mismatch_then_subset": scenario_mismatch_then_subset, "abort": scenario_abort,
+             "inflight": scenario_inflight, "docs": scenario_docs, "lora": scenario_lora}
 
 if __name__ == "__main__":
     name, arguments = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
