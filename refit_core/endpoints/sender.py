@@ -207,7 +207,7 @@ class RefitSender(RefitEndpoint):
         It first checks that every source tensor is still the memory bound (shared with colocated
         peers) at setup; if not, the step fails, naming the tensor, before any byte moves. In staged
         mode it returns once every gen rank has read train rank 0's decision and applied the step; in
-        place with ``confirm`` (the default) once every gen rank said it landed it. A step that did not
+        place with ``confirm`` (off by default) once every gen rank said it landed it. A step that did not
         land everywhere raises :class:`~refit_core.contract.errors.TransferError` naming the ranks. After a failure
         (:class:`~refit_core.contract.errors.TransferError`), ``close()`` and ``setup()`` again.
         """
