@@ -217,10 +217,10 @@ class _RoundRunner:
         self.explain: Callable[[tuple[int, int], tuple[int, int]], str] | None = None
         """Names what differs between a peer's subset and this rank's (theirs, ours), for the error."""
         self.header_peers: list[int] | None = None
-        self._pinned_header: torch.Tensor | None = None
-        """This rank's header words in pinned host memory, on CUDA (made at the first step)."""
         """The peers the headers go to (None: this executor's own): a sub-schedule's executor talks to
         every peer of the whole schedule, so that two ends running different subsets both find out."""
+        self._pinned_header: torch.Tensor | None = None
+        """This rank's header words in pinned host memory, on CUDA (made at the first step)."""
 
     def _begin(self) -> None:
         """A step starts: begin recording it if asked to."""
