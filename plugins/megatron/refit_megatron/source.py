@@ -44,7 +44,7 @@ class MegatronSource:
 
     model: Any
     hf_config: dict[str, Any] = field(repr=False)
-    _tensors: ModuleTensors | None = field(default=None, init=False, repr=False, compare=False)
+    _lister: ModuleTensors | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def chunks(self) -> list[torch.nn.Module]:
@@ -118,9 +118,9 @@ def model_tensors(source: MegatronSource) -> list[tuple[str, torch.Tensor]]:
     Listed before every step: the chunks are walked once and their tensors then read from their modules'
     slots (:class:`refit_core.kit.ModuleTensors`), about 0.05 ms instead of 0.9 ms for a 32-layer model."""
     chunks = source.chunks
-    lister = source._tensors
+    lister = source._lister
     if lister is None or [root for _, root in lister.roots] != chunks:
-        lister = source._tensors = ModuleTensors([(str(index), chunk) for index, chunk in enumerate(chunks)])
+        lister = source._lister = ModuleTensors([(str(index), chunk) for index, chunk in enumerate(chunks)])
     return lister()
 
 
