@@ -74,6 +74,7 @@ from refit_core.kit.models import load_config
 from refit_core.net.transport.memory import SharedStorage, export_storage, open_storage
 from refit_core.run.timing import StepTrace, breakdown
 from refit_core.tools.bench import layouts
+from refit_core.tools.bench.copybound import MIN_BOUND_SAMPLES, CopyBound, sync_device
 from refit_core.tools.bench.fit import Fit, fit_layers
 from refit_core.tools.bench.validity import Ratio, bound_rate_problem, check_ratio
 from refit_core.tools.bench.methods import hf_tensors, scatter
@@ -128,11 +129,6 @@ class _Sync:
         return value
 
 
-def _sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
@@ -146,46 +142,8 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-BOUND_WARMUP = 3
-"""Untimed copies of all the bytes before the copy bound's first sample."""
-MIN_BOUND_SAMPLES = 10
-"""The copy bound is the median of at least this many timed copies of all the bytes."""
 MEMORY_RESERVE = 3 * GiB
 """GPU memory kept out of the budget: two processes' CUDA contexts and the allocator's slack."""
-
-
-class CopyBound:
-    """One device copy of ``nbytes`` through two buffers of ``min(nbytes, max_bytes)`` (chunk after
-    chunk, timed as one copy); :meth:`sample` times one more. Warm from construction on."""
-
-    def __init__(self, nbytes: int, device: torch.device, max_bytes: int) -> None:
-        self.nbytes, self.device = nbytes, device
-        self.chunk = max(1, min(nbytes, max_bytes))
-        self.src = torch.zeros(self.chunk, dtype=torch.uint8, device=device)
-        self.dst = torch.empty_like(self.src)
-        self.samples: list[float] = []
-        for _ in range(BOUND_WARMUP):
-            self._copy()
-        _sync_device(device)
-
-    def _copy(self) -> None:
-        for start in range(0, self.nbytes, self.chunk):
-            n = min(self.chunk, self.nbytes - start)
-            self.dst[:n].copy_(self.src[:n])
-
-    def sample(self) -> None:
-        _sync_device(self.device)
-        start = time.perf_counter()
-        self._copy()
-        _sync_device(self.device)
-        self.samples.append(time.perf_counter() - start)
-
-    def top_up(self, count: int = MIN_BOUND_SAMPLES) -> None:
-        while len(self.samples) < count:
-            self.sample()
-
-    def close(self) -> None:
-        del self.src, self.dst
 
 
 def needed_bytes(model_bytes: int, bound_bytes: int) -> int:
@@ -266,13 +224,13 @@ class PingPong:
                     out = self._view(buffer, index, offset)
                     for box, view in parts:
                         box.slice_of(out).copy_(view)
-                _sync_device(self.device)
+                sync_device(self.device)
                 self.sync.signal(key)
             else:
                 self.sync.take(key)
                 for index, offset in bucket:
                     scatter(self._view(buffer, index, offset), self.tensors[index][1])
-                _sync_device(self.device)
+                sync_device(self.device)
                 if k + 2 < len(self.buckets):
                     self.sync.signal(f"pingpong/{step}/{k + 2}/ack-{k}")
         if self.train:
@@ -290,12 +248,12 @@ def _timed(sync: _Sync, device: torch.device, step, before=None) -> tuple[float,
     first, outside both measurements."""
     if before is not None:
         before()
-    _sync_device(device)
+    sync_device(device)
     _reset_peak(device)
     sync.barrier()
     start = time.perf_counter()
     step()
-    _sync_device(device)
+    sync_device(device)
     return time.perf_counter() - start, _peak(device)
 
 

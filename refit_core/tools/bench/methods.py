@@ -35,6 +35,7 @@ from refit_core.endpoints.receiver import RefitReceiver
 from refit_core.endpoints.sender import RefitSender
 from refit_core.kit.models import checkpoint_specs
 from refit_core.run.timing import Timeline
+from refit_core.tools.bench.copybound import CopyBound
 
 PACKED_TARGET_BYTES = 1 << 30
 PACKED_BUFFERS = 2
@@ -219,30 +220,26 @@ class Wire(Method):
 
 class WireThenCopy(Wire):
     """``wire@copy``, the bound of staged mode (``refit@mode=staged``): the wire, then on each receiver a
-    device copy of every byte it received (through two buffers of at most 1 GiB, chunk after chunk), as a
-    staged commit copies the landed step into the engine's weights."""
+    device copy of every byte it received (:class:`~refit_core.tools.bench.copybound.CopyBound`, through two
+    buffers of at most 1 GiB), as a staged commit copies the landed step into the engine's weights."""
 
     name = "wire@copy"
     CHUNK = 1 << 30
 
+    bound: CopyBound | None = None
+
     def setup(self) -> None:
         super().setup()
         if not self.ctx.is_train and self.buffer is not None:
-            chunk = min(self.CHUNK, max(1, self.buffer.numel()))
-            self.chunks = (torch.empty(chunk, dtype=torch.uint8, device=self.ctx.device),
-                           torch.empty(chunk, dtype=torch.uint8, device=self.ctx.device))
+            self.bound = CopyBound(self.buffer.numel(), self.ctx.device, self.CHUNK)
 
     def step(self, index: int) -> None:
         super().step(index)
-        if self.ctx.is_train or self.buffer is None:
-            return
-        src, dst = self.chunks
-        for start in range(0, self.buffer.numel(), src.numel()):
-            n = min(src.numel(), self.buffer.numel() - start)
-            dst[:n].copy_(src[:n])
+        if self.bound is not None:
+            self.bound.copy()
 
     def close(self) -> None:
-        self.__dict__.pop("chunks", None)
+        self.bound = None
         super().close()
 
 

@@ -19,7 +19,7 @@ The trainer holds a Megatron-style model, the engine a vLLM-style one (:mod:`ref
   each bucket without loading. Four processes: trainer, engine, PS rank 1, rank 0's worker.
 - ``refit``: :class:`~refit_core.RefitSender` / :class:`~refit_core.RefitReceiver` with default options.
 - the bound: ``copy-bound`` on one GPU (one device copy of the same bytes,
-  :class:`~refit_core.tools.bench.colocated.CopyBound`), ``wire`` on two (one NCCL send of the same
+  :class:`~refit_core.tools.bench.copybound.CopyBound`), ``wire`` on two (one NCCL send of the same
   bytes GPU 0 -> GPU 1). Every ``of bound`` goes through :func:`~refit_core.tools.bench.validity.check_ratio`.
 
 checkpoint-engine starts from host memory by design: its ``h2d`` is the time of its own host-to-device
@@ -54,7 +54,8 @@ from refit_core.contract.errors import RefitError
 from refit_core.kit.launch import RankFailure, free_port, spawn
 from refit_core.kit.models import load_config
 from refit_core.tools.bench import layouts
-from refit_core.tools.bench.colocated import CopyBound, memory_budget
+from refit_core.tools.bench.colocated import memory_budget
+from refit_core.tools.bench.copybound import CopyBound
 from refit_core.tools.bench.fit import Fit, fit_layers
 from refit_core.tools.bench.methods import hf_tensors, materialize, open_bench_comm, scatter
 from refit_core.tools.bench.runner import _Barrier, _checksum
