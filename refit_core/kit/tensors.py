@@ -49,22 +49,20 @@ class ModuleTensors:
         """How many times the trees were walked (1 while nothing structural changed)."""
 
     def _walk(self) -> None:
-        slots: list[_Slot] = []
+        slots: dict[str, list[_Slot]] = {"_parameters": [], "_buffers": []}
+        seen: dict[str, set[int]] = {kind: set() for kind in slots}
         links: list[_Link] = []
-        for kind in ("_parameters", "_buffers"):
-            seen: set[int] = set()
-            for prefix, root in self.roots:
-                for path, module in root.named_modules():
+        for prefix, root in self.roots:
+            for path, module in root.named_modules():
+                for kind, listed in slots.items():
                     table = getattr(module, kind)
                     for key, tensor in table.items():
-                        if tensor is None or id(tensor) in seen:
-                            continue
-                        seen.add(id(tensor))
-                        slots.append(_Slot(".".join(p for p in (prefix, path, key) if p), table, key))
-                    if kind == "_parameters":
-                        links += [_Link(module._modules, key, child) for key, child in module._modules.items()
-                                  if child is not None]
-        self._slots, self._links = slots, links
+                        if tensor is not None and id(tensor) not in seen[kind]:
+                            seen[kind].add(id(tensor))
+                            listed.append(_Slot(".".join(p for p in (prefix, path, key) if p), table, key))
+                links += [_Link(module._modules, key, child) for key, child in module._modules.items()
+                          if child is not None]
+        self._slots, self._links = slots["_parameters"] + slots["_buffers"], links
         self.walks += 1
 
     def _current(self) -> bool:
