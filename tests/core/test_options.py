@@ -44,6 +44,7 @@ def test_wire_form_is_plain_json_and_round_trips():
     ({"bucket_bytes": 1000}, "RefitOptions.bucket_bytes=1000: must be a positive multiple of 16"),
     ({"messages": {"mode": "chunks"}}, "MessageOptions.mode='chunks'"),
     ({"messages": {"zero_copy": 1}}, "MessageOptions.zero_copy=1: expected True or False"),
+    ({"messages": {"shared_max_bytes": 100}}, "MessageOptions.shared_max_bytes=100: must be a positive multiple of 16"),
     ({"nccl": {"comms_per_link": 0}}, "NcclOptions.comms_per_link=0: must be >= 1"),
     ({"nccl": {"kind": "x"}}, "NcclOptions: unknown setting(s) ['kind']"),
     ({"buckets": 1}, "RefitOptions: unknown setting(s) ['buckets']"),
@@ -105,6 +106,10 @@ def test_settings_are_part_of_the_plan_fingerprint():
     a = build_schedule(transfers, 1, 1, 1024, agreed_settings=RefitOptions().resolved("cpu").digest())
     b = build_schedule(transfers, 1, 1, 1024, agreed_settings=RefitOptions(num_buffers=2).resolved("cpu").digest())
     assert a.rounds == b.rounds and a.fingerprint != b.fingerprint
+    # a setting added later keeps the fingerprints of plans that leave it at its default
+    default = RefitOptions(messages={"shared_max_bytes": 64 << 20}).resolved("cpu").digest()
+    assert default == RefitOptions().resolved("cpu").digest()
+    assert RefitOptions(messages={"shared_max_bytes": 1 << 20}).resolved("cpu").digest() != default
 
 
 # Every agreed setting, set on the gen side to a value other than the train side's.
