@@ -221,6 +221,9 @@ class _RoundRunner:
         every peer of the whole schedule, so that two ends running different subsets both find out."""
         self._pinned_header: torch.Tensor | None = None
         """This rank's header words in pinned host memory, on CUDA (made at the first step)."""
+        self._header_words: Any = None
+        """A numpy view of :attr:`_pinned_header`: each step writes its words there without a tensor op."""
+        self._peers: list[int] | None = None
 
     def _begin(self) -> None:
         """A step starts: begin recording it if asked to."""
@@ -240,17 +243,21 @@ class _RoundRunner:
                   after: Sequence[Fence], index: int) -> Fence:
         """The transport's exchange of round ``index`` (-1: the header), recorded when asked to."""
         timeline = self.timeline
+        control = index < 0
         if timeline is None:
-            return self.transport.exchange(sends, recvs, after=after)
+            return self.transport.exchange(sends, recvs, after=after, control=control)
         timeline.round = index
         posted = time.perf_counter()
-        fence = self.transport.exchange(sends, recvs, after=after)
+        fence = self.transport.exchange(sends, recvs, after=after, control=control)
         if self.transport.records_spans:
             return fence
         return timeline.observe(fence, "transfer", Phase.HEADER if index < 0 else Phase.TRANSFER, index, posted)
 
     def peers(self) -> list[int]:
-        return sorted({self._peer(m) for msgs in self.rounds for m in msgs})
+        """This side's peers in the rounds (their ranks within the other side), sorted."""
+        if self._peers is None:
+            self._peers = sorted({self._peer(m) for msgs in self.rounds for m in msgs})
+        return self._peers
 
     def _peer(self, m: Message) -> int:
         raise NotImplementedError
@@ -335,17 +342,19 @@ class _RoundRunner:
             peers = self.peers() if self.header_peers is None else self.header_peers
         if not peers:
             return None
-        words = torch.tensor([MAGIC, self.fingerprint, version, self.step, *self.subset], dtype=torch.int64)
+        words = (MAGIC, self.fingerprint, version, self.step, *self.subset)
+        # one allocation: this rank's header in row 0, the peers' after it (each row contiguous)
+        rows = torch.empty((1 + len(peers), HEADER_WORDS), dtype=torch.int64, device=self.device)
+        mine, theirs = rows[0], rows[1:]
         if self.device.type == "cuda":  # through pinned memory: no pageable copy
             if self._pinned_header is None:
                 self._pinned_header = torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True)
-            self._pinned_header.copy_(words)  # the previous step's copy is done: its exchange completed
-            mine = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+                self._header_words = self._pinned_header.numpy()
+            self._header_words[:] = words  # the previous step's copy is done: its exchange completed
             mine.copy_(self._pinned_header, non_blocking=True)
+            after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
         else:
-            mine = words
-        theirs = torch.empty((len(peers), HEADER_WORDS), dtype=torch.int64, device=self.device)
-        after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
+            mine.copy_(torch.tensor(words, dtype=torch.int64))
         fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
                                [(p + self.peer_offset, theirs[i]) for i, p in enumerate(peers)], after, -1)
         return _Headers(fence, list(peers), mine, theirs)

@@ -112,11 +112,11 @@ def _arm(endpoint, strike: Strike) -> None:
         transport = endpoint._executor.transport
         real_exchange, calls = transport.exchange, [0]
 
-        def exchange(sends, recvs, after=()):
+        def exchange(sends, recvs, after=(), **options):
             calls[0] += 1
             if calls[0] == strike.exchange:
                 _hit(strike.action)
-            return real_exchange(sends, recvs, after)
+            return real_exchange(sends, recvs, after, **options)
         transport.exchange = exchange
     wrapped = {Point.AFTER_VOTE: "vote", Point.AFTER_DECIDE: "decide", Point.AFTER_SETTLE: "settle"}
     name = wrapped.get(strike.point)

@@ -49,14 +49,14 @@ def _inject(endpoint, fault: Fault) -> None:
     real = transport.exchange
     calls = {"n": 0}
 
-    def exchange(sends, recvs, after=()):
+    def exchange(sends, recvs, after=(), **options):
         calls["n"] += 1
         if calls["n"] == fault.after_exchanges:
             if fault.delay_s is None:
                 os.kill(os.getpid(), fault.sig)
             else:
                 threading.Timer(fault.delay_s, os.kill, (os.getpid(), fault.sig)).start()
-        return real(sends, recvs, after)
+        return real(sends, recvs, after, **options)
 
     transport.exchange = exchange
 

@@ -132,11 +132,11 @@ def _inject(endpoint: Any, fault: str) -> None:
         transport = endpoint._executor.transport
         real, calls = transport.exchange, [0]
 
-        def exchange(sends: Any, recvs: Any, after: Any = ()) -> Any:
+        def exchange(sends: Any, recvs: Any, after: Any = (), **options: Any) -> Any:
             calls[0] += 1
             if calls[0] == at:
                 raise RuntimeError("injected: the transport failed mid-step")
-            return real(sends, recvs, after)
+            return real(sends, recvs, after, **options)
 
         transport.exchange = exchange
     elif fault == "quantize":

@@ -97,8 +97,11 @@ class Transport(ABC):
 
     @abstractmethod
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-                 after: Sequence[Fence] = ()) -> Fence:
-        """Post all ``(peer, tensor)`` sends and receives at once, once ``after`` completed."""
+                 after: Sequence[Fence] = (), *, control: bool = False) -> Fence:
+        """Post all ``(peer, tensor)`` sends and receives at once, once ``after`` completed.
+
+        ``control``: a small exchange both ends make as one (the step header); a transport with several
+        channels per link may post it on a fixed one, outside the rotation of data messages."""
 
     def abort(self, reason: str) -> None:
         """This rank gives up on the step in progress (``reason``): peers still waiting on it stop within

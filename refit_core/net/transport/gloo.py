@@ -186,7 +186,7 @@ class GlooTransport(Transport):
         self._in_flight = 0  # fences posted and not yet waited for
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-                 after: Sequence[Fence] = ()) -> Fence:
+                 after: Sequence[Fence] = (), *, control: bool = False) -> Fence:
         check_contiguous(sends)
         check_contiguous(recvs)
         for fence in after:

@@ -18,7 +18,9 @@ costs some 20 us beyond its bytes (filling and draining its pipeline). With
 :attr:`NcclOptions.comms_per_link <refit_core.contract.options.NcclOptions.comms_per_link>` = K (default 2)
 every link has K communicators, each on its own stream, and the i-th operation to a peer goes to
 communicator ``i % K``: both sides post the same sequence of operations per peer (NCCL needs that
-anyway), so they agree on the communicator without a word, and consecutive operations overlap.
+anyway), so they agree on the communicator without a word, and consecutive operations overlap. The step
+header (a *control* exchange, both directions at once) goes on the first communicator as one group,
+outside that rotation.
 
 Backends (:class:`~refit_core.contract.options.NcclBackend`). ``nccl4py`` (``pip install nccl4py``; the
 default) or, where it cannot be imported, a ``torch.distributed.ProcessGroupNCCL`` built on the same
@@ -346,18 +348,23 @@ class NcclTransport(Transport):
         log.info("refit nccl transport: rank %d/%d on %s, %s communicators x %d, backend %s", rank,
                  world_size, device, self.mode, count, self.backend.value)
 
-    def _link(self, peer: int, counts: dict[int, int]) -> _Link:
-        """The communicator of this rank's next operation with ``peer`` in one direction."""
+    def _link(self, peer: int, counts: dict[int, int] | None) -> _Link:
+        """The communicator of this rank's next operation with ``peer`` in one direction (``counts``: the
+        operations posted so far per peer in that direction; None: a control exchange, on the first)."""
         try:
             links = self._links[peer]
         except KeyError:
             raise TransferError(f"no NCCL link from rank {self.rank} to rank {peer}") from None
+        if counts is None:
+            return links[0]
         index = counts.get(peer, 0)
         counts[peer] = index + 1
         return links[index % len(links)]
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-                 after: Sequence[Fence] = ()) -> Fence:
+                 after: Sequence[Fence] = (), *, control: bool = False) -> Fence:
+        """See :meth:`Transport.exchange`; a ``control`` exchange goes on each link's first communicator,
+        one NCCL group for both directions, and leaves the rotation of data operations as it was."""
         if self._comms is None:
             raise TransferError(f"the nccl transport of rank {self.rank} is closed"
                                 + (f" (it gave up on a step: {self._broken})" if self._broken else ""))
@@ -365,10 +372,10 @@ class NcclTransport(Transport):
         check_contiguous(recvs)
         groups: dict[int, _Group] = {}
         for peer, tensor in sends:
-            link = self._link(peer, self._sent)
+            link = self._link(peer, None if control else self._sent)
             groups.setdefault(id(link.comm), _Group(link)).sends.append((link.peer_rank, tensor))
         for peer, tensor in recvs:
-            link = self._link(peer, self._received)
+            link = self._link(peer, None if control else self._received)
             groups.setdefault(id(link.comm), _Group(link)).recvs.append((link.peer_rank, tensor))
         if not groups:
             return _AllFence(after)
