@@ -3,10 +3,11 @@
 Rank 0 (train, GPU 0) builds a megatron-core ``GPTModel`` of the model's shape (local spec, TP 1,
 random weights drawn on the device) and refits it through ``refit-plugin-megatron``; rank 1 (gen,
 GPU 1) holds the benchmark's vLLM-style layout (``qkv_proj``, ``gate_up_proj``: ``refit_core.tools.bench``)
-and checks every byte after the last step. In the same run both measure the wire: one contiguous
-buffer of the same bytes over the same kind of communicator (nccl4py on GPUs). Prints and writes
-``{out}.json`` / ``{out}.md``: wire and refit medians, the ratio, and setup time (pieces, plan +
-bind).
+and checks every byte after each setting's last step. In the same run both measure the wire: one
+contiguous buffer of the same bytes over the same kind of communicator (nccl4py on GPUs). With
+``--comms 2,4`` refit runs once per ``NcclOptions.comms_per_link`` (a setup each; the wire before every
+step of each). Prints and writes ``{out}.json`` / ``{out}.md``: wire and refit medians, the ratio, and
+setup time (pieces, plan + bind).
 
     python benchmarks/megatron_bench.py --device cuda --model llama-3-8b-shape --out $OUT/megatron-h200x2
     python benchmarks/megatron_bench.py --device cpu --model tiny-llama          # a smoke run here
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from refit_core import (
     ParallelLayout,
+    NcclOptions,
     RefitOptions,
     RefitReceiver,
     RefitSender,
@@ -109,8 +111,6 @@ def _rank(rank: int, world: int, args: dict[str, Any], ports: list[int]) -> dict
     store = dist.TCPStore("127.0.0.1", ports[0], 2, is_master=rank == 0, timeout=timedelta(seconds=300))
     pair = _Pair(store, rank, device, nbytes)
     out: dict[str, Any] = {"rank": rank}
-    rendezvous = f"127.0.0.1:{ports[1]}"
-    options = RefitOptions(timeout_s=300)
     if rank == 0:
         from refit_megatron import (
             BuildOptions,
@@ -121,7 +121,7 @@ def _rank(rank: int, world: int, args: dict[str, Any], ports: list[int]) -> dict
         )
 
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{ports[2]}", rank=0, world_size=1)
+                                init_method=f"tcp://127.0.0.1:{ports[1]}", rank=0, world_size=1)
         init_parallel(ParallelLayout())
         start = time.perf_counter()
         chunks = build_gpt(config, ParallelLayout(), BuildOptions(dtype=specs["model.norm.weight"].dtype,
@@ -135,67 +135,83 @@ def _rank(rank: int, world: int, args: dict[str, Any], ports: list[int]) -> dict
         out["pieces"] = len(pieces)
         _fill(pieces, specs, device)
         _sync(device)
-        endpoint: Any = RefitSender(source, rendezvous=rendezvous, rank=0, world_size=1, options=options)
     else:
         model = VllmStyleModel(config, tp=1, rank=0, device=device)
         register()
-        endpoint = RefitReceiver(model, rendezvous=rendezvous, rank=0, world_size=1, options=options)
-    start = time.perf_counter()
-    endpoint.setup()
-    out["setup_s"] = time.perf_counter() - start  # metadata exchange + plan + bind
-    wire, refit = [], []
-    for step in range(args["steps"]):
-        wire.append(pair.wire())
-        pair.barrier()
-        start = time.perf_counter()
+    out["runs"] = []
+    for run, comms in enumerate(args["comms"]):
+        options = RefitOptions(timeout_s=300, nccl=NcclOptions(comms_per_link=comms))
+        rendezvous = f"127.0.0.1:{ports[2 + run]}"
         if rank == 0:
-            endpoint.send(version=step)
+            endpoint: Any = RefitSender(source, rendezvous=rendezvous, rank=0, world_size=1, options=options)
         else:
-            endpoint.receive()
-        _sync(device)
-        refit.append(time.perf_counter() - start)
+            model.poison()  # every setting must land every byte anew
+            endpoint = RefitReceiver(model, rendezvous=rendezvous, rank=0, world_size=1, options=options)
+        start = time.perf_counter()
+        endpoint.setup()
+        setup_s = time.perf_counter() - start  # metadata exchange + plan + bind
+        wire, refit = [], []
+        for step in range(args["steps"]):
+            wire.append(pair.wire())
+            pair.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                endpoint.send(version=step)
+            else:
+                endpoint.receive()
+            _sync(device)
+            refit.append(time.perf_counter() - start)
+        mismatches = model.mismatches(SEED) if rank == 1 else []
+        endpoint.close()
+        out["runs"].append({"comms": comms, "setup_s": setup_s, "wire": wire, "refit": refit,
+                            "mismatches": mismatches})
     pair.release()
-    if rank == 1:
-        out["mismatches"] = model.mismatches(SEED)
-    endpoint.close()
-    out.update(wire=wire, refit=refit, bytes=nbytes, tensors=len(specs))
+    out.update(bytes=nbytes, tensors=len(specs))
     return out
 
 
 def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
     train, gen = results
     skip = 1 if args.steps > 2 else 0  # the first exchange warms up communicators and allocators
-    wire = statistics.median(max(a, b) for a, b in zip(train["wire"][skip:], gen["wire"][skip:]))
-    refit = statistics.median(max(a, b) for a, b in zip(train["refit"][skip:], gen["refit"][skip:]))
     nbytes = train["bytes"]
+
+    def median(key: str, t: dict[str, Any], g: dict[str, Any]) -> float:
+        return statistics.median(max(a, b) for a, b in zip(t[key][skip:], g[key][skip:]))
+
+    runs = []
+    for t, g in zip(train["runs"], gen["runs"]):
+        wire, refit = median("wire", t, g), median("refit", t, g)
+        runs.append({"comms_per_link": t["comms"], "wire_s": wire, "wire_gbps": nbytes / wire / 1e9,
+                     "refit_s": refit, "refit_gbps": nbytes / refit / 1e9, "refit_vs_wire": wire / refit,
+                     "bitwise_ok": not g["mismatches"], "mismatches": g["mismatches"][:5],
+                     "setup_plan_bind_s": t["setup_s"],  # the gen side's first one also waits for the model build
+                     "raw": {"wire": [t["wire"], g["wire"]], "refit": [t["refit"], g["refit"]]}})
     return {
         "model": args.model, "device": args.device, "bytes": nbytes, "hf_tensors": train["tensors"],
-        "source_pieces": train["pieces"], "steps": args.steps,
-        "wire_s": wire, "wire_gbps": nbytes / wire / 1e9, "refit_s": refit, "refit_gbps": nbytes / refit / 1e9,
-        "refit_vs_wire": wire / refit, "bitwise_ok": not gen["mismatches"], "mismatches": gen["mismatches"][:5],
+        "source_pieces": train["pieces"], "steps": args.steps, "runs": runs,
+        "bitwise_ok": all(r["bitwise_ok"] for r in runs),
         "build_s": train["build_s"], "setup_pieces_s": train["pieces_s"],
-        "setup_plan_bind_s": train["setup_s"],  # the gen side's also waits for the model build
-        "setup_total_s": train["pieces_s"] + train["setup_s"],
         "environment": {"torch": torch.__version__, "gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
                         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"},
-        "raw": {"wire": [train["wire"], gen["wire"]], "refit": [train["refit"], gen["refit"]]},
     }
 
 
 def _markdown(r: dict[str, Any]) -> str:
+    rows = [(f"| {run['comms_per_link']} | {r['bytes'] / 1e9:.2f} GB | {r['hf_tensors']} | {r['source_pieces']} | "
+             f"{run['wire_s'] * 1e3:.1f} ms, {run['wire_gbps']:.0f} GB/s | {run['refit_s'] * 1e3:.1f} ms, "
+             f"{run['refit_gbps']:.0f} GB/s | **{run['refit_vs_wire']:.3f}** | "
+             f"{'yes' if run['bitwise_ok'] else 'NO'} | "
+             f"{r['setup_pieces_s']:.3f} s | {run['setup_plan_bind_s']:.3f} s |") for run in r["runs"]]
     return "\n".join([
         f"# megatron-core -> vLLM layout refit ({r['model']}, {r['device']}, {r['environment']['gpu']})",
         "",
-        ("| bytes | HF tensors | source pieces | wire | refit | refit / wire | bitwise | setup: pieces "
-         "| setup: plan + bind |"),
-        "|---:|---:|---:|---:|---:|---:|:-:|---:|---:|",
-        (f"| {r['bytes'] / 1e9:.2f} GB | {r['hf_tensors']} | {r['source_pieces']} | {r['wire_s'] * 1e3:.1f} ms, "
-         f"{r['wire_gbps']:.0f} GB/s | {r['refit_s'] * 1e3:.1f} ms, {r['refit_gbps']:.0f} GB/s | "
-         f"**{r['refit_vs_wire']:.3f}** | {'yes' if r['bitwise_ok'] else 'NO'} | {r['setup_pieces_s']:.3f} s | "
-         f"{r['setup_plan_bind_s']:.3f} s |"),
+        ("| comms per link | bytes | HF tensors | source pieces | wire | refit | refit / wire | bitwise "
+         "| setup: pieces | setup: plan + bind |"),
+        "|---:|---:|---:|---:|---:|---:|---:|:-:|---:|---:|",
+        *rows,
         "",
-        (f"Medians of {r['steps']} steps (first dropped when more than 2), same run, same bytes; model build "
-         f"{r['build_s']:.1f} s (not counted)."),
+        (f"Medians of {r['steps']} steps per row (first dropped when more than 2), same run, same bytes, the wire "
+         f"measured before every refit step; model build {r['build_s']:.1f} s (not counted)."),
         "",
     ])
 
@@ -207,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="", help="write OUT.json and OUT.md")
     parser.add_argument("--timeout-s", type=float, default=400)
+    parser.add_argument("--comms", type=lambda text: [int(x) for x in text.split(",")], default=[2],
+                        help="NcclOptions.comms_per_link values, one refit run each (e.g. 2,4)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("megatron bench: needs 2 GPUs", file=sys.stderr)
         return 2
-    results = spawn(_rank, 2, vars(args), [free_port() for _ in range(3)], timeout_s=args.timeout_s)
+    results = spawn(_rank, 2, vars(args), [free_port() for _ in range(2 + len(args.comms))], timeout_s=args.timeout_s)
     report = _report(args, results)
     text = _markdown(report)
     print(text)

@@ -39,6 +39,9 @@
 #                                                        # reshard-x4 (4 GPUs)
 #   STEPS="env peer" bash benchmarks/run_gpu.sh          # checkpoint-engine beside refit, one GPU (carry .whl-peer)
 #   STEPS="env peer2" bash benchmarks/run_gpu.sh         # the same over two GPUs (its NCCL broadcast)
+#   STEPS="megatron fp8" MEGATRON_COMMS=2,4 FP8_METHODS=wire,refit,refit@comms=4 bash benchmarks/run_gpu.sh
+#                                                        # megatron / FP8 knobs (FP8_MODELS too;
+#                                                        # FP8_QUANTIZERS=0 skips the quantizers alone)
 #   STEPS="tests" GPU_TESTS=tests/gpu/test_fp8_gpu.py bash benchmarks/run_gpu.sh   # some GPU tests only
 #   STEPS="bench" BENCH_MODELS=llama-3-8b-shape BENCH_METHODS=wire,refit,wire@copy,refit@mode=staged BENCH_ITERS=10 \
 #     BENCH_ARGS="--timeline /tmp/t.png" bash benchmarks/run_gpu.sh   # the bench step's knobs
@@ -179,8 +182,8 @@ print("fp8 preflight: torch", torch.__version__, "gpus", torch.cuda.device_count
 raise SystemExit(1 if needed or torch.cuda.device_count() < 2 else 0)
 EOF
   # the quantizers alone on GPU 0: copy bound, eager, compiled per tensor, batched Triton (refit's pack step)
-  limit 240 $PY benchmarks/quantizer_speed.py --out "$OUT/quantizer-speed-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
-  local cmd="refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --fp8-block 128,128 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
+  [ "${FP8_QUANTIZERS:-1}" = 1 ] && limit 240 $PY benchmarks/quantizer_speed.py --out "$OUT/quantizer-speed-$MACHINE-$DATE" 2>&1 | tee -a "$LOG"
+  local cmd="refit bench --models ${FP8_MODELS:-llama-3-8b-shape,qwen3-30b-a3b-shape} --methods ${FP8_METHODS:-wire,refit} --fp8-block 128,128 --train-gpus 0 --gen-gpus 1 --machine $MACHINE"
   [ -n "${FP8_TIMELINE:-}" ] && cmd="$cmd --timeline $OUT/timeline-fp8-$MACHINE-$DATE.png"
   limit ${FP8_TIMEOUT:-540} $PY -m refit_core.tools.bench ${cmd#refit bench } --timeout-s 150 \
     --command "$cmd" --out "$OUT/$MACHINE-fp8-$DATE" 2>&1 | tee -a "$LOG"
