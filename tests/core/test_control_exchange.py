@@ -1,0 +1,102 @@
+"""The step header is a *control* exchange: the executors post it as one, first in every step, and every
+data round as data; the NCCL transport puts a control exchange on each link's first communicator without
+moving the rotation of data operations (so both ends still agree on the communicator of every message).
+
+The executors run over two real gloo transports (threads, an in-memory store); the NCCL rule is checked on
+the transport's link choice alone (placeholder links: nothing is posted, CI has no GPU; the two-GPU test
+``tests/gpu/test_nccl_refit.py`` runs it for real)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refit_core.contract.side import Side
+from refit_core.contract.spec import Box
+from refit_core.kit import same_bytes
+from refit_core.net.transport.gloo import GlooTransport
+from refit_core.net.transport.nccl import NcclTransport
+from refit_core.net.transport.watch import StoreWatch
+from refit_core.plan.items import Transfer
+from refit_core.plan.schedule import build_schedule
+from refit_core.run.executor import ReceiveExecutor, SendExecutor
+
+DEADLINE_S = 30
+SHAPES = [(64, 32), (8, 32), (128, 16)]
+
+
+class _Recorded:
+    """A real transport whose exchanges are noted as ``"control"`` or ``"data"``, in order."""
+
+    def __init__(self, transport: GlooTransport) -> None:
+        self.transport, self.kinds = transport, []
+        real = transport.exchange
+
+        def exchange(sends: Any, recvs: Any, after: Any = (), *, control: bool = False) -> Any:
+            self.kinds.append("control" if control else "data")
+            return real(sends, recvs, after, control=control)
+        transport.exchange = exchange  # type: ignore[method-assign]
+
+
+def _transports(store: dist.Store) -> list[GlooTransport]:
+    out: list[GlooTransport | None] = [None, None]
+
+    def open_one(rank: int) -> None:
+        out[rank] = GlooTransport(store, rank, 2, DEADLINE_S, StoreWatch(store, {Side.TRAIN: 1, Side.GEN: 1}),
+                                  "127.0.0.1")
+
+    threads = [threading.Thread(target=open_one, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert all(t is not None for t in out)
+    return out  # type: ignore[return-value]
+
+
+def test_every_step_posts_one_control_exchange_first_then_data_rounds():
+    transfers = [Transfer(f"w{i}", 0, i, Box((0, 0), shape), 0, i, Box((0, 0), shape), torch.float32)
+                 for i, shape in enumerate(SHAPES)]
+    bucket = 16 << 10  # 17 KiB in all (8 + 1 + 8): at least two rounds
+    schedule = build_schedule(transfers, 1, 1, bucket)
+    assert len(schedule.rounds) >= 2
+    sources = [torch.randn(shape) for shape in SHAPES]
+    targets = [torch.zeros(shape) for shape in SHAPES]
+    train, gen = (_Recorded(t) for t in _transports(dist.HashStore()))
+    common = dict(bucket_bytes=bucket, num_buffers=2, zero_copy=True, fingerprint=schedule.fingerprint,
+                  timeout_s=DEADLINE_S)
+    sender = SendExecutor(schedule.rounds_of_source(0), train.transport, 1, **common)
+    receiver = ReceiveExecutor(schedule.rounds_of_destination(0), gen.transport, 0, **common)
+    sender.bind(sources)
+    receiver.bind(targets)
+    versions: list[int] = []
+    try:
+        for step in range(2):
+            for source in sources:
+                source.add_(1)
+            thread = threading.Thread(target=sender.run, args=(step,))
+            thread.start()
+            versions.append(receiver.run().version)
+            thread.join(DEADLINE_S)
+            assert all(same_bytes(t, s) for t, s in zip(targets, sources))
+    finally:
+        train.transport.close()
+        gen.transport.close()
+    assert versions == [0, 1]
+    rounds = len(schedule.rounds)
+    for side in (train, gen):
+        assert side.kinds == (["control"] + ["data"] * rounds) * 2, side.kinds
+
+
+def test_a_control_exchange_takes_the_first_communicator_and_leaves_the_rotation_alone():
+    transport = NcclTransport.__new__(NcclTransport)  # the link choice alone: no communicator is opened
+    links = ["comm 0", "comm 1", "comm 2"]
+    transport._links = {5: links}  # type: ignore[dict-item]
+    sent: dict[int, int] = {}
+    picked = [transport._link(5, sent), transport._link(5, None), transport._link(5, sent),
+              transport._link(5, None), transport._link(5, sent), transport._link(5, sent)]
+    assert picked == ["comm 0", "comm 0", "comm 1", "comm 0", "comm 2", "comm 0"]
+    assert sent == {5: 4}
