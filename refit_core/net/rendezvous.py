@@ -13,7 +13,7 @@ and :meth:`Rendezvous.barrier` costs each rank O(1) requests whatever the world 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from refit_core.contract.errors import AuthenticationError, PlanError, PluginError, RefitError, RendezvousError
@@ -85,6 +85,14 @@ class Rendezvous:
         None: any rank)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         values: dict[str, Any] = {}
+
+        def still_missing() -> str:
+            missing = [rank_name(k) for k in keys if k not in values]
+            return f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} did not arrive"
+
+        def waiting() -> str:
+            return f"; this rank was still waiting for {what}: {still_missing()}"
+
         while True:
             blocked = False  # the store held the first missing key's read open: no need to sleep
             for key in keys:
@@ -97,12 +105,10 @@ class Rendezvous:
                         values[key] = wire.decode(raw, f"{what} ({key})")
             if len(values) == len(keys):  # every value arrived: no need to look for failures
                 return [values[k] for k in keys]
-            self._check_failures(deadline - time.monotonic(), watched)
+            self._check_failures(deadline - time.monotonic(), watched, waiting)
             if time.monotonic() > deadline:
-                missing = [rank_name(k) for k in keys if k not in values]
                 waited = self.timeout_s if timeout_s is None else timeout_s
-                raise RefitError(f"timed out after {waited:.0f} s waiting for {what}: "
-                                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} did not arrive")
+                raise RefitError(f"timed out after {waited:.0f} s waiting for {what}: {still_missing()}")
             if not blocked:
                 time.sleep(POLL_S)
 
@@ -133,16 +139,19 @@ class Rendezvous:
         except RefitError:  # best effort: the store's host may have exited already
             pass
 
-    def _check_failures(self, within: float | None = None, watched: Collection[str] | None = None) -> None:
+    def _check_failures(self, within: float | None = None, watched: Collection[str] | None = None,
+                        waiting: Callable[[], str] | None = None) -> None:
         """Raise another rank's error, or name the ranks in ``watched`` (store identities; None: any) that
-        left; ``within``: what is left of the caller's deadline (bounds how long the host may take to answer)."""
+        left; ``within``: what is left of the caller's deadline (bounds how long the host may take to answer).
+        ``waiting`` says what this rank itself still waited for, appended to another rank's error: that
+        rank may have given up first on what this one already knew was missing (a rank that never came)."""
         raw = self.client.try_get(ERROR_KEY, within=within)
         if raw is not None:
             record = wire.decode(raw, "another rank's error")
             kind = record.get("kind") if isinstance(record, dict) else None
             message = record.get("message") if isinstance(record, dict) else None
             cls = _KINDS.get(kind, RefitError)  # a bad plan is a bad plan everywhere
-            raise cls(f"refit setup failed on another rank: {str(message)[:4000]}")
+            raise cls(f"refit setup failed on another rank: {str(message)[:4000]}{waiting() if waiting else ''}")
         gone = [who for who in self.client.gone(within) if watched is None or who in watched]
         if gone:
             raise RendezvousError(f"{', '.join(map(rank_name, gone))} left the refit "

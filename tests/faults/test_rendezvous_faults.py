@@ -356,3 +356,24 @@ def test_ranks_waiting_for_a_planner_that_died_get_a_named_error_within_seconds(
     for r in results.values():
         assert r["error"] == "RendezvousError" and "train rank 0 hosts it" in r["message"], r
         assert r["seconds"] < 30, r
+
+
+def test_a_rank_that_hears_of_another_ranks_failure_also_names_what_it_still_waited_for():
+    """The planner waits for a train rank that never comes; a gen rank gives up first (its own deadline, on
+    its part of the plan). The planner's error must still name the rank that never came: the root cause."""
+    port = free_port()
+    host = Rendezvous(f"127.0.0.1:{port}", host=True, who="train/0", timeout_s=10)
+    gen = Rendezvous(f"127.0.0.1:{port}", host=False, who="gen/0", timeout_s=10)
+    try:
+        host.publish("meta/train/0", "abc")
+        gen.fail(RefitError("timed out waiting for gen rank 0's part of the plan"), "gen rank 0", "done/gen/0")
+        with pytest.raises(RefitError) as caught:
+            host.wait(["meta/train/0", "meta/train/1"], "train metadata")
+        message = str(caught.value)
+        assert message.startswith("refit setup failed on another rank: gen rank 0: timed out waiting for gen "
+                                  "rank 0's part of the plan"), message
+        assert message.endswith("; this rank was still waiting for train metadata: train rank 1 did not arrive"), \
+            message
+    finally:
+        gen.close()
+        host.close()
