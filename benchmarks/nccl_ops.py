@@ -10,8 +10,10 @@ measures, on the same bytes, what each way of posting N operations costs beside 
 - ``rounds R, K``: the operations cut into R rounds, each round one group per communicator (refit's way);
 - ``header``: one 48-byte exchange both ways and a host wait (refit's step header), alone.
 
-Operations are cut at 1 MiB boundaries (refit's messages are 16-byte aligned). It also prints the device
-memory each communicator takes once it has moved bytes to the peer (``cudaMemGetInfo`` before and after).
+Operations are cut at 1 MiB boundaries (refit's messages are 16-byte aligned). NCCL alone: the buffers are
+not checked (``refit bench`` checks refit's bytes). It also prints the device memory each communicator takes
+once it has moved bytes to the peer (``cudaMemGetInfo`` before and after; the first also holds NCCL's own
+setup).
 
     python benchmarks/nccl_ops.py --gib 14.96 --ops 1,32,173 --out results.md
 """
@@ -29,9 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from refit_core.kit.launch import free_port
 from refit_core.net.transport.nccl import open_comm
-
-PORT = 29581
 
 
 def _time(step: Callable[[], None], iters: int, warmup: int = 2) -> float:
@@ -47,10 +48,10 @@ def _time(step: Callable[[], None], iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, args: argparse.Namespace, results: dict) -> None:
+def _rank(rank: int, args: argparse.Namespace, port: int, results: dict) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", PORT, 2, rank == 0, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
     peer = 1 - rank
     comms, streams, memory = [], [], []
     probe = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
@@ -128,7 +129,7 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(args, results), nprocs=2)
+        mp.spawn(_rank, args=(args, free_port(), results), nprocs=2)
         rows = results["rows"]
         memory = [results["memory0"], results["memory1"]]
     base = next(s for n, name, s in rows if n == 1 and name == "group")
