@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -33,19 +30,9 @@ import torch.multiprocessing as mp
 
 from refit_core.kit.launch import free_port
 from refit_core.net.transport.nccl import open_comm
+from refit_core.tools.bench.copybound import median_seconds
 
-
-def _time(step: Callable[[], None], iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+WARMUP = 2
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, results: dict) -> None:
@@ -100,7 +87,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results: dict) -> None
         for name, groups in patterns.items():
             if n == 1 and name != "group":
                 continue
-            seconds = _time(lambda: run(groups), args.iters)
+            seconds = median_seconds(lambda: run(groups), args.iters, device, warmup=WARMUP)
             out.append((n, name, seconds))
     header = torch.zeros(6, dtype=torch.int64, device=device)
     theirs = torch.zeros(6, dtype=torch.int64, device=device)
@@ -110,7 +97,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results: dict) -> None
         streams[0].synchronize()
         theirs.tolist()
 
-    out.append((1, "header", _time(exchange_header, args.iters * 10)))
+    out.append((1, "header", median_seconds(exchange_header, args.iters * 10, device, warmup=WARMUP)))
     results[f"memory{rank}"] = memory
     if rank == 0:
         results["rows"] = out

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +30,7 @@ from refit_core.run.quant.batched import quantize_batch
 from refit_core.run.quant.boxes import BoxToQuantize
 from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import reference_quantize
+from refit_core.tools.bench.copybound import median_seconds
 from refit_core.tools.bench.fit import Fit, fit_layers
 from refit_core.tools.bench.layouts import fp8_specs
 from refit_core.tools.bench.validity import Ratio, bound_rate_problem, check_ratio
@@ -56,17 +55,8 @@ def fit(model: str, memory_gib: float | None) -> Fit:
 
 
 def _timed(fn: Callable[[], None], iters: int) -> float:
-    """The median of ``iters`` synchronized runs of ``fn`` after ``WARMUP`` untimed ones."""
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """The median of ``iters`` synchronized runs of ``fn`` on GPU 0 after ``WARMUP`` untimed ones."""
+    return median_seconds(fn, iters, torch.device("cuda", 0), warmup=WARMUP)
 
 
 def measure(model: str, iters: int, how: Fit) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """The copy bound: one device copy of a model's bytes, chunk after chunk, the ceiling of work that copies
 every byte once on one GPU (a colocated step, a staged commit). ``refit bench`` and its colocated and peer
-runs time against it."""
+runs time against it. Also the synchronized clock it and the GPU benchmark scripts time with."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +20,22 @@ def sync_device(device: torch.device) -> None:
     """Wait for ``device``'s queued work (CUDA; nothing elsewhere)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def seconds_of(fn: Callable[[], None], device: torch.device) -> float:
+    """The wall time of ``fn`` and the device work it queues (``device`` drained before and after)."""
+    sync_device(device)
+    start = time.perf_counter()
+    fn()
+    sync_device(device)
+    return time.perf_counter() - start
+
+
+def median_seconds(fn: Callable[[], None], iters: int, device: torch.device, *, warmup: int) -> float:
+    """The median of ``iters`` :func:`seconds_of` runs of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(seconds_of(fn, device) for _ in range(iters))
 
 
 class CopyBound:
@@ -41,11 +59,7 @@ class CopyBound:
             self.dst[:n].copy_(self.src[:n])
 
     def sample(self) -> None:
-        sync_device(self.device)
-        start = time.perf_counter()
-        self.copy()
-        sync_device(self.device)
-        self.samples.append(time.perf_counter() - start)
+        self.samples.append(seconds_of(self.copy, self.device))
 
     def top_up(self, count: int = MIN_BOUND_SAMPLES) -> None:
         while len(self.samples) < count:
@@ -55,4 +69,4 @@ class CopyBound:
         del self.src, self.dst
 
 
-__all__ = ["BOUND_WARMUP", "MIN_BOUND_SAMPLES", "CopyBound", "sync_device"]
+__all__ = ["BOUND_WARMUP", "MIN_BOUND_SAMPLES", "CopyBound", "median_seconds", "seconds_of", "sync_device"]
