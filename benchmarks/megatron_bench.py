@@ -5,9 +5,10 @@ random weights drawn on the device) and refits it through ``refit-plugin-megatro
 GPU 1) holds the benchmark's vLLM-style layout (``qkv_proj``, ``gate_up_proj``: ``refit_core.tools.bench``)
 and checks every byte after each setting's last step. In the same run both measure the wire: one
 contiguous buffer of the same bytes over the same kind of communicator (nccl4py on GPUs). With
-``--comms 2,4`` refit runs once per ``NcclOptions.comms_per_link`` (a setup each; the wire before every
-step of each). Prints and writes ``{out}.json`` / ``{out}.md``: wire and refit medians, the ratio, and
-setup time (pieces, plan + bind).
+``--nccl auto,2/0`` refit runs once per NCCL setting (a setup each; the wire before every step of each):
+``auto`` leaves :class:`NcclOptions` to the plan, ``K`` sets ``comms_per_link``, ``K/C`` also ``max_ctas``.
+Prints and writes ``{out}.json`` / ``{out}.md``: wire and refit medians, the ratio, and setup time
+(pieces, plan + bind).
 
     python benchmarks/megatron_bench.py --device cuda --model llama-3-8b-shape --out $OUT/megatron-h200x2
     python benchmarks/megatron_bench.py --device cpu --model tiny-llama          # a smoke run here
@@ -37,7 +38,7 @@ from refit_core import (
 )
 from refit_core.kit.launch import free_port, spawn
 from refit_core.kit.models import PRESETS, checkpoint_specs
-from refit_core.tools.bench.layouts import VllmStyleModel, reference, register
+from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, reference, register
 from refit_core.tools.bench.methods import open_bench_comm
 
 SEED = 11
@@ -128,19 +129,26 @@ def _rank(rank: int, world: int, args: dict[str, Any], ports: list[int]) -> dict
                                                                   device=args["device"], seed=SEED))
         _sync(device)
         out["build_s"] = time.perf_counter() - start
-        source = MegatronSource(chunks, config)
-        start = time.perf_counter()
-        pieces = live_pieces(source)
+        if args["source"] == "synthetic":  # the same process, the benchmark's Megatron-style model instead
+            source = MegatronStyleModel(config, tp=1, rank=0, device=device)
+            register()
+            start = time.perf_counter()
+            pieces = source.pieces
+            source.fill(SEED)
+        else:
+            source = MegatronSource(chunks, config)
+            start = time.perf_counter()
+            pieces = live_pieces(source)
+            _fill(pieces, specs, device)
         out["pieces_s"] = time.perf_counter() - start
         out["pieces"] = len(pieces)
-        _fill(pieces, specs, device)
         _sync(device)
     else:
         model = VllmStyleModel(config, tp=1, rank=0, device=device)
         register()
     out["runs"] = []
-    for run, comms in enumerate(args["comms"]):
-        options = RefitOptions(timeout_s=300, nccl=NcclOptions(comms_per_link=comms))
+    for run, nccl in enumerate(args["nccl"]):
+        options = RefitOptions(timeout_s=300, nccl=_nccl_options(nccl))
         rendezvous = f"127.0.0.1:{ports[2 + run]}"
         if rank == 0:
             endpoint: Any = RefitSender(source, rendezvous=rendezvous, rank=0, world_size=1, options=options)
@@ -163,11 +171,21 @@ def _rank(rank: int, world: int, args: dict[str, Any], ports: list[int]) -> dict
             refit.append(time.perf_counter() - start)
         mismatches = model.mismatches(SEED) if rank == 1 else []
         endpoint.close()
-        out["runs"].append({"comms": comms, "setup_s": setup_s, "wire": wire, "refit": refit,
+        built = getattr(endpoint.transport, "choice", None)  # the NCCL transport's communicators (gloo: none)
+        out["runs"].append({"nccl": nccl, "comms": built and built.comms_per_link, "max_ctas": built and built.max_ctas,
+                            "setup_s": setup_s, "wire": wire, "refit": refit,
                             "mismatches": mismatches})
     pair.release()
     out.update(bytes=nbytes, tensors=len(specs))
     return out
+
+
+def _nccl_options(text: str) -> NcclOptions:
+    """``auto``, ``K`` or ``K/C`` (see ``--nccl``)."""
+    if text == "auto":
+        return NcclOptions()
+    comms, _, ctas = text.partition("/")
+    return NcclOptions(comms_per_link=int(comms), max_ctas=int(ctas) if ctas else None)
 
 
 def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -181,13 +199,15 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str
     runs = []
     for t, g in zip(train["runs"], gen["runs"]):
         wire, refit = median("wire", t, g), median("refit", t, g)
-        runs.append({"comms_per_link": t["comms"], "wire_s": wire, "wire_gbps": nbytes / wire / 1e9,
+        runs.append({"nccl": t["nccl"], "comms_per_link": t["comms"], "max_ctas": t["max_ctas"],
+                     "wire_s": wire, "wire_gbps": nbytes / wire / 1e9,
                      "refit_s": refit, "refit_gbps": nbytes / refit / 1e9, "refit_vs_wire": wire / refit,
                      "bitwise_ok": not g["mismatches"], "mismatches": g["mismatches"][:5],
                      "setup_plan_bind_s": t["setup_s"],  # the gen side's first one also waits for the model build
                      "raw": {"wire": [t["wire"], g["wire"]], "refit": [t["refit"], g["refit"]]}})
     return {
-        "model": args.model, "device": args.device, "bytes": nbytes, "hf_tensors": train["tensors"],
+        "model": args.model, "source": args.source, "device": args.device, "bytes": nbytes,
+        "hf_tensors": train["tensors"],
         "source_pieces": train["pieces"], "steps": args.steps, "runs": runs,
         "bitwise_ok": all(r["bitwise_ok"] for r in runs),
         "build_s": train["build_s"], "setup_pieces_s": train["pieces_s"],
@@ -197,16 +217,19 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str
 
 
 def _markdown(r: dict[str, Any]) -> str:
-    rows = [(f"| {run['comms_per_link']} | {r['bytes'] / 1e9:.2f} GB | {r['hf_tensors']} | {r['source_pieces']} | "
+    rows = [(f"| {run['nccl']}: {run['comms_per_link'] or '-'} x {run['max_ctas'] or 'NCCL default'} "
+             f"| {r['bytes'] / 1e9:.2f} GB | {r['hf_tensors']} | {r['source_pieces']} | "
              f"{run['wire_s'] * 1e3:.1f} ms, {run['wire_gbps']:.0f} GB/s | {run['refit_s'] * 1e3:.1f} ms, "
              f"{run['refit_gbps']:.0f} GB/s | **{run['refit_vs_wire']:.3f}** | "
              f"{'yes' if run['bitwise_ok'] else 'NO'} | "
              f"{r['setup_pieces_s']:.3f} s | {run['setup_plan_bind_s']:.3f} s |") for run in r["runs"]]
     return "\n".join([
-        f"# megatron-core -> vLLM layout refit ({r['model']}, {r['device']}, {r['environment']['gpu']})",
+        (f"# megatron-core -> vLLM layout refit ({r['model']}, {r['device']}, {r['environment']['gpu']})"
+         + (", source: the benchmark's Megatron-style model in the megatron-core process"
+            if r["source"] == "synthetic" else "")),
         "",
-        ("| comms per link | bytes | HF tensors | source pieces | wire | refit | refit / wire | bitwise "
-         "| setup: pieces | setup: plan + bind |"),
+        ("| NCCL setting: comms per link x max CTAs | bytes | HF tensors | source pieces | wire | refit "
+         "| refit / wire | bitwise | setup: pieces | setup: plan + bind |"),
         "|---:|---:|---:|---:|---:|---:|---:|:-:|---:|---:|",
         *rows,
         "",
@@ -223,13 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="", help="write OUT.json and OUT.md")
     parser.add_argument("--timeout-s", type=float, default=400)
-    parser.add_argument("--comms", type=lambda text: [int(x) for x in text.split(",")], default=[2],
-                        help="NcclOptions.comms_per_link values, one refit run each (e.g. 2,4)")
+    parser.add_argument("--nccl", type=lambda text: text.split(","), default=["auto"],
+                        help="NCCL settings, one refit run each: auto (the plan's choice), K (comms_per_link) or "
+                             "K/C (and max_ctas; 0: NCCL's default), e.g. auto,2/0")
+    parser.add_argument("--source", choices=("megatron", "synthetic"), default="megatron",
+                        help="synthetic: rank 0 still builds the megatron-core model and its process groups, "
+                             "but refits the benchmark's Megatron-style model (refit bench's source) from them")
     args = parser.parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("megatron bench: needs 2 GPUs", file=sys.stderr)
         return 2
-    results = spawn(_rank, 2, vars(args), [free_port() for _ in range(2 + len(args.comms))], timeout_s=args.timeout_s)
+    results = spawn(_rank, 2, vars(args), [free_port() for _ in range(2 + len(args.nccl))], timeout_s=args.timeout_s)
     report = _report(args, results)
     text = _markdown(report)
     print(text)

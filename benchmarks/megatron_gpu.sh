@@ -4,7 +4,9 @@
 # refit-plugin-megatron into the vLLM-style layout on GPU 1, side by side with the wire.
 # megatron-core travels as a wheel (benchmarks/fetch_gpu_wheels.sh puts it in .whl/).
 #   OUT=/somewhere bash benchmarks/megatron_gpu.sh
-#   MEGATRON_COMMS=2,4 bash benchmarks/megatron_gpu.sh     # one refit run per comms_per_link, side by side
+#   MEGATRON_NCCL=auto,2/0 bash benchmarks/megatron_gpu.sh  # one refit run per NCCL setting, side by side
+#                                                         # (auto: the plan's; K: comms_per_link; K/C: and max_ctas)
+#   MEGATRON_SOURCE=synthetic bash benchmarks/megatron_gpu.sh  # refit bench's Megatron-style model, same process
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -20,4 +22,5 @@ fi
 export PYTHONPATH=$PWD:$PWD/plugins/megatron:$PYTHONPATH
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e plugins/megatron 2>&1 | tail -2
 $PY benchmarks/megatron_bench.py --device cuda --model llama-3-8b-shape --steps ${MEGATRON_STEPS:-6} \
-  --timeout-s ${MEGATRON_TIMEOUT:-240} --comms ${MEGATRON_COMMS:-2} --out "$OUT/${MACHINE:-gpu}-megatron-$DATE"
+  --timeout-s ${MEGATRON_TIMEOUT:-240} --nccl ${MEGATRON_NCCL:-auto} --source ${MEGATRON_SOURCE:-megatron} \
+  --out "$OUT/${MACHINE:-gpu}-megatron${MEGATRON_SOURCE:+-$MEGATRON_SOURCE}-$DATE"

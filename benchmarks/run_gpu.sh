@@ -39,7 +39,7 @@
 #                                                        # reshard-x4 (4 GPUs)
 #   STEPS="env peer" bash benchmarks/run_gpu.sh          # checkpoint-engine beside refit, one GPU (carry .whl-peer)
 #   STEPS="env peer2" bash benchmarks/run_gpu.sh         # the same over two GPUs (its NCCL broadcast)
-#   STEPS="megatron fp8" MEGATRON_COMMS=2,4 FP8_METHODS=wire,refit,refit@comms=4 bash benchmarks/run_gpu.sh
+#   STEPS="megatron fp8" MEGATRON_NCCL=auto,2/0 FP8_METHODS=wire,refit,refit@comms=4 bash benchmarks/run_gpu.sh
 #                                                        # megatron / FP8 knobs (FP8_MODELS too;
 #                                                        # FP8_QUANTIZERS=0 skips the quantizers alone)
 #   STEPS="tests" GPU_TESTS=tests/gpu/test_fp8_gpu.py bash benchmarks/run_gpu.sh   # some GPU tests only

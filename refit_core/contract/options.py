@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -269,19 +269,57 @@ class NcclOptions(_Settings):
     """The nccl transport's communicators; both sides must agree (they build them together).
 
     - ``backend``: :class:`NcclBackend` (``auto``: nccl4py, else torch's ProcessGroupNCCL).
-    - ``comms_per_link``: NCCL communicators per pair of ranks, each on its own stream (2). On 2 x H200, 3 to
-      6 hid more of NCCL's per-operation cost on synthetic layouts (Llama-3-8B shape 0.951 -> 0.976 of the
-      wire) but slowed the process of a real megatron-core model 2 to 3 times, and each takes about
-      260 / 520 MiB (sender / receiver) of GPU memory: measure before raising it (docs/benchmarks.md).
+    - ``comms_per_link``: NCCL communicators per pair of ranks, each on its own stream; consecutive
+      operations to a peer alternate between them, so one's fill and drain hide behind the next.
+    - ``max_ctas``: NCCL's ``maxCTAs`` for each of them (0: NCCL's own, 32): the thread blocks one
+      operation may use, which also bound the buffers a communicator keeps on the GPU.
+
+    None (the default of both) lets the plan choose (:meth:`choice`): :data:`PLAIN_CHOICE` for a plan that
+    sends the trainer's bytes as they are, :data:`QUANTIZING_CHOICE` for one whose senders quantize in
+    their pack step (FP8 destinations). Measured side by side on 2 x H200 (docs/benchmarks.md, 2026-11-26):
+    4 communicators of 16 blocks moved the Llama-3-8B shape at 0.973-0.977 of the wire (2 of 32: 0.962) and
+    took less memory outside torch's allocator (0.67 / 1.05 GiB, sender / receiver; 2 of 32: 0.89 /
+    1.14 GiB), but slowed FP8 senders, whose quantizing copies run beside the transfers (Qwen3-30B-A3B
+    shape 0.967-0.971 of the FP8 wire at 2 of 32, 0.947 at 4 of 16).
     """
 
     backend: NcclBackend = _setting(NcclBackend.AUTO, NcclBackend)
-    comms_per_link: int = _setting(2, int)
+    comms_per_link: int | None = _setting(None, int)
+    max_ctas: int | None = _setting(None, int)
 
     def __post_init__(self) -> None:
         self._coerce()
-        if self.comms_per_link < 1:
+        if self.comms_per_link is not None and self.comms_per_link < 1:
             raise OptionError(f"NcclOptions.comms_per_link={self.comms_per_link}: must be >= 1")
+        if self.max_ctas is not None and not 0 <= self.max_ctas <= 32:
+            raise OptionError(f"NcclOptions.max_ctas={self.max_ctas}: must be 0 (NCCL's default) to 32")
+
+    def choice(self, sender_quantizes: bool) -> NcclChoice:
+        """The communicators to build: these settings, each None taken from :data:`QUANTIZING_CHOICE` when a
+        sender quantizes in its pack step (``sender_quantizes``), else from :data:`PLAIN_CHOICE`."""
+        plan = QUANTIZING_CHOICE if sender_quantizes else PLAIN_CHOICE
+        return NcclChoice(plan.comms_per_link if self.comms_per_link is None else self.comms_per_link,
+                          plan.max_ctas if self.max_ctas is None else self.max_ctas)
+
+    def chosen(self, sender_quantizes: bool) -> NcclOptions:
+        """These options with every None setting filled in by :meth:`choice`."""
+        choice = self.choice(sender_quantizes)
+        return replace(self, comms_per_link=choice.comms_per_link, max_ctas=choice.max_ctas)
+
+
+@dataclass(frozen=True)
+class NcclChoice:
+    """The communicators a plan gets when :class:`NcclOptions` leaves them to it."""
+
+    comms_per_link: int
+    max_ctas: int
+    """0: NCCL's own."""
+
+
+PLAIN_CHOICE = NcclChoice(comms_per_link=4, max_ctas=16)
+"""For a plan whose senders send their bytes as they are (no quantizing pack step)."""
+QUANTIZING_CHOICE = NcclChoice(comms_per_link=2, max_ctas=0)
+"""For a plan with a quantizing pack step on a sender (FP8 destinations)."""
 
 
 @_tracks_explicit
@@ -527,4 +565,5 @@ def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, An
     return result
 
 __all__ = ["CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
-           "RelayOptions", "StoreLimits", "StridedCopy", "TransportKind", "UpdateMode"]
+           "RelayOptions", "StoreLimits", "StridedCopy", "TransportKind", "UpdateMode", "NcclChoice",
+           "PLAIN_CHOICE", "QUANTIZING_CHOICE"]

@@ -77,6 +77,11 @@ class Schedule:
     summary: ScheduleSummary
     receiver_quantizations: tuple[ReceiverQuantization, ...] = ()
 
+    @property
+    def sender_quantizes(self) -> bool:
+        """Whether any sender segment is quantized in its pack step (the rounds this schedule holds)."""
+        return any(seg.scales is not None for msgs in self.rounds for m in msgs for seg in m.src_segments)
+
     def receiver_quantizations_of(self, rank: int) -> list[ReceiverQuantization]:
         """The pieces gen rank ``rank`` quantizes itself (see :mod:`refit_core.plan.quant_rules`)."""
         return [q for q in self.receiver_quantizations if q.dst == rank]

@@ -1,6 +1,7 @@
 """The step header is a *control* exchange: the executors post it as one, first in every step, and every
-data round as data; the NCCL transport puts a control exchange on each link's first communicator without
-moving the rotation of data operations (so both ends still agree on the communicator of every message).
+data round as data; the NCCL transport puts a control exchange on each link's first communicator and
+restarts the rotation of data operations there (so both ends agree on the communicator of every message,
+and every step maps its messages to communicators as the step before).
 
 The executors run over two real gloo transports (threads, an in-memory store); the NCCL rule is checked on
 the transport's link choice alone (placeholder links: nothing is posted, CI has no GPU; the two-GPU test
@@ -91,12 +92,34 @@ def test_every_step_posts_one_control_exchange_first_then_data_rounds():
         assert side.kinds == (["control"] + ["data"] * rounds) * 2, side.kinds
 
 
-def test_a_control_exchange_takes_the_first_communicator_and_leaves_the_rotation_alone():
+class _Placeholder:
+    """A link's stand-in: only its name and peer rank are read when operations are grouped."""
+
+    def __init__(self, name: str) -> None:
+        self.comm, self.peer_rank = name, 0
+
+
+def _comms_of(transport: NcclTransport, sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]],
+              control: bool = False) -> list[tuple[Any, str]]:
+    """(communicator, "send" / "recv") of every operation of one exchange, as the transport groups them."""
+    return [(group.link.comm, kind) for group in transport._groups(sends, recvs, control)
+            for kind, ops in (("send", group.sends), ("recv", group.recvs)) for _ in ops]
+
+
+def test_a_control_exchange_takes_the_first_communicator_and_restarts_the_rotation():
     transport = NcclTransport.__new__(NcclTransport)  # the link choice alone: no communicator is opened
-    links = ["comm 0", "comm 1", "comm 2"]
-    transport._links = {5: links}  # type: ignore[dict-item]
-    sent: dict[int, int] = {}
-    picked = [transport._link(5, sent), transport._link(5, None), transport._link(5, sent),
-              transport._link(5, None), transport._link(5, sent), transport._link(5, sent)]
-    assert picked == ["comm 0", "comm 0", "comm 1", "comm 0", "comm 2", "comm 0"]
-    assert sent == {5: 4}
+    transport._links = {5: [_Placeholder(f"comm {k}") for k in range(3)]}  # type: ignore[misc]
+    transport._sent, transport._received = {}, {}
+    tensor = torch.zeros(1)
+    steps = []
+    for _ in range(2):  # a step: the header both ways, then 4 data sends and 2 data receives, one at a time
+        step = _comms_of(transport, [(5, tensor)], [(5, tensor)], control=True)
+        for _ in range(4):
+            step += _comms_of(transport, [(5, tensor)], [])
+        for _ in range(2):
+            step += _comms_of(transport, [], [(5, tensor)])
+        steps.append(step)
+    # 4 sends over 3 communicators: without the restart the second step's would start on comm 1
+    assert steps[0] == steps[1] == [("comm 0", "send"), ("comm 0", "recv"), ("comm 0", "send"), ("comm 1", "send"),
+                                    ("comm 2", "send"), ("comm 0", "send"), ("comm 0", "recv"), ("comm 1", "recv")]
+    assert transport._sent == {5: 4} and transport._received == {5: 2}

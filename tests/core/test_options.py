@@ -8,8 +8,11 @@ from refit_core.contract.errors import OptionError, PlanError
 from refit_core.contract.options import (
     CastPolicy,
     MessageMode,
+    PLAIN_CHOICE,
+    QUANTIZING_CHOICE,
     MessageOptions,
     NcclBackend,
+    NcclChoice,
     NcclOptions,
     RefitOptions,
     TransportKind,
@@ -26,6 +29,13 @@ def test_strings_and_dicts_become_enums_and_nested_options():
     assert options.explicit == {"cast", "transport", "messages.mode", "messages.zero_copy", "nccl.backend",
                                 "nccl.comms_per_link"}
     assert RefitOptions().explicit == frozenset()
+
+
+def test_the_plan_chooses_the_nccl_communicators_the_settings_leave_open():
+    assert NcclOptions().choice(sender_quantizes=False) == PLAIN_CHOICE == NcclChoice(4, 16)
+    assert NcclOptions().choice(sender_quantizes=True) == QUANTIZING_CHOICE == NcclChoice(2, 0)
+    assert NcclOptions(comms_per_link=3).choice(sender_quantizes=True) == NcclChoice(3, 0)
+    assert NcclOptions(max_ctas=8).chosen(sender_quantizes=False) == NcclOptions(comms_per_link=4, max_ctas=8)
 
 
 def test_wire_form_is_plain_json_and_round_trips():
@@ -46,6 +56,7 @@ def test_wire_form_is_plain_json_and_round_trips():
     ({"messages": {"zero_copy": 1}}, "MessageOptions.zero_copy=1: expected True or False"),
     ({"messages": {"shared_max_bytes": 100}}, "MessageOptions.shared_max_bytes=100: must be a positive multiple of 16"),
     ({"nccl": {"comms_per_link": 0}}, "NcclOptions.comms_per_link=0: must be >= 1"),
+    ({"nccl": {"max_ctas": 64}}, "NcclOptions.max_ctas=64: must be 0 (NCCL's default) to 32"),
     ({"nccl": {"kind": "x"}}, "NcclOptions: unknown setting(s) ['kind']"),
     ({"buckets": 1}, "RefitOptions: unknown setting(s) ['buckets']"),
     ([1, 2], "RefitOptions: expected a dict of settings, got list"),
@@ -124,7 +135,8 @@ MISMATCHES = [
     ("messages.zero_copy", {}, {"messages": {"zero_copy": False}}, {}, "True", "False"),
     ("nccl.backend", {}, {"nccl": {"backend": "torch"}}, {}, "'auto'", "'torch'"),
     ("nccl.comms_per_link", {"nccl": {"comms_per_link": 3}}, {"nccl": {"comms_per_link": 1}}, {}, "3", "1"),
-    ("nccl.comms_per_link", {}, {}, {"REFIT_NCCL_COMMS": "4"}, "2", "4"),  # through the environment
+    ("nccl.comms_per_link", {}, {}, {"REFIT_NCCL_COMMS": "4"}, "None", "4"),  # through the environment
+    ("nccl.max_ctas", {}, {"nccl": {"max_ctas": 8}}, {}, "None", "8"),
 ]
 
 

@@ -20,7 +20,10 @@ every link has K communicators, each on its own stream, and the i-th operation t
 communicator ``i % K``: both sides post the same sequence of operations per peer (NCCL needs that
 anyway), so they agree on the communicator without a word, and consecutive operations overlap. The step
 header (a *control* exchange, both directions at once) goes on the first communicator as one group,
-outside that rotation.
+outside that rotation, and restarts it: every step sends each operation on the same communicator as the
+step before. (A rotation carried across steps gives a step of N operations a new mapping each step
+until all K have been seen, when N is not a multiple of K; NCCL warms each new mapping up anew, about
+90 ms per step on 2 x H200, so K slow steps came after setup instead of one.)
 
 Backends (:class:`~refit_core.contract.options.NcclBackend`). ``nccl4py`` (``pip install nccl4py``; the
 default) or, where it cannot be imported, a ``torch.distributed.ProcessGroupNCCL`` built on the same
@@ -42,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core.contract.errors import RefitError, TransferError
-from refit_core.contract.options import NcclBackend, NcclOptions, TransportKind
+from refit_core.contract.options import NcclBackend, NcclChoice, NcclOptions, TransportKind
 from refit_core.net.keys import NCCL_PREFIX, nccl_comm_key, nccl_gpu_key, nccl_group_prefix, nccl_unique_id_key
 from refit_core.net.transport.base import Fence, Transport, check_contiguous, spin_until
 from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
@@ -81,7 +84,8 @@ class NcclComm:
 
     backend = NcclBackend.NCCL4PY
 
-    def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device) -> None:
+    def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
+                 max_ctas: int = 0) -> None:
         import nccl.core as nccl
 
         self._nccl = nccl
@@ -90,8 +94,9 @@ class NcclComm:
             uid = nccl.get_unique_id()
             store.set(nccl_unique_id_key(key), bytes(uid.as_bytes))  # type: ignore[arg-type]  # torch's stub says str
         raw = store.get(nccl_unique_id_key(key))
+        config = nccl.NCCLConfig(max_ctas=max_ctas) if max_ctas else None
         with torch.cuda.device(device):
-            self.comm = nccl.Communicator.init(nranks, rank, nccl.UniqueId.from_bytes(raw))
+            self.comm = nccl.Communicator.init(nranks, rank, nccl.UniqueId.from_bytes(raw), config)
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
              stream: torch.cuda.Stream) -> None:
@@ -128,10 +133,12 @@ class TorchNcclComm:
     backend = NcclBackend.TORCH
 
     def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, max_ctas: int = 0) -> None:
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = True
         opts._timeout = timedelta(seconds=timeout_s)
+        if max_ctas:
+            opts.config.max_ctas = max_ctas
         self.nranks, self.rank, self.device = nranks, rank, device
         self.pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore(nccl_group_prefix(key), store), rank, nranks, opts)
         self._coalesce_takes_device = True
@@ -213,15 +220,15 @@ def resolve_backend(backend: NcclBackend) -> NcclBackend:
 
 
 def open_comm(store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
-              timeout_s: float = 300.0, backend: NcclBackend = NcclBackend.AUTO) -> Communicator:
+              timeout_s: float = 300.0, backend: NcclBackend = NcclBackend.AUTO, max_ctas: int = 0) -> Communicator:
     """A communicator of ``nranks`` over ``store`` (keys under ``key``); collective over its ranks.
 
     ``timeout_s`` bounds torch's ProcessGroupNCCL; nccl4py has no timeout of its own (refit's fences
-    enforce deadlines on the host).
+    enforce deadlines on the host). ``max_ctas``: NCCL's ``maxCTAs`` (0: NCCL's default).
     """
     if resolve_backend(backend) == NcclBackend.TORCH:
-        return TorchNcclComm(store, key, nranks, rank, device, timeout_s)
-    return NcclComm(store, key, nranks, rank, device)
+        return TorchNcclComm(store, key, nranks, rank, device, timeout_s, max_ctas)
+    return NcclComm(store, key, nranks, rank, device, max_ctas)
 
 
 @dataclass(frozen=True)
@@ -319,10 +326,14 @@ class NcclTransport(Transport):
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
         self.backend = resolve_backend(options.backend)
-        count = options.comms_per_link if self.backend == NcclBackend.NCCL4PY else 1
+        choice = options.choice(sender_quantizes=False)  # a refit's endpoint passes its plan's choice filled in
+        count = choice.comms_per_link if self.backend == NcclBackend.NCCL4PY else 1
+        self.choice = NcclChoice(count, choice.max_ctas)
+        """The communicators per link and their ``maxCTAs`` this transport built (0: NCCL's default)."""
         if len(set(gpus)) == world_size:
             for k in range(count):
-                comm = open_comm(store, nccl_comm_key(None, k), world_size, rank, device, timeout_s, self.backend)
+                comm = open_comm(store, nccl_comm_key(None, k), world_size, rank, device, timeout_s, self.backend,
+                                 choice.max_ctas)
                 stream = _stream_for(device)
                 self._comms.append(comm)
                 for peer in range(world_size):
@@ -340,13 +351,13 @@ class NcclTransport(Transport):
                     peer = j if rank == i else i
                     for k in range(count):
                         comm = open_comm(store, nccl_comm_key((i, j), k), 2, 0 if rank == i else 1, device, timeout_s,
-                                         self.backend)
+                                         self.backend, choice.max_ctas)
                         self._comms.append(comm)
                         self._links.setdefault(peer, []).append(_Link(comm, 1 if rank == i else 0,
                                                                       _stream_for(device)))
             self.mode = "pairwise"
-        log.info("refit nccl transport: rank %d/%d on %s, %s communicators x %d, backend %s", rank,
-                 world_size, device, self.mode, count, self.backend.value)
+        log.info("refit nccl transport: rank %d/%d on %s, %s communicators x %d (max CTAs %s), backend %s", rank,
+                 world_size, device, self.mode, count, choice.max_ctas or "NCCL's", self.backend.value)
 
     def _link(self, peer: int, counts: dict[int, int] | None) -> _Link:
         """The communicator of this rank's next operation with ``peer`` in one direction (``counts``: the
@@ -361,27 +372,38 @@ class NcclTransport(Transport):
         counts[peer] = index + 1
         return links[index % len(links)]
 
-    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-                 after: Sequence[Fence] = (), *, control: bool = False) -> Fence:
-        """See :meth:`Transport.exchange`; a ``control`` exchange goes on each link's first communicator,
-        one NCCL group for both directions, and leaves the rotation of data operations as it was."""
-        if self._comms is None:
-            raise TransferError(f"the nccl transport of rank {self.rank} is closed"
-                                + (f" (it gave up on a step: {self._broken})" if self._broken else ""))
-        check_contiguous(sends)
-        check_contiguous(recvs)
+    def _groups(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                control: bool) -> list[_Group]:
+        """The exchange's operations, one group per communicator they go on (see :meth:`_link`)."""
         groups: dict[int, _Group] = {}
+        if control:  # both ends post it at the same point of each peer's sequence: the rotation restarts there
+            for peer, _ in sends:
+                self._sent.pop(peer, None)
+            for peer, _ in recvs:
+                self._received.pop(peer, None)
         for peer, tensor in sends:
             link = self._link(peer, None if control else self._sent)
             groups.setdefault(id(link.comm), _Group(link)).sends.append((link.peer_rank, tensor))
         for peer, tensor in recvs:
             link = self._link(peer, None if control else self._received)
             groups.setdefault(id(link.comm), _Group(link)).recvs.append((link.peer_rank, tensor))
+        return list(groups.values())
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 after: Sequence[Fence] = (), *, control: bool = False) -> Fence:
+        """See :meth:`Transport.exchange`; a ``control`` exchange goes on each link's first communicator,
+        one NCCL group for both directions, and restarts the rotation of data operations with its peers."""
+        if self._comms is None:
+            raise TransferError(f"the nccl transport of rank {self.rank} is closed"
+                                + (f" (it gave up on a step: {self._broken})" if self._broken else ""))
+        check_contiguous(sends)
+        check_contiguous(recvs)
+        groups = self._groups(sends, recvs, control)
         if not groups:
             return _AllFence(after)
         events = []
         peers = [p for p, _ in (*sends, *recvs)]
-        for group in groups.values():
+        for group in groups:
             stream = group.link.stream
             for fence in after:
                 fence.wait(stream)

@@ -355,6 +355,9 @@ class Refit(Method):
         self.info.update(messages=summary.messages, segments=summary.segments, rounds=summary.rounds,
                          transport=str(getattr(transport, "backend", transport.kind if transport else "")),
                          transport_mode=getattr(transport, "mode", ""))
+        built = getattr(transport, "choice", None)  # NCCL: the communicators per link and their max CTAs
+        if built is not None:
+            self.info.update(comms_per_link=built.comms_per_link, max_ctas=built.max_ctas)
 
     def endpoint_model(self) -> Any:
         """The model refit reads (train) or writes (gen): the benchmark's own by default."""
@@ -489,6 +492,7 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "zero_copy": ("messages.zero_copy", lambda v: v not in ("0", "false", "False")),
     "messages": ("messages.mode", str),
     "comms": ("nccl.comms_per_link", int),
+    "ctas": ("nccl.max_ctas", int),
     "nccl": ("nccl.backend", str),
     "replicas": ("relay.replicas", int),
     "relay": ("relay.direct", int),

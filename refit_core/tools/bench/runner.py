@@ -176,6 +176,10 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
         is_wire = name.startswith("wire")
         takes_part = not _is_baseline(name) or pair or is_wire
         barrier()
+        cuda = device.type == "cuda"
+        if cuda:  # what the method holds outside torch's allocator (NCCL's buffers) is the rest of the change
+            _sync(device)
+            free_before, reserved_before = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         if takes_part:
             method.setup()
         if name.startswith("refit") and rank == 0 and nprocs > 2 and store.add("wire/planned", 1) == 1:
@@ -185,7 +189,6 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
             model.poison()
         gc.collect()
         _sync(device)
-        cuda = device.type == "cuda"
         if cuda:
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -211,6 +214,8 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
         if cuda:
             entry["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
             entry["after_extra_bytes"] = torch.cuda.memory_allocated(device) - base
+            taken = free_before - torch.cuda.mem_get_info(device)[0]
+            entry["outside_torch_bytes"] = taken - (torch.cuda.memory_reserved(device) - reserved_before)
         if is_wire:
             check = method.verify(_checksum)
             if check is not None and method.lanes:
@@ -343,6 +348,8 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
             afters = [r["methods"][name].get("after_extra_bytes") for r in sel]
             row[f"{side}_peak_extra_bytes"] = max(peaks) if None not in peaks else None
             row[f"{side}_after_extra_bytes"] = max(afters) if None not in afters else None
+            outside = [r["methods"][name].get("outside_torch_bytes") for r in sel]
+            row[f"{side}_outside_torch_bytes"] = max(outside) if None not in outside else None
         if "links" in e0:
             row["links"] = e0["links"]
         setups = [e["setup"] for e in entries if e.get("setup")]
@@ -398,13 +405,14 @@ def _table(summary: dict[str, Any]) -> str:
             f"({', '.join(summary['device_names'])})")
     lines = [head, "",
              "| method | time (ms) | GB/s | x wire (same bytes, same pairs) | sender peak extra | "
-             "receiver peak extra | extra after (send/recv) | check |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "receiver peak extra | extra after (send/recv) | outside torch (send/recv) | check |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in summary["rows"]:
         ratio = Ratio.from_json(r["ratio_to_wire_check"]).text()
         lines.append(f"| {r['method']} | {r['time_s'] * 1e3:.1f} | {r['gbps']:.1f} | {ratio} | "
                      f"{_gib(r['sender_peak_extra_bytes'])} | {_gib(r['receiver_peak_extra_bytes'])} | "
                      f"{_gib(r['sender_after_extra_bytes'])} / {_gib(r['receiver_after_extra_bytes'])} | "
+                     f"{_gib(r.get('sender_outside_torch_bytes'))} / {_gib(r.get('receiver_outside_torch_bytes'))} | "
                      f"{'; '.join(r['checks']) or '-'} |")
     for r in summary["rows"]:
         if "busiest_link_share" in r:
