@@ -170,8 +170,8 @@ def _rank(rank: int, world: int, args: dict[str, Any], ports: list[int]) -> dict
             _sync(device)
             refit.append(time.perf_counter() - start)
         mismatches = model.mismatches(SEED) if rank == 1 else []
-        endpoint.close()
         built = getattr(endpoint.transport, "choice", None)  # the NCCL transport's communicators (gloo: none)
+        endpoint.close()
         out["runs"].append({"nccl": nccl, "comms": built and built.comms_per_link, "max_ctas": built and built.max_ctas,
                             "setup_s": setup_s, "wire": wire, "refit": refit,
                             "mismatches": mismatches})
