@@ -276,11 +276,10 @@ class NcclOptions(_Settings):
 
     None (the default of both) lets the plan choose (:meth:`choice`): :data:`PLAIN_CHOICE` for a plan that
     sends the trainer's bytes as they are, :data:`QUANTIZING_CHOICE` for one whose senders quantize in
-    their pack step (FP8 destinations). Measured side by side on 2 x H200 (docs/benchmarks.md, 2026-11-26):
-    4 communicators of 16 blocks moved the Llama-3-8B shape at 0.973-0.977 of the wire (2 of 32: 0.962) and
-    took less memory outside torch's allocator (0.67 / 1.05 GiB, sender / receiver; 2 of 32: 0.89 /
-    1.14 GiB), but slowed FP8 senders, whose quantizing copies run beside the transfers (Qwen3-30B-A3B
-    shape 0.967-0.971 of the FP8 wire at 2 of 32, 0.947 at 4 of 16).
+    their pack step (FP8 destinations). More communicators hide more of NCCL's per-operation cost, but
+    slowed quantizing senders, and each keeps buffers outside torch's allocator (about 0.25 / 0.5 GiB,
+    sender / receiver, at NCCL's own size; ``max_ctas=16`` halves that for about 1% of the wire). The
+    measurements behind the choice: docs/benchmarks.md (2 x H200, 2026-11-26).
     """
 
     backend: NcclBackend = _setting(NcclBackend.AUTO, NcclBackend)
@@ -316,7 +315,7 @@ class NcclChoice:
     """0: NCCL's own."""
 
 
-PLAIN_CHOICE = NcclChoice(comms_per_link=4, max_ctas=16)
+PLAIN_CHOICE = NcclChoice(comms_per_link=4, max_ctas=0)
 """For a plan whose senders send their bytes as they are (no quantizing pack step)."""
 QUANTIZING_CHOICE = NcclChoice(comms_per_link=2, max_ctas=0)
 """For a plan with a quantizing pack step on a sender (FP8 destinations)."""

@@ -32,7 +32,7 @@ def test_strings_and_dicts_become_enums_and_nested_options():
 
 
 def test_the_plan_chooses_the_nccl_communicators_the_settings_leave_open():
-    assert NcclOptions().choice(sender_quantizes=False) == PLAIN_CHOICE == NcclChoice(4, 16)
+    assert NcclOptions().choice(sender_quantizes=False) == PLAIN_CHOICE == NcclChoice(4, 0)
     assert NcclOptions().choice(sender_quantizes=True) == QUANTIZING_CHOICE == NcclChoice(2, 0)
     assert NcclOptions(comms_per_link=3).choice(sender_quantizes=True) == NcclChoice(3, 0)
     assert NcclOptions(max_ctas=8).chosen(sender_quantizes=False) == NcclOptions(comms_per_link=4, max_ctas=8)
