@@ -277,9 +277,10 @@ class NcclOptions(_Settings):
     None (the default of both) lets the plan choose (:meth:`choice`): :data:`PLAIN_CHOICE` for a plan that
     sends the trainer's bytes as they are, :data:`QUANTIZING_CHOICE` for one whose senders quantize in
     their pack step (FP8 destinations). More communicators hide more of NCCL's per-operation cost, but
-    slowed quantizing senders, and each keeps buffers outside torch's allocator (about 0.25 / 0.5 GiB,
-    sender / receiver, at NCCL's own size; ``max_ctas=16`` halves that for about 1% of the wire). The
-    measurements behind the choice: docs/benchmarks.md (2 x H200, 2026-11-26).
+    slowed quantizing senders, and each keeps buffers outside torch's allocator for every peer it has
+    moved bytes with (about 0.25 / 0.5 GiB, sender / receiver, with one peer at NCCL's own size;
+    ``max_ctas=16`` halves that for about 1% of the wire). The measurements behind the choice:
+    docs/benchmarks.md (2 x H200, one peer, 2026-11-26).
     """
 
     backend: NcclBackend = _setting(NcclBackend.AUTO, NcclBackend)
@@ -563,6 +564,6 @@ def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, An
     object.__setattr__(result, "_explicit", frozenset(n for n in given if kwargs.get(n) is not None))
     return result
 
-__all__ = ["CastPolicy", "MessageMode", "MessageOptions", "NcclBackend", "NcclOptions", "RefitOptions",
-           "RelayOptions", "StoreLimits", "StridedCopy", "TransportKind", "UpdateMode", "NcclChoice",
-           "PLAIN_CHOICE", "QUANTIZING_CHOICE"]
+__all__ = ["PLAIN_CHOICE", "QUANTIZING_CHOICE", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend",
+           "NcclChoice", "NcclOptions", "RefitOptions", "RelayOptions", "StoreLimits", "StridedCopy", "TransportKind",
+           "UpdateMode"]

@@ -63,7 +63,7 @@ class PlanFacts:
     relay: RelayFacts | None
     sender_quantizes: bool
     """Whether any sender quantizes in its pack step (the plan's NCCL choice,
-    :meth:`~refit_core.contract.options.NcclOptions.chosen`, depends on it): the same on every rank."""
+    :meth:`~refit_core.contract.options.NcclOptions.choice`, depends on it): the same on every rank."""
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ before any collective (:func:`~refit_core.plan.links.pair_links`; such pairs use
 
 Several communicators per link. NCCL runs the operations to one peer one after another, and each
 costs some 20 us beyond its bytes (filling and draining its pipeline). With
-:attr:`NcclOptions.comms_per_link <refit_core.contract.options.NcclOptions.comms_per_link>` = K (default 2)
-every link has K communicators, each on its own stream, and the i-th operation to a peer goes to
+:attr:`NcclOptions.comms_per_link <refit_core.contract.options.NcclOptions.comms_per_link>` = K (by default
+the plan's choice: 4, or 2 when a sender quantizes) every link has K communicators, each on its own stream
+(built with ``NcclOptions.max_ctas``), and the i-th operation of a step to a peer goes to
 communicator ``i % K``: both sides post the same sequence of operations per peer (NCCL needs that
 anyway), so they agree on the communicator without a word, and consecutive operations overlap. The step
 header (a *control* exchange, both directions at once) goes on the first communicator as one group,
