@@ -11,6 +11,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 _EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -93,11 +94,15 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] |
     failed: list[str] = []
     results: dict[int, Any] = {}
     try:
-        while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+        running = {p.sentinel: p for p in procs}
+        while running and time.monotonic() < deadline:  # wakes as soon as a rank exits
+            for ready in wait_for(list(running), timeout=max(0.0, deadline - time.monotonic())):
+                assert isinstance(ready, int)  # a process sentinel
+                running.pop(ready).join()  # it has exited: reaping it sets its exit code
+            if any(p.exitcode not in (None, 0) for p in procs):
                 break
-            time.sleep(0.05)
-        time.sleep(0.2)  # let a failing rank's peers report their own errors
+        if running:
+            time.sleep(0.2)  # a rank failed or the deadline passed: let the others report their own errors
     finally:
         still_running = {r for r, p in enumerate(procs) if p.is_alive()}
         deadline_passed = time.monotonic() > deadline
