@@ -344,12 +344,9 @@ def _summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) -
         row = {"method": name, "time_s": t, "times_s": timed, "bytes": moved, "gbps": moved / t / 1e9,
                "checks": sorted({e.get("check") for e in entries if e.get("check")}), "info": info}
         for side, sel in (("sender", results[:n_train]), ("receiver", gen)):
-            peaks = [r["methods"][name].get("peak_extra_bytes") for r in sel]
-            afters = [r["methods"][name].get("after_extra_bytes") for r in sel]
-            row[f"{side}_peak_extra_bytes"] = max(peaks) if None not in peaks else None
-            row[f"{side}_after_extra_bytes"] = max(afters) if None not in afters else None
-            outside = [r["methods"][name].get("outside_torch_bytes") for r in sel]
-            row[f"{side}_outside_torch_bytes"] = max(outside) if None not in outside else None
+            for key in ("peak_extra_bytes", "after_extra_bytes", "outside_torch_bytes"):  # the side's largest
+                values = [r["methods"][name].get(key) for r in sel]
+                row[f"{side}_{key}"] = max(values) if None not in values else None
         if "links" in e0:
             row["links"] = e0["links"]
         setups = [e["setup"] for e in entries if e.get("setup")]
