@@ -98,13 +98,31 @@ class ReceiverQuantization:
 
 @dataclass(frozen=True)
 class Message:
-    """One contiguous buffer from train rank ``src`` to gen rank ``dst`` (side-local ranks)."""
+    """One contiguous buffer from train rank ``src`` to gen rank ``dst`` (side-local ranks).
+
+    A message that carries scales (a sender quantizes its segments) lays every segment's values first
+    and all their scales after them, from :attr:`scales_at` on, and travels as two operations, values
+    then scales: a receiver can land each part straight in its tensor (the FP8 weight, its scales).
+    ``dst_segments`` keeps the order of ``src_segments``, a quantized one's scales right after its values.
+    """
 
     src: int
     dst: int
     nbytes: int
     src_segments: tuple[Segment, ...]
     dst_segments: tuple[Segment, ...]
+
+    @property
+    def scales_at(self) -> int:
+        """Where the scales section starts (0: the message carries no scales and travels whole)."""
+        return min((s.scales.offset for s in self.src_segments if s.scales is not None), default=0)
+
+    @property
+    def parts(self) -> tuple[tuple[int, int], ...]:
+        """The ``(start, end)`` bytes of each operation the message travels as, in order (both ends
+        derive them from the message alone)."""
+        at = self.scales_at
+        return ((0, at), (at, self.nbytes)) if at else ((0, self.nbytes),)
 
 
 new_transfer = unchecked(Transfer)

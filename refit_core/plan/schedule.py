@@ -15,9 +15,10 @@ took 2.7 ms to pack on an H200 while NCCL ran, late in the step, and its unpacki
 A message whose segments are one contiguous, gap-free run of memory on a side (a whole parameter, the
 ``q_proj`` rows of a fused QKV, ``[gate_e; up_e]`` of a stacked ``w13``) is then sent or received by the
 executor straight from or into that memory, with no staging copy; each side decides that alone, since
-the bytes on the wire are the same either way. The interleaving is a guess about memory (expert-major
-fused gate/up, as in Megatron's and vLLM's stacked experts); a wrong guess costs a staging copy on that
-side, never correctness.
+the bytes on the wire are the same either way. A message quantized on the sender carries its values first
+and their scales after them, and travels as two operations, so a receiver lands each straight in its tensor.
+The interleaving is a guess about memory (expert-major fused gate/up, as in Megatron's and vLLM's stacked
+experts); a wrong guess costs a staging copy on that side, never correctness.
 
 The ``runs`` :class:`~refit_core.contract.options.MessageMode` (benchmarking) instead lays consecutive units of
 one kind (*gather* units, fed by several transfers like Megatron's per-group QKV, or *plain* ones) back
@@ -147,37 +148,44 @@ def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
 
 
 class _MessageBuilder:
-    """Lays segments back to back (16-byte aligned) into messages of at most ``bucket_bytes``."""
+    """Lays segments back to back (16-byte aligned) into messages of at most ``bucket_bytes``; the
+    scales of segments quantized on the sender go after every value, at :meth:`close`
+    (:class:`~refit_core.plan.items.Message`)."""
 
     def __init__(self, bucket_bytes: int, out: list[Message]) -> None:
         self.bucket_bytes = bucket_bytes
         self.out = out
         self.src_segs: list[Segment] = []
-        self.dst_segs: list[Segment] = []
+        self.dst_segs: list[Segment | None] = []
         self.used = 0
         self.pair = (0, 0)
+        self.scales: list[tuple[int, int, QuantizeStep, Box]] = []
+        """Per quantized segment: its index in ``src_segs``, its scales' index in ``dst_segs``, its step and
+        its scale box."""
+        self.scale_room = 0
+        """The bytes the scales of ``scales`` take after the values (each aligned)."""
 
     def add(self, t: Transfer, src_box: Box, dst_box: Box, nbytes: int) -> None:
         """Append ``src_box`` -> ``dst_box`` of ``t`` (``nbytes`` of values on the wire; a transfer
-        quantized on the sender adds the scales of its blocks after them)."""
+        quantized on the sender adds the scales of its blocks to the scales section)."""
         step = _sender_step(t)
-        values = nbytes
-        if step is not None:  # values, then (aligned) the scales of their blocks
+        scale_bytes = 0
+        if step is not None:
             scale_box = step.quant.scale_box(dst_box)
-            nbytes = align(values) + scale_box.numel * dtype_size(step.quant.scale_dtype)
+            scale_bytes = align(scale_box.numel * dtype_size(step.quant.scale_dtype))
         offset = -(-self.used // ALIGN) * ALIGN  # align(), inlined: a million calls at scale
-        if offset + nbytes > self.bucket_bytes and self.src_segs:
+        if align(offset + nbytes) + self.scale_room + scale_bytes > self.bucket_bytes and self.src_segs:
             self.close()
             offset = 0
-        if offset + nbytes > self.bucket_bytes:
-            raise ValueError(f"{t.name}: a {nbytes}-byte segment does not fit the {self.bucket_bytes}-byte bucket")
+        if align(nbytes) + scale_bytes > self.bucket_bytes:
+            raise ValueError(f"{t.name}: a {nbytes}-byte segment and its scales do not fit the "
+                             f"{self.bucket_bytes}-byte bucket")
         self.pair = (t.src, t.dst)
         if step is not None:
-            quant = step.quant
-            scales_at = offset + align(values)
-            self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype, SegmentScales(quant, scales_at)))
-            self.dst_segs.append(Segment(t.dst_piece, dst_box, offset, t.dtype))
-            self.dst_segs.append(Segment(step.scale_piece, scale_box, scales_at, quant.scale_dtype))
+            self.scales.append((len(self.src_segs), len(self.dst_segs) + 1, step, scale_box))
+            self.scale_room += scale_bytes
+            self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))  # its scales are set at close()
+            self.dst_segs += (Segment(t.dst_piece, dst_box, offset, t.dtype), None)
         else:
             self.src_segs.append(new_segment(t.src_piece, src_box, offset, t.dtype, None))
             self.dst_segs.append(new_segment(t.dst_piece, dst_box, offset, t.dtype, None))
@@ -187,7 +195,7 @@ class _MessageBuilder:
         """:meth:`add` of a whole transfer that is not quantized and fits the bucket (the common case),
         its two segments built unchecked (the schedule's hot loop: a million segments at scale)."""
         offset = -(-self.used // ALIGN) * ALIGN
-        if offset + nbytes > self.bucket_bytes and self.src_segs:
+        if offset + nbytes + self.scale_room > self.bucket_bytes and self.src_segs:
             self.close()
             offset = 0
         self.pair = (t.src, t.dst)
@@ -198,8 +206,16 @@ class _MessageBuilder:
 
     def close(self) -> None:
         if self.src_segs:
-            self.out.append(Message(*self.pair, self.used, tuple(self.src_segs), tuple(self.dst_segs)))
+            at = self.used
+            for src_index, dst_index, step, scale_box in self.scales:
+                quant, at = step.quant, align(at)
+                seg = self.src_segs[src_index]
+                self.src_segs[src_index] = Segment(seg.piece, seg.box, seg.offset, seg.dtype, SegmentScales(quant, at))
+                self.dst_segs[dst_index] = Segment(step.scale_piece, scale_box, at, quant.scale_dtype)
+                at += scale_box.numel * dtype_size(quant.scale_dtype)
+            self.out.append(Message(*self.pair, at, tuple(self.src_segs), tuple(self.dst_segs)))  # type: ignore[arg-type]
         self.src_segs, self.dst_segs, self.used = [], [], 0
+        self.scales, self.scale_room = [], 0
 
 
 def _narrowed(t: Transfer, expert: int) -> Transfer:

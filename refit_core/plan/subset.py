@@ -3,9 +3,9 @@
 A :class:`Subset` names logical tensors (the plan's names: a grouped expert tensor by its group name).
 Each rank derives its sub-schedule from its own part of the static schedule, without talking to
 anyone: every message keeps only the segments of the named tensors (a quantized segment keeps its
-scales), laid back to back again from offset 0 with the schedule's alignment, so the bytes on the wire
-are one contiguous buffer per message as in a whole step; messages left empty, and then rounds left
-empty, are dropped. Both ends of a pair hold the same messages and decide per segment by the same
+scales), laid back to back again from offset 0 with the schedule's alignment (values, then scales), so
+the bytes on the wire are one contiguous buffer per message as in a whole step; messages left empty,
+and then rounds left empty, are dropped. Both ends of a pair hold the same messages and decide per segment by the same
 logical name, so they derive the same sub-messages; rounds keep their order, so the ordering rules of
 the whole schedule (every rank walks its rounds in increasing order) hold for the sub-schedule.
 :class:`SubSchedules` derives each subset once and keeps it (keyed by its digest).
@@ -127,15 +127,22 @@ def narrow_message(m: Message, keep: Keep) -> Message | None:
         return m
     if not kept:
         return None
+    offsets = []  # the kept values back to back, then their scales (as the schedule lays them out)
     used = 0
+    for _, ds in kept:
+        offsets.append(align(used))
+        used = offsets[-1] + ds[0].nbytes
     src: list[Segment] = []
     dst: list[Segment] = []
-    for s, ds in kept:
-        shift = align(used) - s.offset  # offsets and alignment gaps are multiples of ALIGN: so is the shift
-        scales = None if s.scales is None else replace(s.scales, offset=s.scales.offset + shift)
-        src.append(replace(s, offset=s.offset + shift, scales=scales))
-        dst.extend(replace(d, offset=d.offset + shift) for d in ds)
-        used = max(d.offset + d.nbytes for d in dst[-len(ds):])
+    for (s, ds), at in zip(kept, offsets):
+        if s.scales is None:
+            src.append(replace(s, offset=at))
+            dst.append(replace(ds[0], offset=at))
+            continue
+        scales_at = align(used)
+        used = scales_at + ds[1].nbytes
+        src.append(replace(s, offset=at, scales=replace(s.scales, offset=scales_at)))
+        dst += (replace(ds[0], offset=at), replace(ds[1], offset=scales_at))
     return Message(m.src, m.dst, used, tuple(src), tuple(dst))
 
 

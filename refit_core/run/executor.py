@@ -274,22 +274,8 @@ class _RoundRunner:
         for msgs in self.rounds:
             plan = RoundPlan()
             for m in msgs:
-                segs = self._segments(m)
-                seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
-                region = (direct_region(seg_views, segs, m.nbytes, gaps_allowed=self.gaps_allowed)
-                          if self.zero_copy and all(self._as_is(seg.piece) for seg in segs) else None)
-                peer = self._peer(m) + self.peer_offset
-                if region is not None:
-                    plan.posts.append(Post(peer, m.nbytes, direct=region))
-                    plan.direct_pieces.update(seg.piece for seg in segs)
-                    continue
-                base = plan.staged_bytes
-                plan.posts.append(Post(peer, m.nbytes, staging_offset=base))
-                plan.staged_bytes = align(base + m.nbytes)
-                plan.segments.extend(_staged(seg, base) for seg in segs)
-                plan.views.extend(seg_views)
-                plan.planned.extend(segs)
-                plan.staged_pieces.update(seg.piece for seg in segs)
+                for start, end, segs in _pieces_of(m, self._segments(m)):
+                    self._bind_part(plan, m, start, end, segs, views)
             plans.append(plan)
         buffer_bytes = max((p.staged_bytes for p in plans), default=0)
         if buffer_bytes > self.bucket_bytes:
@@ -300,6 +286,27 @@ class _RoundRunner:
         self.direct_bytes = sum(post.nbytes for p in plans for post in p.posts if post.direct is not None)
         if buffer_bytes and (self.packs or self.mode is UpdateMode.IN_PLACE):  # a staged receiver copies at commit
             self._plan_copies(self.lane.allocate(buffer_bytes, self.device))
+
+    def _bind_part(self, plan: RoundPlan, m: Message, start: int, end: int, segs: Sequence[Segment],
+                   views: list[torch.Tensor]) -> None:
+        """Bytes ``start:end`` of ``m`` (``segs`` laid out from ``start``): direct, else staged, posted as
+        the message's wire parts within them."""
+        seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
+        peer = self._peer(m) + self.peer_offset
+        region = (direct_region(seg_views, segs, end - start, gaps_allowed=self.gaps_allowed)
+                  if self.zero_copy and all(self._as_is(seg.piece) for seg in segs) else None)
+        parts = [(a - start, b - start) for a, b in m.parts if start <= a < end]
+        if region is not None:
+            plan.posts += [Post(peer, b - a, direct=region[a:b]) for a, b in parts]
+            plan.direct_pieces.update(seg.piece for seg in segs)
+            return
+        base = plan.staged_bytes
+        plan.posts += [Post(peer, b - a, staging_offset=base + a) for a, b in parts]
+        plan.staged_bytes = align(base + end - start)
+        plan.segments.extend(_staged(seg, base) for seg in segs)
+        plan.views.extend(seg_views)
+        plan.planned.extend(segs)
+        plan.staged_pieces.update(seg.piece for seg in segs)
 
     def _plan_copies(self, template: torch.Tensor) -> None:
         """Each staged round's plain copies, coalesced and grouped once (``template``: any buffer)."""
@@ -410,6 +417,22 @@ class _Headers:
     peers: list[int]
     mine: torch.Tensor
     theirs: torch.Tensor
+
+
+def _pieces_of(m: Message, segs: tuple[Segment, ...]) -> list[tuple[int, int, tuple[Segment, ...]]]:
+    """``(start, end, segments)`` of ``m`` that this side lands or sends alone: each wire part whose
+    segments lie within it (offsets from its start), or the whole message when a segment carries scales
+    into the next part (a quantizing sender packs it whole) or would straddle two parts."""
+    parts = m.parts
+    if len(parts) == 1 or any(seg.scales is not None for seg in segs):
+        return [(0, m.nbytes, segs)]
+    out = []
+    for start, end in parts:
+        inside = tuple(seg for seg in segs if start <= seg.offset < end)
+        if any(seg.offset + seg.nbytes > end for seg in inside):
+            return [(0, m.nbytes, segs)]
+        out.append((start, end, tuple(dataclasses.replace(seg, offset=seg.offset - start) for seg in inside)))
+    return out
 
 
 def _staged(seg: Segment, base: int) -> StagedSegment:

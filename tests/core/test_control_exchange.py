@@ -19,7 +19,7 @@ from refit_core.contract.side import Side
 from refit_core.contract.spec import Box
 from refit_core.kit import same_bytes
 from refit_core.net.transport.gloo import GlooTransport
-from refit_core.net.transport.nccl import NcclTransport
+from refit_core.net.transport.nccl import SMALL_OP_BYTES, NcclTransport
 from refit_core.net.transport.watch import StoreWatch
 from refit_core.plan.items import Transfer
 from refit_core.plan.schedule import build_schedule
@@ -106,11 +106,20 @@ def _comms_of(transport: NcclTransport, sends: list[tuple[int, Any]], recvs: lis
             for kind, ops in (("send", group.sends), ("recv", group.recvs)) for _ in ops]
 
 
-def test_a_control_exchange_takes_the_first_communicator_and_restarts_the_rotation():
+def _placeholder_transport(comms: int) -> NcclTransport:
     transport = NcclTransport.__new__(NcclTransport)  # the link choice alone: no communicator is opened
-    transport._links = {5: [_Placeholder(f"comm {k}") for k in range(3)]}  # type: ignore[misc]
+    transport._links = {5: [_Placeholder(f"comm {k}") for k in range(comms)]}  # type: ignore[misc]
     transport._sent, transport._received = {}, {}
-    tensor = torch.zeros(1)
+    return transport
+
+
+LARGE = torch.empty(SMALL_OP_BYTES + 1, dtype=torch.uint8)
+SMALL = torch.empty(SMALL_OP_BYTES, dtype=torch.uint8)
+
+
+def test_a_control_exchange_takes_the_first_communicator_and_restarts_the_rotation():
+    transport = _placeholder_transport(3)
+    tensor = LARGE
     steps = []
     for _ in range(2):  # a step: the header both ways, then 4 data sends and 2 data receives, one at a time
         step = _comms_of(transport, [(5, tensor)], [(5, tensor)], control=True)
@@ -123,3 +132,16 @@ def test_a_control_exchange_takes_the_first_communicator_and_restarts_the_rotati
     assert steps[0] == steps[1] == [("comm 0", "send"), ("comm 0", "recv"), ("comm 0", "send"), ("comm 1", "send"),
                                     ("comm 2", "send"), ("comm 0", "send"), ("comm 0", "recv"), ("comm 1", "recv")]
     assert transport._sent == {5: 4} and transport._received == {5: 2}
+
+
+def test_a_small_operation_rides_with_the_one_before_so_large_ones_still_alternate():
+    """A step of FP8 messages, each its values then its scales: the values alternate over 2 communicators,
+    each message's scales follow its values."""
+    transport = _placeholder_transport(2)
+    step = _comms_of(transport, [(5, SMALL)], [], control=True)
+    for _ in range(3):
+        step += _comms_of(transport, [(5, LARGE), (5, SMALL)], [])
+    step += _comms_of(transport, [(5, SMALL)], [])  # a small one alone still goes on a communicator
+    sends = [comm for comm, _ in step[1:]]
+    assert sends == ["comm 0", "comm 0", "comm 1", "comm 1", "comm 0", "comm 0", "comm 0"]
+    assert transport._sent == {5: 3}

@@ -12,7 +12,7 @@ from refit_core import RefitError
 from refit_core.contract.experts import default_expert_name
 from refit_core.contract.spec import Box, QuantizeStep, Quantization, QuantSite
 from refit_core.kit.launch import free_port, spawn
-from refit_core.plan.items import Transfer
+from refit_core.plan.items import Message, Transfer
 from refit_core.plan.schedule import build_schedule
 from refit_core.plan.subset import (
     WHOLE,
@@ -43,6 +43,18 @@ def toy_schedule():
     return names + ["e_scale"], transfers, build_schedule(transfers, 2, 2, bucket_bytes=4096)
 
 
+def _assert_laid_out(m: Message, names: list[str]) -> None:
+    """Back to back from 0 (every segment aligned, no gap wider than the alignment), all values first, then
+    the scales: the message's second wire part."""
+    laid = sorted(m.dst_segments, key=lambda d: d.offset)
+    ends = [0] + [d.offset + d.nbytes for d in laid]
+    assert all(d.offset % 16 == 0 and 0 <= d.offset - end < 16 for d, end in zip(laid, ends))
+    assert m.nbytes == ends[-1]
+    scales = [d for d in laid if names[d.piece] == "e_scale"]
+    assert laid[len(laid) - len(scales):] == scales
+    assert m.parts == (((0, scales[0].offset), (scales[0].offset, m.nbytes)) if scales else ((0, m.nbytes),))
+
+
 def test_a_sub_schedule_moves_exactly_the_named_tensors_bytes_laid_back_to_back():
     names, transfers, schedule = toy_schedule()
     subset = Subset.of(["b", "e"])
@@ -55,11 +67,8 @@ def test_a_sub_schedule_moves_exactly_the_named_tensors_bytes_laid_back_to_back(
             pieces = {names[s.piece] for msgs in sub for m in msgs
                       for s in (m.src_segments if sender else m.dst_segments)}
             assert pieces == ({"b", "e"} if sender else {"b", "e", "e_scale"})
-            for msgs in sub:
-                for m in msgs:  # back to back from 0: every segment aligned, no gap wider than the alignment
-                    ends = [0] + [d.offset + d.nbytes for d in m.dst_segments]
-                    assert all(d.offset % 16 == 0 and d.offset - end < 16 for d, end in zip(m.dst_segments, ends))
-                    assert m.nbytes == ends[-1]
+            for m in (m for schedule_rounds in (rounds, sub) for msgs in schedule_rounds for m in msgs):
+                _assert_laid_out(m, names)
             if not sender:
                 total += moved_bytes(sub)
     fp8_scales = 2 * 4  # (16 / 16) x (32 / 16) float32 scales per transfer

@@ -256,7 +256,7 @@ def campaign(runs: int, seed: int, progress=None) -> Census:
     census = Census()
     for index in range(runs):
         run = draw(rng, index)
-        census.judge(run, execute(run, lambda: Ranks("forkserver")))
+        census.judge(run, execute(run))
         if progress is not None:
             progress(index, run, census)
     return census

@@ -20,7 +20,9 @@ from typing import Any
 ENV = {"REFIT_PLUGINS": "toy"}  # importing every installed plugin costs seconds per process
 
 
-def _entry(fn: Callable[..., Any], rank: int, events: Any, go: Any, args: tuple) -> None:
+def _entry(fn: Callable[..., Any], rank: int, events: Any, go: Any, environ: dict[str, str], args: tuple) -> None:
+    os.environ.clear()  # the test's environment when it started the rank, not the fork server's
+    os.environ.update(environ)
     os.environ.update(ENV)
     import refit_toy.plugin  # noqa: F401
 
@@ -39,9 +41,10 @@ def _entry(fn: Callable[..., Any], rank: int, events: Any, go: Any, args: tuple)
 class Ranks:
     """A set of rank processes and the events they report."""
 
-    def __init__(self, context: str = "spawn") -> None:
+    def __init__(self, context: str = "forkserver") -> None:
         """``context``: how rank processes start (``"forkserver"`` forks them from a server that imported
-        torch and refit once: a fraction of a second each instead of seconds)."""
+        torch and refit once: a fraction of a second each instead of seconds; ``"spawn"``: a fresh
+        interpreter each)."""
         self._ctx = mp.get_context(context)
         if context == "forkserver":
             self._ctx.set_forkserver_preload(["torch", "refit_core.endpoints", "refit_toy.plugin", "harness"])
@@ -51,7 +54,8 @@ class Ranks:
         self.seen: dict[tuple[int, str], Any] = {}
 
     def start(self, fn: Callable[..., Any], rank: int, *args: Any) -> None:
-        proc = self._ctx.Process(target=_entry, args=(fn, rank, self.events, self.go, args), daemon=True)
+        proc = self._ctx.Process(target=_entry, args=(fn, rank, self.events, self.go, dict(os.environ), args),
+                                 daemon=True)
         proc.start()
         self.procs[rank] = proc
 

@@ -60,6 +60,7 @@ def fp8_refit_rank(rank: int, world: int, address: str, job: dict[str, Any]) -> 
             stats = endpoint.receive()
             out["mismatches"] += [f"step {step}: {m}" for m in model.mismatches(seed, reference_quantize)]
             out["version"] = stats.version
+            out["direct"], out["received"] = stats.direct_bytes, stats.bytes
     if not train:
         counts = endpoint.colocated_counts
         out["colocated_quantize_launches"] = endpoint.colocated_copies - (counts.launches if counts else 0)

@@ -23,10 +23,13 @@ def _gen(results):
 
 
 def test_sender_side_quantization_when_every_transfer_holds_whole_blocks():
-    """32 x 32 blocks: Megatron's per-group QKV rows (64 q rows, 32 k/v rows per group) are whole blocks."""
-    results = run("tiny-llama")
+    """32 x 32 blocks: Megatron's per-group QKV rows (64 q rows, 32 k/v rows per group) are whole blocks.
+    Every tensor in messages of its own (as large ones are): the FP8 values and their scales land straight
+    in the engine's weights and scales, nothing staged."""
+    results = run("tiny-llama", options={"messages": {"direct_min_bytes": 0}})
     gen = _gen(results)
     assert gen and all(r["mismatches"] == [] and r["version"] == 1 for r in gen)
+    assert all(r["direct"] == r["received"] > 0 for r in gen), [(r["direct"], r["received"]) for r in gen]
     assert all(r["receiver_quantized"] == [] for r in gen)
     sent = results[0]["sender_quantized"]
     assert {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight",

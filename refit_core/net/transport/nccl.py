@@ -22,7 +22,10 @@ communicator ``i % K``: both sides post the same sequence of operations per peer
 anyway), so they agree on the communicator without a word, and consecutive operations overlap. The step
 header (a *control* exchange, both directions at once) goes on the first communicator as one group,
 outside that rotation, and restarts it: every step sends each operation on the same communicator as the
-step before. (A rotation carried across steps gives a step of N operations a new mapping each step
+step before. An operation of at most :data:`SMALL_OP_BYTES` (the scales part of a message quantized on
+the sender) goes on the communicator of the operation before it and leaves the rotation as it is: were
+it counted, a step of values, scales, values, scales... would put every large operation on the same
+communicators. (A rotation carried across steps gives a step of N operations a new mapping each step
 until all K have been seen, when N is not a multiple of K; NCCL warms each new mapping up anew, about
 90 ms per step on 2 x H200, so K slow steps came after setup instead of one.)
 
@@ -54,6 +57,9 @@ from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
 log = logging.getLogger("refit")
 
 _IN_PROGRESS = 7  # ncclInProgress
+
+SMALL_OP_BYTES = 1 << 20
+"""Data operations of at most this many bytes ride with the one before them (see the module doc)."""
 
 
 def _stream_for(device: torch.device) -> torch.cuda.Stream:
@@ -360,9 +366,13 @@ class NcclTransport(Transport):
         log.info("refit nccl transport: rank %d/%d on %s, %s communicators x %d (max CTAs %s), backend %s", rank,
                  world_size, device, self.mode, count, choice.max_ctas or "NCCL's", self.backend.value)
 
-    def _link(self, peer: int, counts: dict[int, int] | None) -> _Link:
+    def _link(self, peer: int, counts: dict[int, int] | None, nbytes: int) -> _Link:
         """The communicator of this rank's next operation with ``peer`` in one direction (``counts``: the
-        operations posted so far per peer in that direction; None: a control exchange, on the first)."""
+        operations posted so far per peer in that direction; None: a control exchange, on the first).
+
+        Data operations rotate over the link's communicators; one of at most :data:`SMALL_OP_BYTES` (a
+        message's scales) goes with the operation before it and does not move the rotation, so that the
+        large ones still alternate. Both ends see the same sizes in the same order: they agree."""
         try:
             links = self._links[peer]
         except KeyError:
@@ -370,6 +380,8 @@ class NcclTransport(Transport):
         if counts is None:
             return links[0]
         index = counts.get(peer, 0)
+        if nbytes <= SMALL_OP_BYTES:
+            return links[max(index - 1, 0) % len(links)]
         counts[peer] = index + 1
         return links[index % len(links)]
 
@@ -383,10 +395,10 @@ class NcclTransport(Transport):
             for peer, _ in recvs:
                 self._received.pop(peer, None)
         for peer, tensor in sends:
-            link = self._link(peer, None if control else self._sent)
+            link = self._link(peer, None if control else self._sent, tensor.nbytes)
             groups.setdefault(id(link.comm), _Group(link)).sends.append((link.peer_rank, tensor))
         for peer, tensor in recvs:
-            link = self._link(peer, None if control else self._received)
+            link = self._link(peer, None if control else self._received, tensor.nbytes)
             groups.setdefault(id(link.comm), _Group(link)).recvs.append((link.peer_rank, tensor))
         return list(groups.values())
 
@@ -468,4 +480,5 @@ class NcclTransport(Transport):
         self._links = {}
 
 
-__all__ = ["Communicator", "NcclComm", "NcclTransport", "TorchNcclComm", "open_comm", "resolve_backend"]
+__all__ = ["SMALL_OP_BYTES", "Communicator", "NcclComm", "NcclTransport", "TorchNcclComm", "open_comm",
+           "resolve_backend"]
