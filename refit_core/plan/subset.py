@@ -5,9 +5,10 @@ Each rank derives its sub-schedule from its own part of the static schedule, wit
 anyone: every message keeps only the segments of the named tensors (a quantized segment keeps its
 scales), laid back to back again from offset 0 with the schedule's alignment (values, then scales), so
 the bytes on the wire are one contiguous buffer per message as in a whole step; messages left empty,
-and then rounds left empty, are dropped. Both ends of a pair hold the same messages and decide per segment by the same
-logical name, so they derive the same sub-messages; rounds keep their order, so the ordering rules of
-the whole schedule (every rank walks its rounds in increasing order) hold for the sub-schedule.
+and then rounds left empty, are dropped. Both ends of a pair hold the same messages and decide per
+segment by the same logical name, so they derive the same sub-messages; rounds keep their order, so the
+ordering rules of the whole schedule (every rank walks its rounds in increasing order) hold for the
+sub-schedule.
 :class:`SubSchedules` derives each subset once and keeps it (keyed by its digest).
 """
 
