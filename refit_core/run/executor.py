@@ -274,8 +274,10 @@ class _RoundRunner:
         for msgs in self.rounds:
             plan = RoundPlan()
             for m in msgs:
-                for start, end, segs in _pieces_of(m, self._segments(m)):
-                    self._bind_part(plan, m, start, end, segs, views)
+                parts = m.parts
+                for start, end, segs in _pieces_of(m, parts, self._segments(m)):
+                    self._bind_part(plan, self._peer(m) + self.peer_offset,
+                                    [(a - start, b - start) for a, b in parts if start <= a < end], segs, views)
             plans.append(plan)
         buffer_bytes = max((p.staged_bytes for p in plans), default=0)
         if buffer_bytes > self.bucket_bytes:
@@ -287,22 +289,21 @@ class _RoundRunner:
         if buffer_bytes and (self.packs or self.mode is UpdateMode.IN_PLACE):  # a staged receiver copies at commit
             self._plan_copies(self.lane.allocate(buffer_bytes, self.device))
 
-    def _bind_part(self, plan: RoundPlan, m: Message, start: int, end: int, segs: Sequence[Segment],
+    def _bind_part(self, plan: RoundPlan, peer: int, parts: list[tuple[int, int]], segs: Sequence[Segment],
                    views: list[torch.Tensor]) -> None:
-        """Bytes ``start:end`` of ``m`` (``segs`` laid out from ``start``): direct, else staged, posted as
-        the message's wire parts within them."""
+        """A stretch of a message that this side lands or sends alone (``segs`` and its wire ``parts``
+        relative to its start), for global rank ``peer``: direct, else staged, posted part by part."""
         seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
-        peer = self._peer(m) + self.peer_offset
-        region = (direct_region(seg_views, segs, end - start, gaps_allowed=self.gaps_allowed)
+        nbytes = parts[-1][1]
+        region = (direct_region(seg_views, segs, nbytes, gaps_allowed=self.gaps_allowed)
                   if self.zero_copy and all(self._as_is(seg.piece) for seg in segs) else None)
-        parts = [(a - start, b - start) for a, b in m.parts if start <= a < end]
         if region is not None:
             plan.posts += [Post(peer, b - a, direct=region[a:b]) for a, b in parts]
             plan.direct_pieces.update(seg.piece for seg in segs)
             return
         base = plan.staged_bytes
         plan.posts += [Post(peer, b - a, staging_offset=base + a) for a, b in parts]
-        plan.staged_bytes = align(base + end - start)
+        plan.staged_bytes = align(base + nbytes)
         plan.segments.extend(_staged(seg, base) for seg in segs)
         plan.views.extend(seg_views)
         plan.planned.extend(segs)
@@ -419,11 +420,11 @@ class _Headers:
     theirs: torch.Tensor
 
 
-def _pieces_of(m: Message, segs: tuple[Segment, ...]) -> list[tuple[int, int, tuple[Segment, ...]]]:
-    """``(start, end, segments)`` of ``m`` that this side lands or sends alone: each wire part whose
-    segments lie within it (offsets from its start), or the whole message when a segment carries scales
-    into the next part (a quantizing sender packs it whole) or would straddle two parts."""
-    parts = m.parts
+def _pieces_of(m: Message, parts: tuple[tuple[int, int], ...],
+               segs: tuple[Segment, ...]) -> list[tuple[int, int, tuple[Segment, ...]]]:
+    """``(start, end, segments)`` of ``m`` (its wire ``parts``) that this side lands or sends alone: each
+    part whose segments lie within it (offsets from its start), or the whole message when a segment carries
+    scales into the next part (a quantizing sender packs it whole) or would straddle two parts."""
     if len(parts) == 1 or any(seg.scales is not None for seg in segs):
         return [(0, m.nbytes, segs)]
     out = []
