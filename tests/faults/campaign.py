@@ -223,11 +223,11 @@ class Census:
         return "\n".join(lines)
 
 
-def execute(run: Run, ranks_factory=Ranks) -> dict[int, dict | None]:
+def execute(run: Run) -> dict[int, dict | None]:
     """Run one campaign run; every rank that was not killed reports (a stopped rank is killed at the end)."""
     from refit_core.kit.launch import free_port
 
-    ranks = ranks_factory()
+    ranks = Ranks()
     address = f"127.0.0.1:{free_port()}"
     everyone = range(TRAIN + GEN)
     dead = {run.strike.rank} if run.strike.action is not Action.PAUSE else set()

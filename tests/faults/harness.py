@@ -41,13 +41,12 @@ def _entry(fn: Callable[..., Any], rank: int, events: Any, go: Any, environ: dic
 class Ranks:
     """A set of rank processes and the events they report."""
 
-    def __init__(self, context: str = "forkserver") -> None:
-        """``context``: how rank processes start (``"forkserver"`` forks them from a server that imported
-        torch and refit once: a fraction of a second each instead of seconds; ``"spawn"``: a fresh
-        interpreter each)."""
-        self._ctx = mp.get_context(context)
-        if context == "forkserver":
-            self._ctx.set_forkserver_preload(["torch", "refit_core.endpoints", "refit_toy.plugin", "harness"])
+    def __init__(self) -> None:
+        """Rank processes fork from multiprocessing's fork server, which imported torch and refit once (a
+        fraction of a second each instead of seconds; the server is the one ``refit_core.kit.spawn`` uses,
+        whichever of them starts it first sets what it imports)."""
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["torch", "refit_core.endpoints", "refit_toy.plugin", "harness"])
         self.events = self._ctx.Queue()
         self.go = self._ctx.Event()  # ranks start their programs together, once all have imported
         self.procs: dict[int, mp.Process] = {}
