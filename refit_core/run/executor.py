@@ -219,11 +219,11 @@ class _RoundRunner:
         self.header_peers: list[int] | None = None
         """The peers the headers go to (None: this executor's own): a sub-schedule's executor talks to
         every peer of the whole schedule, so that two ends running different subsets both find out."""
-        self._pinned_header: torch.Tensor | None = None
-        """This rank's header words in pinned host memory, on CUDA (made at the first step)."""
-        self._header_words: Any = None
-        """A numpy view of :attr:`_pinned_header`: each step writes its words there without a tensor op."""
+        self._headers: dict[int, _HeaderMemory] = {}
+        """The header exchange's memory, by number of peers (each step reuses it)."""
         self._peers: list[int] | None = None
+        if self.peers():  # at setup, not inside the first step (a gen rank binds at its first step)
+            self._header_memory(len(self.peers()))
 
     def _begin(self) -> None:
         """A step starts: begin recording it if asked to."""
@@ -336,36 +336,62 @@ class _RoundRunner:
                                 f"{self.timeout_s:.0f} s (a peer is stopped or hung)")
         return left
 
-    def _exchange_headers(self, version: int, after: Sequence[Fence], deadline: float,
-                          peers: Sequence[int] | None = None) -> int:
-        """:meth:`_post_headers`, then :meth:`_check_headers`: the version the train ranks send."""
-        return self._check_headers(self._post_headers(version, after, peers), version, deadline)
-
-    def _post_headers(self, version: int, after: Sequence[Fence], peers: Sequence[int] | None = None
-                      ) -> _Headers | None:
+    def _post_headers(self, version: int, pending: str, peers: Sequence[int] | None = None
+                      ) -> tuple[_Headers | None, Fence]:
         """Send ``[magic, fingerprint, version, step, subset digest, subset size]`` to each peer (default:
-        :attr:`header_peers`, else this side's peers) and post the receives of theirs; None without peers.
-        The step's other host work runs while they travel."""
+        :attr:`header_peers`, else this side's peers) and post the receives of theirs (None without peers);
+        the step's other host work runs while they travel. Also returns the fence every operation of the
+        step waits for: the caller's ``pending`` work on its current stream, then the header's copy."""
         if peers is None:
             peers = self.peers() if self.header_peers is None else self.header_peers
         if not peers:
-            return None
+            return None, current_work(self.device, pending)
+        memory = self._header_memory(len(peers))
+        mine, theirs = memory.rows[0], memory.rows[1:]
         words = (MAGIC, self.fingerprint, version, self.step, *self.subset)
-        # one allocation: this rank's header in row 0, the peers' after it (each row contiguous)
-        rows = torch.empty((1 + len(peers), HEADER_WORDS), dtype=torch.int64, device=self.device)
-        mine, theirs = rows[0], rows[1:]
-        if self.device.type == "cuda":  # through pinned memory: no pageable copy
-            if self._pinned_header is None:
-                self._pinned_header = torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True)
-                self._header_words = self._pinned_header.numpy()
-            self._header_words[:] = words  # the previous step's copy is done: its exchange completed
-            mine.copy_(self._pinned_header, non_blocking=True)
-            after = [*after, current_work(self.device, "the header's copy")]  # ``mine`` is written on it
-        else:
-            mine.copy_(torch.tensor(words, dtype=torch.int64))
+        if memory.written != words:  # else written while the last step's bytes moved
+            self._write_header(memory, words)
+        ready = current_work(self.device, pending)  # queued after a copy written now: one event covers both
+        after = [ready] if memory.copied is None else [ready, memory.copied]
         fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
                                [(p + self.peer_offset, theirs[i]) for i, p in enumerate(peers)], after, -1)
-        return _Headers(fence, list(peers), mine, theirs)
+        return _Headers(fence, list(peers), mine, theirs), ready
+
+    def _write_header(self, memory: _HeaderMemory, words: tuple[int, ...]) -> None:
+        """Write ``words`` into row 0 of ``memory`` (on CUDA through pinned memory, on the current stream:
+        the header exchange that last read them has completed)."""
+        if memory.staged is not None:
+            memory.staged_words[:] = words
+            memory.rows[0].copy_(memory.staged, non_blocking=True)
+        else:
+            memory.rows[0].copy_(torch.tensor(words, dtype=torch.int64))
+        memory.written = words
+        memory.copied = None
+
+    def _prepare_next_header(self, version: int) -> None:
+        """While this step's bytes move, write the next step's header as it most likely reads (version
+        ``version + 1`` from a sender, the same subset), so that the next step sends it without a copy
+        first; a next step that differs writes its own (:meth:`_post_headers`)."""
+        peers = self.peers() if self.header_peers is None else self.header_peers
+        memory = self._headers.get(len(peers))
+        if memory is None:
+            return
+        self._write_header(memory, (MAGIC, self.fingerprint, version + 1 if version >= 0 else version,
+                                    self.step + 1, *self.subset))
+        if memory.staged is not None:  # the next step's exchange may wait on another current stream
+            memory.copied = current_work(self.device, "the next header's copy")
+
+    def _header_memory(self, peers: int) -> _HeaderMemory:
+        """The header exchange's memory for ``peers`` peers, made once (for this executor's own peers when
+        it is made, for others at the first step that names them)."""
+        memory = self._headers.get(peers)
+        if memory is None:
+            rows = torch.empty((1 + peers, HEADER_WORDS), dtype=torch.int64, device=self.device)
+            staged = (torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True)
+                      if self.device.type == "cuda" else None)
+            memory = _HeaderMemory(rows, staged, None if staged is None else staged.numpy())
+            self._headers[peers] = memory
+        return memory
 
     def _check_headers(self, posted: _Headers | None, version: int, deadline: float) -> int:
         """Wait for the peers' headers and check them (same plan, step and subset; one version)."""
@@ -407,6 +433,21 @@ class _RoundRunner:
         self.step += 1
         return StepStats(version, self.payload_bytes, time.perf_counter() - start,
                          len(buffers) * self.buffer_bytes, self.direct_bytes)
+
+
+@dataclass
+class _HeaderMemory:
+    """Where a step's header exchange lives, kept from step to step: ``rows`` on the device, this rank's
+    header in row 0 and each peer's in a row after it; on CUDA this rank's words are written into
+    ``staged`` (pinned host memory) through its numpy view ``staged_words``, then copied to row 0."""
+
+    rows: torch.Tensor
+    staged: torch.Tensor | None
+    staged_words: Any
+    written: tuple[int, ...] | None = None
+    """The words row 0 holds (None: none yet)."""
+    copied: Fence | None = None
+    """Completion of the copy that wrote them, when it was queued during the step before (else None)."""
 
 
 @dataclass(frozen=True)
@@ -514,8 +555,7 @@ class SendExecutor(_RoundRunner):
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         self._begin()
-        ready = current_work(self.device, "the trainer's pending work")
-        headers = self._post_headers(version, [ready])
+        headers, ready = self._post_headers(version, "the trainer's pending work")
         buffers = self._buffers()
         self._check_headers(headers, version, deadline)
         if self.deltas is not None:
@@ -537,6 +577,7 @@ class SendExecutor(_RoundRunner):
             pending.append(fence)
             if plan.staged_bytes:
                 free[slot] = fence
+        self._prepare_next_header(version)
         self._finish(pending, deadline)
         if self.deltas is not None:
             self.deltas.end()
@@ -570,10 +611,10 @@ class ReceiveExecutor(_RoundRunner):
         self.touched = set()
         self._landed = None
         self._begin()
-        ready = current_work(self.device, "the engine's pending work")
-        headers = self._post_headers(version_hint, [ready])
+        headers, ready = self._post_headers(version_hint, "the engine's pending work")
         if self.mode is UpdateMode.STAGED:
-            return self._run_staged(self._check_headers(headers, version_hint, deadline), start, deadline, ready)
+            return self._run_staged(self._check_headers(headers, version_hint, deadline), version_hint, start,
+                                    deadline, ready)
         buffers = self._buffers()
         version = self._check_headers(headers, version_hint, deadline)
         free: list[Fence | None] = [None] * len(buffers)
@@ -597,13 +638,15 @@ class ReceiveExecutor(_RoundRunner):
                                      mark=self._mark(Phase.UNPACK, index))
             free[slot] = unpacked
             pending += [received, unpacked]
+        self._prepare_next_header(version_hint)
         self._finish(pending, deadline)
         self._end()
         stats = self._stats(version, start, buffers)
         del buffers, free, pending
         return stats
 
-    def _run_staged(self, version: int, start: float, deadline: float, ready: Fence) -> StepStats:
+    def _run_staged(self, version: int, version_hint: int, start: float, deadline: float, ready: Fence
+                    ) -> StepStats:
         """Every round's messages into one step-wide buffer; the destinations are not touched."""
         offsets, total = [], 0
         for plan in self.plans:
@@ -612,6 +655,7 @@ class ReceiveExecutor(_RoundRunner):
         buffer = self.lane.allocate(total, self.device)
         pending = [self._exchange([], plan.pairs(buffer[off:off + plan.staged_bytes]), [ready], index)
                    for index, (plan, off) in enumerate(zip(self.plans, offsets)) if plan.posts]
+        self._prepare_next_header(version_hint)
         self._finish(pending, deadline)
         self._end()
         self._landed = (buffer, offsets)
@@ -668,9 +712,9 @@ class ForwardExecutor:
         start = time.perf_counter()
         deadline = time.monotonic() + receives.timeout_s
         self.touched = set()
-        ready = current_work(receives.device, "the engine's pending work")
         peers = sorted(set(sends.peers()) | set(receives.peers()))
-        version = receives._exchange_headers(version, [ready], deadline, peers)
+        headers, ready = receives._post_headers(version, "the engine's pending work", peers)
+        version = receives._check_headers(headers, version, deadline)
         lane = receives.lane
         send_buffer = lane.allocate(sends.buffer_bytes, receives.device) if sends.buffer_bytes else None
         receive_buffer = lane.allocate(receives.buffer_bytes, receives.device) if receives.buffer_bytes else None

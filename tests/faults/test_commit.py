@@ -107,6 +107,22 @@ def test_weights_replaced_after_setup_are_named_instead_of_sent_stale(trick, ran
 
 
 @pytest.mark.slow
+def test_a_source_replaced_after_setup_fails_an_in_place_step_before_any_byte_moves():
+    """In place, on the network path, train rank 0 replaced a parameter: it fails naming it before its
+    step's headers leave, so every gen rank fails within the deadline with its weights unchanged (train
+    rank 1's bytes never moved: the gen ranks post nothing before every train rank's header arrived)."""
+    scenario = CommitScenario(TRAIN, GEN, "in_place", ((0, Trick.REPLACE_SOURCE),))
+    results = run(scenario)
+    culprit = results[0]
+    assert "source tensor model.embed_tokens.weight now lives at a different address" in culprit["message"], culprit
+    gen = gen_results(results)
+    for r in gen:
+        assert "error" in r and r["seconds"] < scenario.timeout_s + 3, r
+        assert r["version"] == OLD and not r["needs_refit"] and set(r["state"].values()) == {"old"}, r
+    assert engine_serves(gen)
+
+
+@pytest.mark.slow
 def test_an_engine_rank_failing_its_own_checks_at_setup_reaches_the_trainer_at_once_with_its_text():
     """Before: train rank 0 waited its whole deadline for the gen side's size (the failing rank never
     published it) before raising."""

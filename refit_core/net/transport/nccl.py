@@ -57,6 +57,7 @@ from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
 log = logging.getLogger("refit")
 
 _IN_PROGRESS = 7  # ncclInProgress
+_UINT8 = 1  # ncclUint8: operations move bytes
 
 SMALL_OP_BYTES = 1 << 20
 """Data operations of at most this many bytes ride with the one before them (see the module doc)."""
@@ -94,8 +95,10 @@ class NcclComm:
     def __init__(self, store: dist.Store, key: str, nranks: int, rank: int, device: torch.device,
                  max_ctas: int = 0) -> None:
         import nccl.core as nccl
+        from nccl.bindings import nccl as bindings
 
         self._nccl = nccl
+        self._bindings = bindings
         self.nranks, self.rank, self.device = nranks, rank, device
         if rank == 0:
             uid = nccl.get_unique_id()
@@ -104,15 +107,28 @@ class NcclComm:
         config = nccl.NCCLConfig(max_ctas=max_ctas) if max_ctas else None
         with torch.cuda.device(device):
             self.comm = nccl.Communicator.init(nranks, rank, nccl.UniqueId.from_bytes(raw), config)
+            self._index = torch.cuda.current_device()
+        self._handle = bindings.Comm(self.comm.ptr)
+        """The communicator as the raw bindings take it (a handle; ``self.comm`` owns it)."""
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
              stream: torch.cuda.Stream) -> None:
-        handle = stream.cuda_stream
-        with self._nccl.group():
+        """One NCCL group of ``recvs`` and ``sends``, as bytes, through nccl4py's raw bindings: its
+        ``Communicator.send`` resolves each tensor anew (dtype table, device object: some 30 us an
+        operation, on the step's critical path). The transport checks that every tensor is contiguous;
+        this checks that each is on the communicator's device, before the group opens."""
+        elsewhere = [t.device for _, t in (*recvs, *sends) if t.get_device() != self._index]
+        if elsewhere:
+            raise ValueError(f"a tensor on {elsewhere[0]} handed to the communicator of {self.device}")
+        bindings, comm, handle = self._bindings, self._handle, stream.cuda_stream
+        bindings.group_start()
+        try:
             for peer, tensor in recvs:
-                self.comm.recv(tensor, peer, stream=handle)
+                bindings.recv(tensor.data_ptr(), tensor.nbytes, _UINT8, peer, comm, handle)
             for peer, tensor in sends:
-                self.comm.send(tensor, peer, stream=handle)
+                bindings.send(tensor.data_ptr(), tensor.nbytes, _UINT8, peer, comm, handle)
+        finally:
+            bindings.group_end()
 
     def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None:
         self.comm.broadcast(tensor, tensor, root, stream=stream.cuda_stream)
