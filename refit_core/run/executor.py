@@ -222,8 +222,9 @@ class _RoundRunner:
         self._headers: dict[int, _HeaderMemory] = {}
         """The header exchange's memory, by number of peers (each step reuses it)."""
         self._peers: list[int] | None = None
-        if self.peers():  # at setup, not inside the first step (a gen rank binds at its first step)
-            self._header_memory(len(self.peers()))
+        peers = self.peers()
+        if peers:  # at setup, not inside the first step (a gen rank binds at its first step)
+            self._header_memory(len(peers))
 
     def _begin(self) -> None:
         """A step starts: begin recording it if asked to."""
@@ -343,12 +344,12 @@ class _RoundRunner:
         the step's other host work runs while they travel. Also returns the fence every operation of the
         step waits for: the caller's ``pending`` work on its current stream, then the header's copy."""
         if peers is None:
-            peers = self.peers() if self.header_peers is None else self.header_peers
+            peers = self._header_peers()
         if not peers:
             return None, current_work(self.device, pending)
         memory = self._header_memory(len(peers))
         mine, theirs = memory.rows[0], memory.rows[1:]
-        words = (MAGIC, self.fingerprint, version, self.step, *self.subset)
+        words = self._header_words(version, self.step)
         if memory.written != words:  # else written while the last step's bytes moved
             self._write_header(memory, words)
         ready = current_work(self.device, pending)  # queued after a copy written now: one event covers both
@@ -356,6 +357,14 @@ class _RoundRunner:
         fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
                                [(p + self.peer_offset, theirs[i]) for i, p in enumerate(peers)], after, -1)
         return _Headers(fence, list(peers), mine, theirs), ready
+
+    def _header_peers(self) -> list[int]:
+        """The peers this executor's headers go to: :attr:`header_peers`, else its own."""
+        return self.peers() if self.header_peers is None else self.header_peers
+
+    def _header_words(self, version: int, step: int) -> tuple[int, ...]:
+        """This rank's header for ``step``: ``[magic, fingerprint, version, step, subset digest, subset size]``."""
+        return (MAGIC, self.fingerprint, version, step, *self.subset)
 
     def _write_header(self, memory: _HeaderMemory, words: tuple[int, ...]) -> None:
         """Write ``words`` into row 0 of ``memory`` (on CUDA through pinned memory, on the current stream:
@@ -372,12 +381,10 @@ class _RoundRunner:
         """While this step's bytes move, write the next step's header as it most likely reads (version
         ``version + 1`` from a sender, the same subset), so that the next step sends it without a copy
         first; a next step that differs writes its own (:meth:`_post_headers`)."""
-        peers = self.peers() if self.header_peers is None else self.header_peers
-        memory = self._headers.get(len(peers))
+        memory = self._headers.get(len(self._header_peers()))
         if memory is None:
             return
-        self._write_header(memory, (MAGIC, self.fingerprint, version + 1 if version >= 0 else version,
-                                    self.step + 1, *self.subset))
+        self._write_header(memory, self._header_words(version + 1 if version >= 0 else version, self.step + 1))
         if memory.staged is not None:  # the next step's exchange may wait on another current stream
             memory.copied = current_work(self.device, "the next header's copy")
 
