@@ -6,15 +6,19 @@ rank, the median of each mark over the timed steps of the first refit method nam
 from the earliest rank's entry into ``send()`` / ``receive()``:
 
 - ``check`` (train) / ``bind`` (gen): the per-step check that the model kept its memory (``.in`` / ``.out``),
-- ``run``: the network executor starts; ``headers_posted``, ``headers_checked``: the step header exchange,
+- ``run``: the network executor starts; ``headers_posted``, ``headers_checked``: the step header exchange
+  (``exchange``: its post to the transport; ``sync``: the wait for it),
 - ``first_post``: the first data operation posted (the wire can start once both ends reach it),
 - ``last_post``, ``finished``: every operation posted, every operation done; ``exit``: the call returns.
 
 The marks cost about a microsecond each; a step's time in the bench table includes them. GPU runs only
-make sense warm (the bench's warm-up steps are skipped here too)::
+make sense warm (the bench's warm-up steps are skipped here too). ``--megatron`` runs
+``benchmarks/megatron_bench.py`` (its arguments) instead: a megatron-core ``GPTModel`` as the source, every
+step timed (the first one's marks are skipped)::
 
     python benchmarks/step_anatomy.py --models llama-3-8b-shape --methods wire,refit \\
         --train-gpus 0 --gen-gpus 1 --iters 10 --out /tmp/anatomy
+    python benchmarks/step_anatomy.py --megatron --device cuda --steps 10
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from typing import Any
 
 from refit_core.endpoints.receiver import RefitReceiver
 from refit_core.endpoints.sender import RefitSender
+from refit_core.net.transport import gloo, nccl
 from refit_core.run import executor
 from refit_core.tools.bench import runner
 
-MARKS = ("enter", "check.in", "check.out", "bind.in", "bind.out", "run", "headers_posted", "buffers.in",
-         "buffers.out", "headers_checked", "first_post", "last_post", "finished", "exit")
+MARKS = ("enter", "check.in", "check.out", "bind.in", "bind.out", "run", "exchange.in", "exchange.out",
+         "headers_posted", "buffers.in", "buffers.out", "sync.in", "sync.out", "headers_checked", "first_post",
+         "last_post", "finished", "exit")
 MARKS_DIR = "REFIT_ANATOMY_DIR"
 """Where the rank processes write their marks (set by this script for the ranks it starts)."""
 
@@ -86,8 +92,11 @@ def _instrument() -> None:
     for side in (executor.SendExecutor, executor.ReceiveExecutor):
         _wrap(side, "run", before="run")
     _wrap(executor._RoundRunner, "_post_headers", after="headers_posted")
+    _wrap(executor._RoundRunner, "_exchange", "exchange.in", "exchange.out", when=lambda args: args[3] < 0)
     _wrap(executor._RoundRunner, "_buffers", "buffers.in", "buffers.out")
-    _wrap(executor._RoundRunner, "_check_headers", after="headers_checked")
+    _wrap(executor._RoundRunner, "_check_headers", "sync.in", "headers_checked")
+    for fence in (gloo._WorkFence, nccl._NcclFence):  # a step's first wait is the header exchange's
+        _wrap(fence, "synchronize", after="sync.out")
     _wrap(executor._RoundRunner, "_exchange", before="first_post", when=lambda args: args[3] >= 0)
     _wrap(executor._RoundRunner, "_finish", "last_post", "finished")
 
@@ -102,6 +111,16 @@ def worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
 
 
 _bench_worker = runner._worker
+
+
+def megatron_rank(rank: int, world: int, args: dict[str, Any], ports: list[int]) -> dict[str, Any]:
+    """A megatron bench rank with marks; writes them to ``$REFIT_ANATOMY_DIR/megatron-rankN.json``."""
+    import megatron_bench
+
+    _instrument()
+    out = megatron_bench._rank(rank, world, args, ports)
+    Path(os.environ[MARKS_DIR], f"megatron-rank{rank}.json").write_text(json.dumps(_steps))
+    return out
 
 
 def summary(folder: Path, skip: int, count: int) -> str:
@@ -129,6 +148,14 @@ def summary(folder: Path, skip: int, count: int) -> str:
 def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="refit-anatomy-") as folder:
         os.environ[MARKS_DIR] = folder
+        if argv[:1] == ["--megatron"]:
+            import megatron_bench
+
+            megatron_bench._rank = megatron_rank  # its spawn() starts this module's wrapper
+            code = megatron_bench.main(argv[1:])
+            steps = len(json.loads(next(Path(folder).glob("*-rank0.json")).read_text()))
+            print(summary(Path(folder), 1, steps), flush=True)
+            return code
         runner._worker = worker  # the ranks import this module (multiprocessing's main) and run it
         code = runner.main(argv)
         args = runner._parse(argv)

@@ -11,15 +11,16 @@ side decides that for itself at ``bind()``: the bytes on the wire are the same e
 With ``num_buffers`` staging buffers the packing of round k+1 overlaps the transfer of round k and
 the unpacking of round k-1 on CUDA (copies on a side stream, the transport on its own stream,
 ordered by events only; a buffer is reused only after the event of its last use). Staging memory
-never exceeds ``num_buffers x bucket_bytes``, is allocated at the start of a step and released at its
-end. Refit's streams first wait for the work already queued on the caller's current stream.
+never exceeds ``num_buffers x bucket_bytes``; each buffer is allocated when a step's staged rounds first
+need it (not before the first byte moves) and released at the step's end. Refit's streams first wait for
+the work already queued on the caller's current stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -348,15 +349,15 @@ class _RoundRunner:
         if not peers:
             return None, current_work(self.device, pending)
         memory = self._header_memory(len(peers))
-        mine, theirs = memory.rows[0], memory.rows[1:]
         words = self._header_words(version, self.step)
         if memory.written != words:  # else written while the last step's bytes moved
             self._write_header(memory, words)
         ready = current_work(self.device, pending)  # queued after a copy written now: one event covers both
         after = [ready] if memory.copied is None else [ready, memory.copied]
-        fence = self._exchange([(p + self.peer_offset, mine) for p in peers],
-                               [(p + self.peer_offset, theirs[i]) for i, p in enumerate(peers)], after, -1)
-        return _Headers(fence, list(peers), mine, theirs), ready
+        offset, mine = self.peer_offset, memory.mine
+        fence = self._exchange([(p + offset, mine) for p in peers],
+                               [(p + offset, row) for p, row in zip(peers, memory.their_rows)], after, -1)
+        return _Headers(fence, list(peers), memory), ready
 
     def _header_peers(self) -> list[int]:
         """The peers this executor's headers go to: :attr:`header_peers`, else its own."""
@@ -367,13 +368,13 @@ class _RoundRunner:
         return (MAGIC, self.fingerprint, version, step, *self.subset)
 
     def _write_header(self, memory: _HeaderMemory, words: tuple[int, ...]) -> None:
-        """Write ``words`` into row 0 of ``memory`` (on CUDA through pinned memory, on the current stream:
-        the header exchange that last read them has completed)."""
+        """Write ``words`` into ``memory.mine`` (on CUDA through pinned memory, on the current stream: the
+        header exchange that last read them has completed)."""
         if memory.staged is not None:
             memory.staged_words[:] = words
-            memory.rows[0].copy_(memory.staged, non_blocking=True)
+            memory.mine.copy_(memory.staged, non_blocking=True)
         else:
-            memory.rows[0].copy_(torch.tensor(words, dtype=torch.int64))
+            memory.mine.copy_(torch.tensor(words, dtype=torch.int64))
         memory.written = words
         memory.copied = None
 
@@ -393,11 +394,7 @@ class _RoundRunner:
         it is made, for others at the first step that names them)."""
         memory = self._headers.get(peers)
         if memory is None:
-            rows = torch.empty((1 + peers, HEADER_WORDS), dtype=torch.int64, device=self.device)
-            staged = (torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True)
-                      if self.device.type == "cuda" else None)
-            memory = _HeaderMemory(rows, staged, None if staged is None else staged.numpy())
-            self._headers[peers] = memory
+            memory = self._headers[peers] = _HeaderMemory.make(peers, self.device)
         return memory
 
     def _check_headers(self, posted: _Headers | None, version: int, deadline: float) -> int:
@@ -405,7 +402,7 @@ class _RoundRunner:
         if posted is None:
             return version
         posted.fence.synchronize(self._remaining(deadline))
-        theirs = dict(zip(posted.peers, posted.theirs.tolist()))
+        theirs = dict(zip(posted.peers, posted.memory.theirs.tolist()))
         versions = set()
         for peer, header in theirs.items():
             magic, fp, peer_version, step, *subset = header
@@ -427,28 +424,48 @@ class _RoundRunner:
                                 "every train rank must call send() with the same version")
         return versions.pop()
 
-    def _buffers(self) -> list[torch.Tensor]:
+    def _buffers(self) -> _StagingBuffers:
         staged_rounds = sum(1 for p in self.plans if p.staged_bytes)
-        count = min(self.num_buffers, staged_rounds)
-        return [self.lane.allocate(self.buffer_bytes, self.device) for _ in range(count)]
+        return _StagingBuffers(self.lane, self.buffer_bytes, self.device, min(self.num_buffers, staged_rounds))
 
     def _finish(self, fences: list[Fence], deadline: float) -> None:
         for fence in fences:
             fence.synchronize(self._remaining(deadline))
 
-    def _stats(self, version: int, start: float, buffers: list[torch.Tensor]) -> StepStats:
+    def _stats(self, version: int, start: float, buffers: Sized) -> StepStats:
         self.step += 1
         return StepStats(version, self.payload_bytes, time.perf_counter() - start,
                          len(buffers) * self.buffer_bytes, self.direct_bytes)
 
 
+class _StagingBuffers:
+    """A step's ``count`` staging buffers of ``nbytes`` each, each allocated when a round first uses it."""
+
+    def __init__(self, lane: Lane, nbytes: int, device: torch.device, count: int) -> None:
+        self.lane, self.nbytes, self.device = lane, nbytes, device
+        self._slots: list[torch.Tensor | None] = [None] * count
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __getitem__(self, slot: int) -> torch.Tensor:
+        buffer = self._slots[slot]
+        if buffer is None:
+            buffer = self._slots[slot] = self.lane.allocate(self.nbytes, self.device)
+        return buffer
+
+
 @dataclass
 class _HeaderMemory:
     """Where a step's header exchange lives, kept from step to step: ``rows`` on the device, this rank's
-    header in row 0 and each peer's in a row after it; on CUDA this rank's words are written into
-    ``staged`` (pinned host memory) through its numpy view ``staged_words``, then copied to row 0."""
+    header in row 0 (``mine``) and the peers' in the rows after it (``theirs``, one each in ``their_rows``:
+    views made once, not in every step). On CUDA this rank's words are written into ``staged`` (pinned host
+    memory) through its numpy view ``staged_words``, then copied to ``mine``."""
 
     rows: torch.Tensor
+    mine: torch.Tensor
+    theirs: torch.Tensor
+    their_rows: tuple[torch.Tensor, ...]
     staged: torch.Tensor | None
     staged_words: Any
     written: tuple[int, ...] | None = None
@@ -456,16 +473,22 @@ class _HeaderMemory:
     copied: Fence | None = None
     """Completion of the copy that wrote them, when it was queued during the step before (else None)."""
 
+    @classmethod
+    def make(cls, peers: int, device: torch.device) -> _HeaderMemory:
+        rows = torch.empty((1 + peers, HEADER_WORDS), dtype=torch.int64, device=device)
+        staged = torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else None
+        theirs = rows[1:]
+        return cls(rows, rows[0], theirs, tuple(theirs.unbind()), staged, None if staged is None else staged.numpy())
+
 
 @dataclass(frozen=True)
 class _Headers:
-    """One step's header exchange in flight: its fence, this rank's header (alive until the fence completes)
-    and the peers' headers as they land (a row each)."""
+    """One step's header exchange in flight: its fence, the peers, and the memory it lives in (kept until
+    the fence completes)."""
 
     fence: Fence
     peers: list[int]
-    mine: torch.Tensor
-    theirs: torch.Tensor
+    memory: _HeaderMemory
 
 
 def _pieces_of(m: Message, parts: tuple[tuple[int, int], ...],

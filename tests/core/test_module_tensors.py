@@ -51,3 +51,15 @@ def test_a_tensor_in_two_slots_is_listed_once_as_named_parameters_does() -> None
     model[1].weight = model[0].weight
     tensors = ModuleTensors([("0", model)])
     assert _same(tensors(), _walked(model)) and len(tensors()) == 1
+
+
+def test_only_submodules_on_the_way_to_a_tensor_are_watched() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    tensors = ModuleTensors([("0", model)])
+    tensors()
+    model[1] = torch.nn.GELU()  # held no tensor: not watched, nothing to list anew
+    assert _same(tensors(), _walked(model)) and tensors.walks == 1
+    model[2][0] = torch.nn.Linear(4, 2)  # under a watched parent: walked again
+    assert _same(tensors(), _walked(model)) and tensors.walks == 2
+    model[2] = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    assert _same(tensors(), _walked(model)) and tensors.walks == 3
