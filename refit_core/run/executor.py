@@ -457,12 +457,11 @@ class _StagingBuffers:
 
 @dataclass
 class _HeaderMemory:
-    """Where a step's header exchange lives, kept from step to step: ``rows`` on the device, this rank's
-    header in row 0 (``mine``) and the peers' in the rows after it (``theirs``, one each in ``their_rows``:
-    views made once, not in every step). On CUDA this rank's words are written into ``staged`` (pinned host
-    memory) through its numpy view ``staged_words``, then copied to ``mine``."""
+    """Where a step's header exchange lives, kept from step to step: one tensor on the device, this rank's
+    header in its first row (``mine``) and the peers' in the rows after it (``theirs``, one each in
+    ``their_rows``: views made once, not in every step). On CUDA this rank's words are written into
+    ``staged`` (pinned host memory) through its numpy view ``staged_words``, then copied to ``mine``."""
 
-    rows: torch.Tensor
     mine: torch.Tensor
     theirs: torch.Tensor
     their_rows: tuple[torch.Tensor, ...]
@@ -478,7 +477,7 @@ class _HeaderMemory:
         rows = torch.empty((1 + peers, HEADER_WORDS), dtype=torch.int64, device=device)
         staged = torch.empty(HEADER_WORDS, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else None
         theirs = rows[1:]
-        return cls(rows, rows[0], theirs, tuple(theirs.unbind()), staged, None if staged is None else staged.numpy())
+        return cls(rows[0], theirs, tuple(theirs.unbind()), staged, None if staged is None else staged.numpy())
 
 
 @dataclass(frozen=True)
