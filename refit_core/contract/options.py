@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -274,13 +274,11 @@ class NcclOptions(_Settings):
     - ``max_ctas``: NCCL's ``maxCTAs`` for each of them (0: NCCL's own, 32): the thread blocks one
       operation may use, which also bound the buffers a communicator keeps on the GPU.
 
-    None (the default of both) lets the plan choose (:meth:`choice`): :data:`PLAIN_CHOICE` for a plan that
-    sends the trainer's bytes as they are, :data:`QUANTIZING_CHOICE` for one whose senders quantize in
-    their pack step (FP8 destinations). More communicators hide more of NCCL's per-operation cost, but
-    slowed quantizing senders, and each keeps buffers outside torch's allocator for every peer it has
+    None (the default of both) takes :data:`DEFAULT_CHOICE` (:meth:`choice`). More communicators hide more
+    of NCCL's per-operation cost, and each keeps buffers outside torch's allocator for every peer it has
     moved bytes with (about 0.25 / 0.5 GiB, sender / receiver, with one peer at NCCL's own size;
-    ``max_ctas=16`` halves that for about 1% of the wire). The measurements behind the choice:
-    docs/benchmarks.md (2 x H200, one peer, 2026-11-26).
+    ``max_ctas=16`` halves that for about 1% of the wire). The measurements behind the choice, plain and
+    FP8 plans alike: docs/benchmarks.md (2 x H200, one peer, 2026-11-26 and 2026-11-27).
     """
 
     backend: NcclBackend = _setting(NcclBackend.AUTO, NcclBackend)
@@ -294,32 +292,24 @@ class NcclOptions(_Settings):
         if self.max_ctas is not None and not 0 <= self.max_ctas <= 32:
             raise OptionError(f"NcclOptions.max_ctas={self.max_ctas}: must be 0 (NCCL's default) to 32")
 
-    def choice(self, sender_quantizes: bool) -> NcclChoice:
-        """The communicators to build: these settings, each None taken from :data:`QUANTIZING_CHOICE` when a
-        sender quantizes in its pack step (``sender_quantizes``), else from :data:`PLAIN_CHOICE`."""
-        plan = QUANTIZING_CHOICE if sender_quantizes else PLAIN_CHOICE
-        return NcclChoice(plan.comms_per_link if self.comms_per_link is None else self.comms_per_link,
-                          plan.max_ctas if self.max_ctas is None else self.max_ctas)
-
-    def chosen(self, sender_quantizes: bool) -> NcclOptions:
-        """These options with every None setting filled in by :meth:`choice`."""
-        choice = self.choice(sender_quantizes)
-        return replace(self, comms_per_link=choice.comms_per_link, max_ctas=choice.max_ctas)
+    def choice(self) -> NcclChoice:
+        """The communicators to build: these settings, each None taken from :data:`DEFAULT_CHOICE`."""
+        return NcclChoice(DEFAULT_CHOICE.comms_per_link if self.comms_per_link is None else self.comms_per_link,
+                          DEFAULT_CHOICE.max_ctas if self.max_ctas is None else self.max_ctas)
 
 
 @dataclass(frozen=True)
 class NcclChoice:
-    """The communicators a plan gets when :class:`NcclOptions` leaves them to it."""
+    """The communicators a refit builds: :class:`NcclOptions` with every None filled in."""
 
     comms_per_link: int
     max_ctas: int
     """0: NCCL's own."""
 
 
-PLAIN_CHOICE = NcclChoice(comms_per_link=4, max_ctas=0)
-"""For a plan whose senders send their bytes as they are (no quantizing pack step)."""
-QUANTIZING_CHOICE = NcclChoice(comms_per_link=2, max_ctas=0)
-"""For a plan with a quantizing pack step on a sender (FP8 destinations)."""
+DEFAULT_CHOICE = NcclChoice(comms_per_link=4, max_ctas=0)
+"""What :class:`NcclOptions` leaves open gets these (plans whose senders quantize included: with their messages
+cut to a quarter of the bucket, 4 beat 2 on both FP8 shapes, docs/benchmarks.md)."""
 
 
 @_tracks_explicit
@@ -564,6 +554,6 @@ def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, An
     object.__setattr__(result, "_explicit", frozenset(n for n in given if kwargs.get(n) is not None))
     return result
 
-__all__ = ["PLAIN_CHOICE", "QUANTIZING_CHOICE", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend",
+__all__ = ["DEFAULT_CHOICE", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend",
            "NcclChoice", "NcclOptions", "RefitOptions", "RelayOptions", "StoreLimits", "StridedCopy", "TransportKind",
            "UpdateMode"]

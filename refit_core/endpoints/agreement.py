@@ -113,8 +113,7 @@ def plan_for_all(rdv: Rendezvous, me: RankId, settings: RefitOptions, sizes: dic
         {side: grouped[side].counts for side in Side},
         None if relay is None else rankplan.RelayFacts(relay.replica_size, relay.waves, relay.wave_rounds,
                                                        relay.schedule.fingerprint, relay.schedule.summary,
-                                                       relay.node_ranks),
-        schedule.sender_quantizes)
+                                                       relay.node_ranks))
     record = rankplan.facts_to_wire(facts)
     mine = None
     for part in rankplan.rank_plans(facts, schedule, relay, links, {side: grouped[side].metas for side in Side},

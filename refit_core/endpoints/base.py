@@ -95,7 +95,6 @@ class RefitEndpoint:
         self._relay_out: SendExecutor | ForwardExecutor | None = None
         """A gen rank's forwarding once its step landed: to the next wave's replicas, or within its node."""
         self._network = False  # whether the network transport opens: the planner's answer
-        self._sender_quantizes = False  # whether a sender quantizes in its pack step: the planner's answer
         self._colocated: ColocatedSender | ColocatedReceiver | None = None
         self._bound = False  # whether this setup's executors hold the views (a gen rank binds at its first step)
         self._bound_names: list[str] = []
@@ -215,7 +214,6 @@ class RefitEndpoint:
         self._experts.learn([[p.meta for p in pieces]])
         rankplan.check_against(plan, [group_meta(p.meta, self.plugins.expert_name, self._counts) for p in pieces])
         self._network = plan.facts.network
-        self._sender_quantizes = plan.facts.sender_quantizes
         self._check_plan(schedule, pieces)
         self._phases["plan"] = time.perf_counter() - began
         began = time.perf_counter()
@@ -242,13 +240,12 @@ class RefitEndpoint:
                           self._downloaded, self.plans)
 
     def _open_transport(self, settings: RefitOptions) -> Transport:
-        """Open the transport (every rank passed the agreement barrier: all are ready to), with the
-        plan's choice of NCCL communicators where the settings leave it open; a failure on any rank stops
-        them all."""
+        """Open the transport (every rank passed the agreement barrier: all are ready to); a failure on any
+        rank stops them all."""
         rdv = self._require_rendezvous()
         try:
             return open_transport(settings.transport, rdv.store, self._global_rank(), sum(self.sizes.values()),
-                                  self.device, settings.timeout_s, settings.nccl.chosen(self._sender_quantizes),
+                                  self.device, settings.timeout_s, settings.nccl,
                                   watch=StoreWatch(rdv.store, self.sizes), rendezvous=self.address)
         except RefitError:
             raise

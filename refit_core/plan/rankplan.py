@@ -41,7 +41,7 @@ from refit_core.plan.links import Link
 from refit_core.plan.relay import RelayPlan, Waves
 from refit_core.plan.schedule import Schedule, ScheduleSummary
 
-FORMAT = 1
+FORMAT = 2
 """The record's layout version: a rank of another refit version fails with a named error."""
 
 Rounds = list[list[Message]]
@@ -61,9 +61,6 @@ class PlanFacts:
     counts: dict[str, dict[str, int]]
     """Experts per grouped tensor, per side (what grouping a rank's own pieces needs)."""
     relay: RelayFacts | None
-    sender_quantizes: bool
-    """Whether any sender quantizes in its pack step (the plan's NCCL choice,
-    :meth:`~refit_core.contract.options.NcclOptions.choice`, depends on it): the same on every rank."""
 
 
 @dataclass(frozen=True)
@@ -236,7 +233,7 @@ def facts_to_wire(facts: PlanFacts) -> dict[str, Any]:
     relay = facts.relay
     return {"format": FORMAT, "fingerprint": facts.fingerprint, "num_src": facts.num_src, "num_dst": facts.num_dst,
             "bucket_bytes": facts.bucket_bytes, "summary": _summary_to_wire(facts.summary), "network": facts.network,
-            "counts": facts.counts, "sender_quantizes": facts.sender_quantizes,
+            "counts": facts.counts,
             "relay": None if relay is None else {
                 "replica_size": relay.replica_size, "waves": [list(w) for w in relay.waves.waves],
                 "parent": list(relay.waves.parent), "wave_rounds": list(relay.wave_rounds),
@@ -329,8 +326,7 @@ def facts_from_wire(value: Any, what: str) -> PlanFacts:
                      r.int_(r.field(value, "num_src", int), "num_src", 1, 1 << 20),
                      r.int_(r.field(value, "num_dst", int), "num_dst", 1, 1 << 20),
                      r.int_(r.field(value, "bucket_bytes", int), "bucket_bytes", 1),
-                     r.summary(r.field(value, "summary", list)), r.field(value, "network", bool), counts, relay,
-                     r.field(value, "sender_quantizes", bool))
+                     r.summary(r.field(value, "summary", list)), r.field(value, "network", bool), counts, relay)
 
 
 def _segments_from_wire(r: _Reader, flat: Any, dtypes: list[torch.dtype], quants: list[Quantization],

@@ -17,6 +17,7 @@ A message whose segments are one contiguous, gap-free run of memory on a side (a
 executor straight from or into that memory, with no staging copy; each side decides that alone, since
 the bytes on the wire are the same either way. A message quantized on the sender carries its values first
 and their scales after them, and travels as two operations, so a receiver lands each straight in its tensor.
+A pair whose sender quantizes cuts its messages to a quarter of the bucket (:data:`QUANTIZED_MESSAGE_SHARE`).
 The interleaving is a guess about memory (expert-major fused gate/up, as in Megatron's and vLLM's stacked
 experts); a wrong guess costs a staging copy on that side, never correctness.
 
@@ -51,6 +52,15 @@ from refit_core.plan.items import (
 )
 
 
+QUANTIZED_MESSAGE_SHARE = 4
+"""A pair whose sender quantizes (in its pack step) forms messages of at most ``bucket_bytes / 4``, so that a
+round holds several. With one bucket-sized message per round, the rounds in flight (one per staging buffer)
+ran at once on separate communicators and ended together, and the next round's quantizing pack ran with the
+link idle; with several, a round's operations queue behind the last round's on each communicator. Qwen3-30B-A3B
+into block-FP8 on 2 x H200: 0.973 of the wire with whole messages on 2 communicators (the default before),
+0.943 on 4, 0.982 with quarter messages on 4 (docs/benchmarks.md, 2026-11-27)."""
+
+
 @dataclass(frozen=True)
 class ScheduleSummary:
     """What a schedule moves: totals, the busiest ranks, and the largest round per rank."""
@@ -78,11 +88,6 @@ class Schedule:
     summary: ScheduleSummary
     receiver_quantizations: tuple[ReceiverQuantization, ...] = ()
 
-    @property
-    def sender_quantizes(self) -> bool:
-        """Whether any sender segment is quantized in its pack step (the rounds this schedule holds)."""
-        return any(seg.scales is not None for msgs in self.rounds for m in msgs for seg in m.src_segments)
-
     def receiver_quantizations_of(self, rank: int) -> list[ReceiverQuantization]:
         """The pieces gen rank ``rank`` quantizes itself (see :mod:`refit_core.plan.quant_rules`)."""
         return [q for q in self.receiver_quantizations if q.dst == rank]
@@ -107,7 +112,7 @@ def _chunks(box: Box, max_numel: int, block: tuple[int, ...] | None = None) -> I
     dim = next((d for d, (s, b) in enumerate(zip(box.sizes, block)) if s > b), None)
     if dim is None:
         raise ValueError(f"a bucket of {max_numel} elements is smaller than one quantization block {block}")
-    inner = math.prod(box.sizes[dim + 1:]) * block[dim]
+    inner = math.prod(box.sizes[:dim]) * math.prod(box.sizes[dim + 1:]) * block[dim]  # one block's slab
     if inner <= max_numel:
         step = max_numel // inner * block[dim]
         for start in range(0, box.sizes[dim], step):
@@ -271,11 +276,23 @@ def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -
         i = j
 
 
+def _message_bytes(pair_transfers: Sequence[Transfer], bucket_bytes: int) -> int:
+    """The largest message of a pair: a quarter of the bucket where its sender quantizes
+    (:data:`QUANTIZED_MESSAGE_SHARE`), though never under two of its largest quantization blocks (one cut holds
+    a block's values and its scales in half of it); the bucket elsewhere."""
+    blocks = [math.prod(step.quant.block) for t in pair_transfers if (step := _sender_step(t)) is not None]
+    if not blocks:
+        return bucket_bytes
+    return min(bucket_bytes, max(bucket_bytes // QUANTIZED_MESSAGE_SHARE, 2 * max(blocks)) // ALIGN * ALIGN)
+
+
 def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: MessageOptions,
               expert_groups: Collection[str]) -> list[Message]:
     messages: list[Message] = []
     kind = None
     runs_mode, direct_min = formation.mode == MessageMode.RUNS, formation.direct_min_bytes
+    if not runs_mode:
+        bucket_bytes = _message_bytes(pair_transfers, bucket_bytes)
     shared = _MessageBuilder(bucket_bytes if runs_mode else min(bucket_bytes, formation.shared_max_bytes), messages)
     plain = not runs_mode and all(t.quantize is None for t in pair_transfers)
     for gather, parts in _units(pair_transfers, expert_groups):

@@ -6,10 +6,9 @@ from settings_ranks import adopted_settings, mismatched_setups
 from refit_core.contract.env import OVERRIDES, with_overrides
 from refit_core.contract.errors import OptionError, PlanError
 from refit_core.contract.options import (
+    DEFAULT_CHOICE,
     CastPolicy,
     MessageMode,
-    PLAIN_CHOICE,
-    QUANTIZING_CHOICE,
     MessageOptions,
     NcclBackend,
     NcclChoice,
@@ -31,11 +30,10 @@ def test_strings_and_dicts_become_enums_and_nested_options():
     assert RefitOptions().explicit == frozenset()
 
 
-def test_the_plan_chooses_the_nccl_communicators_the_settings_leave_open():
-    assert NcclOptions().choice(sender_quantizes=False) == PLAIN_CHOICE == NcclChoice(4, 0)
-    assert NcclOptions().choice(sender_quantizes=True) == QUANTIZING_CHOICE == NcclChoice(2, 0)
-    assert NcclOptions(comms_per_link=3).choice(sender_quantizes=True) == NcclChoice(3, 0)
-    assert NcclOptions(max_ctas=8).chosen(sender_quantizes=False) == NcclOptions(comms_per_link=4, max_ctas=8)
+def test_the_nccl_communicators_the_settings_leave_open_take_the_default():
+    assert NcclOptions().choice() == DEFAULT_CHOICE == NcclChoice(4, 0)
+    assert NcclOptions(comms_per_link=3).choice() == NcclChoice(3, 0)
+    assert NcclOptions(max_ctas=8).choice() == NcclChoice(4, 8)
 
 
 def test_wire_form_is_plain_json_and_round_trips():

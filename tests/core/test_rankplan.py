@@ -41,8 +41,7 @@ def _parts(train: list[list[PieceMeta]], gen: list[list[PieceMeta]], **options) 
                                True, {TRAIN: {}, GEN: {}},
                                None if relay is None else rankplan.RelayFacts(
                                    relay.replica_size, relay.waves, relay.wave_rounds, relay.schedule.fingerprint,
-                                   relay.schedule.summary),
-                               schedule.sender_quantizes)
+                                   relay.schedule.summary))
     record = rankplan.facts_to_wire(facts)
     parts = []
     for part in rankplan.rank_plans(facts, schedule, relay, links, {TRAIN: train, GEN: gen}, {}):
@@ -76,10 +75,8 @@ def test_sender_quantized_segments_and_receiver_quantizations_survive_the_wire()
     _, parts = _parts(_rows(w16, 2), [dst])  # whole blocks per sender: quantized in the pack step
     sent = [s for p in parts if p.side == TRAIN for msgs in p.rounds for m in msgs for s in m.src_segments]
     assert sent and all(s.scales is not None and s.scales.quant == block and s.dtype == E4M3 for s in sent)
-    assert all(p.facts.sender_quantizes for p in parts)  # every rank, the gen rank too, builds its NCCL by it
     rows = [[PieceMeta(w16, Box((0, 0), (2, 8)))], [PieceMeta(w16, Box((2, 0), (6, 8)))]]
     _, parts = _parts(rows, [dst])  # a sender's rows split blocks: the gen rank quantizes itself
-    assert not any(p.facts.sender_quantizes for p in parts)
     (gen,) = [p for p in parts if p.side == GEN]
     quantizing = [(q.piece, q.scale_piece, q.quant, q.dtype) for q in gen.receiver_quantizations]
     assert quantizing == [(0, 1, block, torch.bfloat16)]

@@ -13,7 +13,7 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, Quantization, QuantScheme, QuantSite, TensorSpec
 from refit_core.kit import same_bytes
 from refit_core.plan.reference import plan_transfers
-from refit_core.plan.schedule import build_schedule
+from refit_core.plan.schedule import QUANTIZED_MESSAGE_SHARE, build_schedule
 from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import dequantize, reference_quantize
 
@@ -123,6 +123,19 @@ def test_small_buckets_cut_on_block_boundaries():
     assert len(boxes) > 8 and all(m.nbytes <= 512 for msgs in schedule.rounds for m in msgs)
     assert all(o % 4 == 0 for b in boxes for o in b.offsets)
     assert sum(b.numel for b in boxes) == 64 * 64
+
+
+def test_a_quantizing_pair_cuts_messages_to_a_quarter_of_the_bucket_along_a_block_row():
+    row16, row8 = TensorSpec("w", (4, 64), torch.bfloat16), TensorSpec("w", (4, 64), E4M3, BLOCK)
+    dst = [PieceMeta(row8, Box((0, 0), (4, 64))), PieceMeta(BLOCK.scale_spec((4, 64)), Box((0, 0), (1, 16)))]
+    schedule = build_schedule(plan_transfers([[PieceMeta(row16, Box((0, 0), (4, 64)))]], [dst]), 1, 1, 512)
+    messages = [m for msgs in schedule.rounds for m in msgs]
+    assert all(m.nbytes <= 512 // QUANTIZED_MESSAGE_SHARE for m in messages)
+    assert [s.box for m in messages for s in m.src_segments] == [Box((0, c), (4, 16)) for c in range(0, 64, 16)]
+    plain = TensorSpec("w", (4, 64), torch.bfloat16)  # no quantizing sender: bucket-sized messages
+    (whole,) = build_schedule(plan_transfers([[PieceMeta(plain, Box((0, 0), (4, 64)))]],
+                                             [[PieceMeta(plain, Box((0, 0), (4, 64)))]]), 1, 1, 512).rounds
+    assert [m.nbytes for m in whole] == [512]
 
 
 def test_strict_cast_policy_still_quantizes_declared_destinations():

@@ -16,7 +16,7 @@ before any collective (:func:`~refit_core.plan.links.pair_links`; such pairs use
 Several communicators per link. NCCL runs the operations to one peer one after another, and each
 costs some 20 us beyond its bytes (filling and draining its pipeline). With
 :attr:`NcclOptions.comms_per_link <refit_core.contract.options.NcclOptions.comms_per_link>` = K (by default
-the plan's choice: 4, or 2 when a sender quantizes) every link has K communicators, each on its own stream
+4, :data:`~refit_core.contract.options.DEFAULT_CHOICE`) every link has K communicators, each on its own stream
 (built with ``NcclOptions.max_ctas``), and the i-th operation of a step to a peer goes to
 communicator ``i % K``: both sides post the same sequence of operations per peer (NCCL needs that
 anyway), so they agree on the communicator without a word, and consecutive operations overlap. The step
@@ -349,7 +349,7 @@ class NcclTransport(Transport):
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
         self.backend = resolve_backend(options.backend)
-        choice = options.choice(sender_quantizes=False)  # a refit's endpoint passes its plan's choice filled in
+        choice = options.choice()
         count = choice.comms_per_link if self.backend == NcclBackend.NCCL4PY else 1
         self.choice = NcclChoice(count, choice.max_ctas)
         """The communicators per link and their ``maxCTAs`` this transport built (0: NCCL's default)."""
