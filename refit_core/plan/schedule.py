@@ -291,10 +291,10 @@ def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: 
     messages: list[Message] = []
     kind = None
     runs_mode, direct_min = formation.mode == MessageMode.RUNS, formation.direct_min_bytes
-    if not runs_mode:
+    plain = not runs_mode and all(t.quantize is None for t in pair_transfers)
+    if not runs_mode and not plain:  # a plain pair has no sender step: its messages keep the bucket
         bucket_bytes = _message_bytes(pair_transfers, bucket_bytes)
     shared = _MessageBuilder(bucket_bytes if runs_mode else min(bucket_bytes, formation.shared_max_bytes), messages)
-    plain = not runs_mode and all(t.quantize is None for t in pair_transfers)
     for gather, parts in _units(pair_transfers, expert_groups):
         if plain and len(parts) == 1:  # the common case, kept short: one small plain transfer
             t = parts[0]
