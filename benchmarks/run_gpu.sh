@@ -5,7 +5,7 @@
 #   2. `refit bench` on the Llama-3-8B and Qwen3-30B-A3B shapes: wire, per-tensor, packed, refit,
 #   3. the GPU tests (tests/gpu),
 #   4. multi-rank reshards of the Llama shape with several ranks per GPU (pairwise communicators):
-#      TP2 (2 ranks on GPU 0) -> TP2 (2 ranks on GPU 1), and TP2 -> TP1 x DP2,
+#      TP2 (2 ranks on GPU 0) -> TP2 (2 ranks on GPU 1), and TP2 -> TP1 x DP2, under an MPS daemon (MPS=0: without),
 #   5. `refit demo --train dtensor --gen dtensor --device cuda` (FSDP2/DTensor over NCCL, verified).
 #   6. colocated: the trainer and the engine as two processes on GPU 0 (CUDA IPC), Llama-3-8B and
 #      Qwen3-30B-A3B shapes (and Qwen3 with one trainer parameter per expert): copy bound, ping-pong
@@ -124,15 +124,40 @@ if step tests; then
   echo "tests exit: $?" | tee -a "$LOG"
 fi
 
+# mps_start / mps_stop: the reshard steps put two ranks on each GPU. Without MPS their processes time-slice
+# the GPU: an NCCL kernel spins through its slice while its partner on the other GPU waits for its own,
+# and one step took anywhere from the wire's 47 ms to 268 ms (2026-11-26). Under an MPS daemon their
+# kernels run side by side, as in one process. MPS=0 runs them time-sliced.
+mps_start() {
+  [ "${MPS:-1}" = 1 ] || return 0
+  if ! command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "mps: nvidia-cuda-mps-control not found: the ranks sharing a GPU time-slice it" | tee -a "$LOG"; return 0
+  fi
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/refit-mps CUDA_MPS_LOG_DIRECTORY=/tmp/refit-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "mps: daemon started for the ranks sharing a GPU" | tee -a "$LOG"
+}
+mps_stop() {
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+[[ " $STEPS " == *" reshard "* || " $STEPS " == *" reshard-dp "* ]] && mps_start
 if step reshard; then
   bench_run reshard ${RESHARD_TIMEOUT:-110} 60 "$OUT/$MACHINE-reshard-$DATE" \
     "refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
 fi
 
+# Each rank of this layout exchanges with two peers at once: under MPS, 4 communicators per pair (the
+# default) deadlocked and 2 ran at the wire (2026-11-27; the transport warns at setup).
+RESHARD_DP_REFIT=refit
+[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && RESHARD_DP_REFIT=refit@comms=2
 if step reshard-dp; then
   bench_run reshard-dp ${RESHARD_TIMEOUT:-110} 60 "$OUT/$MACHINE-reshard-dp-$DATE" \
-    "refit bench --models llama-3-8b-shape --methods wire,refit,refit@comms=1 --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
+    "refit bench --models llama-3-8b-shape --methods wire,$RESHARD_DP_REFIT,refit@comms=1 --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,0 --gen-gpus 1,1 --machine $MACHINE"
 fi
+mps_stop
 if step demo; then
   limit ${DEMO_TIMEOUT:-240} $PY -m refit_core demo --train dtensor --gen dtensor --device cuda --steps 2 \
     2>&1 | tail -8 | tee -a "$LOG"

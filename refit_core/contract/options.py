@@ -278,7 +278,8 @@ class NcclOptions(_Settings):
     of NCCL's per-operation cost, and each keeps buffers outside torch's allocator for every peer it has
     moved bytes with (about 0.25 / 0.5 GiB, sender / receiver, with one peer at NCCL's own size;
     ``max_ctas=16`` halves that for about 1% of the wire). The measurements behind the choice, plain and
-    FP8 plans alike: docs/benchmarks.md (2 x H200, one peer, 2026-11-26 and 2026-11-27).
+    FP8 plans alike: docs/benchmarks.md (2 x H200, one peer, 2026-11-26 and 2026-11-27). Several ranks per
+    GPU under MPS, each exchanging with two peers at once: 4 deadlocked, 2 ran at the wire (2026-11-27).
     """
 
     backend: NcclBackend = _setting(NcclBackend.AUTO, NcclBackend)

@@ -19,7 +19,7 @@ from refit_core.contract.side import Side
 from refit_core.contract.spec import Box
 from refit_core.kit import same_bytes
 from refit_core.net.transport.gloo import GlooTransport
-from refit_core.net.transport.nccl import SMALL_OP_BYTES, NcclTransport
+from refit_core.net.transport.nccl import PAIRWISE_COMMS_PER_GPU, SMALL_OP_BYTES, NcclTransport, pairwise_comms_per_gpu
 from refit_core.net.transport.watch import StoreWatch
 from refit_core.plan.items import Transfer
 from refit_core.plan.schedule import build_schedule
@@ -145,3 +145,12 @@ def test_a_small_operation_rides_with_the_one_before_so_large_ones_still_alterna
     sends = [comm for comm, _ in step[1:]]
     assert sends == ["comm 0", "comm 0", "comm 1", "comm 1", "comm 0", "comm 0", "comm 0"]
     assert transport._sent == {5: 3}
+
+
+def test_pairwise_mode_counts_the_communicators_each_gpu_holds():
+    # TP2 -> TP1 x DP2 with two ranks per GPU: every rank has two peers on the other GPU
+    assert pairwise_comms_per_gpu(["a", "a", "b", "b"], 4) == 16 > PAIRWISE_COMMS_PER_GPU
+    assert pairwise_comms_per_gpu(["a", "a", "b", "b"], 2) == PAIRWISE_COMMS_PER_GPU
+    # one trainer rank on its own GPU, three engine ranks on another: the trainer's GPU holds 3 pairs' worth
+    assert pairwise_comms_per_gpu(["t", "e", "e", "e"], 4) == 12
+    assert pairwise_comms_per_gpu(["a", "a"], 4) == 0

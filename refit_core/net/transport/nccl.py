@@ -12,6 +12,10 @@ share a GPU (several ranks per GPU on a small machine), every pair of ranks on *
 2-rank communicator of its own, created in one global order (deadlock-free), each with its own
 stream. Two ranks on the same GPU cannot exchange through NCCL at all: setup refuses such a plan
 before any collective (:func:`~refit_core.plan.links.pair_links`; such pairs use CUDA IPC instead).
+Processes sharing a GPU time-slice it unless an MPS daemon runs: then one step of a two-ranks-per-GPU
+reshard took anywhere from the wire's time to six times it. Under MPS their kernels run side by side, but
+ranks that each exchanged with two peers at once deadlocked with 4 communicators per pair (16 on a GPU) and
+ran at the wire with 2: setup warns above :data:`PAIRWISE_COMMS_PER_GPU` when the default is in use.
 
 Several communicators per link. NCCL runs the operations to one peer one after another, and each
 costs some 20 us beyond its bytes (filling and draining its pipeline). With
@@ -43,6 +47,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from itertools import combinations
 from typing import Any, Protocol
 
 import torch
@@ -315,6 +320,23 @@ class _AllFence(Fence):
             fence.synchronize(timeout_s)
 
 
+PAIRWISE_COMMS_PER_GPU = 8
+"""The most communicators one GPU's ranks have held in pairwise mode in a measured run where every pair
+was busy at once under MPS (2 x H200, 2026-11-27: TP2 -> TP1 x DP2, two ranks per GPU, ran with 8 on each GPU
+and deadlocked with 16; TP2 -> TP2 holds 16 too but uses half of its pairs, and ran)."""
+
+
+def pairwise_comms_per_gpu(gpus: Sequence[str], count: int) -> int:
+    """The most NCCL communicators the ranks of one GPU hold in pairwise mode: ``count`` for every pair of
+    ranks on different GPUs (``gpus[rank]``: the GPU of each rank)."""
+    held: dict[str, int] = {}
+    for i, j in combinations(range(len(gpus)), 2):
+        if gpus[i] != gpus[j]:
+            held[gpus[i]] = held.get(gpus[i], 0) + count
+            held[gpus[j]] = held.get(gpus[j], 0) + count
+    return max(held.values(), default=0)
+
+
 class NcclTransport(Transport):
     """Grouped NCCL send/recv between the ranks of one refit (one rank per process)."""
 
@@ -379,6 +401,14 @@ class NcclTransport(Transport):
                         self._links.setdefault(peer, []).append(_Link(comm, 1 if rank == i else 0,
                                                                       _stream_for(device)))
             self.mode = "pairwise"
+            busiest = pairwise_comms_per_gpu(gpus, count)
+            if options.comms_per_link is None and busiest > PAIRWISE_COMMS_PER_GPU:
+                log.warning(
+                    "refit nccl transport: rank %d: ranks share GPUs, so every pair of ranks on different GPUs "
+                    "has %d communicators of its own, %d on the busiest GPU. Under MPS, ranks exchanging with "
+                    "several peers at once deadlocked with 4 per pair and ran at the wire with 2 (2 x H200, "
+                    "TP2 -> TP1 x DP2, two ranks per GPU); if a step does not complete, set "
+                    "NcclOptions(comms_per_link=2) (REFIT_NCCL_COMMS=2)", rank, count, busiest)
         log.info("refit nccl transport: rank %d/%d on %s, %s communicators x %d (max CTAs %s), backend %s", rank,
                  world_size, device, self.mode, count, choice.max_ctas or "NCCL's", self.backend.value)
 
@@ -496,5 +526,5 @@ class NcclTransport(Transport):
         self._links = {}
 
 
-__all__ = ["SMALL_OP_BYTES", "Communicator", "NcclComm", "NcclTransport", "TorchNcclComm", "open_comm",
-           "resolve_backend"]
+__all__ = ["PAIRWISE_COMMS_PER_GPU", "SMALL_OP_BYTES", "Communicator", "NcclComm", "NcclTransport", "TorchNcclComm",
+           "open_comm", "pairwise_comms_per_gpu", "resolve_backend"]
