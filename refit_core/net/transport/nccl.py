@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from itertools import combinations
 from typing import Any, Protocol
 
 import torch
@@ -329,12 +329,7 @@ and deadlocked with 16; TP2 -> TP2 holds 16 too but uses half of its pairs, and 
 def pairwise_comms_per_gpu(gpus: Sequence[str], count: int) -> int:
     """The most NCCL communicators the ranks of one GPU hold in pairwise mode: ``count`` for every pair of
     ranks on different GPUs (``gpus[rank]``: the GPU of each rank)."""
-    held: dict[str, int] = {}
-    for i, j in combinations(range(len(gpus)), 2):
-        if gpus[i] != gpus[j]:
-            held[gpus[i]] = held.get(gpus[i], 0) + count
-            held[gpus[j]] = held.get(gpus[j], 0) + count
-    return max(held.values(), default=0)
+    return count * max((n * (len(gpus) - n) for n in Counter(gpus).values()), default=0)
 
 
 class NcclTransport(Transport):
