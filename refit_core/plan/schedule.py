@@ -1,64 +1,30 @@
-"""The static schedule: transfers cut into messages, messages placed in rounds.
+"""The static schedule: transfers cut into messages, messages placed in rounds, and its fingerprint.
 
 A *message* is one contiguous buffer from one train rank to one gen rank: a list of segments laid
-out back to back (16-byte aligned). A *round* is a set of messages that run at once as one grouped
-point-to-point exchange; in every round each rank sends (or receives) at most ``bucket_bytes`` in
-all, so the staging memory of a rank is bounded by ``bucket_bytes x num_buffers``. Every rank walks
-its rounds in increasing order, so rounds never wait on each other in a cycle.
-
-Messages are cut from *units*: the transfers of one pair into one destination piece (e.g. the eight
-query-group blocks that make up ``q_proj``), with sibling grouped-expert tensors of equal shape
-(``experts.gate_proj`` and ``experts.up_proj``) interleaved expert by expert. By default (``units``)
-a unit of at least ``direct_bytes`` gets messages of its own and smaller units share packed messages
-of at most ``shared_max_bytes`` (64 MiB: a bucket-sized one, a Llama-3-8B's 512 MiB of ``k`` / ``v`` blocks,
-took 2.7 ms to pack on an H200 while NCCL ran, late in the step, and its unpacking ended the step).
-A message whose segments are one contiguous, gap-free run of memory on a side (a whole parameter, the
-``q_proj`` rows of a fused QKV, ``[gate_e; up_e]`` of a stacked ``w13``) is then sent or received by the
-executor straight from or into that memory, with no staging copy; each side decides that alone, since
-the bytes on the wire are the same either way. A message quantized on the sender carries its values first
-and their scales after them, and travels as two operations, so a receiver lands each straight in its tensor.
-A pair whose sender quantizes cuts its messages to a quarter of the bucket (:data:`QUANTIZED_MESSAGE_SHARE`).
-The interleaving is a guess about memory (expert-major fused gate/up, as in Megatron's and vLLM's stacked
-experts); a wrong guess costs a staging copy on that side, never correctness.
-
-The ``runs`` :class:`~refit_core.contract.options.MessageMode` (benchmarking) instead lays consecutive units of
-one kind (*gather* units, fed by several transfers like Megatron's per-group QKV, or *plain* ones) back
-to back into messages of up to
-``bucket_bytes``: fewer NCCL operations, zero-copy only where neighbouring parameters are neighbours in
-memory on a side (one flat parameter buffer), staged everywhere else.
+out back to back (16-byte aligned); :mod:`refit_core.plan.message_cutting` cuts them. A *round* is a set
+of messages that run at once as one grouped point-to-point exchange; in every round each rank sends (or
+receives) at most ``bucket_bytes`` in all, so the staging memory of a rank is bounded by ``bucket_bytes x
+num_buffers``; :mod:`refit_core.plan.round_placement` places them. Every rank walks its rounds in
+increasing order, so rounds never wait on each other in a cycle.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-from collections import defaultdict, deque
-from collections.abc import Collection, Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from itertools import groupby
-from operator import attrgetter
 
-from refit_core.contract.options import MessageMode, MessageOptions
-from refit_core.contract.spec import Box, QuantizeStep, QuantSite, dtype_size
-from refit_core.plan.items import (
-    ALIGN,
-    Message,
-    ReceiverQuantization,
-    Segment,
-    SegmentScales,
-    Transfer,
-    align,
-    new_segment,
-)
+from refit_core.contract.options import MessageOptions
+from refit_core.contract.spec import QuantSite
+from refit_core.plan.items import ALIGN, Message, ReceiverQuantization, Transfer, align
+from refit_core.plan.message_cutting import QUANTIZED_MESSAGE_SHARE, pair_messages
+from refit_core.plan.round_placement import place_in_rounds
 
+__all__ = ["QUANTIZED_MESSAGE_SHARE", "Schedule", "ScheduleSummary", "build_schedule", "digest_rounds", "summarize"]
 
-QUANTIZED_MESSAGE_SHARE = 4
-"""A pair whose sender quantizes (in its pack step) forms messages of at most ``bucket_bytes / 4``, so that a
-round holds several. With one bucket-sized message per round, the rounds in flight (one per staging buffer)
-ran at once on separate communicators and ended together, and the next round's quantizing pack ran with the
-link idle; with several, a round's operations queue behind the last round's on each communicator. Qwen3-30B-A3B
-into block-FP8 on 2 x H200: 0.973 of the wire with whole messages on 2 communicators (the default before),
-0.943 on 4, 0.982 with quarter messages on 4 (docs/benchmarks.md, 2026-11-27)."""
+_place_in_rounds = place_in_rounds
+"""Its name before :mod:`refit_core.plan.round_placement` (the docs and benchmark notes cite it)."""
 
 
 @dataclass(frozen=True)
@@ -102,283 +68,6 @@ class Schedule:
         return [msgs for msgs in picked if msgs]
 
 
-def _chunks(box: Box, max_numel: int, block: tuple[int, ...] | None = None) -> Iterator[Box]:
-    """Sub-boxes of ``box`` (relative offsets) of at most ``max_numel`` elements, in memory order,
-    cut only at multiples of ``block`` (quantization blocks; default: anywhere)."""
-    if box.numel <= max_numel:
-        yield box
-        return
-    block = block or (1,) * box.ndim
-    dim = next((d for d, (s, b) in enumerate(zip(box.sizes, block)) if s > b), None)
-    if dim is None:
-        raise ValueError(f"a bucket of {max_numel} elements is smaller than one quantization block {block}")
-    inner = math.prod(box.sizes[:dim]) * math.prod(box.sizes[dim + 1:]) * block[dim]  # one block's slab
-    if inner <= max_numel:
-        step = max_numel // inner * block[dim]
-        for start in range(0, box.sizes[dim], step):
-            size = min(step, box.sizes[dim] - start)
-            yield _narrow(box, dim, start, size)
-    else:
-        for start in range(0, box.sizes[dim], block[dim]):
-            yield from _chunks(_narrow(box, dim, start, min(block[dim], box.sizes[dim] - start)), max_numel, block)
-
-
-def _narrow(box: Box, dim: int, start: int, size: int) -> Box:
-    offsets = list(box.offsets)
-    sizes = list(box.sizes)
-    offsets[dim] += start
-    sizes[dim] = size
-    return Box(tuple(offsets), tuple(sizes))
-
-
-def _split_transfer(t: Transfer, max_bytes: int) -> Iterator[tuple[Box, Box]]:
-    """Paired (src, dst) sub-boxes of a transfer, each at most ``max_bytes``.
-
-    A transfer quantized on the sender is cut on block boundaries, at most half the bucket of
-    values each so that the values, their scales and the alignment gap fit.
-    """
-    block = None
-    max_numel = max(1, max_bytes // dtype_size(t.dtype))
-    step = _sender_step(t)
-    if step is not None:
-        block = step.quant.block
-        max_numel = max(1, max_bytes // 2)
-    if t.src_box.numel <= max_numel:
-        yield t.src_box, t.dst_box
-        return
-    origin = Box((0,) * t.src_box.ndim, t.src_box.sizes)
-    for part in _chunks(origin, max_numel, block):
-        yield (Box(tuple(a + b for a, b in zip(t.src_box.offsets, part.offsets)), part.sizes),
-               Box(tuple(a + b for a, b in zip(t.dst_box.offsets, part.offsets)), part.sizes))
-
-
-class _MessageBuilder:
-    """Lays segments back to back (16-byte aligned) into messages of at most ``bucket_bytes``; the
-    scales of segments quantized on the sender go after every value, at :meth:`close`
-    (:class:`~refit_core.plan.items.Message`)."""
-
-    def __init__(self, bucket_bytes: int, out: list[Message]) -> None:
-        self.bucket_bytes = bucket_bytes
-        self.out = out
-        self.src_segs: list[Segment] = []
-        self.dst_segs: list[Segment | None] = []
-        self.used = 0
-        self.pair = (0, 0)
-        self.scales: list[tuple[int, int, QuantizeStep, Box]] = []
-        """Per quantized segment: its index in ``src_segs``, its scales' index in ``dst_segs``, its step and
-        its scale box."""
-        self.scale_room = 0
-        """The bytes the scales of ``scales`` take after the values (each aligned)."""
-
-    def add(self, t: Transfer, src_box: Box, dst_box: Box, nbytes: int) -> None:
-        """Append ``src_box`` -> ``dst_box`` of ``t`` (``nbytes`` of values on the wire; a transfer
-        quantized on the sender adds the scales of its blocks to the scales section)."""
-        step = _sender_step(t)
-        scale_bytes = 0
-        if step is not None:
-            scale_box = step.quant.scale_box(dst_box)
-            scale_bytes = align(scale_box.numel * dtype_size(step.quant.scale_dtype))
-        offset = -(-self.used // ALIGN) * ALIGN  # align(), inlined: a million calls at scale
-        if align(offset + nbytes) + self.scale_room + scale_bytes > self.bucket_bytes and self.src_segs:
-            self.close()
-            offset = 0
-        if align(nbytes) + scale_bytes > self.bucket_bytes:
-            raise ValueError(f"{t.name}: a {nbytes}-byte segment and its scales do not fit the "
-                             f"{self.bucket_bytes}-byte bucket")
-        self.pair = (t.src, t.dst)
-        if step is not None:
-            self.scales.append((len(self.src_segs), len(self.dst_segs) + 1, step, scale_box))
-            self.scale_room += scale_bytes
-            self.src_segs.append(Segment(t.src_piece, src_box, offset, t.dtype))  # its scales are set at close()
-            self.dst_segs += (Segment(t.dst_piece, dst_box, offset, t.dtype), None)
-        else:
-            self.src_segs.append(new_segment(t.src_piece, src_box, offset, t.dtype, None))
-            self.dst_segs.append(new_segment(t.dst_piece, dst_box, offset, t.dtype, None))
-        self.used = offset + nbytes
-
-    def add_plain(self, t: Transfer, nbytes: int) -> None:
-        """:meth:`add` of a whole transfer that is not quantized and fits the bucket (the common case),
-        its two segments built unchecked (the schedule's hot loop: a million segments at scale)."""
-        offset = -(-self.used // ALIGN) * ALIGN
-        if offset + nbytes + self.scale_room > self.bucket_bytes and self.src_segs:
-            self.close()
-            offset = 0
-        self.pair = (t.src, t.dst)
-        dtype = t.dtype
-        self.src_segs.append(new_segment(t.src_piece, t.src_box, offset, dtype, None))
-        self.dst_segs.append(new_segment(t.dst_piece, t.dst_box, offset, dtype, None))
-        self.used = offset + nbytes
-
-    def close(self) -> None:
-        if self.src_segs:
-            at = self.used
-            for src_index, dst_index, step, scale_box in self.scales:
-                quant, at = step.quant, align(at)
-                seg = self.src_segs[src_index]
-                self.src_segs[src_index] = Segment(seg.piece, seg.box, seg.offset, seg.dtype, SegmentScales(quant, at))
-                self.dst_segs[dst_index] = Segment(step.scale_piece, scale_box, at, quant.scale_dtype)
-                at += scale_box.numel * dtype_size(quant.scale_dtype)
-            self.out.append(Message(*self.pair, at, tuple(self.src_segs), tuple(self.dst_segs)))  # type: ignore[arg-type]
-        self.src_segs, self.dst_segs, self.used = [], [], 0
-        self.scales, self.scale_room = [], 0
-
-
-def _narrowed(t: Transfer, expert: int) -> Transfer:
-    """Expert ``expert`` (dim 0) of a grouped-expert transfer."""
-    return Transfer(t.name, t.src, t.src_piece, _narrow(t.src_box, 0, expert, 1), t.dst, t.dst_piece,
-                    _narrow(t.dst_box, 0, expert, 1), t.dtype, t.quantize)
-
-
-def _sender_step(t: Transfer) -> QuantizeStep | None:
-    """``t``'s quantization if it happens on the sender (in the pack step), else None."""
-    return t.quantize if t.quantize is not None and t.quantize.site is QuantSite.SENDER else None
-
-
-def _expert_family(t: Transfer, expert_groups: Collection[str]) -> tuple | None:
-    """What sibling grouped-expert transfers of one layer share (None for other tensors).
-
-    A grouped expert tensor is one refit grouped from per-expert tensors (``expert_groups``) or one both
-    backends name grouped already: three or more dimensions, experts first (``experts.gate_proj.weight``
-    ``[E, I, H]``)."""
-    grouped = t.name in expert_groups or t.src_box.ndim >= 3
-    if not grouped or t.src_box.ndim < 2 or t.src_box.sizes[0] < 2:
-        return None
-    step = _sender_step(t)
-    if step is not None and step.quant.block[0] != 1:
-        return None  # one expert would split a block
-    return (t.dtype, t.src_box.sizes, t.dst_box.offsets[0], t.src_box.offsets[0])
-
-
-_unit_key = attrgetter("name", "dst_piece")
-
-
-def _units(pair_transfers: Sequence[Transfer], expert_groups: Collection[str]) -> Iterator[tuple[bool, list[Transfer]]]:
-    """Transfers of one pair grouped into units (see the module doc), in order: ``(gather, transfers)``,
-    ``gather`` when several transfers feed one destination piece; interleaved sibling experts come as
-    sub-transfers, one per expert."""
-    runs = [list(run) for _, run in groupby(pair_transfers, _unit_key)]
-    families = [_expert_family(run[0], expert_groups) if len(run) == 1 else None for run in runs]
-    if not any(families):  # no sibling experts to interleave: every run is a unit
-        for run in runs:
-            yield len(run) > 1, run
-        return
-    i = 0
-    while i < len(runs):
-        family = families[i]
-        j = i + 1
-        while family is not None and j < len(runs) and families[j] == family and runs[j][0].name != runs[i][0].name:
-            j += 1
-        if j - i > 1:  # interleave siblings expert by expert: gate_0, up_0, gate_1, up_1, ...
-            siblings = [run[0] for run in runs[i:j]]
-            yield False, [_narrowed(t, e) for e in range(siblings[0].src_box.sizes[0]) for t in siblings]
-        else:
-            yield len(runs[i]) > 1, runs[i]
-        i = j
-
-
-def _message_bytes(pair_transfers: Sequence[Transfer], bucket_bytes: int) -> int:
-    """The largest message of a pair: a quarter of the bucket where its sender quantizes
-    (:data:`QUANTIZED_MESSAGE_SHARE`), though never under two of its largest quantization blocks (one cut holds
-    a block's values and its scales in half of it); the bucket elsewhere."""
-    blocks = [math.prod(step.quant.block) for t in pair_transfers if (step := _sender_step(t)) is not None]
-    if not blocks:
-        return bucket_bytes
-    return min(bucket_bytes, max(bucket_bytes // QUANTIZED_MESSAGE_SHARE, 2 * max(blocks)) // ALIGN * ALIGN)
-
-
-def _messages(pair_transfers: Sequence[Transfer], bucket_bytes: int, formation: MessageOptions,
-              expert_groups: Collection[str]) -> list[Message]:
-    messages: list[Message] = []
-    kind = None
-    runs_mode, direct_min = formation.mode == MessageMode.RUNS, formation.direct_min_bytes
-    plain = not runs_mode and all(t.quantize is None for t in pair_transfers)
-    if not runs_mode and not plain:  # a plain pair has no sender step: its messages keep the bucket
-        bucket_bytes = _message_bytes(pair_transfers, bucket_bytes)
-    shared = _MessageBuilder(bucket_bytes if runs_mode else min(bucket_bytes, formation.shared_max_bytes), messages)
-    for gather, parts in _units(pair_transfers, expert_groups):
-        if plain and len(parts) == 1:  # the common case, kept short: one small plain transfer
-            t = parts[0]
-            nbytes = math.prod(t.src_box.sizes) * t.dtype.itemsize
-            if nbytes < direct_min and nbytes <= bucket_bytes:
-                shared.add_plain(t, nbytes)
-                continue
-        sizes = [math.prod(t.src_box.sizes) * t.dtype.itemsize for t in parts]
-        if runs_mode:
-            if gather != kind:  # a new run: close the last one's message
-                shared.close()
-                kind = gather
-            builder = shared
-        else:
-            builder = _MessageBuilder(bucket_bytes, messages) if sum(sizes) >= direct_min else shared
-        for t, nbytes in zip(parts, sizes):
-            if nbytes <= bucket_bytes and t.quantize is None:  # what _split_transfer would yield whole
-                builder.add_plain(t, nbytes)
-            else:
-                for src_box, dst_box in _split_transfer(t, bucket_bytes):
-                    builder.add(t, src_box, dst_box, src_box.numel * t.dtype.itemsize)
-        if builder is not shared:
-            builder.close()
-    shared.close()
-    return messages
-
-
-def _place_in_rounds(per_pair: dict[tuple[int, int], list[Message]], bucket_bytes: int) -> list[list[Message]]:
-    """Messages into rounds of at most ``bucket_bytes`` per rank and direction, paced.
-
-    The busiest rank needs ``T = ceil(its bytes / bucket_bytes)`` rounds at least; if every pair moved
-    ``1 / T`` of its bytes per round, no rank would exceed the bucket and the step would take those
-    ``T`` rounds. So each round is filled in two stages, each in passes over the pairs (the pairs whose
-    two ends have the most bytes left first; a pair takes its next message per pass while both ends
-    have room): first every pair up to its even share of ``(r + 1) / T`` of its bytes, then any pair
-    into the room left. Pacing keeps every pair of a busy rank moving in every round, so the ranks
-    that bound the step (the busiest sender, a gen rank receiving from many train ranks) stay full to
-    their last round; the fill keeps rounds full where messages are too coarse to pace exactly.
-    A pair's messages keep their order.
-    """
-    queues = {pair: deque(msgs) for pair, msgs in sorted(per_pair.items()) if msgs}
-    pair_bytes = {pair: sum(align(m.nbytes) for m in msgs) for pair, msgs in queues.items()}
-    to_send: dict[int, int] = defaultdict(int)  # bytes each rank has left (messages sit 16-byte aligned)
-    to_receive: dict[int, int] = defaultdict(int)
-    for (src, dst), nbytes in pair_bytes.items():
-        to_send[src] += nbytes
-        to_receive[dst] += nbytes
-    fewest_rounds = -(-max([*to_send.values(), *to_receive.values(), 0]) // bucket_bytes)
-    moved: dict[tuple[int, int], int] = defaultdict(int)
-    rounds: list[list[Message]] = []
-    while queues:
-        share = min(1.0, (len(rounds) + 1) / fewest_rounds)
-        sent: dict[int, int] = defaultdict(int)
-        received: dict[int, int] = defaultdict(int)
-        placed: list[Message] = []
-        for paced in (True, False):
-            active = sorted(queues, key=lambda p: (-(to_send[p[0]] + to_receive[p[1]]), p))
-            while active:  # passes: each pair places one message per pass while both ends have room
-                still = []
-                for pair in active:
-                    queue = queues[pair]
-                    src, dst = pair
-                    size = align(queue[0].nbytes)
-                    if sent[src] + size > bucket_bytes or received[dst] + size > bucket_bytes:
-                        continue  # loads only grow within a round: this pair is done for the stage
-                    if paced and moved[pair] + size > pair_bytes[pair] * share:
-                        continue  # its share of this round is placed
-                    placed.append(queue.popleft())
-                    sent[src] += size
-                    received[dst] += size
-                    to_send[src] -= size
-                    to_receive[dst] -= size
-                    moved[pair] += size
-                    if queue:
-                        still.append(pair)
-                    else:
-                        del queues[pair]
-                active = still
-        if not placed:
-            raise ValueError(f"a message is larger than the bucket ({bucket_bytes} bytes)")
-        rounds.append(placed)
-    return rounds
-
-
 def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bucket_bytes: int,
                    formation: MessageOptions | None = None, *, expert_groups: Collection[str] = (),
                    agreed_settings: str = "") -> Schedule:
@@ -396,8 +85,8 @@ def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bu
     by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         by_pair[(t.src, t.dst)].append(t)
-    per_pair = {pair: _messages(ts, bucket_bytes, formation, groups) for pair, ts in by_pair.items()}
-    rounds = _place_in_rounds(per_pair, bucket_bytes)
+    per_pair = {pair: pair_messages(ts, bucket_bytes, formation, groups) for pair, ts in by_pair.items()}
+    rounds = place_in_rounds(per_pair, bucket_bytes)
     quantizing = _receiver_quantizations(transfers)
     return Schedule(num_src, num_dst, bucket_bytes, rounds,
                     digest_rounds(num_src, num_dst, bucket_bytes, rounds, agreed_settings, quantizing),
