@@ -16,13 +16,23 @@ everything left out is a default the train side may overrule. Bad values raise
 
 from __future__ import annotations
 
-import functools
 import json
-from dataclasses import MISSING, dataclass, field, fields
+import re
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any
 
 from refit_core.contract.errors import OptionError, PlanError
+from refit_core.contract.nccl_options import DEFAULT_CHOICE, NcclBackend, NcclChoice, NcclOptions
+from refit_core.contract.settings import (
+    _nested,
+    _rebuild,
+    _setting,
+    _Settings,
+    _shown,
+    _tracks_explicit,
+)
+from refit_core.contract.transport_options import PerTransportOptions, TransportOptions
 
 MiB = 1 << 20
 _MESSAGE_ALIGN = 16
@@ -40,12 +50,28 @@ class CastPolicy(StrEnum):
 
 
 class TransportKind(StrEnum):
-    """How bytes move between a train rank and a gen rank."""
+    """The transport names refit itself ships (``RefitOptions.transport`` takes any registered name:
+    :mod:`refit_core.transports`); ``RefitOptions.transport`` holds one of these when it names one."""
 
     AUTO = "auto"
     """NCCL when this rank's pieces are on CUDA, gloo otherwise."""
     GLOO = "gloo"
     NCCL = "nccl"
+
+
+_TRANSPORT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
+def _transport_name(where: str, value: Any) -> TransportKind | str:
+    """A transport name: one of :class:`TransportKind` as its member, any other well-formed name as given
+    (whether a transport of that name is installed is checked when the transport opens)."""
+    if not isinstance(value, str) or not _TRANSPORT_NAME.fullmatch(value):
+        raise OptionError(f"{where}={value!r}: expected a transport name (lowercase letters, digits, '.', '_' "
+                          f"or '-'), e.g. one of {', '.join(repr(k.value) for k in TransportKind)}")
+    try:
+        return TransportKind(value)
+    except ValueError:
+        return str(value)
 
 
 class Colocation(StrEnum):
@@ -78,137 +104,7 @@ class UpdateMode(StrEnum):
     """A step lands in staging memory on every gen rank first, and is applied only once all have it."""
 
 
-class NcclBackend(StrEnum):
-    """Which NCCL binding the nccl transport uses."""
 
-    AUTO = "auto"
-    """nccl4py where it imports, torch's ProcessGroupNCCL otherwise."""
-    NCCL4PY = "nccl4py"
-    TORCH = "torch"
-
-
-_T = TypeVar("_T")
-
-
-def _tracks_explicit(cls: type[_T]) -> type[_T]:
-    """Record which constructor arguments were given (not None) as ``explicit`` field names."""
-    generated = cls.__init__
-    names = [f.name for f in fields(cls) if f.init]  # type: ignore[arg-type]
-
-    @functools.wraps(generated)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        generated(self, *args, **kwargs)
-        given = {**dict(zip(names, args)), **kwargs}
-        object.__setattr__(self, "_explicit", frozenset(n for n, v in given.items() if v is not None))
-
-    cls.__init__ = __init__  # type: ignore[method-assign]
-    return cls
-
-
-class _Settings:
-    """Shared machinery of the settings dataclasses: coercion, explicit fields, wire form."""
-
-    _explicit: frozenset[str]
-
-    def _coerce(self) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            kind = f.metadata.get("kind")
-            if value is None:
-                if f.default is None:
-                    continue
-                default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
-                object.__setattr__(self, f.name, default)
-                continue
-            object.__setattr__(self, f.name, _coerced(type(self).__name__, f.name, kind, value))
-
-    @property
-    def explicit(self) -> frozenset[str]:
-        """Dotted names of the settings given explicitly (``"nccl.comms_per_link"``)."""
-        out = set()
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if isinstance(value, _Settings):
-                out |= {f"{f.name}.{inner}" for inner in value.explicit}
-            elif f.name in self._explicit:
-                out.add(f.name)
-        return frozenset(out)
-
-    def to_wire(self, *, secrets: bool = False) -> dict[str, Any]:
-        """A plain JSON-able dict of every field (enums as their values, nested settings as dicts).
-
-        Secret fields (``RefitOptions.secret``) are left out unless ``secrets``: pass True only to
-        hand options to a process of the same job over a trusted channel, never to publish them.
-        """
-        out: dict[str, Any] = {}
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if f.metadata.get("secret") and not secrets:
-                continue
-            if isinstance(value, _Settings):
-                out[f.name] = value.to_wire()
-            elif isinstance(value, StrEnum):
-                out[f.name] = value.value
-            else:
-                out[f.name] = value
-        return out
-
-    @classmethod
-    def from_wire(cls, data: Any) -> Any:
-        """Parse :meth:`to_wire`'s dict; an unknown key or a bad value raises :class:`OptionError`."""
-        if not isinstance(data, dict):
-            raise OptionError(f"{cls.__name__}: expected a dict of settings, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise OptionError(f"{cls.__name__}: unknown setting(s) {unknown} (known: {sorted(known)})")
-        return cls(**data)
-
-    def leaves(self, prefix: str = "") -> dict[str, Any]:
-        """Every setting by dotted name, nested settings flattened."""
-        out: dict[str, Any] = {}
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if isinstance(value, _Settings):
-                out.update(value.leaves(f"{prefix}{f.name}."))
-            else:
-                out[f"{prefix}{f.name}"] = value
-        return out
-
-
-def _coerced(owner: str, name: str, kind: Any, value: Any) -> Any:
-    where = f"{owner}.{name}"
-    if isinstance(kind, type) and issubclass(kind, _Settings):
-        if isinstance(value, kind):
-            return value
-        return kind.from_wire(value)
-    if isinstance(kind, type) and issubclass(kind, StrEnum):
-        try:
-            return kind(value)
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in kind)
-            raise OptionError(f"{where}={value!r}: use one of {choices}") from None
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise OptionError(f"{where}={value!r}: expected True or False")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise OptionError(f"{where}={value!r}: expected an integer")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise OptionError(f"{where}={value!r}: expected a positive number")
-        return float(value)
-    return value
-
-
-def _setting(default: Any, kind: Any, *, local: bool = False) -> Any:
-    return field(default=default, metadata={"kind": kind, "local": local})
-
-
-def _nested(kind: type) -> Any:
-    return field(default_factory=kind, metadata={"kind": kind, "local": False})
 
 
 class StridedCopy(StrEnum):
@@ -263,57 +159,6 @@ class MessageOptions(_Settings):
                               f"multiple of {_MESSAGE_ALIGN}")
 
 
-@_tracks_explicit
-@dataclass(frozen=True)
-class NcclOptions(_Settings):
-    """The nccl transport's communicators; both sides must agree (they build them together).
-
-    - ``backend``: :class:`NcclBackend` (``auto``: nccl4py, else torch's ProcessGroupNCCL).
-    - ``comms_per_link``: NCCL communicators per pair of ranks, each on its own stream; consecutive
-      operations to a peer alternate between them, so one's fill and drain hide behind the next.
-    - ``max_ctas``: NCCL's ``maxCTAs`` for each of them (0: NCCL's own, 32): the thread blocks one
-      operation may use, which also bound the buffers a communicator keeps on the GPU.
-
-    None (the default of both) takes :data:`DEFAULT_CHOICE` (:meth:`choice`). More communicators hide more
-    of NCCL's per-operation cost, and each keeps buffers outside torch's allocator for every peer it has
-    moved bytes with (about 0.25 / 0.5 GiB, sender / receiver, with one peer at NCCL's own size;
-    ``max_ctas=16`` halves that for about 1% of the wire). The measurements behind the choice, plain and
-    FP8 plans alike: docs/benchmarks.md (2 x H200, one peer, 2026-11-26 and 2026-11-27). Several ranks per
-    GPU under MPS, each exchanging with two peers at once: 4 deadlocked, 2 ran at the wire (2026-11-27).
-    """
-
-    backend: NcclBackend = _setting(NcclBackend.AUTO, NcclBackend)
-    comms_per_link: int | None = _setting(None, int)
-    max_ctas: int | None = _setting(None, int)
-
-    def __post_init__(self) -> None:
-        self._coerce()
-        if self.comms_per_link is not None and self.comms_per_link < 1:
-            raise OptionError(f"NcclOptions.comms_per_link={self.comms_per_link}: must be >= 1")
-        if self.max_ctas is not None and not 0 <= self.max_ctas <= 32:
-            raise OptionError(f"NcclOptions.max_ctas={self.max_ctas}: must be 0 (NCCL's default) to 32")
-
-    def choice(self) -> NcclChoice:
-        """The communicators to build: these settings, each None taken from :data:`DEFAULT_CHOICE`."""
-        return NcclChoice(DEFAULT_CHOICE.comms_per_link if self.comms_per_link is None else self.comms_per_link,
-                          DEFAULT_CHOICE.max_ctas if self.max_ctas is None else self.max_ctas)
-
-
-@dataclass(frozen=True)
-class NcclChoice:
-    """The communicators a refit builds: :class:`NcclOptions` with every None filled in."""
-
-    comms_per_link: int
-    max_ctas: int
-    """0: NCCL's own."""
-
-
-DEFAULT_CHOICE = NcclChoice(comms_per_link=4, max_ctas=0)
-"""What :class:`NcclOptions` leaves open gets these (plans whose senders quantize included: with their messages
-cut to a quarter of the bucket, 4 beat 2 on both FP8 shapes, docs/benchmarks.md)."""
-
-
-@_tracks_explicit
 @dataclass(frozen=True)
 class RelayOptions(_Settings):
     """Relay fanout (:mod:`refit_core.plan.relay`); both sides must agree (the plan depends on it).
@@ -406,9 +251,14 @@ class RefitOptions(_Settings):
     - ``num_buffers``: staging buffers in flight (pack / transfer / unpack overlap on CUDA).
     - ``cast``: :class:`CastPolicy`.
     - ``allow_unused_sources``: skip source tensors no destination wants instead of failing.
-    - ``transport``: :class:`TransportKind`: the network transport, for pairs that share no memory.
+    - ``transport``: the network transport, for pairs that share no memory: a registered transport's name
+      (:mod:`refit_core.transports`); refit ships :class:`TransportKind` (``auto``: NCCL on CUDA, gloo on
+      CPU). An unknown name fails setup on every rank, naming the installed ones, before any collective.
     - ``colocate``: :class:`Colocation`: which pairs read the trainer's memory directly instead.
-    - ``messages``: :class:`MessageOptions`; ``nccl``: :class:`NcclOptions`.
+    - ``messages``: :class:`MessageOptions`; ``nccl``: :class:`NcclOptions` (the nccl transport's own).
+    - ``transport_options``: the options of any other transport kind, ``{name: options}``
+      (:class:`~refit_core.contract.transport_options.PerTransportOptions`; a kind left out runs with its
+      defaults). Both sides must agree on them, like on ``nccl``.
     - ``relay``: :class:`RelayOptions`: relay fanout among engine replicas (off by default).
     - ``timeout_s``: setup waits fail after this long, and every step must finish within it
       (counted from the step's start). This rank's own deadline: the sides need not agree on it.
@@ -444,7 +294,7 @@ class RefitOptions(_Settings):
     num_buffers: int = _setting(3, int)
     cast: CastPolicy = _setting(CastPolicy.CAST, CastPolicy)
     allow_unused_sources: bool = _setting(False, bool)
-    transport: TransportKind = _setting(TransportKind.AUTO, TransportKind)
+    transport: TransportKind | str = _setting(TransportKind.AUTO, _transport_name)
     colocate: Colocation = _setting(Colocation.AUTO, Colocation)
     messages: MessageOptions = _nested(MessageOptions)
     nccl: NcclOptions = _nested(NcclOptions)
@@ -458,6 +308,8 @@ class RefitOptions(_Settings):
     strided_copies: StridedCopy = _setting(StridedCopy.TRITON, StridedCopy, local=True)
     step_trace: bool = _setting(False, bool, local=True)
     overlap_check: bool = _setting(True, bool, local=True)
+    transport_options: PerTransportOptions = field(default_factory=PerTransportOptions, metadata={
+        "kind": PerTransportOptions, "local": False, "omit_empty": True})
 
     def __post_init__(self) -> None:
         self._coerce()
@@ -474,6 +326,11 @@ class RefitOptions(_Settings):
             raise OptionError(f"RefitOptions.job={self.job!r:.60}: expected a name of 1 to 256 characters")
         if self.secret is not None and not isinstance(self.secret, str):
             raise OptionError("RefitOptions.secret: expected a string")
+
+    def options_for(self, kind: str) -> TransportOptions | None:
+        """The options of transport ``kind``: ``nccl`` for NCCL, else its entry of ``transport_options``, or
+        None where none was given (the transport's defaults apply)."""
+        return self.nccl if kind == TransportKind.NCCL else self.transport_options.get(kind)
 
     def resolved(self, device_type: str) -> RefitOptions:
         """These options with ``bucket_bytes`` decided for a rank on ``device_type`` (``"cuda"``...)."""
@@ -537,24 +394,7 @@ class RefitOptions(_Settings):
                                      explicit=False)
 
 
-def _shown(value: Any) -> str:
-    return repr(value.value) if isinstance(value, StrEnum) else repr(value)
-
-
-def _rebuild(obj: _Settings, top: dict[str, Any], nested: dict[str, dict[str, Any]], explicit: bool) -> Any:
-    """``obj`` with ``top`` values and ``nested`` changes; explicit fields stay explicit, and the
-    changed ones become explicit when ``explicit``."""
-    kwargs: dict[str, Any] = {}
-    for f in fields(obj):  # type: ignore[arg-type]
-        value = getattr(obj, f.name)
-        if f.name in nested:
-            value = _rebuild(value, nested[f.name], {}, explicit)
-        kwargs[f.name] = top.get(f.name, value)
-    result = type(obj)(**kwargs)
-    given = obj._explicit | (set(top) if explicit else set())
-    object.__setattr__(result, "_explicit", frozenset(n for n in given if kwargs.get(n) is not None))
-    return result
 
 __all__ = ["DEFAULT_CHOICE", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend",
-           "NcclChoice", "NcclOptions", "RefitOptions", "RelayOptions", "StoreLimits", "StridedCopy", "TransportKind",
-           "UpdateMode"]
+           "NcclChoice", "NcclOptions", "PerTransportOptions", "RefitOptions", "RelayOptions", "StoreLimits",
+           "StridedCopy", "TransportKind", "TransportOptions", "UpdateMode"]
