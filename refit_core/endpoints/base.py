@@ -242,15 +242,19 @@ class RefitEndpoint:
     def _open_transport(self, settings: RefitOptions) -> Transport:
         """Open the transport (every rank passed the agreement barrier: all are ready to); a failure on any
         rank stops them all."""
+        from refit_core.net.transport import resolve_kind  # the lead may hoist this to the module's imports
+
         rdv = self._require_rendezvous()
+        kind = resolve_kind(settings.transport, self.device)
+        options = settings.options_for(kind)  # an unknown name raises in open_transport, before any collective
         try:
-            return open_transport(settings.transport, rdv.store, self._global_rank(), sum(self.sizes.values()),
-                                  self.device, settings.timeout_s, settings.nccl,
-                                  watch=StoreWatch(rdv.store, self.sizes), rendezvous=self.address)
+            return open_transport(kind, rdv.store, self._global_rank(), sum(self.sizes.values()), self.device,
+                                  settings.timeout_s, options, watch=StoreWatch(rdv.store, self.sizes),
+                                  rendezvous=self.address)
         except RefitError:
             raise
         except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses
-            raise RefitError(f"the {settings.transport.value} transport did not open: {exc}") from exc
+            raise RefitError(f"the {kind} transport did not open: {exc}") from exc
 
     @property
     def _hosts_store(self) -> bool:

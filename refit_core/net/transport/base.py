@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 
 from refit_core.contract.errors import TransferError
-from refit_core.contract.options import TransportKind
 
 Stamp = float | torch.cuda.Event
 """A moment of a recorded step: a host ``perf_counter`` value (CPU), or an event recorded on a stream (CUDA)."""
@@ -85,9 +84,15 @@ class DoneFence(Fence):
 
 
 class Transport(ABC):
-    """Grouped point-to-point exchange among the ranks of one refit."""
+    """Grouped point-to-point exchange among the ranks of one refit.
 
-    kind: TransportKind
+    Two-sided: both ends post the same messages in the same order (a send here, a receive of the same size
+    there). A kind registers as a :class:`~refit_core.net.transport.kind.TransportType`
+    (:mod:`refit_core.net.transport.registry`); ``docs/writing-a-transport.md`` walks through writing one.
+    """
+
+    kind: str
+    """The name this transport registered under (``"gloo"``, ``"nccl"``...)."""
     device: torch.device
     timeline: SpanRecorder | None = None
     """Set by an executor recording a step (``refit bench --timeline``): a transport whose work runs
@@ -109,9 +114,21 @@ class Transport(ABC):
         :meth:`close`. Safe at any time, and after ``close()``."""
         self.close()
 
+    def register(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Memory this rank sends from or receives into at every step: every bound view and staging buffer
+        of this rank's exchanges. Called once per bind, before the first exchange that uses it, again after
+        a rebind (then with the new set: what is no longer listed may be released); default: nothing to
+        register.
+
+        A one-sided RDMA transport (NIXL, Mooncake, ibverbs) registers each region with its NIC here
+        (pinning it and getting a remote key), publishes the descriptors through the refit's store under a
+        key of its own, and reads its peers' before its first exchange, so that ``exchange`` can then
+        write into (or read from) a peer's memory by address. Exchanges still name whole contiguous tensors
+        inside registered memory, so a transport maps each to (region, offset) by its address."""
+
     @abstractmethod
     def close(self) -> None:
-        """Release the communicator."""
+        """Release the communicator; a second call does nothing."""
 
 
 def check_contiguous(pairs: Sequence[tuple[int, torch.Tensor]]) -> None:

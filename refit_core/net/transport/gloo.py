@@ -38,8 +38,8 @@ import torch.distributed as dist
 from refit_core.contract.errors import TransferError
 from refit_core.contract.options import TransportKind
 from refit_core.net.transport.base import Fence, Transport, check_contiguous
+from refit_core.net.transport.kind import TransportContext, TransportType
 from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
-
 
 
 def _failure(rank: int, peer: int, what: str, exc: BaseException) -> str:
@@ -256,3 +256,15 @@ class GlooTransport(Transport):
             pg.abort()
         except Exception:  # noqa: BLE001 - already broken: dropping it is all that is left
             pass
+
+
+def open_gloo(context: TransportContext) -> GlooTransport:
+    """The gloo transport of ``context``, listening on the interface that reaches its rendezvous (gloo's
+    default, the hostname's, when that is unknown)."""
+    host, _, port = (context.rendezvous or "").rpartition(":")
+    interface = interface_toward(host.strip("[]"), int(port)) if context.rendezvous else None
+    return GlooTransport(context.store, context.rank, context.world_size, context.timeout_s, context.watch, interface)
+
+
+GLOO = TransportType(TransportKind.GLOO, open_gloo, summary="CPU tensors over a private gloo process group")
+"""The gloo kind, registered under ``refit.transports`` by refit-core's ``pyproject.toml``."""
