@@ -2,7 +2,8 @@
 
 A slice keeps every per-layer shape and the embeddings and drops layers from the end; it is named
 in the output (``NAME[24/48 layers]``). A shape of which not even one layer fits is skipped with a
-one-line reason. Pure arithmetic on the config's checkpoint specs: no device is touched.
+one-line reason. Pure arithmetic on the config's checkpoint specs: no device is touched (only
+:func:`memory_budget` reads the GPU's size).
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from refit_core.kit.models import checkpoint_specs
 
 GiB = 1 << 30
+MEMORY_RESERVE = 3 * GiB
+"""GPU memory kept out of the budget: two processes' CUDA contexts and the allocator's slack."""
 
 
 @dataclass(frozen=True)
@@ -64,3 +69,12 @@ def fit_layers(name: str, config: dict[str, Any], budget_bytes: int | None,
             return Fit(name, layers, total)
     return Fit(name, 0, total, f"skipped {name}: even one layer needs {needed(int(fixed + per_layer)) / GiB:.1f} "
                                f"GiB, the device has {budget_bytes / GiB:.1f} GiB")
+
+
+def memory_budget(device: torch.device, memory_gib: float | None) -> int | None:
+    """The bytes a run may use: ``memory_gib`` if given, else the GPU's memory less the reserve (None on CPU)."""
+    if memory_gib is not None:
+        return int(memory_gib * GiB)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory - MEMORY_RESERVE
