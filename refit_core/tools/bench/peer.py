@@ -57,9 +57,11 @@ from refit_core.tools.bench import layouts
 from refit_core.tools.bench.colocated import memory_budget
 from refit_core.tools.bench.copybound import CopyBound
 from refit_core.tools.bench.fit import Fit, fit_layers
-from refit_core.tools.bench.methods import hf_tensors, materialize, open_bench_comm, scatter
-from refit_core.tools.bench.runner import _Barrier, _checksum
+from refit_core.tools.bench.barrier import Barrier
+from refit_core.tools.bench.comms import open_bench_comm
+from refit_core.tools.bench.hftensors import hf_tensors, materialize, scatter
 from refit_core.tools.bench.validity import Ratio, bound_rate_problem, check_ratio
+from refit_core.tools.bench.wire import checksum
 
 GiB = 1 << 30
 CE = "checkpoint-engine"
@@ -250,7 +252,7 @@ class _Run:
         host, port = job["sync_address"].rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=rank == 0,
                                    timeout=timedelta(seconds=job["timeout_s"]), wait_for_workers=False)
-        self.barrier = _Barrier(self.store, self.layout.nprocs)
+        self.barrier = Barrier(self.store, self.layout.nprocs)
         self.methods: list[str] = job["methods"]
         self.server: CeServer | None = None
         self.zmq_ctx: Any = None
@@ -432,7 +434,7 @@ class Wire:
 
     def check(self, store: Any, key: str, publish: bool) -> str:
         """The receiver's checksum against the sender's (published under ``key``); closes the communicator."""
-        total = _checksum(self.buffer)
+        total = checksum(self.buffer)
         if publish:
             store.set(key, str(total))
         store.wait([key])
