@@ -91,14 +91,14 @@ def _instrument() -> None:
     _wrap(RefitReceiver, "_bind_step", "bind.in", "bind.out")
     for side in (executor.SendExecutor, executor.ReceiveExecutor):
         _wrap(side, "run", before="run")
-    _wrap(executor._RoundRunner, "_post_headers", after="headers_posted")
-    _wrap(executor._RoundRunner, "_exchange", "exchange.in", "exchange.out", when=lambda args: args[3] < 0)
-    _wrap(executor._RoundRunner, "_buffers", "buffers.in", "buffers.out")
-    _wrap(executor._RoundRunner, "_check_headers", "sync.in", "headers_checked")
+    _wrap(executor.RoundRunner, "_post_headers", after="headers_posted")
+    _wrap(executor.RoundRunner, "_exchange", "exchange.in", "exchange.out", when=lambda args: args[3] < 0)
+    _wrap(executor.RoundRunner, "_buffers", "buffers.in", "buffers.out")
+    _wrap(executor.RoundRunner, "_check_headers", "sync.in", "headers_checked")
     for fence in (gloo._WorkFence, nccl._NcclFence):  # a step's first wait is the header exchange's
         _wrap(fence, "synchronize", after="sync.out")
-    _wrap(executor._RoundRunner, "_exchange", before="first_post", when=lambda args: args[3] >= 0)
-    _wrap(executor._RoundRunner, "_finish", "last_post", "finished")
+    _wrap(executor.RoundRunner, "_exchange", before="first_post", when=lambda args: args[3] >= 0)
+    _wrap(executor.RoundRunner, "_finish", "last_post", "finished")
 
 
 def worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,8 @@ they write is :mod:`refit_core.net.keys`':
    refit, gives every pair its link (:func:`assign_links`) and publishes every other rank its own part
    (:func:`plan_for_all`); every other rank reads its part (:func:`read_own_part`);
 3. :func:`agree`: every rank publishes the fingerprint of the plan it holds and waits at one barrier.
+
+A rank that fails any step tells every other rank why (:func:`abort_setup`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from refit_core.plan.links import Link, Placement, pair_links, placement_of
 from refit_core.plan.planning import plan_with_relay
 from refit_core.plan.relay import RelayPlan, check_relay_pairs
 from refit_core.plan.schedule import Schedule
+from refit_core.plan.subset import logical_name
 
 MAX_WORLD_SIZE = 1 << 20
 """The largest world size a rendezvous may hold (anything larger is a corrupt or hostile value)."""
@@ -54,6 +57,20 @@ class WholePlan:
     schedule: Schedule
     relay: RelayPlan | None
     links: dict[tuple[int, int], Link]
+
+
+@dataclass(frozen=True)
+class OwnPlan:
+    """What a rank keeps of the plan: its part, the schedule it runs (the whole one on the planner), the relay
+    plan (None without relay) and its pairs' links, every grouped expert tensor's expert count (both sides'),
+    and the logical tensors the train side sends (the planner's; None elsewhere)."""
+
+    part: rankplan.RankPlan
+    schedule: Schedule
+    relay: RelayPlan | None
+    links: dict[tuple[int, int], Link]
+    groups: dict[str, int]
+    train_names: frozenset[str] | None
 
 
 def exchange_metadata(rdv: Rendezvous, me: RankId, world_size: int, options: RefitOptions, device: torch.device,
@@ -89,6 +106,23 @@ def read_own_part(rdv: Rendezvous, me: RankId) -> rankplan.RankPlan:
     """This rank's part of the plan, once the planner has published it."""
     (record,) = rdv.wait([rank_key(RankRecord.PLAN, me)], f"{me.name}'s part of the plan from train rank 0")
     return rankplan.from_wire(record, me.side, me.rank)
+
+
+def own_plan(rdv: Rendezvous, me: RankId, settings: RefitOptions, sizes: dict[Side, int],
+             metas: dict[Side, list[list[PieceMeta]]] | None, plugins: PluginManager,
+             experts: ExpertNaming) -> OwnPlan:
+    """Step 2 for any rank: the planner (given every rank's ``metas``) plans for all (:func:`plan_for_all`),
+    every other rank reads its own part (:func:`read_own_part`)."""
+    if metas is not None:
+        whole = plan_for_all(rdv, me, settings, sizes, metas, plugins, experts)
+        part, schedule, relay, links = whole.mine, whole.schedule, whole.relay, whole.links
+    else:
+        part = read_own_part(rdv, me)
+        schedule, relay, links = part.schedule(), part.relay_plan(), part.links
+    groups = {group: n for side in Side for group, n in part.facts.counts[side].items()}
+    names = None if metas is None else frozenset(logical_name(m.spec.name, plugins.expert_name, groups)
+                                                 for ranks in metas[Side.TRAIN] for m in ranks)
+    return OwnPlan(part, schedule, relay, links, groups, names)
 
 
 def plan_for_all(rdv: Rendezvous, me: RankId, settings: RefitOptions, sizes: dict[Side, int],
@@ -147,3 +181,18 @@ def agree(rdv: Rendezvous, me: RankId, fingerprint: str, sizes: dict[Side, int])
     rdv.publish(rank_key(RankRecord.FINGERPRINT, me), fingerprint)
     rdv.barrier(AGREED, sum(sizes.values()), rank_keys(RankRecord.FINGERPRINT, sizes),
                 f"every rank to agree on plan {fingerprint}")
+
+
+def abort_setup(rdv: Rendezvous, me: RankId, world_size: int, sizes: dict[Side, int], exc: Exception,
+                timeout_s: float) -> None:
+    """Tell every rank why this rank's setup failed (``exc``); the store's host (train rank 0) waits until
+    every rank has read it. ``sizes``: both sides' sizes, if this rank learned them (empty otherwise)."""
+    if me.rank == 0 or not sizes:  # the host learns how many ranks must read the error
+        rdv.offer(size_key(me.side), world_size)
+    rdv.fail(exc, me.name, rank_key(RankRecord.DONE, me))
+    if me != RankId(Side.TRAIN, 0):
+        return
+    if not sizes:  # failed before learning the gen side's size: wait for it to show up
+        rdv.linger([size_key(Side.GEN)], timeout_s=timeout_s)
+        sizes = {Side.TRAIN: world_size, Side.GEN: rdv.read(size_key(Side.GEN), default=0)}
+    rdv.linger(rank_keys(RankRecord.DONE, sizes), timeout_s=timeout_s)

@@ -18,11 +18,21 @@ from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
 from refit_core.endpoints import commit
-from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, first_moved, split_rounds
+from refit_core.endpoints.base import RefitEndpoint
+from refit_core.endpoints.binding import first_moved
+from refit_core.endpoints.wiring import by_peer, combined_stats, executor_settings, split_rounds
+from refit_core.plan.items import Message
 from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedReceiver
-from refit_core.run.executor import ForwardExecutor, ReceiveExecutor, SendExecutor, StepStats
+from refit_core.run.executor import (
+    ForwardExecutor,
+    HeaderScope,
+    ReceiveExecutor,
+    SendExecutor,
+    StepCount,
+    StepStats,
+)
 from refit_core.run.quant.receiver import ReceiverQuantizer
 from refit_core.units import format_bytes
 
@@ -66,15 +76,13 @@ class RefitReceiver(RefitEndpoint):
         loader: list[Piece] = [DestinationPiece(spec, spec.full_box()) for spec in self._loader]
         return [*mapping.pieces, *loader]
 
-    def _make_executors(self, schedule: Schedule, settings: RefitOptions) -> None:
+    def _make_executors(self, schedule: Schedule, settings: RefitOptions, scope: HeaderScope) -> None:
         self._quantizing = ReceiverQuantizer(schedule.receiver_quantizations_of(self.rank))
         network, colocated = split_rounds(schedule.rounds_of_destination(self.rank), self._is_network)
         if network:
-            assert self.transport is not None
-            self._executor = ReceiveExecutor(network, self.transport, 0,
-                                             **self._network_executor_args(schedule, settings))
+            self._executor = self._network_executor(network, scope)
         if self.relay is not None:
-            self._make_relay_executors(self.relay, schedule, settings)
+            self._make_relay_executors(self.relay, schedule, settings, scope)
         if colocated:
             receiver = ColocatedReceiver(by_peer(colocated, lambda m: m.src), self._require_rendezvous().store,
                                          self.rank, self.device, schedule.fingerprint, settings.timeout_s,
@@ -82,29 +90,35 @@ class RefitReceiver(RefitEndpoint):
             receiver.open()
             self._colocated = receiver
 
-    def _make_relay_executors(self, relay: RelayPlan, schedule: Schedule, settings: RefitOptions) -> None:
+    def _make_relay_executors(self, relay: RelayPlan, schedule: Schedule, settings: RefitOptions,
+                              scope: HeaderScope) -> None:
         """A relayed rank receives its step from its parent replica's rank (its network executor); a
         rank with children forwards to them after its own step landed (``_relay_out``). Forwarding
         within nodes: after its own step landed, a rank sends the regions it leads to its node's other
         holders and receives the ones they lead, in one exchange per round (``_relay_out``)."""
         assert self.transport is not None  # always opened with relay
         offset = self.sizes[Side.TRAIN]  # relay peers are gen ranks: global rank = train ranks + gen rank
+        run_with = executor_settings(schedule, settings)
         if relay.within_nodes:
             rounds = relay.schedule.rounds  # this rank's part: every round, both directions
             if any(rounds):
-                self._relay_out = ForwardExecutor(self.rank, rounds, self.transport, offset,
-                                                  **self._network_executor_args(schedule, settings))
+                self._relay_out = ForwardExecutor(self.rank, rounds, self.transport, offset, run_with)
             return
         incoming = relay.schedule.rounds_of_destination(self.rank)
         if incoming:
             if self._executor is not None:
                 raise PlanError(f"refit bug: gen rank {self.rank} is fed by trainers and by a relay")
-            self._executor = ReceiveExecutor(incoming, self.transport, offset,
-                                             **self._network_executor_args(schedule, settings))
+            self._executor = ReceiveExecutor(incoming, self.transport, offset, run_with, scope=scope)
         outgoing = relay.schedule.rounds_of_source(self.rank)
         if outgoing:
-            self._relay_out = SendExecutor(outgoing, self.transport, offset,
-                                           **self._network_executor_args(schedule, settings))
+            self._relay_out = SendExecutor(outgoing, self.transport, offset, run_with)
+
+    def _network_executor(self, rounds: list[list[Message]], scope: HeaderScope, steps: StepCount | None = None
+                          ) -> ReceiveExecutor:
+        """A receive executor for ``rounds`` from the train ranks (the whole schedule's, or a subset's)."""
+        assert self.transport is not None and self.schedule is not None and self.settings is not None
+        return ReceiveExecutor(rounds, self.transport, 0, executor_settings(self.schedule, self.settings),
+                               scope=scope, steps=steps)
 
     def _subset_refusal(self) -> str | None:
         if self._quantizing.items:
@@ -123,8 +137,8 @@ class RefitReceiver(RefitEndpoint):
                 raise RefitError("the generation model's destination pieces changed after "
                                  "refit_begin_update; a plugin must return the same pieces every time")
             self._pieces = pieces
-        elif self._bound:  # the steps write into the views bound earlier: a replaced tensor would go stale
-            if self._identity is not None:  # the plugin lists the model's tensors: cheaper than its pieces
+        elif self._memory is not None:  # the steps write into the views bound earlier: one replaced goes stale
+            if self._memory.identity is not None:  # the plugin lists the model's tensors: cheaper than its pieces
                 name = self._replaced_tensor()
             else:
                 moved = first_moved(self._local_pieces(), self._pieces)
@@ -134,7 +148,7 @@ class RefitReceiver(RefitEndpoint):
                                  "bound it (the engine replaced or moved it): its plugin's refit_begin_update "
                                  "must return True after replacing destination tensors")
         if not self._loader:
-            if rebind or not self._bound:
+            if rebind or self._memory is None:
                 self._bind(self._pieces)
             return []
         fast = len(self._pieces) - len(self._loader)
@@ -142,6 +156,10 @@ class RefitReceiver(RefitEndpoint):
         loaded: list[Piece] = [DestinationPiece(s, s.full_box(), b) for s, b in zip(self._loader, buffers)]
         self._bind(self._pieces[:fast] + loaded)
         return [(s.name, b) for s, b in zip(self._loader, buffers)]
+
+    def _bound_names(self) -> list[str]:
+        """The names of the pieces bound last (empty before the first bind)."""
+        return [] if self._memory is None else self._memory.names
 
     @property
     def needs_refit(self) -> bool:
@@ -167,35 +185,37 @@ class RefitReceiver(RefitEndpoint):
         self._require_step()
         step, self._steps = self._steps, self._steps + 1
         touched: set[int] = set()
+        """The bound pieces this step may have written (also when it fails: its torn report)."""
         self._quantizing.begin_step()
-        for executor in (self._executor, self._relay_out):
-            if isinstance(executor, ReceiveExecutor | ForwardExecutor):
-                executor.touched = set()  # this step's, also if binding fails before it runs
         loader_weights: list[tuple[str, torch.Tensor]] = []
         ballot = _Ballot()
+        executor = self._executor
         try:
             loader_weights = self._bind_step()
-            subset = self._enter_subset(only)
+            subset, executor = self._step_executor(only)
+            assert executor is None or isinstance(executor, ReceiveExecutor)
             if subset is not None:
                 loader_weights = [(name, tensor) for name, tensor in loader_weights if name in subset.names]
-            stats = self._receive_parts(touched)
-            if self._relay_out is not None:  # forward only what has fully landed here
-                self._relay_out.run(stats.version)
+            stats = self._receive_parts(executor, touched)
+            relay_out = self._relay_out
+            if isinstance(relay_out, ForwardExecutor):  # forward only what has fully landed here
+                relay_out.run(stats.version, touched=touched)
+            elif relay_out is not None:
+                relay_out.run(stats.version)
             if self._mode is UpdateMode.STAGED:
                 self._await_commit(step, ballot)
-                if isinstance(self._executor, ReceiveExecutor):
-                    self._executor.commit()
+                if executor is not None:
+                    executor.commit(touched)
             self._quantizing.finish()
             if loader_weights:
-                touched.update(range(len(self._bound_names) - len(loader_weights), len(self._bound_names)))
+                bound = len(self._bound_names())
+                touched.update(range(bound - len(loader_weights), bound))
                 self.plugins.load_weights(self.model, self._experts.ungrouped(loader_weights))
             if self._mode is UpdateMode.IN_PLACE and self._votes:
                 commit.vote(self._require_rendezvous(), step, commit.Vote(self.rank))
                 ballot.voted = True
         except Exception as exc:
-            raise self._step_failed(step, exc, ballot, touched) from exc
-        finally:
-            self._leave_subset()
+            raise self._step_failed(step, exc, ballot, touched, executor) from exc
         self.plugins.finish_update(self.model, stats.version)
         self.version = stats.version
         self.last_failure = None
@@ -223,19 +243,18 @@ class RefitReceiver(RefitEndpoint):
         if ballot.decision.verdict is commit.Verdict.ABORT:
             raise TransferError(f"train rank 0 aborted step {step}: {ballot.decision.reason}")
 
-    def _receive_parts(self, touched: set[int]) -> StepStats:
-        """This step's network part and colocated part; colocated peers hear of any failure.
-        ``touched`` gathers the bound pieces whose destinations may have been written."""
-        executor, colocated = self._executor, self._colocated
-        assert executor is None or isinstance(executor, ReceiveExecutor)
+    def _receive_parts(self, executor: ReceiveExecutor | None, touched: set[int]) -> StepStats:
+        """This step's network part (run by ``executor``) and colocated part; colocated peers hear of any
+        failure. ``touched`` gathers the bound pieces whose destinations may have been written."""
+        colocated = self._colocated
         if not isinstance(colocated, ColocatedReceiver):
             assert executor is not None
-            return executor.run()
+            return executor.run(touched=touched, timeline=self.timeline)
         start = time.perf_counter()
         version = colocated.start()  # on a bad header it has told its peers already
         touched |= colocated.pieces  # colocated copies land in place, also in staged mode
         try:
-            stats = executor.run(version) if executor is not None else None
+            stats = executor.run(version, touched=touched, timeline=self.timeline) if executor is not None else None
             if stats is not None and stats.version != version:
                 raise TransferError(f"train ranks sent different weight versions {sorted({version, stats.version})} "
                                     "in one step: every train rank must call send() with the same version")
@@ -245,21 +264,20 @@ class RefitReceiver(RefitEndpoint):
         colocated.finish()
         return combined_stats(stats, version, colocated, start)
 
-    def _step_failed(self, step: int, exc: Exception, ballot: _Ballot, touched: set[int]) -> StepFailedError:
-        """Record what a failed step touched, tell the peers and the plugin; the error to raise."""
-        executor = self._executor
+    def _step_failed(self, step: int, exc: Exception, ballot: _Ballot, touched: set[int],
+                     executor: ReceiveExecutor | SendExecutor | None) -> StepFailedError:
+        """Record what a failed step touched, tell the peers and the plugin; the error to raise (``executor``:
+        the network executor the step ran, whose staged step is dropped)."""
         if isinstance(executor, ReceiveExecutor):
-            touched |= executor.touched
             executor.discard()
-        if isinstance(self._relay_out, ForwardExecutor):
-            touched |= self._relay_out.touched
         touched = self._quantizing.torn(touched)  # receiver-quantized pieces land in stand-ins first
         if self.settings is not None and self._votes and not ballot.voted and self._rdv is not None:
             try:
                 commit.vote(self._rdv, step, commit.Vote(self.rank, str(exc)))
             except RefitError:
                 pass  # the store's host is gone: the others fail on that too
-        names = sorted({self._bound_names[i] for i in touched if i < len(self._bound_names)})
+        bound = self._bound_names()
+        names = sorted({bound[i] for i in touched if i < len(bound)})
         undecided = isinstance(exc, commit.DecisionUnknown)
         failure = StepFailure(step, self._mode, str(exc), tuple(names), undecided)
         self.last_failure = failure

@@ -15,10 +15,13 @@ from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.endpoints import commit
-from refit_core.endpoints.base import RefitEndpoint, by_peer, combined_stats, first_moved, split_rounds
+from refit_core.endpoints.base import RefitEndpoint
+from refit_core.endpoints.binding import first_moved
+from refit_core.endpoints.wiring import by_peer, combined_stats, executor_settings, split_rounds
+from refit_core.plan.items import Message
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedSender
-from refit_core.run.executor import ReceiveExecutor, SendExecutor, StepStats
+from refit_core.run.executor import HeaderScope, Merging, SendExecutor, StepCount, StepStats
 from refit_core.units import format_bytes
 
 log = logging.getLogger("refit")
@@ -55,8 +58,8 @@ class RefitSender(RefitEndpoint):
         """The source pieces bound at setup (None before one succeeded)."""
         self._decided = -1
         """The last step train rank 0 published a decision on."""
-        self._merges: list[LoraMerge | None] = []
-        """Merged mode: per bound source piece, the adapter folded into it (None: sent as it is)."""
+        self._merging = Merging()
+        """Merged mode: per bound source piece, the adapter folded into it when packed, and its box's origin."""
         self._adapters: list[AdapterFactors] = []
         """Merged mode: where this rank's merged pieces get their adapters each step (empty: none merged)."""
 
@@ -67,24 +70,29 @@ class RefitSender(RefitEndpoint):
             raise RefitError(f"source pieces without views: {missing[:5]}")
         return pieces
 
-    def _make_executors(self, schedule: Schedule, settings: RefitOptions) -> None:
+    def _make_executors(self, schedule: Schedule, settings: RefitOptions, scope: HeaderScope) -> None:
+        merges = _merges(self._pieces)
+        self._merging = Merging(merges, [p.box.offsets for p in self._pieces])
+        self._adapters = list({id(m.factors): m.factors for m in merges if m is not None}.values())
         network, colocated = split_rounds(schedule.rounds_of_source(self.rank), self._is_network)
         if network:
-            assert self.transport is not None
-            self._executor = SendExecutor(network, self.transport, self.sizes[Side.TRAIN],
-                                          **self._network_executor_args(schedule, settings))
+            self._executor = self._network_executor(network, scope)
         if colocated:
             self._colocated = ColocatedSender(by_peer(colocated, lambda m: m.dst), self._require_rendezvous().store,
                                               self.rank, self.device, schedule.fingerprint, settings.timeout_s,
                                               trace=settings.step_trace)
 
+    def _network_executor(self, rounds: list[list[Message]], scope: HeaderScope, steps: StepCount | None = None
+                          ) -> SendExecutor:
+        """A send executor for ``rounds``; in merged mode a subset's packs the same pieces as the whole one's."""
+        assert self.transport is not None and self.schedule is not None and self.settings is not None
+        return SendExecutor(rounds, self.transport, self.sizes[Side.TRAIN],
+                            executor_settings(self.schedule, self.settings), scope=scope, steps=steps,
+                            merging=self._merging)
+
     def setup(self) -> Schedule:
         self._decided = -1
         schedule = super().setup()
-        self._merges = _merges(self._pieces)
-        self._adapters = list({id(m.factors): m.factors for m in self._merges if m is not None}.values())
-        if self._executor is not None:
-            self._prepare_network_executor(self._executor)
         self._bind(self._pieces)
         self._signature = source_signature(self._pieces)
         return schedule
@@ -98,7 +106,7 @@ class RefitSender(RefitEndpoint):
         problem = colocated.check() if colocated is not None else None
         if problem is not None:
             return problem
-        if self._identity is not None:  # the plugin lists the model's tensors: cheaper than its pieces
+        if self._memory is not None and self._memory.identity is not None:  # cheaper than the pieces
             name = self._replaced_tensor()
             return None if name is None else f"source tensor {name} {MOVED}"
         current = self._local_pieces()
@@ -110,13 +118,6 @@ class RefitSender(RefitEndpoint):
         if now is not None:
             return f"source tensor {now.spec.name}{now.box} {MOVED}"
         return None
-
-    def _prepare_network_executor(self, executor: SendExecutor | ReceiveExecutor) -> None:
-        """Merged mode: which bound pieces get an adapter folded in when packed, and where their boxes sit
-        (a subset step's executor packs the same pieces the same way)."""
-        if isinstance(executor, SendExecutor):
-            executor.merges = self._merges
-            executor.origins = [p.box.offsets for p in self._pieces]
 
     def _check_plan(self, schedule: Schedule, pieces: list[Piece]) -> None:
         """Merged-mode LoRA is computed in the network pack step: a merged piece must not be read in place by a
@@ -216,8 +217,7 @@ class RefitSender(RefitEndpoint):
         start = time.perf_counter()
         colocated = self._colocated
         try:
-            self._enter_subset(only)
-            executor = self._executor
+            _, executor = self._step_executor(only)
             assert executor is None or isinstance(executor, SendExecutor)
             if isinstance(colocated, ColocatedSender):
                 colocated.mark("start")
@@ -233,11 +233,7 @@ class RefitSender(RefitEndpoint):
             if problem is not None:
                 raise TransferError(f"train rank {self.rank}: {problem}")
             factors = self._gather_adapters()
-            if executor is not None:
-                executor.factors = factors
-            stats = executor.run(version) if executor is not None else None
-            if executor is not None:
-                executor.factors = None  # the gathered adapters live for one step
+            stats = executor.run(version, factors=factors, timeline=self.timeline) if executor is not None else None
             if isinstance(colocated, ColocatedSender):
                 colocated.wait()
             stats = combined_stats(stats, version, colocated, start)
@@ -252,8 +248,6 @@ class RefitSender(RefitEndpoint):
             if isinstance(exc, RefitError):
                 raise
             raise TransferError(f"refit step {step} failed on train rank {self.rank}: {exc}") from exc
-        finally:
-            self._leave_subset()
         log.info("refit sent version %d: %s in %.3f s (%.2f GB/s)", version, format_bytes(stats.bytes),
                  stats.seconds, stats.gbps)
         return stats

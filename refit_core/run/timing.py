@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -92,6 +94,33 @@ class SetupTimes:
 
 
 # -- step timeline (``refit bench --timeline``) ----------------------------------------------------------------------
+
+
+class SetupClock:
+    """Times one setup's phases as they run; :meth:`times` reads them back as :class:`SetupTimes`."""
+
+    PHASES = ("pieces", "metadata", "plan", "agree", "transport")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.bind_s: float | None = None
+        """The first bind's (None: not bound yet; a gen rank binds at its first step)."""
+        self.metadata_bytes = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name`` (one of :data:`PHASES`; not recorded if it raises)."""
+        began = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - began
+
+    def times(self, planner: bool) -> SetupTimes | None:
+        """The setup's times (None until every phase but the bind completed)."""
+        if any(name not in self.seconds for name in self.PHASES):
+            return None
+        seconds = self.seconds
+        return SetupTimes(seconds["pieces"], seconds["metadata"], seconds["plan"], seconds["agree"],
+                          seconds["transport"], self.bind_s, self.metadata_bytes, planner)
 
 
 class Phase(StrEnum):
@@ -331,4 +360,4 @@ def breakdown(train: StepTrace, gen: StepTrace) -> dict[str, float]:
     return out
 
 
-__all__ = ["Mark", "Phase", "SetupTimes", "Span", "StepTimeline", "StepTrace", "Timeline", "breakdown"]
+__all__ = ["Mark", "Phase", "SetupClock", "SetupTimes", "Span", "StepTimeline", "StepTrace", "Timeline", "breakdown"]

@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from refit_core.contract.side import Side
 from refit_core.contract.spec import Box
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.net.transport.gloo import GlooTransport
 from refit_core.net.transport.nccl import PAIRWISE_COMMS_PER_GPU, SMALL_OP_BYTES, NcclTransport, pairwise_comms_per_gpu
 from refit_core.net.transport.watch import StoreWatch
 from refit_core.plan.items import Transfer
 from refit_core.plan.schedule import build_schedule
-from refit_core.run.executor import ReceiveExecutor, SendExecutor
+from refit_core.run.executor import ExecutorSettings, ReceiveExecutor, SendExecutor
 
 DEADLINE_S = 30
 SHAPES = [(64, 32), (8, 32), (128, 16)]
@@ -67,10 +67,10 @@ def test_every_step_posts_one_control_exchange_first_then_data_rounds():
     sources = [torch.randn(shape) for shape in SHAPES]
     targets = [torch.zeros(shape) for shape in SHAPES]
     train, gen = (_Recorded(t) for t in _transports(dist.HashStore()))
-    common = dict(bucket_bytes=bucket, num_buffers=2, zero_copy=True, fingerprint=schedule.fingerprint,
-                  timeout_s=DEADLINE_S)
-    sender = SendExecutor(schedule.rounds_of_source(0), train.transport, 1, **common)
-    receiver = ReceiveExecutor(schedule.rounds_of_destination(0), gen.transport, 0, **common)
+    settings = ExecutorSettings(bucket_bytes=bucket, num_buffers=2, zero_copy=True, fingerprint=schedule.fingerprint,
+                                timeout_s=DEADLINE_S)
+    sender = SendExecutor(schedule.rounds_of_source(0), train.transport, 1, settings)
+    receiver = ReceiveExecutor(schedule.rounds_of_destination(0), gen.transport, 0, settings)
     sender.bind(sources)
     receiver.bind(targets)
     versions: list[int] = []

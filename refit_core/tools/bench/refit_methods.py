@@ -35,10 +35,7 @@ class Refit(Method):
         self.endpoint = endpoint
         self.schedule = endpoint.setup()
         if c.extra.get("timeline"):
-            try:
-                endpoint.executor.timeline = Timeline(c.device)  # every step: the last one is drawn
-            except RefitError:  # every pair colocated: no network executor to record
-                pass
+            endpoint.timeline = Timeline(c.device)  # every step: the last one is drawn
         transport = endpoint.transport
         summary = self.schedule.summary
         self.info.update(messages=summary.messages, segments=summary.segments, rounds=summary.rounds,
@@ -80,10 +77,7 @@ class Refit(Method):
         times = self.endpoint.setup_times
         if times is not None:
             out["setup"] = times.to_json()
-        try:
-            last = self.endpoint.executor.last_timeline
-        except RefitError:
-            last = None
+        last = self.endpoint.last_timeline  # None: every pair colocated, no network executor to record
         if last is not None:
             out["timeline"] = last.to_json()
         return out

@@ -1,0 +1,182 @@
+"""The receiving direction: land each round straight in the weights where possible, unpack the rest; forwarding."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from refit_core.contract.failures import UpdateMode
+from refit_core.net.transport import Fence, Transport
+from refit_core.plan.items import Message, Segment
+from refit_core.run.copies import StagingCopies
+from refit_core.run.executor.base import RoundRunner, StepStats
+from refit_core.run.executor.rounds import buffer_views, pack
+from refit_core.run.executor.send import SendExecutor
+from refit_core.run.timing import Phase, Timeline
+
+
+class ReceiveExecutor(RoundRunner):
+    """Runs a gen rank's rounds: receive (straight into the weights where possible), unpack the rest.
+
+    In place, a step lands straight in the destinations. Staged, it lands in a step-wide staging buffer
+    only; :meth:`commit` then writes the destinations, or :meth:`discard` drops it.
+    """
+
+    _landed: tuple[torch.Tensor, list[int]] | None = None
+    _commit_copies: StagingCopies | None = None
+    """Staged mode: every round's copies from the step-wide buffer into the destinations, planned at the
+    first commit (the buffer's layout is the same every step, its address need not be)."""
+
+    def _peer(self, m: Message) -> int:
+        return m.src
+
+    def _segments(self, m: Message) -> tuple[Segment, ...]:
+        return m.dst_segments
+
+    def run(self, version_hint: int = -1, *, touched: set[int] | None = None,
+            timeline: Timeline | None = None) -> StepStats:
+        """Receive one step. ``touched`` (the caller's, for its failure report) gathers the pieces that may
+        have been written, also when this raises (None: not gathered); ``timeline`` records the step's spans
+        (None: not recorded)."""
+        touched = set() if touched is None else touched
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        self._landed = None
+        self._begin(timeline)
+        headers, ready = self._post_headers(version_hint, "the engine's pending work")
+        if self.mode is UpdateMode.STAGED:
+            return self._run_staged(self._check_headers(headers, version_hint, deadline), version_hint, start,
+                                    deadline, ready)
+        buffers = self._buffers()
+        version = self._check_headers(headers, version_hint, deadline)
+        free: list[Fence | None] = [None] * len(buffers)
+        pending: list[Fence] = []
+        staged = 0
+        for index, plan in enumerate(self.plans):
+            touched |= plan.direct_pieces
+            if not plan.staged_bytes:  # straight into the weights: after the engine's pending work
+                pending.append(self._exchange([], plan.pairs(None), [ready], index))
+                continue
+            slot = staged % len(buffers)
+            staged += 1
+            buffer = buffers[slot]
+            previous = free[slot]
+            self._settle(previous, deadline)
+            received = self._exchange([], plan.pairs(buffer), [ready] if previous is None else [ready, previous], index)
+            self._settle(received, deadline)
+            touched |= plan.staged_pieces
+            assert plan.copies is not None
+            unpacked = self.lane.run(partial(plan.copies.run, buffer), after=[received],
+                                     mark=self._mark(Phase.UNPACK, index))
+            free[slot] = unpacked
+            pending += [received, unpacked]
+        self.headers.prepare_next(version_hint, self.step)
+        self._finish(pending, deadline)
+        self._end()
+        stats = self._stats(version, start, buffers)
+        del buffers, free, pending
+        return stats
+
+    def _run_staged(self, version: int, version_hint: int, start: float, deadline: float, ready: Fence
+                    ) -> StepStats:
+        """Every round's messages into one step-wide buffer; the destinations are not touched."""
+        offsets, total = [], 0
+        for plan in self.plans:
+            offsets.append(total)
+            total += plan.staged_bytes
+        buffer = self.lane.allocate(total, self.device)
+        pending = [self._exchange([], plan.pairs(buffer[off:off + plan.staged_bytes]), [ready], index)
+                   for index, (plan, off) in enumerate(zip(self.plans, offsets)) if plan.posts]
+        self.headers.prepare_next(version_hint, self.step)
+        self._finish(pending, deadline)
+        self._end()
+        self._landed = (buffer, offsets)
+        stats = self._stats(version, start, [])
+        stats.staging_bytes = total
+        return stats
+
+    def commit(self, touched: set[int] | None = None) -> None:
+        """Staged mode: copy the landed step into the destinations, adding them to ``touched`` first (in
+        place: nothing is left to do)."""
+        if self._landed is None:
+            return
+        buffer, offsets = self._landed
+        self._landed = None
+        if self._commit_copies is None:
+            shifted = [dataclasses.replace(seg, offset=seg.offset + off)
+                       for plan, off in zip(self.plans, offsets) for seg in plan.segments]
+            self._commit_copies = StagingCopies([view for plan in self.plans for view in plan.views],
+                                                buffer_views(buffer, shifted), into_buffer=False)
+        if touched is not None:
+            for plan in self.plans:
+                touched |= plan.staged_pieces
+        self.lane.run(partial(self._commit_copies.run, buffer)).synchronize(self.timeout_s)
+
+    def discard(self) -> None:
+        """Staged mode: drop a landed step without touching the destinations."""
+        self._landed = None
+
+
+class ForwardExecutor:
+    """Runs a gen rank's forwarding within its node (:mod:`refit_core.plan.relay`) after its own step landed.
+
+    ``rounds`` are every round of the forwarding plan, each with this rank's messages of both
+    directions (empty where it has none). Each round's sends (from this rank's destinations, which
+    hold the step) and receives (into them) are posted as one exchange, so that two ranks forwarding
+    to each other never wait on each other; rounds run one after another, staged parts packed and
+    unpacked synchronously (the forwarded regions are small beside the step).
+    """
+
+    def __init__(self, rank: int, rounds: list[list[Message]], transport: Transport, peer_offset: int,
+                 *args: Any, **kwargs: Any) -> None:
+        """``args`` and ``kwargs``: the :class:`RoundRunner` settings both directions share."""
+        self.receives = ReceiveExecutor([[m for m in msgs if m.dst == rank] for msgs in rounds], transport,
+                                        peer_offset, *args, **kwargs)
+        kwargs["steps"] = self.receives.steps  # one step count: a forwarded step is one step both ways
+        self.sends = SendExecutor([[m for m in msgs if m.src == rank] for msgs in rounds], transport, peer_offset,
+                                  *args, **kwargs)
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        self.sends.bind(views)
+        self.receives.bind(views)
+
+    def run(self, version: int, *, touched: set[int] | None = None) -> StepStats:
+        """Forward one step; both directions' headers are checked first (fingerprint, step, version).
+        ``touched`` gathers the destination pieces the forwarding may have written (also when it raises)."""
+        touched = set() if touched is None else touched
+        sends, receives = self.sends, self.receives
+        start = time.perf_counter()
+        deadline = time.monotonic() + receives.timeout_s
+        peers = sorted(set(sends.peers()) | set(receives.peers()))
+        headers, ready = receives._post_headers(version, "the engine's pending work", peers)
+        version = receives._check_headers(headers, version, deadline)
+        lane = receives.lane
+        send_buffer = lane.allocate(sends.buffer_bytes, receives.device) if sends.buffer_bytes else None
+        receive_buffer = lane.allocate(receives.buffer_bytes, receives.device) if receives.buffer_bytes else None
+        for index, (out, into) in enumerate(zip(sends.plans, receives.plans)):
+            if not out.posts and not into.posts:
+                continue
+            after = [ready]
+            if out.staged_bytes:
+                assert send_buffer is not None
+                after.append(lane.run(partial(pack, send_buffer, out), after=[ready]))
+            touched |= into.direct_pieces
+            fence = receives._exchange(out.pairs(send_buffer if out.staged_bytes else None),
+                                       into.pairs(receive_buffer if into.staged_bytes else None), after, index)
+            fence.synchronize(receives._remaining(deadline))
+            if into.staged_bytes:
+                assert receive_buffer is not None and into.copies is not None
+                touched |= into.staged_pieces
+                lane.run(partial(into.copies.run, receive_buffer), after=[fence]).synchronize(
+                    receives._remaining(deadline))
+        stats = receives._stats(version, start, [])
+        stats.bytes += sends.payload_bytes
+        stats.staging_bytes = sum(b.numel() for b in (send_buffer, receive_buffer) if b is not None)
+        return stats
+
+
+__all__ = ["ForwardExecutor", "ReceiveExecutor"]
