@@ -159,6 +159,7 @@ class MessageOptions(_Settings):
                               f"multiple of {_MESSAGE_ALIGN}")
 
 
+@_tracks_explicit
 @dataclass(frozen=True)
 class RelayOptions(_Settings):
     """Relay fanout (:mod:`refit_core.plan.relay`); both sides must agree (the plan depends on it).

@@ -104,3 +104,12 @@ def test_old_import_paths_still_import():
     from refit_core.net.transport.nccl import NcclComm, TorchNcclComm, open_comm, resolve_backend  # noqa: F401
 
     assert old_open is open_transport
+
+
+def test_every_settings_class_still_records_what_was_given_explicitly_after_the_split():
+    from refit_core.contract.options import MessageOptions, RelayOptions, StoreLimits
+
+    for settings, given in ((MessageOptions, {"zero_copy": False}), (NcclOptions, {"comms_per_link": 2}),
+                            (RelayOptions, {"replicas": 4}), (StoreLimits, {"max_keys": 8}),
+                            (RefitOptions, {"num_buffers": 2})):
+        assert settings(**given).explicit == set(given), settings
