@@ -3,9 +3,11 @@
 The plugin guide before the move let plugins import ``refit_core.spec``, ``.pieces``,
 ``.experts``, ``.boxindex``, ``.env``, ``.models``, ``.verify``, ``.launch`` and ``.demo.context``, and
 its example imported ``Quantization`` from ``refit_core.quant``.
-Those modules now live in role subpackages; the names they held are public from :mod:`refit_core` and
-:mod:`refit_core.kit`. A plugin written against that guide keeps working unchanged; a
-:class:`DeprecationWarning` names the new place.
+Those modules now live in role subpackages; the names they held import from :mod:`refit_core` and
+:mod:`refit_core.kit` (those that left the kit's ``__all__`` since warn again there, naming
+:mod:`refit_core.apps` or what replaces them). A plugin written against that guide keeps working unchanged;
+a :class:`DeprecationWarning` names the new place. Names that left a public module's ``__all__`` since
+(refit 0.3's smaller surface) keep importing from it the same way, through :func:`moved_names`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 import warnings
+from collections.abc import Callable, Mapping
 from types import ModuleType
+from typing import Any
 
 MOVED: dict[str, tuple[str, str]] = {
     # old path: (module it is now, where its public names are imported from)
@@ -66,3 +70,28 @@ def install() -> None:
     """Let the old paths import (idempotent)."""
     if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AliasFinder())
+
+
+def moved_names(public: str, moved: Mapping[str, tuple[str, str]],
+                lazy: Mapping[str, str] | None = None) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for public module ``public``: the names that left its ``__all__`` still import.
+
+    ``moved`` maps each name to (the module that holds it, ``module:attr`` where it is named otherwise there, and
+    where to take it from now); every access warns
+    with a :class:`DeprecationWarning` naming that place. ``lazy`` maps names of the module's own
+    ``__all__`` whose module is heavy (Ray, pytest) to that module: loaded on first access, without a warning.
+    """
+    lazy = lazy or {}
+
+    def __getattr__(name: str) -> Any:
+        if name in lazy:
+            return getattr(importlib.import_module(lazy[name]), name)
+        if name not in moved:
+            raise AttributeError(f"module {public!r} has no attribute {name!r}")
+        where, instead = moved[name]
+        module, _, attr = where.partition(":")
+        warnings.warn(f"{public}.{name} left the public surface: {instead} ({public}.{name} goes away in refit 0.3)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), attr or name)
+
+    return __getattr__

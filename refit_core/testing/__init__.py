@@ -17,49 +17,53 @@ equal the metadata-only ones (names, boxes, dtypes, order); destination views ne
 begin / abort / finish behave as documented; and multi-process round trips against a reference side
 land the reference state dict bit for bit, over two steps, with the plan ``refit plan`` predicts.
 
-Import every name from here (``__all__``); the submodules are internal paths.
+A transport is checked the same way: :func:`check_transport` (``refit_core.testing.transport``).
+
+Import every name from here (``__all__``); the submodules are internal paths. Names that left ``__all__`` still
+import until refit 0.3, with a :class:`DeprecationWarning` naming their new place (:data:`MOVED`).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from refit_core.testing.live import round_trip, round_trips
-from refit_core.testing.reference import (
-    REFERENCE_BACKEND,
-    ReferenceEngine,
-    ReferencePlugin,
-    ReferenceTrainer,
-    reference_weights,
-)
-from refit_core.testing.results import CheckResult, ConformanceError, Outcome, require
-from refit_core.testing.runner import check_plugin, installed_suite, model_free_suite
-from refit_core.testing.static import model_free_checks
-from refit_core.testing.suite import (
-    Conformance,
-    GenFactory,
-    ModelCase,
-    RankContext,
-    Refusal,
-    RoundTrip,
-    Side,
-    TrainFactory,
-)
+from refit_core import _compat
+from refit_core.testing.runner import check_plugin
+from refit_core.testing.suite import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, TrainFactory
 
 if TYPE_CHECKING:
     from refit_core.testing.pytest_plugin import PluginConformance
+    from refit_core.testing.transport import check_transport
 
 __all__ = [
-    "REFERENCE_BACKEND", "CheckResult", "Conformance", "ConformanceError", "GenFactory", "ModelCase", "Outcome",
-    "PluginConformance", "RankContext", "ReferenceEngine", "ReferencePlugin", "ReferenceTrainer", "Refusal",
-    "RoundTrip", "Side", "TrainFactory", "check_plugin", "installed_suite", "model_free_checks", "model_free_suite",
-    "reference_weights", "require", "round_trip", "round_trips",
+    "Conformance", "GenFactory", "ModelCase", "PluginConformance", "RankContext", "Refusal", "RoundTrip",
+    "TrainFactory", "check_plugin", "check_transport",
 ]
 
+LAZY = {"PluginConformance": "refit_core.testing.pytest_plugin", "check_transport": "refit_core.testing.transport"}
+"""Names loaded on first access: ``PluginConformance`` imports pytest, ``check_transport`` the transports."""
 
-def __getattr__(name: str) -> Any:
-    """:class:`PluginConformance`, whose module imports pytest, on first access only."""
-    if name == "PluginConformance":
-        return importlib.import_module("refit_core.testing.pytest_plugin").PluginConformance
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_RESULTS = "check_plugin raises it (an AssertionError) listing every failed check"
+_REFERENCE = "the kit runs the reference side itself (Conformance round_trips)"
+_RUNNER = "check_plugin runs the whole suite"
+MOVED: dict[str, tuple[str, str]] = {
+    # name: (module holding it, where to take it from now)
+    "Side": ("refit_core.contract.side", "import it from refit_core"),
+    "ConformanceError": ("refit_core.testing.results", _RESULTS),
+    "CheckResult": ("refit_core.testing.results", _RESULTS),
+    "Outcome": ("refit_core.testing.results", _RESULTS),
+    "require": ("refit_core.testing.results", _RESULTS),
+    "REFERENCE_BACKEND": ("refit_core.testing.reference", _REFERENCE),
+    "ReferenceEngine": ("refit_core.testing.reference", _REFERENCE),
+    "ReferencePlugin": ("refit_core.testing.reference", _REFERENCE),
+    "ReferenceTrainer": ("refit_core.testing.reference", _REFERENCE),
+    "reference_weights": ("refit_core.testing.reference", _REFERENCE),
+    "round_trip": ("refit_core.testing.live", _RUNNER),
+    "round_trips": ("refit_core.testing.live", _RUNNER),
+    "installed_suite": ("refit_core.testing.runner", _RUNNER),
+    "model_free_suite": ("refit_core.testing.runner", _RUNNER),
+    "model_free_checks": ("refit_core.testing.static", _RUNNER),
+}
+"""Names that left ``__all__`` (refit 0.3's smaller surface): where each lives, and what to use instead."""
+
+__getattr__ = _compat.moved_names(__name__, MOVED, lazy=LAZY)

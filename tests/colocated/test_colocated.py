@@ -18,7 +18,7 @@ from colocated_ranks import bench_ranks, toy_ranks
 from refit_core import RefitOptions
 from refit_core.contract.errors import OptionError, PlanError
 from refit_core.contract.options import Colocation
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.launch import free_port, spawn
 from refit_core.plan.links import Link, Placement, choose_link, pair_links
 from refit_core.run.copies import coalesce

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from refit_core.contract.options import StridedCopy
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.run.copies import CopyProgram, blocks, coalesce, pitched, widen
 
 

@@ -12,8 +12,10 @@ import torch
 from refit_toy import plugin as toy
 from refit_toy.models import CHECKPOINT, ToyEngine
 
-from refit_core import GEN, TRAIN, Backend, DestinationMap, DestinationPiece, ParallelLayout, hookimpl
-from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, Side
+from refit_core import Backend, DestinationMap, DestinationPiece, ParallelLayout, hookimpl
+from refit_core.contract.backend import GEN, TRAIN
+from refit_core import Side
+from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip
 
 MODEL = ModelCase("toy", {}, checkpoint=tuple(CHECKPOINT))
 

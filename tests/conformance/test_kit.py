@@ -11,11 +11,16 @@ import broken_plugins
 import torch
 
 from refit_core import ParallelLayout, RefitOptions, get_plugin_manager
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.models import PRESETS, reference_state_dict
 from refit_core.plan.offline import plan_from_metadata
 from refit_core.kit.verify import mismatches, reference_region
-from refit_core.testing import ModelCase, Outcome, Side, model_free_checks, reference_weights, round_trip
+from refit_core import Side
+from refit_core.testing import ModelCase
+from refit_core.testing.live import round_trip
+from refit_core.testing.reference import reference_weights
+from refit_core.testing.results import Outcome
+from refit_core.testing.static import model_free_checks
 from refit_core.testing.live import loader_differences
 from refit_core.testing.static import kit_manager
 from refit_core.testing.suite import RankContext

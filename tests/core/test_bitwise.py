@@ -8,8 +8,8 @@ import torch
 
 from tests.environments import BY_DESIGN
 from refit_core import Box, DestinationPiece, TensorSpec
-from refit_core.kit import mismatches, same_bytes
-from refit_core.testing import ReferenceEngine
+from refit_core.apps import mismatches, same_bytes
+from refit_core.testing.reference import ReferenceEngine
 
 QUIET_NAN = 0x7FC00000
 """float32's default NaN; ``QUIET_NAN + 1`` is a NaN too, with another payload."""

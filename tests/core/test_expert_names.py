@@ -10,7 +10,7 @@ from toy_ranks import TRAIN_RANKS, odd_expert_ranks
 from refit_core import Box, DestinationPiece, ExpertName, PluginError, TensorSpec, hookimpl
 from refit_core.contract.experts import ExpertNaming, default_expert_name, default_member_name
 from refit_core.contract.pieces import PieceMeta
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.contract.plugins import PluginManager
 from refit_core.kit.launch import free_port, spawn
 from refit_core.kit.verify import mismatches

@@ -12,7 +12,7 @@ from tests.environments import require
 import torch
 
 from refit_core import RefitError, TensorSpec
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.inventory import (
     TABLE_ARCHITECTURES,
     InventorySource,

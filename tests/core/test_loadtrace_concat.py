@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from refit_core import TensorSpec
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.loadplan import plan_model
 from refit_core.kit.loadtrace import trace_loads
 

@@ -8,7 +8,7 @@ import pytest
 
 from refit_core import Backend, DestinationMap, PluginError, Side, hookimpl
 from refit_core.contract.plugins import PLUGINS_ENV, PluginManager
-from refit_core.kit import DemoPrograms, same_bytes
+from refit_core.apps import DemoPrograms, same_bytes
 
 
 def refit(*args, env=None):

@@ -1,8 +1,10 @@
-"""The declared public surface: plugins import core names only from it, it all imports, the guide lists it.
+"""The declared public surface: pinned name by name, plugins import core names only from it, the guide lists it.
 
-The surface is ``__all__`` of :mod:`refit_core` (users and plugins), :mod:`refit_core.kit` (plugin
-authors' helpers) and :mod:`refit_core.testing` (the conformance kit). Every plugin in this repository
-(``plugins/*/refit_*``, the example ``refit_toy``) must stay within it; the 0.2 paths keep importing.
+The surface is ``__all__`` of :mod:`refit_core` (users and plugins), :mod:`refit_core.kit` (engine and trainer
+plugin authors' helpers), :mod:`refit_core.apps` (demo programs, ranks, reference weights, RL, Ray),
+:mod:`refit_core.testing` (the conformance kits) and :mod:`refit_core.transports` (transport authors). Every
+plugin in this repository (``plugins/*/refit_*``, the example ``refit_toy``) must stay within it; the 0.2 paths
+and the names that left a public module's ``__all__`` keep importing, with a warning naming their new place.
 """
 
 from __future__ import annotations
@@ -16,16 +18,78 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PUBLIC = ("refit_core", "refit_core.kit", "refit_core.testing")
+PUBLIC = ("refit_core", "refit_core.kit", "refit_core.apps", "refit_core.testing", "refit_core.transports")
 PLUGIN_SOURCES = sorted(init.parent for init in ROOT.glob("plugins/*/refit_*/__init__.py")) + [
     ROOT / "tests/example_plugin/refit_toy"]
 GUIDE = ROOT / "docs/writing-a-plugin.md"
+
+SURFACE = {
+    "refit_core": [
+        "Backend", "Box", "DestinationMap", "DestinationPiece", "ExpertName", "LoraFactors", "LoraMerge", "LoraMode",
+        "LoraSpec", "MergedSourcePiece", "OptionError", "ParallelLayout", "PlanError", "PluginError", "PluginManager",
+        "Quantization", "RefitError", "RefitOptions", "RefitReceiver", "RefitSender", "Side", "SourcePiece",
+        "StepFailedError", "TensorSpec", "TransferError", "adapter_tensor_names", "get_plugin_manager", "hookimpl"],
+    "refit_core.kit": [
+        "AdapterSlots", "EngineRank", "EngineRefusesError", "ModelPlan", "ModuleTensors", "PlannedPiece", "RankState",
+        "SlotBox", "SlotPlan", "Suspect", "TensorSwap", "Trace", "WorkerReport", "checkpoint_specs", "config_dtype",
+        "decoder_pieces", "engine_refusal", "gather_reports", "meta_copy", "own_rank_state", "plan_model",
+        "refuse_engine", "refuse_serving", "resume_engine", "resume_serving", "safetensors_specs", "serving_verdict",
+        "settle_serving", "trace_loads"],
+    "refit_core.apps": [
+        "DemoContext", "DemoPrograms", "DemoReport", "RayRefit", "RefitTrainActor", "Rollout", "completion_logprobs",
+        "free_port", "load_config", "mismatches", "quantized_reference", "reference_region", "reference_state_dict",
+        "reference_tensor", "same_bytes", "send_versions", "spawn", "train_demo"],
+    "refit_core.testing": [
+        "Conformance", "GenFactory", "ModelCase", "PluginConformance", "RankContext", "Refusal", "RoundTrip",
+        "TrainFactory", "check_plugin", "check_transport"],
+    "refit_core.transports": [
+        "DoneFence", "Fence", "PeerWatch", "Transport", "TransportContext", "TransportOptions", "TransportType",
+        "check_contiguous", "register_transport", "spin_until"],
+}
+"""Every public name, by module: a name joins or leaves the surface here, on purpose, with the guide."""
+
+SURFACE_CEILING = 95
+"""The most names the five public modules may hold together (141 in three modules before the split).
+
+Below this, every name is imported by a plugin of this repository or pinned by its tests (the engine-wide
+serving verdict the vLLM and SGLang plugins re-export, the example plugin's imports), or is an entry point
+of its own (the endpoints, the Ray driver, the transport registry)."""
+
+BEFORE_THE_SPLIT = {
+    "refit_core": (
+        "AdapterFactors AdapterTensorName AuthenticationError BLOCK_SCALE_SUFFIX Backend Box CastPolicy DestinationMap "
+        "DestinationPiece ExpertName FP8_DTYPES GEN LoraFactors LoraMerge LoraMode LoraSpec MergedSourcePiece "
+        "MessageMode MessageOptions NcclBackend NcclOptions OptionError ParallelLayout PlanError PluginError "
+        "PluginManager QuantScheme Quantization RefitError RefitOptions RefitReceiver RefitSender RelayOptions "
+        "RendezvousError Side SourcePiece StepFailedError StepFailure StepStats TRAIN TensorSpec TransferError "
+        "TransportKind UpdateMode adapter_tensor_names get_plugin_manager hookimpl"),
+    "refit_core.kit": (
+        "AdapterSlots BoxIndex DemoContext DemoProgram DemoPrograms DemoReport EngineRank EngineRefusesError Fill "
+        "ModelInventory ModelPlan ModuleTensors PRESETS Phase Piece PlannedPiece ProgressLog RankFailure RankState "
+        "RayRefit RefitReceiveActor RefitTrainActor Rollout SlotBox SlotPlan Suspect Target TensorSwap "
+        "TornWeightsError Trace WorkerReport Write checkpoint_specs completion_logprobs config_dtype decoder_pieces "
+        "engine_refusal first_overlap format_bytes format_duration free_port gather_reports head_dim load_config "
+        "meta_copy mismatches model_inventory num_experts own_rank_state plan_model quantized_reference read_env "
+        "reference_region reference_state_dict reference_tensor refuse_engine refuse_serving resume_engine "
+        "resume_serving safetensors_specs same_bytes send_versions serving_verdict settle_serving spawn torn_tensors "
+        "trace_loads train_demo transformers_config view_as_box"),
+    "refit_core.testing": (
+        "CheckResult Conformance ConformanceError GenFactory ModelCase Outcome PluginConformance REFERENCE_BACKEND "
+        "RankContext ReferenceEngine ReferencePlugin ReferenceTrainer Refusal RoundTrip Side TrainFactory "
+        "check_plugin installed_suite model_free_checks model_free_suite reference_weights require round_trip "
+        "round_trips"),
+}
+"""``__all__`` of the three public modules before the split, as the plugin guide documented them then."""
+
+LAZY = {"RayRefit", "RefitTrainActor"}
+"""Names that need an optional dependency (Ray) to load."""
 
 
 @dataclass(frozen=True)
@@ -84,21 +148,70 @@ def test_the_check_names_file_and_line_of_an_import_past_the_surface(tmp_path):
                       "from refit_core.kit import not_a_helper\n\ndef f():\n    import refit_core.plan.fast\n")
     found = surface_violations([source], root=tmp_path)
     assert [p.split(": ", 1)[0] for p in found] == ["plugin.py:2", "plugin.py:3", "plugin.py:6"]
-    elsewhere = "not a public module (use one of refit_core, refit_core.kit, refit_core.testing)"
+    elsewhere = ("not a public module (use one of refit_core, refit_core.kit, refit_core.apps, refit_core.testing, "
+                 "refit_core.transports)")
     assert [p.split(": ", 1)[1] for p in found] == [f"imports refit_core.contract.spec, {elsewhere}",
                                                     "imports not_a_helper from refit_core.kit, not in its __all__",
                                                     f"imports refit_core.plan.fast, {elsewhere}"]
 
 
 @pytest.mark.parametrize("module", PUBLIC)
+def test_each_public_module_exports_exactly_its_pinned_names(module):
+    names = importlib.import_module(module).__all__
+    assert len(names) == len(set(names)), f"{module}.__all__ repeats a name"
+    pinned = set(SURFACE[module])
+    assert sorted(names) == SURFACE[module], (f"{module}.__all__ changed: added {sorted(set(names) - pinned)}, "
+                                              f"removed {sorted(pinned - set(names))}")
+
+
+def test_the_whole_surface_stays_under_its_ceiling():
+    total = sum(len(names) for names in SURFACE.values())
+    before = sum(len(names.split()) for names in BEFORE_THE_SPLIT.values())
+    assert total <= SURFACE_CEILING < before, f"{total} public names: above {SURFACE_CEILING}"
+
+
+@pytest.mark.parametrize("module", PUBLIC)
 def test_every_public_name_imports(module):
     imported = importlib.import_module(module)
-    names = imported.__all__
-    assert len(names) == len(set(names)), f"{module}.__all__ repeats a name"
-    for name in names:
-        if module == "refit_core.kit" and name in imported._LAZY and importlib.util.find_spec("ray") is None:
+    for name in imported.__all__:
+        if name in LAZY and importlib.util.find_spec("ray") is None:
             continue  # the Ray driver needs the optional dependency
-        assert getattr(imported, name) is not None, f"{module}.{name}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            assert getattr(imported, name) is not None, f"{module}.{name}"
+
+
+@pytest.mark.parametrize("module", sorted(BEFORE_THE_SPLIT))
+def test_every_name_documented_before_the_split_still_imports_and_warns_where_it_moved(module):
+    imported = importlib.import_module(module)
+    for name in BEFORE_THE_SPLIT[module].split():
+        if name in LAZY | {"RefitReceiveActor"} and importlib.util.find_spec("ray") is None:
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(imported, name) is not None, f"{module}.{name}"
+        moved = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+        if name in imported.__all__:
+            assert not moved, (module, name, moved)
+        else:
+            assert moved and moved[0].startswith(f"{module}.{name} left the public surface: "), (module, name, moved)
+
+
+def test_a_name_moved_to_apps_is_the_same_object_there():
+    import refit_core.apps
+    import refit_core.kit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in set(SURFACE["refit_core.apps"]) - LAZY:
+            assert getattr(refit_core.kit, name) is getattr(refit_core.apps, name), name
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import refit_core.kit
+
+    with pytest.raises(AttributeError, match="no attribute 'not_a_helper'"):
+        refit_core.kit.not_a_helper
 
 
 def _listed(section: str) -> list[str]:

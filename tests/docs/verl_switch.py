@@ -20,7 +20,7 @@ from refit_dtensor.parallel import build_model
 from torch.distributed.fsdp import fully_shard
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.kit import free_port, load_config, same_bytes
+from refit_core.apps import free_port, load_config, same_bytes
 
 
 def main() -> None:

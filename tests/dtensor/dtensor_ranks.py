@@ -20,7 +20,7 @@ from refit_dtensor.names import named_parameters
 
 from refit_core import DestinationPiece, ParallelLayout, SourcePiece
 from refit_core.kit.models import PRESETS
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ from refit_dtensor import build_model, init_mesh, shard_model
 from refit_dtensor.lora import merged
 
 from refit_core import ParallelLayout, RefitOptions, RefitReceiver, RefitSender
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.models import PRESETS
 
 torch.set_num_threads(1)

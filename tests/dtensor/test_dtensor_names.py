@@ -10,7 +10,7 @@ from refit_dtensor.parallel import rank_coordinate
 
 from refit_core import DestinationPiece, ParallelLayout, PluginError, SourcePiece, get_plugin_manager
 from refit_core.kit.models import PRESETS, checkpoint_specs
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.plan.offline import plan_from_metadata
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral"]

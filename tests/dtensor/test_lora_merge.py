@@ -11,7 +11,7 @@ from lora_ranks import peft_model
 from tests.environments import require
 
 from refit_core import LoraFactors, LoraMerge
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.run.merge import BoxToMerge, Deltas, merged_box
 
 require("peft")

@@ -14,7 +14,7 @@ import torch
 
 from refit_core import Box, DestinationMap, DestinationPiece, SourcePiece, TensorSpec, hookimpl
 from refit_core.contract.plugins import PluginManager
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 
 TENSORS, ROWS, COLS = 16, 2048, 512  # 4 MiB a tensor, 64 MiB a step, 16 MiB a pair
 BUCKET_BYTES = 1 << 20

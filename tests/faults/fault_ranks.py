@@ -16,7 +16,7 @@ from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.verify import reference_region
 
 OLD_STEP, NEW_STEP = 0, 1  # reference weights of the good step and of the step the fault hits

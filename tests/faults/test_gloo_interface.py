@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core.contract.options import TransportKind
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.net.transport import Transport, open_transport
 from refit_core.net.transport.gloo import interface_toward
 

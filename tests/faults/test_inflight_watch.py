@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from refit_core.contract.errors import TransferError
 from refit_core.contract.side import Side
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.net.keys import gone_key
 from refit_core.net.transport.gloo import GlooTransport
 from refit_core.net.keys import TRANSPORT_FAILED

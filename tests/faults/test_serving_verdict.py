@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_core import PluginManager, RefitReceiver, StepFailure, UpdateMode
+from refit_core import PluginManager, RefitReceiver
+from refit_core.contract.failures import StepFailure, UpdateMode
 from refit_core.kit import (
     EngineRefusesError,
     RankState,
     Suspect,
-    TornWeightsError,
     WorkerReport,
     engine_refusal,
     gather_reports,
@@ -24,8 +24,8 @@ from refit_core.kit import (
     resume_serving,
     serving_verdict,
     settle_serving,
-    torn_tensors,
 )
+from refit_core.kit.guard import TornWeightsError, torn_tensors
 
 TORN = ("layer.weight",)
 

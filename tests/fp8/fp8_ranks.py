@@ -7,7 +7,7 @@ from typing import Any
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
 from refit_core.contract.plugins import PluginManager
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.models import load_config
 from refit_core.run.quant.reference import reference_quantize
 from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, register

@@ -19,7 +19,7 @@ import torch
 from batch_cases import batch_boxes, box_results
 
 from tests.environments import require
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.run.quant.batched import BoxByBox, quantize_batch
 from refit_core.run.quant.fast import Quantizer
 from refit_core.run.quant.reference import reference_quantize

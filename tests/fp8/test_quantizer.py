@@ -11,7 +11,7 @@ import torch
 from refit_core.contract.errors import PlanError
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, Quantization, QuantScheme, QuantSite, TensorSpec
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.plan.reference import plan_transfers
 from refit_core.plan.schedule import QUANTIZED_MESSAGE_SHARE, build_schedule
 from refit_core.run.quant.fast import Quantizer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.environments import BY_DESIGN
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{BY_DESIGN}needs a CUDA GPU")]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.environments import BY_DESIGN
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.contract.spec import Quantization
 from refit_core.kit.models import PRESETS
 from refit_core.run.quant.batched import Batches, quantize_batch

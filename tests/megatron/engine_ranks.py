@@ -101,7 +101,7 @@ def _plugins(config: dict[str, Any]) -> Any:
     from refit_megatron.checkpoint import hf_specs
 
     from refit_core.contract.plugins import PluginManager
-    from refit_core.testing import ReferencePlugin
+    from refit_core.testing.reference import ReferencePlugin
     from refit_core.testing.reference import REFERENCE_PLUGIN
 
     pm = PluginManager()
@@ -152,7 +152,7 @@ def _gen(rank: int, model: Model, name: str, address: str, stem: str) -> dict[st
     from refit_megatron.checkpoint import hf_specs
 
     from refit_core import RefitOptions, RefitReceiver
-    from refit_core.testing import ReferenceEngine
+    from refit_core.testing.reference import ReferenceEngine
 
     engine = ReferenceEngine(list(hf_specs(model.config).values()), rank, GEN_WORLD)
     receiver = RefitReceiver(engine, rendezvous=address, rank=rank, world_size=GEN_WORLD,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from refit_core import ParallelLayout
 from refit_core.kit.models import PRESETS
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore")

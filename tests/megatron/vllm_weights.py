@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 
 
 class LoadedWeights:

@@ -2,7 +2,8 @@
 
 import torch
 
-from refit_core import RefitOptions, RelayOptions
+from refit_core import RefitOptions
+from refit_core.contract.options import RelayOptions
 from refit_core.contract.layout import parse_backend_layout
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.plugins import get_plugin_manager

@@ -7,7 +7,8 @@ import torch
 from predictions import seconds
 from relay_ranks import relay_ranks
 
-from refit_core import OptionError, RefitOptions, RelayOptions
+from refit_core import OptionError, RefitOptions
+from refit_core.contract.options import RelayOptions
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, Quantization, TensorSpec
 from refit_core.kit.launch import free_port, spawn

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from refit_core import Box, LoraSpec, RefitOptions, RefitReceiver, RefitSender, SourcePiece, TensorSpec
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.models import PRESETS, reference_state_dict
 
 torch.set_num_threads(1)
@@ -101,7 +101,7 @@ def _peft_logits(base: dict[str, torch.Tensor], values: dict[str, torch.Tensor])
     from sglang_forward import PROMPTS
     from transformers import AutoModelForCausalLM
 
-    from refit_core import AdapterTensorName
+    from refit_core.contract.lora import AdapterTensorName
 
     with tempfile.TemporaryDirectory() as folder:
         hf_config(PRESET).save_pretrained(folder)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout
-from refit_core.kit import same_bytes
+from refit_core.apps import same_bytes
 from refit_core.kit.models import PRESETS, reference_state_dict
 
 torch.set_num_threads(1)

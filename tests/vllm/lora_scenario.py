@@ -85,7 +85,7 @@ def _slots(worker: Any, names: list[str]) -> dict[str, Any]:
     """Every LoRA slot tensor of the adapters ``names`` (refit's or vLLM's), compared slot by slot."""
     from refit_vllm.lora import lora_int_id
 
-    from refit_core.kit import same_bytes
+    from refit_core.apps import same_bytes
 
     manager = worker.model_runner.get_model().lora_manager
     ids = {name: (lora_int_id(name) if name != "reference" else REFERENCE_ID) for name in names}
@@ -107,7 +107,7 @@ def _abort_restores(worker: Any) -> dict[str, Any]:
     the slots come back byte for byte (what a failed step does)."""
     from refit_vllm.lora import AdapterTarget, lora_spec
 
-    from refit_core.kit import same_bytes
+    from refit_core.apps import same_bytes
 
     target = AdapterTarget(worker.model_runner.get_model(), lora_spec(SPEC))
     before = [v.clone() for v in target.views()]

@@ -567,7 +567,7 @@ def _read_tensors(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
 
 def _which_version(held: dict[str, torch.Tensor], cfg: dict[str, Any], steps: tuple[int, int]) -> dict[str, Any]:
     """Per tensor, which of the two steps' reference weights it holds bitwise (None: neither)."""
-    from refit_core.kit import same_bytes
+    from refit_core.apps import same_bytes
     from refit_core.kit.models import reference_state_dict
 
     refs = {step: reference_state_dict(cfg, SEED, step) for step in steps}
@@ -760,7 +760,7 @@ def _engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _reload_mismatches(worker: Any, cfg: dict[str, Any], step: int) -> list[str]:
     """The engine's weights (:func:`_engine_tensors`) that differ, bit for bit, from what vLLM's own
     reload then makes of the step's HF weights (the engine keeps the reloaded ones)."""
-    from refit_core.kit import same_bytes
+    from refit_core.apps import same_bytes
     from refit_core.kit.models import reference_state_dict
 
     model = worker.model_runner.get_model()

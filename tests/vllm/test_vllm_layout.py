@@ -16,7 +16,7 @@ require("refit_vllm")
 
 from architectures import ARCHITECTURES
 from refit_vllm.layout import destination_layout, pp_layers
-from refit_vllm.probe import view_as_box
+from refit_core.kit.loadtrace import view_as_box
 
 from refit_core import Box, ParallelLayout, PluginError, get_plugin_manager
 from refit_core.kit.models import PRESETS, checkpoint_specs

@@ -15,7 +15,8 @@ from refit_vllm.requests import InvalidRequestError, check_step, check_subset, n
 
 from refit_core import Box, Quantization, RefitError, TensorSpec
 from refit_core.contract.experts import default_expert_name
-from refit_core.kit import ModelPlan, PlannedPiece, same_bytes
+from refit_core.apps import same_bytes
+from refit_core.kit import ModelPlan, PlannedPiece
 
 CATALOG = {s.name: s for s in (
     TensorSpec("embed.weight", (8, 4), torch.bfloat16),

@@ -16,7 +16,8 @@ from refit_vllm.serving import EngineRefusesError, RankState, StepOutcome, Suspe
 from serving_ranks import gather_rank
 
 from refit_core import RefitError
-from refit_core.kit import TornWeightsError, refuse_serving, resume_serving
+from refit_core.kit import refuse_serving, resume_serving
+from refit_core.kit.guard import TornWeightsError
 from refit_core.kit.launch import free_port, spawn
 
 AGAIN = "; refit again (init_weight_transfer_engine / refit_init, then a step that lands on every rank)"

@@ -157,7 +157,7 @@ def fidelity(config: dict[str, Any]) -> dict[str, Any]:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from refit_core.kit import same_bytes
+    from refit_core.apps import same_bytes
     from refit_core.kit.launch import free_port
 
     out: dict[str, Any] = {}
@@ -235,7 +235,7 @@ def check() -> dict[str, Any]:
         WeightTransferTrainerFactory,
     )
 
-    from refit_core.kit import same_bytes
+    from refit_core.apps import same_bytes
     from refit_core.kit.launch import free_port
     from refit_core.kit.models import PRESETS
 

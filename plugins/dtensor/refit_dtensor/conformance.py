@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
+from refit_core import Side
+from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, TrainFactory
 
 from .names import named_parameters
 from .parallel import build_model, init_mesh, shard_model

@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 from refit_core import ParallelLayout, RefitOptions, RefitReceiver
-from refit_core.kit import (
+from refit_core.apps import (
     DemoContext,
     DemoReport,
-    config_dtype,
     free_port,
     mismatches,
     quantized_reference,
@@ -31,6 +30,7 @@ from refit_core.kit import (
     spawn,
     train_demo,
 )
+from refit_core.kit import config_dtype
 
 from .fp8 import to_block_fp8
 from .parallel import build_model, init_mesh, shard_model

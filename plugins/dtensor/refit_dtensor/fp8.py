@@ -14,7 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from refit_core import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization
+from refit_core import Quantization
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The float8 dtypes transformers' FP8 layers hold weights in."""
+SCALE_SUFFIX = "_scale_inv"
+"""What transformers' ``FP8Linear`` (and the checkpoints it loads) append to a weight's name for its scales."""
 
 
 def quantization_of(model: nn.Module, param_name: str, param: torch.Tensor) -> Quantization | None:
@@ -24,9 +29,9 @@ def quantization_of(model: nn.Module, param_name: str, param: torch.Tensor) -> Q
     owner, _, attr = param_name.rpartition(".")
     module = model.get_submodule(owner) if owner else model
     block = getattr(module, "block_size", None)
-    if block is None or not hasattr(module, attr + BLOCK_SCALE_SUFFIX):
+    if block is None or not hasattr(module, attr + SCALE_SUFFIX):
         return None
-    return Quantization.block_fp8(param_name + BLOCK_SCALE_SUFFIX, tuple(block), dtype=param.dtype)
+    return Quantization.block_fp8(param_name + SCALE_SUFFIX, tuple(block), dtype=param.dtype)
 
 
 def to_block_fp8(model: nn.Module, block: tuple[int, int] = (128, 128), *, keep: tuple[str, ...] = ("lm_head",)) -> int:

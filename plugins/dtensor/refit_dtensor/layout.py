@@ -18,12 +18,12 @@ from typing import Any
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 from refit_core import Box, ParallelLayout, PluginError, RefitError, TensorSpec
-from refit_core.kit import Piece, checkpoint_specs, config_dtype
+from refit_core.kit import checkpoint_specs, config_dtype
 
 from .names import Naming, Target, named_parameters, unwrap
 from .parallel import check_layout, is_tied, rank_coordinate, tp_shard_dim, tp_style
 from .placements import local_blocks
-from .shards import placements_of
+from .shards import P, placements_of
 
 
 def predicted_placements(layout: ParallelLayout, tp_dim: int | None) -> tuple[list[str], list[Placement]]:
@@ -95,7 +95,7 @@ def _meta_inventory(config_json: str) -> _Inventory:
     return _Inventory(tuple(params), specs, kinds)
 
 
-def layout_pieces(kind: type[Piece], config: dict[str, Any], layout: ParallelLayout, rank: int) -> list[Piece]:
+def layout_pieces(kind: type[P], config: dict[str, Any], layout: ParallelLayout, rank: int) -> list[P]:
     """The pieces ``rank`` of a standard DTensor layout holds, from the config alone.
 
     Parameters that differ only in name (the same tensor of every layer) are placed once per rank.
@@ -105,7 +105,7 @@ def layout_pieces(kind: type[Piece], config: dict[str, Any], layout: ParallelLay
     sizes = {"dp": layout.dp, "fsdp": layout.fsdp, "tp": layout.tp}
     inventory = _meta_inventory(json.dumps(config, sort_keys=True))
     placed: dict[int, list[tuple[int, Box]]] = {}
-    pieces: list[Piece] = []
+    pieces: list[P] = []
     for param, specs, signature in zip(inventory.params, inventory.specs, inventory.kinds):
         boxes = placed.get(signature)
         if boxes is None:

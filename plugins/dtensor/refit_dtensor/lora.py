@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,14 +37,12 @@ from refit_core import (
     SourcePiece,
     adapter_tensor_names,
 )
-from refit_core.kit import Piece
 
 from .fp8 import quantization_of
 from .names import Naming, Target, named_parameters, unwrap
 from .placements import tensor_blocks
-from .shards import param_pieces, reshard
+from .shards import P, param_pieces, reshard
 
-P = TypeVar("P", bound=Piece)
 
 BASE_LAYER = ".base_layer"
 

@@ -14,17 +14,17 @@ from typing import Any
 from torch.distributed.tensor import DTensor
 
 from refit_core import (
-    GEN,
-    TRAIN,
     Backend,
     DestinationMap,
     DestinationPiece,
     ParallelLayout,
     PluginError,
+    Side,
     SourcePiece,
     hookimpl,
 )
-from refit_core.kit import DemoPrograms, refuse_serving, resume_serving
+from refit_core.apps import DemoPrograms
+from refit_core.kit import refuse_serving, resume_serving
 
 from .layout import layout_pieces
 from .lora import inner_model, lora_pieces, peft_of
@@ -40,7 +40,7 @@ _untied: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any]]] = weakref.WeakKey
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
     register(Backend(
-        BACKEND, {TRAIN, GEN},
+        BACKEND, {Side.TRAIN, Side.GEN},
         description="PyTorch DTensor / FSDP2 / tensor-parallel transformers models (source and destination)",
     ))
 

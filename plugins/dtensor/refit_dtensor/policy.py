@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from refit_core import LoraMode, LoraSpec, ParallelLayout
-from refit_core.kit import RefitTrainActor, Rollout, completion_logprobs, reference_state_dict
+from refit_core.apps import RefitTrainActor, Rollout, completion_logprobs, reference_state_dict
 
 from .parallel import build_model, init_mesh, shard_model
 from .shards import load_hf_weights

@@ -13,14 +13,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from refit_core import Box, PluginError, Quantization, TensorSpec
-from refit_core.kit import Piece
+from refit_core import Box, DestinationPiece, PluginError, Quantization, SourcePiece, TensorSpec
 
 from .fp8 import quantization_of
 from .names import Naming, Target, named_parameters, unwrap
 from .placements import LocalBlock, tensor_blocks
 
-P = TypeVar("P", bound=Piece)
+P = TypeVar("P", SourcePiece, DestinationPiece)
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ def load_hf_weights(model: Any, state_dict: dict[str, torch.Tensor]) -> int:
     weights without gathering anything.
     """
     from refit_core import SourcePiece
-    from refit_core.kit import reference_region
+    from refit_core.apps import reference_region
 
     written = 0
     for piece in model_pieces(model, SourcePiece):

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from refit_core.kit import PRESETS
-from refit_core.testing import Conformance, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
+from refit_core import Side
+from refit_core.testing import Conformance, ModelCase, RankContext, Refusal, RoundTrip, TrainFactory
 
 from .checkpoint import hf_specs
 
@@ -39,7 +39,7 @@ MLA_CONFIG: dict[str, Any] = {
 
 
 def _preset(name: str, **overrides: Any) -> ModelCase:
-    return ModelCase(name, {**PRESETS[name], "num_hidden_layers": LAYERS, **overrides})
+    return ModelCase.preset(name, num_hidden_layers=LAYERS, **overrides)
 
 
 MOE = _preset("tiny-qwen3-moe")

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from refit_core.kit import DemoContext, DemoReport, free_port, reference_state_dict, send_versions, train_demo
+from refit_core.apps import DemoContext, DemoReport, free_port, reference_state_dict, send_versions, train_demo
 
 from .build import BuildOptions, build_gpt, destroy_parallel, init_parallel
 from .source import MegatronSource

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from refit_core import TRAIN, Backend, ParallelLayout, SourcePiece, hookimpl
-from refit_core.kit import DemoPrograms
+from refit_core import Backend, ParallelLayout, Side, SourcePiece, hookimpl
+from refit_core.apps import DemoPrograms
 
 from .layout import layout_pieces
 from .source import MegatronSource, live_pieces, model_tensors
@@ -24,7 +24,7 @@ BACKEND = "megatron"
 
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
-    register(Backend(BACKEND, frozenset({TRAIN}),
+    register(Backend(BACKEND, frozenset({Side.TRAIN}),
                      description="megatron-core GPTModel / MambaModel trainers (TP, PP, VPP, EP, expert-TP, DP)"))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from refit_core.kit import reference_region
+from refit_core.apps import reference_region
 
 from .source import MegatronSource, live_pieces
 

@@ -10,7 +10,8 @@ without SGLang installed.
 
 from __future__ import annotations
 
-from refit_core.testing import Conformance, ModelCase, Refusal, Side
+from refit_core import Side
+from refit_core.testing import Conformance, ModelCase, Refusal
 
 MODELS = tuple(ModelCase.preset(name) for name in
                ("tiny-llama", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral"))

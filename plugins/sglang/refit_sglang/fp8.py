@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from refit_core import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization, TensorSpec
+from refit_core import Quantization, TensorSpec
 from refit_core.kit import trace_loads
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The float8 dtypes SGLang holds block-FP8 weights in."""
+SCALE_SUFFIX = "_scale_inv"
+"""What SGLang's (DeepSeek-style) block-FP8 checkpoints append to a weight's name to name its block scales."""
 
 
 def holds_fp8(model: torch.nn.Module) -> bool:
@@ -44,6 +49,6 @@ def block_fp8_specs(model: torch.nn.Module, specs: list[TensorSpec]) -> list[Ten
             out.append(spec)
             continue
         dtype = trace.targets[fp8[0]].dtype
-        quant = Quantization.block_fp8(spec.name + BLOCK_SCALE_SUFFIX, block, dtype=dtype)
+        quant = Quantization.block_fp8(spec.name + SCALE_SUFFIX, block, dtype=dtype)
         out += [TensorSpec(spec.name, spec.shape, dtype, quant), quant.scale_spec(spec.shape)]
     return out

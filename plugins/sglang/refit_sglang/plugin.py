@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from refit_core import GEN, Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, hookimpl
+from refit_core import Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, Side, hookimpl
 
 from .lora import AdapterTarget
 from .state import state_of
@@ -30,7 +30,7 @@ BACKEND = "sglang"
 
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
-    register(Backend(BACKEND, {GEN}, "SGLang model classes: fused qkv/gate_up/w13/w2 written in place, "
+    register(Backend(BACKEND, {Side.GEN}, "SGLang model classes: fused qkv/gate_up/w13/w2 written in place, "
                      "driven by SGLang's weight-update session; loader path for the rest"))
 
 

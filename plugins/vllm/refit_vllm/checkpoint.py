@@ -14,8 +14,13 @@ from typing import Any
 
 import torch
 
-from refit_core import BLOCK_SCALE_SUFFIX, FP8_DTYPES, Quantization, RefitError, TensorSpec
-from refit_core.kit import safetensors_specs
+from refit_core import Quantization, RefitError, TensorSpec
+from refit_core.kit import checkpoint_specs, safetensors_specs
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The float8 dtypes a block-FP8 checkpoint holds weights in."""
+SCALE_SUFFIX = "_scale_inv"
+"""What block-FP8 (DeepSeek-style) checkpoints append to a weight's name to name its block scales."""
 
 log = logging.getLogger("refit.vllm")
 
@@ -57,7 +62,7 @@ def block_fp8_specs(specs: list[TensorSpec], quant_config: dict[str, Any] | None
     names = {s.name for s in specs}
     out = []
     for spec in specs:
-        scale = spec.name + BLOCK_SCALE_SUFFIX
+        scale = spec.name + SCALE_SUFFIX
         if spec.dtype in FP8_DTYPES and scale in names and len(spec.shape) == 2:
             quant = Quantization.block_fp8(scale, tuple(block), dtype=spec.dtype)
             spec = TensorSpec(spec.name, spec.shape, spec.dtype, quant)
@@ -77,8 +82,6 @@ def engine_checkpoint_specs(model_config: Any) -> list[TensorSpec]:
     if os.path.isdir(model):
         specs = safetensors_specs(model)
     if specs is None:
-        from refit_core.kit import checkpoint_specs
-
         try:
             specs = checkpoint_specs(config, grouped=False)
         except RefitError as exc:

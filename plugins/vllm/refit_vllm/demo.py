@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from refit_core import PluginError
-from refit_core.kit import DemoContext, DemoReport
+from refit_core.apps import DemoContext, DemoReport
 
 NEW_TOKENS = 16
 INITIAL_STEP = -1  # the engine's starting weights: a step the trainer never sends

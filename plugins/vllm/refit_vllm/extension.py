@@ -14,8 +14,11 @@ from typing import Any
 
 from refit_core import LoraSpec, RefitError, RefitOptions, RefitReceiver
 
-from .lora import AdapterTarget, lora_spec
-from .state import attach, ensure_attached, state_of
+from .checkpoint import step_catalog
+from .lora import AdapterTarget, adapter_versions, lora_spec
+from .refusal import refuse_before_setup
+from .serving import own_state, refused
+from .state import attach, ensure_attached, state_of, worker_rank
 
 EXTENSION = "refit_vllm.extension.RefitWorkerExtension"
 
@@ -34,8 +37,6 @@ class RefitWorkerExtension:
         """Join the refit at ``rendezvous`` as gen rank ``rank_offset`` + this worker's rank; returns it.
         ``lora``: adapter mode (:mod:`refit_vllm.lora`): the session moves this adapter into the engine's
         LoRA slots (registered once per name); None: the model's weights."""
-        from .transfer import worker_rank
-
         self.refit_close()
         try:
             rank, workers = worker_rank(self.vllm_config.parallel_config)
@@ -45,8 +46,6 @@ class RefitWorkerExtension:
             receiver = RefitReceiver(target, rendezvous=rendezvous, rank=rank_offset + rank,
                                      world_size=world_size or workers, options=RefitOptions(**(options or {})))
         except Exception as exc:  # before setup: the trainers would only see their deadline pass
-            from .refusal import refuse_before_setup
-
             refuse_before_setup(exc, self.vllm_config.parallel_config, rendezvous, world_size, rank_offset, options)
             raise
         receiver.setup()
@@ -58,7 +57,7 @@ class RefitWorkerExtension:
         the version this worker holds. ``only``: the HF tensors of a subset step (the trainers'
         ``send(only=...)``; None: all). A failed step, or an engine that refuses to serve after it, is
         raised by the last worker only (:class:`refit_vllm.serving.StepOutcome`)."""
-        from .transfer import receive_step, refuse_step, step_subset
+        from .worker_transfer import receive_step, refuse_step, step_subset  # imports vLLM: in the worker only
 
         receiver = getattr(self, "_refit_receiver", None)
         if receiver is None:
@@ -66,8 +65,6 @@ class RefitWorkerExtension:
         model = self._refit_model()
         names = None
         if only is not None:
-            from .checkpoint import step_catalog
-
             try:
                 names = step_subset(model, step_catalog(self.vllm_config.model_config), None, only)
             except Exception as exc:  # the trainers are in the step already: fail it on every rank
@@ -83,17 +80,12 @@ class RefitWorkerExtension:
 
     def refit_adapter_versions(self) -> dict[str, int | None]:
         """Each refit adapter in this worker's LoRA slots and the version it holds (:mod:`refit_vllm.lora`)."""
-        from .lora import adapter_versions
-
         return adapter_versions(self._refit_model())
 
     def refit_rank_state(self) -> tuple[int, int | None, int]:
         """This worker's (gen rank, weight version it holds, why it needs a refit: 0 when it does not,
         else a :class:`refit_vllm.serving.Suspect`), either route; see
         :class:`refit_vllm.serving.RankState` (the rank is the worker's index before any session)."""
-        from .serving import own_state
-        from .transfer import worker_rank
-
         model = self._refit_model()
         engine = getattr(self, "weight_transfer_engine", None)
         receiver = getattr(self, "_refit_receiver", None) or getattr(engine, "receiver", None)
@@ -103,8 +95,6 @@ class RefitWorkerExtension:
 
     def refit_refusal(self) -> str | None:
         """Why this worker's model refuses to serve (:mod:`refit_vllm.serving`), or None when it serves."""
-        from .serving import refused
-
         return refused(self._refit_model())
 
     def refit_destination_metas(self) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]]:

@@ -40,16 +40,11 @@ from typing import Any
 
 import torch
 
-from refit_core import (
-    AdapterTensorName,
-    LoraMode,
-    LoraSpec,
-    OptionError,
-    PlanError,
-    TensorSpec,
-    adapter_tensor_names,
-)
-from refit_core.kit import AdapterSlots, SlotBox, SlotPlan, Target, TensorSwap, Trace, meta_copy, trace_loads
+from refit_core import LoraMode, LoraSpec, OptionError, PlanError, TensorSpec, adapter_tensor_names
+from refit_core.kit import AdapterSlots, SlotBox, SlotPlan, TensorSwap, Trace, meta_copy, trace_loads
+
+from .checkpoint import engine_checkpoint_specs
+from .state import state_of
 
 log = logging.getLogger("refit.vllm")
 
@@ -108,8 +103,6 @@ class AdapterTarget(AdapterSlots):
     def begin(self) -> None:
         """Before any byte lands: fail with the error the engine refused this step with (as for the
         weights, :func:`refit_vllm.state.refuse_next_step`), else save the slot bytes the step overwrites."""
-        from .state import state_of
-
         state = state_of(self.model)
         if state is not None and state.refusal is not None:
             error, state.refusal = state.refusal, None
@@ -223,8 +216,6 @@ def adapter_versions(model: torch.nn.Module) -> dict[str, int | None]:
 def adapter_specs(model: torch.nn.Module, spec: LoraSpec) -> tuple[TensorSpec, ...]:
     """The adapter tensors (A ``[r, in]``, B ``[out, r]`` of every HF module ``spec`` targets) in the
     dtype of the engine's slots; :class:`~refit_core.PlanError` naming what the engine cannot hold."""
-    from .checkpoint import engine_checkpoint_specs
-
     manager = _manager(model)
     config = manager.lora_config
     if spec.rank > config.max_lora_rank:
@@ -253,8 +244,6 @@ def adapter_specs(model: torch.nn.Module, spec: LoraSpec) -> tuple[TensorSpec, .
 
 
 def _model_config(model: torch.nn.Module) -> Any:
-    from .state import state_of
-
     state = state_of(model)
     if state is None:
         raise PlanError("refit adapter mode: no vLLM engine config for this model (attach it first)")
@@ -395,11 +384,11 @@ def plan_slots(manager: Any, specs: tuple[TensorSpec, ...], slot: int) -> SlotPl
     adapted = _adapted_modules(manager)
     calls: dict[str, list[str | None]] = {}
     for s in specs:
-        parsed = AdapterTensorName.read(s.name)
-        assert parsed is not None
-        layer, index = adapted[parsed.module]
+        module = s.name.rsplit(".", 2)[0]  # an adapter tensor is "<module>.lora_A.weight" or "...lora_B.weight"
+        assert s.name in adapter_tensor_names(module)
+        layer, index = adapted[module]
         subs = manager.packed_modules.get(layer)
-        calls.setdefault(layer, [None] * (1 if subs is None else len(subs)))[index or 0] = parsed.module
+        calls.setdefault(layer, [None] * (1 if subs is None else len(subs)))[index or 0] = module
     layers = {name: manager.modules[name] for name in calls}
     trace = trace_loads(_SetLora(manager, calls, slot), list(specs),  # type: ignore[arg-type]
                         swap=lambda _: _SlotSwap(manager.model, layers))
@@ -422,13 +411,13 @@ def _slot_plan(trace: Trace, specs: tuple[TensorSpec, ...], slot: int) -> SlotPl
     if unwritten:
         raise PlanError(f"refit adapter mode: vLLM's LoRA layers hold nothing of {unwritten[0]} "
                         f"({len(unwritten)} adapter tensor(s) not placed)")
-    _check_targets(trace.targets)
+    _check_targets(trace)
     return SlotPlan(slot, specs, tuple(pieces))
 
 
-def _check_targets(targets: dict[tuple[str, str], Target]) -> None:
+def _check_targets(trace: Trace) -> None:
     """Slot tensors must be dense (their views are built from traced offsets and strides)."""
-    for (layer, name), t in targets.items():
+    for (layer, name), t in trace.targets.items():
         if t.stride != tuple(torch.empty(t.shape, device="meta").stride()):
             raise PlanError(f"refit adapter mode: {layer}.{name} is not a dense tensor")
 

@@ -12,17 +12,32 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from refit_core import (GEN, Backend, DestinationMap, DestinationPiece, LoraSpec, ParallelLayout, RefitError,
-                        SourcePiece, hookimpl)
-from refit_core.kit import DemoPrograms, read_env, refuse_serving, resume_serving
+from refit_core import (
+    Backend,
+    DestinationMap,
+    DestinationPiece,
+    LoraSpec,
+    ParallelLayout,
+    RefitError,
+    Side,
+    SourcePiece,
+    hookimpl,
+)
+from refit_core.apps import DemoPrograms
+from refit_core.kit import refuse_serving, resume_serving
 
+from . import reload
+from .destinations import ModelPlan, model_plan
+from .held import HeldWeights
+from .layout import destination_layout
 from .lora import AdapterTarget
-from .state import MODE_ENV, ModelState, engine_context, model_device, state_of
+from .lora_layout import adapter_destination_layout
+from .probe import quiet_loads
+from .reload import live_tensor
+from .state import engine_context, model_device, state_of
 
 if TYPE_CHECKING:
-    from refit_core.kit import DemoContext, DemoReport
-
-    from .destinations import ModelPlan
+    from refit_core.apps import DemoContext, DemoReport
 
 log = logging.getLogger("refit.vllm")
 
@@ -35,7 +50,7 @@ def _demo_gen(ctx: DemoContext) -> DemoReport:
 
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
-    register(Backend("vllm", {GEN}, "a running vLLM engine: fused qkv/gate_up/w13 written in place, "
+    register(Backend("vllm", {Side.GEN}, "a running vLLM engine: fused qkv/gate_up/w13 written in place, "
                      "vLLM's layerwise reload, loader path for the rest"))
 
 
@@ -44,42 +59,12 @@ def refit_register_demos(register: Callable[[DemoPrograms], None]) -> None:
     register(DemoPrograms("vllm", gen=_demo_gen, priority=20, rl_gen_actor="refit_vllm.ray:VLLMEngineActor"))
 
 
-def model_plan(model: torch.nn.Module, state: ModelState) -> ModelPlan:
-    """The destination plan of ``model`` (traced once per session); ``state.mode`` is set with it."""
-    if state.plan is None:
-        from refit_core import get_plugin_manager
-
-        from .checkpoint import engine_checkpoint_specs
-        from .destinations import plan_model
-        from .reload import direct_capable
-
-        with engine_context(state):
-            specs = engine_checkpoint_specs(state.model_config)
-            plan = plan_model(model, specs, namer=get_plugin_manager().expert_name,
-                              loader_patterns=state.loader_patterns)
-        mode = read_env(MODE_ENV) or "auto"
-        if mode not in ("auto", "reload", "direct"):
-            raise RefitError(f"{MODE_ENV}={mode!r}: use auto, reload or direct")
-        capable = direct_capable(model, plan)
-        if mode == "direct" and not capable:
-            raise RefitError(f"{MODE_ENV}=direct, but this model needs vLLM's post-load processing "
-                             "(CPU, quantized or re-laid-out layers, or a loader path)")
-        state.mode = "direct" if capable and mode != "reload" else "reload"
-        state.plan = plan
-        log.info("refit: vLLM destination plan (%s mode): %s", state.mode, plan.summary())
-        for module, why in sorted(plan.loader_reasons.items()):
-            log.info("refit: loader path for %s (%s)", module, why)
-    return state.plan
-
-
 def _views(model: torch.nn.Module, plan: ModelPlan, live: bool) -> list[torch.Tensor]:
     """Views of engine memory for every piece; zero-size placeholders when memory is not there yet.
 
     Outside an update in reload mode the checkpoint-format tensors do not exist (vLLM keeps only its
     kernel format); the placeholders carry shape, dtype and device, and cannot be written to.
     """
-    from .reload import live_tensor
-
     if not live:
         device = model_device(model)
         return [torch.empty((), dtype=p.spec.dtype, device=device).expand(p.box.sizes) for p in plan.pieces]
@@ -113,8 +98,6 @@ def refit_destination_map(model: Any) -> DestinationMap | None:
 @hookimpl
 def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
     """A one-rank ``WeightSource``'s held full tensors (:mod:`.held`)."""
-    from .held import HeldWeights
-
     return model.pieces() if isinstance(model, HeldWeights) else None
 
 
@@ -134,8 +117,6 @@ def refit_begin_update(model: Any) -> bool | None:
         return False
     if state.updating:
         raise RefitError("refit_begin_update called twice without refit_finish_update")
-    from . import reload
-
     with engine_context(state):
         reload.begin(model, plan)
     state.updating = True
@@ -149,9 +130,7 @@ def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> b
         return None
     if not state.updating:
         raise RefitError("the vLLM loader path needs refit_begin_update first")
-    from .probe import _quiet_loads
-
-    with engine_context(state), _quiet_loads(), torch.no_grad():
+    with engine_context(state), quiet_loads(), torch.no_grad():
         model.load_weights(iter(weights))
     return True
 
@@ -165,8 +144,6 @@ def refit_finish_update(model: Any, version: int) -> bool | None:
     if state is None:
         return None
     if state.updating:
-        from . import reload
-
         with engine_context(state):
             reload.finish(model, state.plan, state.model_config, subset=state.subset)
         state.updating = False
@@ -192,8 +169,6 @@ def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
     state.subset = None
     unrestorable = list(torn)
     if state.updating:
-        from . import reload
-
         with engine_context(state):
             reload.abort(model)
         state.updating = False
@@ -209,8 +184,6 @@ def refit_destination_layout(backend: str, config: dict[str, Any], layout: Paral
                              rank: int) -> DestinationMap | None:
     if backend != "vllm":
         return None
-    from .layout import destination_layout
-
     return destination_layout(config, layout, rank)
 
 
@@ -220,6 +193,4 @@ def refit_adapter_destination_layout(backend: str, config: dict[str, Any], layou
     """vLLM's LoRA slots (``enable_lora``) as adapter mode writes them: :mod:`refit_vllm.lora_layout`."""
     if backend != "vllm":
         return None
-    from .lora_layout import adapter_destination_layout
-
     return adapter_destination_layout(config, lora, layout, rank)

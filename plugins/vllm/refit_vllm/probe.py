@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import torch
 
 from refit_core import TensorSpec
-from refit_core.kit import Fill, Target, TensorSwap, Trace, Write, meta_copy, view_as_box
+from refit_core.kit import TensorSwap, Trace, meta_copy
 from refit_core.kit import trace_loads as _trace_with
 
 log = logging.getLogger("refit.vllm")
 
-__all__ = ["Fill", "Target", "Trace", "Write", "trace_loads", "view_as_box"]
+__all__ = ["Trace", "quiet_loads", "trace_loads"]
 
 
 class _Swap(TensorSwap):
@@ -72,7 +72,7 @@ def _unwrap_loader(meta: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_loads() -> Iterator[None]:
+def quiet_loads() -> Iterator[None]:
     """vLLM's MTP completeness check (and its logging) has no business in a trace."""
     try:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
@@ -85,4 +85,4 @@ def _quiet_loads() -> Iterator[None]:
 
 def trace_loads(model: torch.nn.Module, specs: list[TensorSpec]) -> Trace:
     """Run ``model.load_weights`` on meta versions of ``specs`` and record where every byte lands."""
-    return _trace_with(model, specs, swap=_Swap, quiet=_quiet_loads)
+    return _trace_with(model, specs, swap=_Swap, quiet=quiet_loads)

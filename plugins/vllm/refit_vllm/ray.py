@@ -23,7 +23,7 @@ import tempfile
 from typing import Any
 
 from refit_core import LoraSpec, PlanError, RefitOptions
-from refit_core.kit import Rollout
+from refit_core.apps import Rollout
 
 from .demo import engine_env, engine_kwargs
 from .extension import EXTENSION

@@ -20,10 +20,15 @@ DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = ((1, 2, 3, 4, 5), (17, 99, 3), (4
 
 
 def hf_config(config: Mapping[str, Any]) -> Any:
-    """A transformers config object from a ``config.json``-style dict."""
-    from refit_core.kit import transformers_config
+    """A transformers config object from a ``config.json``-style dict (which must name its ``model_type``)."""
+    import transformers
 
-    return transformers_config(dict(config))
+    values = dict(config)
+    architectures = values.pop("architectures", None)
+    hf = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    if architectures:
+        hf.architectures = list(architectures)
+    return hf
 
 
 def write_model_dir(config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
@@ -65,6 +70,6 @@ def reference_dir(config: Mapping[str, Any], seed: int, step: int, path: str | o
                   specs: Sequence[TensorSpec] | None = None) -> Path:
     """A model directory holding ``refit_core.kit.models.reference_state_dict`` at ``step``: of ``specs``
     (a model's inventory) when given, else of the config's inventory."""
-    from refit_core.kit import reference_state_dict
+    from refit_core.apps import reference_state_dict
 
     return write_model_dir(config, reference_state_dict(dict(config) if specs is None else specs, seed, step), path)

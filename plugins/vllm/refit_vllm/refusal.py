@@ -14,6 +14,8 @@ from typing import Any
 
 from refit_core import PluginManager, RefitError, RefitOptions, RefitReceiver, hookimpl
 
+from .state import worker_rank
+
 log = logging.getLogger("refit.vllm")
 
 PUBLISH_S = 5.0
@@ -71,8 +73,6 @@ def refuse_before_setup(error: Exception, parallel_config: Any, rendezvous: str,
                         rank_offset: Any, options: Any) -> None:
     """Publish ``error`` to the refit at ``rendezvous`` as the gen rank of this worker (of
     ``parallel_config``), from init info that may itself be malformed (wrong types are ignored)."""
-    from .transfer import worker_rank
-
     try:
         rank, workers = worker_rank(parallel_config)
     except RefitError:  # a config refit cannot read (what may be refused): speak as the first gen rank

@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from refit_core import RefitError
-
-from .destinations import ModelPlan
+from refit_core.kit import ModelPlan
 
 log = logging.getLogger("refit.vllm")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -13,9 +14,10 @@ from typing import Any
 import torch
 
 from refit_core import RefitError
-from refit_core.kit import read_env
 
-from .destinations import ModelPlan
+from refit_core.kit import ModelPlan
+
+from .checkpoint import UnplannableConfigError
 
 log = logging.getLogger("refit.vllm")
 
@@ -25,6 +27,12 @@ no loader path), else drive vLLM's layerwise reload; ``reload`` or ``direct`` fo
 
 LOADER_ENV = "REFIT_VLLM_LOADER"
 """Comma-separated regular expressions of HF names forced onto the loader path (debugging)."""
+
+
+def read_setting(variable: str) -> str | None:
+    """The value of this plugin's variable ``variable`` (:data:`MODE_ENV`, :data:`LOADER_ENV`), or None when
+    unset: the plugin's one environment reader."""
+    return os.environ.get(variable)
 
 
 @dataclass
@@ -64,7 +72,7 @@ def is_vllm_model(model: Any) -> bool:
 def attach(model: torch.nn.Module, vllm_config: Any, *, loader: Sequence[str] = ()) -> ModelState:
     """Register ``model`` (the worker's model) with its engine config; returns its fresh state (a new
     plan; the weight version it holds carries over)."""
-    patterns = tuple(loader) + tuple(p for p in (read_env(LOADER_ENV) or "").split(",") if p)
+    patterns = tuple(loader) + tuple(p for p in (read_setting(LOADER_ENV) or "").split(",") if p)
     previous = _STATES.get(model)
     state = ModelState(vllm_config, patterns, version=None if previous is None else previous.version)
     _STATES[model] = state
@@ -118,3 +126,18 @@ def model_device(model: torch.nn.Module) -> torch.device:
         if not tensor.is_meta:
             return tensor.device
     return torch.device("cpu")
+
+
+PARALLEL_FIELDS = ("world_size", "rank", "data_parallel_index", "data_parallel_size")
+
+
+def worker_rank(parallel_config: Any) -> tuple[int, int]:
+    """(this worker's rank among the engine's workers, the engine's worker count), DP included;
+    :class:`UnplannableConfigError` if a field it needs is not an int (a mocked config)."""
+    values: dict[str, Any] = {f: getattr(parallel_config, f, None) for f in PARALLEL_FIELDS}
+    wrong = [f"parallel_config.{f} is {type(v).__name__}" for f, v in values.items() if type(v) is not int]
+    if wrong:
+        raise UnplannableConfigError(f"refit cannot plan from this vLLM parallel config: {', '.join(wrong)}, "
+                                     "not an int (refit places each worker by its rank among the engine's workers)")
+    per_replica, rank, replica, replicas = (values[f] for f in PARALLEL_FIELDS)
+    return replica * per_replica + rank, per_replica * replicas

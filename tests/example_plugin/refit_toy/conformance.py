@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from refit_core.kit import mismatches, same_bytes
-from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, Side, TrainFactory
+from refit_core import Side
+from refit_core.apps import mismatches, same_bytes
+from refit_core.testing import Conformance, GenFactory, ModelCase, RankContext, Refusal, RoundTrip, TrainFactory
 
 from .models import CHECKPOINT, ODD_CHECKPOINT, ODD_GROUPED_EXPERTS, ToyEngine, ToyTrainer, odd_member_name
 from .plugin import refit_destination_map

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from refit_core import RefitOptions, RefitReceiver
-from refit_core.kit import DemoContext, DemoReport, mismatches, reference_tensor, send_versions, spawn, train_demo
+from refit_core.apps import DemoContext, DemoReport, mismatches, reference_tensor, send_versions, spawn, train_demo
 
 from .models import CHECKPOINT, EXPERTS, ODD_GROUPED_EXPERTS, ToyEngine, ToyTrainer, odd_member_name
 

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 
 from refit_core import (
-    GEN,
-    TRAIN,
     Backend,
     Box,
     DestinationMap,
@@ -17,11 +15,12 @@ from refit_core import (
     ExpertName,
     ParallelLayout,
     PluginError,
+    Side,
     SourcePiece,
     TensorSpec,
     hookimpl,
 )
-from refit_core.kit import DemoPrograms
+from refit_core.apps import DemoPrograms
 
 from .models import (
     EXPERTS,
@@ -40,7 +39,7 @@ from .models import (
 
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
-    register(Backend("toy", {TRAIN, GEN}, "example third-party plugin (toy sharded models)"))
+    register(Backend("toy", {Side.TRAIN, Side.GEN}, "example third-party plugin (toy sharded models)"))
 
 
 @hookimpl
