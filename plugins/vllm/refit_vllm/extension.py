@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refit_core import LoraSpec, RefitError, RefitOptions, RefitReceiver
+from refit_core import LoraSpec, RefitError, RefitOptions, RefitReceiver, get_plugin_manager
 
 from .checkpoint import step_catalog
 from .lora import AdapterTarget, adapter_versions, lora_spec
@@ -99,8 +99,6 @@ class RefitWorkerExtension:
 
     def refit_destination_metas(self) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]]:
         """This worker's destination map as plain data: (name, shape, dtype, box offsets, box sizes)."""
-        from refit_core import get_plugin_manager
-
         model = self._refit_model()
         mapping = get_plugin_manager().destination_map(model)
         rows = [(p.spec.name, p.spec.shape, str(p.spec.dtype), p.box.offsets, p.box.sizes) for p in mapping.pieces]

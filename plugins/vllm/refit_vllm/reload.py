@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 
-from refit_core import RefitError
+from refit_core import RefitError, get_plugin_manager
 from refit_core.kit import ModelPlan
+
+from .requests import plan_names
 
 log = logging.getLogger("refit.vllm")
 
@@ -197,10 +199,6 @@ def _reprocess_tied(model: torch.nn.Module, plan: ModelPlan) -> None:
 
 def _written_modules(plan: ModelPlan, subset: Collection[str]) -> set[str]:
     """The fast-path modules a subset step writes (a grouped piece is written if its group is named)."""
-    from refit_core import get_plugin_manager
-
-    from .requests import plan_names
-
     wanted = plan_names(subset, get_plugin_manager().expert_name)
     return {piece.target[0] for piece in plan.pieces if piece.spec.name in wanted}
 

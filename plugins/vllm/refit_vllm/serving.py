@@ -37,6 +37,8 @@ from refit_core.kit import (
     settle_serving,
 )
 
+from .state import state_of
+
 if TYPE_CHECKING:
     from refit_core import RefitReceiver
 
@@ -97,8 +99,6 @@ class StepOutcome:
 def after_step(receiver: RefitReceiver, model: torch.nn.Module, *, failed: bool) -> StepOutcome:
     """Every worker, right after a step (``failed``: this worker's failed): agree with the others
     whether the engine may serve, refuse or resume on this worker, and say who reports."""
-    from .state import state_of
-
     state = state_of(model)
     mine = own_state(receiver, model, receiver.rank, None if state is None else state.version)
     reports, index = gather(WorkerReport(mine, failed))

@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from refit_core import RefitError, RefitOptions, RefitReceiver, TensorSpec, get_plugin_manager
 
-from .checkpoint import plannable
+from .checkpoint import plannable, step_catalog
 from .destinations import model_plan
 from .lora import AdapterTarget, lora_spec
 from .refusal import refuse_before_setup
@@ -177,8 +177,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWeightTransferInitInfo
         assert self.receiver is not None
         target = self.receiver.model
         if self.catalog is None:
-            from .checkpoint import step_catalog
-
             self.catalog = target.catalog() if isinstance(target, AdapterTarget) else step_catalog(self.model_config)
         if isinstance(target, AdapterTarget):
             if step_names(update_info.tensors, update_info.only, self.catalog) is not None:
