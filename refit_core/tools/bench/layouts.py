@@ -44,6 +44,7 @@ from refit_core.contract.spec import BLOCK_SCALE_SUFFIX, Box, Quantization, Tens
 from refit_core.kit.models import checkpoint_specs, config_dtype, head_dim, num_experts
 from refit_core.kit.verify import same_bytes
 from refit_core.run.quant.fast import Quantizer
+from refit_core.tools.bench.decoder_params import MEGATRON_PARAMS, VLLM_PARAMS, DecoderParams
 
 Quantize = Callable[[torch.Tensor, Quantization], tuple[torch.Tensor, torch.Tensor]]
 QUANTIZED_SUFFIXES = ("_proj.weight",)
@@ -80,6 +81,7 @@ class _FlatModel:
     """Parameters (one allocation each) and the HF pieces they hold."""
 
     side = ""
+    param_names: DecoderParams
 
     def __init__(self, config: dict[str, Any], *, tp: int, rank: int, device: torch.device | str,
                  fp8_block: tuple[int, int] | None = None) -> None:
@@ -104,6 +106,29 @@ class _FlatModel:
         self.params[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _declare(self) -> None:
+        """Every parameter, in the layout's order, named by :attr:`param_names`."""
+        d, t, n = self.dims, self.tp, self.param_names
+        H, hd = d["H"], d["hd"]
+        self._param(n.embedding, d["V"] // t, H)
+        for layer in range(d["L"]):
+            p = n.layer.format(layer)
+            self._param(f"{p}.{n.in_norm}", H)
+            self._param(f"{p}.{n.qkv}", (d["nq"] + 2 * d["nkv"]) * hd // t, H)
+            if d["qk_norm"]:
+                self._param(f"{p}.{n.q_norm}", hd)
+                self._param(f"{p}.{n.k_norm}", hd)
+            self._param(f"{p}.{n.o}", H, d["nq"] * hd // t)
+            self._param(f"{p}.{n.post_norm}", H)
+            if d["E"]:
+                self._param(f"{p}.{n.router}", d["E"], H)
+                self._declare_experts(p)
+            else:
+                self._param(f"{p}.{n.gate_up}", 2 * d["I"] // t, H)
+                self._param(f"{p}.{n.down}", H, d["I"] // t)
+        self._param(n.final_norm, H)
+        self._param(n.output, d["V"] // t, H)
+
+    def _declare_experts(self, p: str) -> None:
         raise NotImplementedError
 
     def _pieces(self) -> None:
@@ -217,28 +242,7 @@ class MegatronStyleModel(_FlatModel):
     """Train side: Megatron-core's fused layouts (TP ``tp``, rank ``rank``; experts all local)."""
 
     side = TRAIN
-
-    def _declare(self) -> None:
-        d, t = self.dims, self.tp
-        H, hd = d["H"], d["hd"]
-        self._param("embedding.word_embeddings.weight", d["V"] // t, H)
-        for layer in range(d["L"]):
-            p = f"decoder.layers.{layer}"
-            self._param(f"{p}.self_attention.linear_qkv.layer_norm_weight", H)
-            self._param(f"{p}.self_attention.linear_qkv.weight", (d["nq"] + 2 * d["nkv"]) * hd // t, H)
-            if d["qk_norm"]:
-                self._param(f"{p}.self_attention.q_layernorm.weight", hd)
-                self._param(f"{p}.self_attention.k_layernorm.weight", hd)
-            self._param(f"{p}.self_attention.linear_proj.weight", H, d["nq"] * hd // t)
-            self._param(f"{p}.mlp.linear_fc1.layer_norm_weight", H)
-            if d["E"]:
-                self._param(f"{p}.mlp.router.weight", d["E"], H)
-                self._declare_experts(p)
-            else:
-                self._param(f"{p}.mlp.linear_fc1.weight", 2 * d["I"] // t, H)
-                self._param(f"{p}.mlp.linear_fc2.weight", H, d["I"] // t)
-        self._param("decoder.final_layernorm.weight", H)
-        self._param("output_layer.weight", d["V"] // t, H)
+    param_names = MEGATRON_PARAMS
 
     def _pieces(self) -> None:
         d, t, r, P = self.dims, self.tp, self.rank, self.params
@@ -319,29 +323,12 @@ class VllmStyleModel(_FlatModel):
     """Gen side: vLLM's fused layouts (TP ``tp``, rank ``rank``)."""
 
     side = GEN
+    param_names = VLLM_PARAMS
 
-    def _declare(self) -> None:
-        d, t = self.dims, self.tp
-        H, hd = d["H"], d["hd"]
-        self._param("model.embed_tokens.weight", d["V"] // t, H)
-        for layer in range(d["L"]):
-            p = f"model.layers.{layer}"
-            self._param(f"{p}.input_layernorm.weight", H)
-            self._param(f"{p}.self_attn.qkv_proj.weight", (d["nq"] + 2 * d["nkv"]) * hd // t, H)
-            if d["qk_norm"]:
-                self._param(f"{p}.self_attn.q_norm.weight", hd)
-                self._param(f"{p}.self_attn.k_norm.weight", hd)
-            self._param(f"{p}.self_attn.o_proj.weight", H, d["nq"] * hd // t)
-            self._param(f"{p}.post_attention_layernorm.weight", H)
-            if d["E"]:
-                self._param(f"{p}.mlp.gate.weight", d["E"], H)
-                self._param(f"{p}.mlp.experts.w13_weight", d["E"], 2 * d["I"] // t, H)
-                self._param(f"{p}.mlp.experts.w2_weight", d["E"], H, d["I"] // t)
-            else:
-                self._param(f"{p}.mlp.gate_up_proj.weight", 2 * d["I"] // t, H)
-                self._param(f"{p}.mlp.down_proj.weight", H, d["I"] // t)
-        self._param("model.norm.weight", H)
-        self._param("lm_head.weight", d["V"] // t, H)
+    def _declare_experts(self, p: str) -> None:
+        d = self.dims
+        self._param(f"{p}.mlp.experts.w13_weight", d["E"], 2 * d["I"] // self.tp, d["H"])
+        self._param(f"{p}.mlp.experts.w2_weight", d["E"], d["H"], d["I"] // self.tp)
 
     def _pieces(self) -> None:
         d, t, r, P = self.dims, self.tp, self.rank, self.params
