@@ -188,7 +188,7 @@ def exit_during_setup_rank(rank: int, report, address: str, train: int, gen: int
 def transport_fails_rank(rank: int, report, address: str, train: int, gen: int, options: dict) -> dict:
     """A rank whose transport cannot open (gloo's constructor raising, injected): the others must
     hear of it at once instead of waiting for gloo's timeout."""
-    import refit_core.endpoints.base as endpoint
+    import refit_core.endpoints.setup as endpoint
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected: gloo could not create its context on this rank")
@@ -200,7 +200,7 @@ def tampered_plan_rank(rank: int, report, address: str, train: int, gen: int, op
     """A rank whose part of the plan, as it reads it, names another dtype for its first piece (as if
     the planner had planned for other pieces than this rank has): its check must fail the setup on
     every rank before any collective, naming the tensor."""
-    import refit_core.endpoints.base as endpoint
+    import refit_core.endpoints.setup as endpoint
     import refit_core.plan.rankplan as rankplan
 
     real = rankplan.from_wire
