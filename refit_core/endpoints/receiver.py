@@ -20,7 +20,7 @@ from refit_core.contract.spec import TensorSpec
 from refit_core.endpoints import commit
 from refit_core.endpoints.base import RefitEndpoint
 from refit_core.endpoints.binding import first_moved
-from refit_core.endpoints.wiring import by_peer, combined_stats, executor_settings, split_rounds
+from refit_core.endpoints.wiring import by_peer, colocated_path, combined_stats, executor_settings, split_rounds
 from refit_core.plan.items import Message
 from refit_core.plan.relay import RelayPlan
 from refit_core.plan.schedule import Schedule
@@ -84,9 +84,10 @@ class RefitReceiver(RefitEndpoint):
         if self.relay is not None:
             self._make_relay_executors(self.relay, schedule, settings, scope)
         if colocated:
-            receiver = ColocatedReceiver(by_peer(colocated, lambda m: m.src), self._require_rendezvous().store,
-                                         self.rank, self.device, schedule.fingerprint, settings.timeout_s,
-                                         strided=settings.strided_copies, trace=settings.step_trace)
+            receiver = colocated_path().receiver(by_peer(colocated, lambda m: m.src),
+                                                 self._require_rendezvous().store, self.rank, self.device,
+                                                 schedule.fingerprint, settings.timeout_s,
+                                                 strided=settings.strided_copies, trace=settings.step_trace)
             receiver.open()
             self._colocated = receiver
 

@@ -17,7 +17,7 @@ from refit_core.contract.spec import Box, TensorSpec
 from refit_core.endpoints import commit
 from refit_core.endpoints.base import RefitEndpoint
 from refit_core.endpoints.binding import first_moved
-from refit_core.endpoints.wiring import by_peer, combined_stats, executor_settings, split_rounds
+from refit_core.endpoints.wiring import by_peer, colocated_path, combined_stats, executor_settings, split_rounds
 from refit_core.plan.items import Message
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedSender
@@ -78,9 +78,10 @@ class RefitSender(RefitEndpoint):
         if network:
             self._executor = self._network_executor(network, scope)
         if colocated:
-            self._colocated = ColocatedSender(by_peer(colocated, lambda m: m.dst), self._require_rendezvous().store,
-                                              self.rank, self.device, schedule.fingerprint, settings.timeout_s,
-                                              trace=settings.step_trace)
+            self._colocated = colocated_path().sender(by_peer(colocated, lambda m: m.dst),
+                                                      self._require_rendezvous().store, self.rank, self.device,
+                                                      schedule.fingerprint, settings.timeout_s,
+                                                      trace=settings.step_trace)
 
     def _network_executor(self, rounds: list[list[Message]], scope: HeaderScope, steps: StepCount | None = None
                           ) -> SendExecutor:

@@ -6,11 +6,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from refit_core.contract.errors import RefitError
 from refit_core.contract.options import RefitOptions
+from refit_core.net.transport.registry import transport_type
 from refit_core.plan.items import Message
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedReceiver, ColocatedSender
 from refit_core.run.executor import ExecutorSettings, StepStats
+from refit_core.run.ipc import ColocatedPath
+
+COLOCATED_KIND = "ipc"
+"""The registered name of the colocated path."""
+
+
+def colocated_path() -> ColocatedPath:
+    """The colocated path (CUDA IPC / shared memory), found through the transport registry as any kind is
+    (its entry point ``ipc`` under ``refit.transports``); :class:`RefitError` if what is registered there
+    builds no colocated ends."""
+    kind = transport_type(COLOCATED_KIND)
+    if not isinstance(kind, ColocatedPath):
+        raise RefitError(f"the transport registered as {COLOCATED_KIND!r} ({type(kind).__name__}) is no colocated "
+                         "path: refit's colocated pairs need refit_core.run.ipc:IPC there")
+    return kind
 
 
 def executor_settings(schedule: Schedule, settings: RefitOptions) -> ExecutorSettings:
@@ -50,4 +67,4 @@ def combined_stats(network: StepStats | None, version: int, colocated: Colocated
                      network.staging_bytes, network.direct_bytes + extra)
 
 
-__all__ = ["by_peer", "combined_stats", "executor_settings", "split_rounds"]
+__all__ = ["COLOCATED_KIND", "by_peer", "colocated_path", "combined_stats", "executor_settings", "split_rounds"]
