@@ -2,8 +2,8 @@
 
 One actor per rank; the ranks form their own gloo (CPU) or NCCL (CUDA) process group, shard a
 ``transformers`` causal LM with FSDP2 (fp32 master weights), and take GRPO steps with AdamW on the
-rollouts the controller hands them. The actor is a :class:`refit_core.kit.ray.RefitTrainActor`, so
-:class:`refit_core.kit.ray.RayRefit` sends its shards to the engine after every step, in place.
+rollouts the controller hands them. The actor is a :class:`refit_core.apps.RefitTrainActor`, so
+:class:`refit_core.apps.RayRefit` sends its shards to the engine after every step, in place.
 
 With ``lora`` (a :class:`~refit_core.LoraSpec`) the policy is a PEFT LoRA model whose base weights stay
 frozen; it refits in the spec's mode (merged: the engine gets ``W + scale * B @ A`` as plain weights;

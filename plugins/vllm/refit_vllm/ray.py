@@ -2,7 +2,7 @@
 
     Engine = ray.remote(VLLMEngineActor)
     engine = Engine.remote(model_dir, tp=1)
-    refit = refit_core.kit.ray.RayRefit(trainers, [engine])
+    refit = refit_core.apps.RayRefit(trainers, [engine])
 
 The actor holds an ``AsyncLLM`` with ``WeightTransferConfig(backend="refit")`` and speaks the gen-actor
 protocol of :mod:`refit_core.kit.ray`. Every update pauses generation with ``mode="keep"``: requests in
