@@ -14,7 +14,7 @@ GEN = Side.GEN
 
 LEGACY_DEMO_FIELDS = frozenset({"demo_train", "demo_gen", "demo_train_layout", "demo_gen_layout", "priority",
                                 "rl_train_actor", "rl_gen_actor", "demo_quantize"})
-"""``refit demo`` settings that ``Backend`` took before they moved to :class:`refit_core.kit.DemoPrograms`."""
+"""``refit demo`` settings that ``Backend`` took before they moved to :class:`refit_core.apps.DemoPrograms`."""
 
 
 @dataclass(frozen=True, init=False)
@@ -23,7 +23,7 @@ class Backend:
 
     ``sides`` may be given as any iterable of :class:`Side` or their strings (``{"train", "gen"}``); it
     is kept as a ``frozenset[Side]``. What ``refit demo`` runs for a backend is no part of it: see
-    :class:`refit_core.kit.DemoPrograms`. The demo keywords ``Backend`` took before
+    :class:`refit_core.apps.DemoPrograms`. The demo keywords ``Backend`` took before
     (:data:`LEGACY_DEMO_FIELDS`: ``demo_train=``, ``demo_gen_layout=``, ...) are still accepted until 0.3,
     with a :class:`DeprecationWarning`, and kept as they are in :attr:`legacy_demo` for the kit.
     """
@@ -40,7 +40,7 @@ class Backend:
             raise TypeError(f"Backend() got unexpected keyword argument(s): {', '.join(unknown)}")
         if legacy_demo:
             warnings.warn(f"backend {name!r}: Backend({', '.join(sorted(legacy_demo))}=...) is deprecated: register "
-                          "refit_core.kit.DemoPrograms through the refit_register_demos hook (the keywords go away "
+                          "refit_core.apps.DemoPrograms through the refit_register_demos hook (the keywords go away "
                           "in refit 0.3)", DeprecationWarning, stacklevel=2)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "sides", _sides(name, sides))

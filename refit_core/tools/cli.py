@@ -242,7 +242,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check_plugin(args: argparse.Namespace) -> int:
-    from refit_core.testing import Outcome, model_free_checks, model_free_suite
+    from refit_core.testing.results import Outcome
+    from refit_core.testing.runner import model_free_suite
+    from refit_core.testing.static import model_free_checks
 
     suite = model_free_suite(args.name, args.model, args.train_layout, args.gen_layout)
     print(f"refit check-plugin: {suite.plugin} (backend {suite.backend}; models "
