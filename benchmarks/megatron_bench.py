@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from refit_core import (
     ParallelLayout,
-    NcclOptions,
     RefitOptions,
     RefitReceiver,
     RefitSender,
     TensorSpec,
 )
+from refit_core.contract.nccl_options import NcclOptions
 from refit_core.kit.launch import free_port, spawn
 from refit_core.kit.models import PRESETS, checkpoint_specs
 from refit_core.tools.bench.layouts import MegatronStyleModel, VllmStyleModel, reference, register
