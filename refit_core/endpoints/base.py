@@ -118,9 +118,9 @@ class RefitEndpoint:
         """A network executor of this side for ``rounds`` (the whole schedule's, or a subset's)."""
         raise NotImplementedError
 
-    def _check_plan(self, schedule: Schedule, pieces: list[Piece]) -> None:
-        """Refuse (raise) a plan this rank cannot run with its ``pieces``, before the agreement barrier, so
-        that every rank learns why (default: every plan is fine)."""
+    def _check_plan(self, schedule: Schedule, links: dict[tuple[int, int], Link], pieces: list[Piece]) -> None:
+        """Refuse (raise) a plan (its ``schedule`` and its pairs' ``links``) this rank cannot run with its
+        ``pieces``, before the agreement barrier, so that every rank learns why (default: every plan is fine)."""
 
     def _bound_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
         """The views the executors read or write, in place of the pieces' own (default: those)."""

@@ -19,6 +19,7 @@ from refit_core.endpoints.base import RefitEndpoint
 from refit_core.endpoints.binding import first_moved
 from refit_core.endpoints.wiring import by_peer, colocated_path, combined_stats, executor_settings, split_rounds
 from refit_core.plan.items import Message
+from refit_core.plan.links import Link
 from refit_core.plan.schedule import Schedule
 from refit_core.run.colocated import ColocatedSender
 from refit_core.run.executor import HeaderScope, Merging, SendExecutor, StepCount, StepStats
@@ -120,7 +121,7 @@ class RefitSender(RefitEndpoint):
             return f"source tensor {now.spec.name}{now.box} {MOVED}"
         return None
 
-    def _check_plan(self, schedule: Schedule, pieces: list[Piece]) -> None:
+    def _check_plan(self, schedule: Schedule, links: dict[tuple[int, int], Link], pieces: list[Piece]) -> None:
         """Merged-mode LoRA is computed in the network pack step: a merged piece must not be read in place by a
         colocated engine, nor quantized on the way."""
         merges = _merges(pieces)
@@ -132,7 +133,7 @@ class RefitSender(RefitEndpoint):
                     merge = merges[seg.piece]
                     if merge is None:
                         continue
-                    if not self._is_network(m):
+                    if links[(m.src, m.dst)] is not Link.NETWORK:
                         raise PlanError(f"{merge.module}: merged-mode LoRA needs network pairs, but gen rank {m.dst} "
                                         f"would read train rank {self.rank}'s weights in place (colocated); put "
                                         "the engine on other devices (colocate='auto' on CPU), or move the "

@@ -20,6 +20,7 @@ from refit_core.net.keys import RankId
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.transport import StoreWatch, Transport, open_transport, resolve_kind
 from refit_core.plan import rankplan
+from refit_core.plan.links import Link
 from refit_core.plan.schedule import Schedule
 from refit_core.run.timing import SetupClock
 from refit_core.run.validate import check_view
@@ -39,8 +40,9 @@ class SetupRequest:
     experts: ExpertNaming
     pieces: Callable[[], list[Piece]]
     """This rank's pieces now."""
-    check_plan: Callable[[Schedule, list[Piece]], None]
-    """Raises if this rank cannot run the plan with its pieces (before the agreement barrier)."""
+    check_plan: Callable[[Schedule, dict[tuple[int, int], Link], list[Piece]], None]
+    """Raises if this rank cannot run the plan (its schedule and its pairs' links) with its pieces (before the
+    agreement barrier)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ def set_up(rdv: Rendezvous, request: SetupRequest, clock: SetupClock) -> SetupRe
             experts.learn([[p.meta for p in pieces]])
             counts = own.part.facts.counts[me.side]
             rankplan.check_against(own.part, [group_meta(p.meta, namer, counts) for p in pieces])
-            request.check_plan(own.schedule, pieces)
+            request.check_plan(own.schedule, own.links, pieces)
         with clock.phase("agree"):
             agreement.agree(rdv, me, own.part.facts.fingerprint, sizes)
         with clock.phase("transport"):  # the planner's answer, the same on every rank (relay always opens it)
