@@ -170,6 +170,15 @@ def test_the_whole_surface_stays_under_its_ceiling():
     assert total <= SURFACE_CEILING < before, f"{total} public names: above {SURFACE_CEILING}"
 
 
+AUTHORS_SURFACE = ("refit_core", "refit_core.kit", "refit_core.testing", "refit_core.transports")
+"""What a backend or transport author needs (``refit_core.apps`` serves demos, Ray and RL loops)."""
+
+
+def test_a_backend_or_transport_author_needs_fewer_than_80_names():
+    total = sum(len(SURFACE[module]) for module in AUTHORS_SURFACE)
+    assert total < 80, f"{total} names for plugin and transport authors"
+
+
 @pytest.mark.parametrize("module", PUBLIC)
 def test_every_public_name_imports(module):
     imported = importlib.import_module(module)
