@@ -283,9 +283,11 @@ class RefitEndpoint:
 
         Safe after any failure; ``setup()`` may be called again afterwards, on the same address.
         """
-        transport, colocated, rdv = self.transport, self._colocated, self._rdv
+        transport, colocated, rdv, subsets = self.transport, self._colocated, self._rdv, self._subsets
         self.transport, self._colocated, self._executor, self._rdv = None, None, None, None
-        self._relay_out = None
+        self._relay_out, self._subsets, self._memory = None, None, None  # none of them keeps this endpoint alive
+        if subsets is not None:
+            subsets.close()
         if transport is not None:
             transport.close()
         if colocated is not None:

@@ -101,6 +101,12 @@ class Subsets:
         return subset.difference(theirs.digest, self._names_of(theirs.digest), ours.digest,
                                  self._names_of(ours.digest))
 
+    def close(self) -> None:
+        """Drop the subsets' executors (they hold the bound views and, through their headers, this object)."""
+        self._executors.clear()
+        self._bound.clear()
+        self._schedules = None
+
     def _names_of(self, digest: int) -> frozenset[str] | None:
         """The names of the subset ``digest`` (this rank's, or as its first mover offered them), else None."""
         if digest in self._names:

@@ -92,6 +92,7 @@ def test_subset_steps_move_exactly_the_named_tensors_and_sides_that_disagree_fai
         whole, subset, again, last = r["bytes"]
         assert 0 < subset == again < whole == last  # a subset moves less, the same each time
         assert r["derived"] == 1  # the repeated subset was planned once
+        assert r["freed_on_close"]  # no reference cycle keeps a closed endpoint (and the views it bound) alive
         kind, message, seconds = r["error"]
         assert "a subset of 3 tensor(s)" in message and "a subset of 2 tensor(s)" in message, message
         assert "moves model.layers.0.mlp.experts.up_proj.weight" in message, message  # names what differs

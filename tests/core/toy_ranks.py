@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
+import weakref
 
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
@@ -123,4 +125,11 @@ def subset_ranks(rank: int, world: int, address: str, mode: str) -> dict | tuple
     if not train:
         out["after_error"] = mismatches(endpoint.plugins.destination_map(engine).pieces, held)
     endpoint.close()
+    gone = weakref.ref(endpoint)
+    gc.disable()  # a closed endpoint is freed at once, not at the next collection (it holds the model's memory)
+    try:
+        del endpoint
+        out["freed_on_close"] = gone() is None
+    finally:
+        gc.enable()
     return out
