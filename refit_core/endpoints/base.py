@@ -283,17 +283,12 @@ class RefitEndpoint:
 
         Safe after any failure; ``setup()`` may be called again afterwards, on the same address.
         """
-        transport, colocated, rdv, subsets = self.transport, self._colocated, self._rdv, self._subsets
+        parts = (self._subsets, self.transport, self._colocated, self._rdv)  # each closed once, in this order
         self.transport, self._colocated, self._executor, self._rdv = None, None, None, None
         self._relay_out, self._subsets, self._memory = None, None, None  # none of them keeps this endpoint alive
-        if subsets is not None:
-            subsets.close()
-        if transport is not None:
-            transport.close()
-        if colocated is not None:
-            colocated.close()
-        if rdv is not None:
-            rdv.close()
+        for part in parts:
+            if part is not None:
+                part.close()
 
 
 __all__ = ["RefitEndpoint"]
