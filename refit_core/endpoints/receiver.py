@@ -185,8 +185,7 @@ class RefitReceiver(RefitEndpoint):
         """
         self._require_step()
         step, self._steps = self._steps, self._steps + 1
-        touched: set[int] = set()
-        """The bound pieces this step may have written (also when it fails: its torn report)."""
+        touched: set[int] = set()  # the bound pieces this step may write: a failure's torn report
         self._quantizing.begin_step()
         loader_weights: list[tuple[str, torch.Tensor]] = []
         ballot = _Ballot()
