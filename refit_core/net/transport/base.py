@@ -115,10 +115,12 @@ class Transport(ABC):
         self.close()
 
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Memory this rank sends from or receives into at every step: every bound view and staging buffer
-        of this rank's exchanges. Called once per bind, before the first exchange that uses it, again after
-        a rebind (then with the new set: what is no longer listed may be released); default: nothing to
-        register.
+        """Memory this rank sends from or receives into directly at every step: the zero-copy regions of its
+        bound views (whole parameters, fused rows), each a flat contiguous tensor. Called by each executor at
+        its bind, before the first exchange that uses it, again after a rebind (then with the new set: what
+        is no longer listed may be released); default: nothing to register. Staged messages travel in
+        staging buffers allocated per step and are handed to ``exchange`` as they come: a one-sided transport
+        registers those the first time it sees them (a registration cache, as UCX and NIXL keep).
 
         A one-sided RDMA transport (NIXL, Mooncake, ibverbs) registers each region with its NIC here
         (pinning it and getting a remote key), publishes the descriptors through the refit's store under a
