@@ -23,6 +23,8 @@ def test_the_toy_tcp_transport_carries_two_steps_bitwise_with_the_train_sides_op
     assert all("error" not in r for r in results), results
     assert {r["kind"] for r in results} == {"toy-tcp"}
     assert {r["options"] for r in results} == {"TcpOptions(chunk_bytes=1000, nodelay=True)"}
+    assert all(r["registered"] == r["direct"] for r in results), results  # bind registers the direct regions
+    assert any(r["direct"] > 0 for r in results), results
     for gen in results[TRAIN_RANKS:]:
         assert [s["version"] for s in gen["steps"]] == [100, 101]
         assert all(s["mismatches"] == [] for s in gen["steps"]), gen

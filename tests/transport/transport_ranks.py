@@ -41,7 +41,10 @@ def toy_refit(rank: int, world: int, address: str, steps: int, train_options: di
                 endpoint.receive()
                 pieces = endpoint.plugins.destination_map(model).pieces
                 steps_seen.append({"mismatches": mismatches(pieces, reference(0, step)), "version": model.version})
+        registered = getattr(transport, "registered_bytes", None)  # what the executor handed register()
+        direct = endpoint.executor.direct_bytes if steps else None  # the bytes it sends or lands zero-copy
         endpoint.close()
-        return {"side": "train" if train else "gen", "steps": steps_seen, **seen}
+        return {"side": "train" if train else "gen", "steps": steps_seen, "registered": registered, "direct": direct,
+                **seen}
     except Exception as exc:  # noqa: BLE001 - the test inspects the error
         return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
