@@ -42,13 +42,22 @@ def engine_env(tp: int, device: str) -> None:
 
 
 def engine_kwargs(config: dict[str, Any], tp: int, **extra: Any) -> dict[str, Any]:
-    """``LLM`` / ``AsyncEngineArgs`` arguments for a tiny checkpoint: eager, no tokenizer, small cache."""
+    """``LLM`` / ``AsyncEngineArgs`` arguments for a tiny checkpoint: eager, no tokenizer, small cache.
+
+    An MLA model (DeepSeek-style, ``kv_lora_rank``) in float32 on a CPU runs vLLM's reference CPU MLA
+    backend: on a CPU with AMX tiles vLLM would pick its AMX backend, which packs only 16-bit weights."""
+    import torch
+
     from refit_core.kit import config_dtype
 
-    return {"skip_tokenizer_init": True, "enforce_eager": True,
-            "dtype": str(config_dtype(config)).removeprefix("torch."),
-            "max_model_len": min(256, int(config.get("max_position_embeddings", 256))), "max_num_seqs": 8,
-            "tensor_parallel_size": tp, "distributed_executor_backend": "uni" if tp == 1 else "mp", **extra}
+    dtype = config_dtype(config)
+    kwargs: dict[str, Any] = {
+        "skip_tokenizer_init": True, "enforce_eager": True, "dtype": str(dtype).removeprefix("torch."),
+        "max_model_len": min(256, int(config.get("max_position_embeddings", 256))), "max_num_seqs": 8,
+        "tensor_parallel_size": tp, "distributed_executor_backend": "uni" if tp == 1 else "mp"}
+    if config.get("kv_lora_rank") and dtype == torch.float32 and not torch.cuda.is_available():
+        kwargs["attention_config"] = {"backend": "CPU_MLA"}
+    return {**kwargs, **extra}
 
 
 def prompts_for(config: dict[str, Any]) -> list[list[int]]:
