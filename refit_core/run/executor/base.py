@@ -83,7 +83,6 @@ class RoundRunner:
                  settings: ExecutorSettings, *, scope: HeaderScope = HeaderScope(),
                  steps: StepCount | None = None) -> None:
         self.rounds = rounds
-        self.settings = settings
         self.mode = settings.mode
         self.transport = transport
         self.device = transport.device
@@ -110,12 +109,6 @@ class RoundRunner:
     def step(self) -> int:
         """The step this executor runs next (counted since setup)."""
         return self.steps.done
-
-    @property
-    def subset(self) -> tuple[int, int]:
-        """(digest, size) of the subset these rounds move, as the headers say."""
-        tag = self.headers.scope.subset
-        return tag.digest, tag.size
 
     def _begin(self, timeline: Timeline | None) -> None:
         """A step starts: begin recording it on ``timeline`` (None: not recorded)."""

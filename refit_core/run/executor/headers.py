@@ -140,12 +140,13 @@ class StepHeaders:
                          [(p + offset, row) for p, row in zip(peers, memory.their_rows)], after)
         return PostedHeaders(fence, list(peers), memory), ready
 
-    def check(self, posted: PostedHeaders | None, version: int, step: int, timeout_s: Callable[[], float]) -> int:
-        """Wait (``timeout_s()``: the seconds left) for the peers' headers and check them: same plan, step and
+    def check(self, posted: PostedHeaders | None, version: int, step: int, seconds_left: Callable[[], float]
+              ) -> int:
+        """Wait (``seconds_left()``: of the step's deadline) for the peers' headers and check them: same plan, step and
         subset, one version among them; returns that version (``version`` without peers)."""
         if posted is None:
             return version
-        posted.fence.synchronize(timeout_s())
+        posted.fence.synchronize(seconds_left())
         ours = self.scope.subset
         versions = set()
         for peer, header in zip(posted.peers, posted.memory.theirs.tolist()):
