@@ -198,15 +198,15 @@ class RefitEndpoint:
         for executor in (self._executor, self._relay_out):
             if executor is not None:
                 executor.bind(views)
-        self._memory = BoundMemory.after_bind(names, views, lambda: self.plugins.model_tensors(self.model))
+        self._memory = BoundMemory.after_bind(names, views, self.plugins.model_tensors(self.model))
         if self._clock.bind_s is None:
             self._clock.bind_s = time.perf_counter() - began
 
     def _replaced_tensor(self) -> str | None:
         """The first of the model's tensors (``refit_model_tensors``) replaced or moved since the pieces
         were bound; None if none was, or if no plugin lists them (the caller then compares pieces)."""
-        memory = self._memory
-        return None if memory is None else memory.replaced(lambda: self.plugins.model_tensors(self.model))
+        bound = None if self._memory is None else self._memory.identity
+        return None if bound is None else bound.first_replaced(self.plugins.model_tensors(self.model) or [])
 
     def _step_executor(self, only: Iterable[str] | None) -> tuple[Subset | None, NetworkExecutor | None]:
         """The subset a step moving ``only`` moves (None: the whole plan) and the network executor it runs."""

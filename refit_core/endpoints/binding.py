@@ -2,12 +2,12 @@
 
 refit reads (train side) and writes (gen side) the memory it bound at setup, every step; a model that
 replaced, moved or freed a tensor since would be sent or served stale. :class:`BoundMemory` is what was
-bound; its checks run before every step, on its critical path.
+bound; :class:`BoundTensors` and :func:`first_moved` check it before every step, on its critical path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import is_, itemgetter
 
@@ -74,10 +74,6 @@ def first_moved(current: Sequence[Piece], bound: Sequence[Piece]) -> Piece | Non
     return None
 
 
-ModelTensors = Callable[[], Sequence[tuple[str, torch.Tensor]] | None]
-"""The model's tensors as its plugin lists them (``refit_model_tensors``; None: no plugin lists them)."""
-
-
 def checked_views(pieces: list[Piece], side: Side, rank: int, expert_name: ExpertNamer,
                   counts: dict[str, int]) -> tuple[list[str], list[torch.Tensor]]:
     """Every (expert-grouped) piece's name and view, each view re-checked (see :mod:`refit_core.run.validate`;
@@ -104,17 +100,11 @@ class BoundMemory:
     identity: BoundTensors | None
 
     @classmethod
-    def after_bind(cls, names: list[str], views: list[torch.Tensor], model_tensors: ModelTensors) -> BoundMemory:
-        """Record a bind that just happened (on CPU, exporting to colocated peers may have moved the storages)."""
-        tensors = model_tensors()
+    def after_bind(cls, names: list[str], views: list[torch.Tensor],
+                   tensors: Sequence[tuple[str, torch.Tensor]] | None) -> BoundMemory:
+        """Record a bind that just happened, with the model's ``tensors`` as its plugin lists them now (None:
+        no plugin lists them; on CPU, exporting to colocated peers may have moved the storages)."""
         return cls(names, views, None if tensors is None else BoundTensors.of(tensors))
 
-    def replaced(self, model_tensors: ModelTensors) -> str | None:
-        """The first of the model's tensors replaced or moved since the bind; None if none was, or if no
-        plugin lists them (the caller then compares pieces, :func:`first_moved`)."""
-        if self.identity is None:
-            return None
-        return self.identity.first_replaced(model_tensors() or [])
 
-
-__all__ = ["BoundMemory", "BoundTensors", "ModelTensors", "checked_views", "device_of", "first_moved"]
+__all__ = ["BoundMemory", "BoundTensors", "checked_views", "device_of", "first_moved"]
