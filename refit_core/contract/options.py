@@ -165,9 +165,10 @@ class RelayOptions(_Settings):
     """Relay fanout (:mod:`refit_core.plan.relay`); both sides must agree (the plan depends on it).
 
     - ``replicas``: the gen ranks form this many identical replicas (consecutive equal blocks).
-    - ``direct``: how many replicas the trainers feed (wave 0); 0 (the default) means all of them,
-      i.e. no relay. With ``0 < direct < replicas`` the others get the step from replicas that hold it.
-    - ``fanout``: replicas each holder forwards to per wave (1).
+    - ``direct``: how many replicas the trainers feed (the relay tree's roots); 0 (the default) means all
+      of them, i.e. no relay. With ``0 < direct < replicas`` the others get each message of the step from
+      their parent replica as soon as it landed there (pipelined).
+    - ``fanout``: replicas each holder forwards to (1: chains; 2 and more: a tree).
     - ``node_ranks``: gen ranks per node (consecutive ranks share a node); above 1, a destination
       region that several gen ranks of one node hold (norms a TP engine replicates, MLA's ``q_a`` /
       ``kv_a`` at high TP) is fed by the trainers to one of them and forwarded to the others over the
@@ -176,8 +177,9 @@ class RelayOptions(_Settings):
       a norm rides along messages its holders get anyway, while forwarding it would have its leader
       hear from every sender that holds a slice of it.
 
-    Relay needs ``mode="in_place"`` (a relaying rank forwards what landed in its engine memory) and
-    network links between gen ranks (NCCL needs them on different GPUs).
+    Replica relay runs in place and staged; forwarding within nodes needs ``mode="in_place"`` (a leader
+    forwards what landed in its engine memory). Both need network links between gen ranks (NCCL needs
+    them on different GPUs).
     """
 
     replicas: int = _setting(1, int)
@@ -314,8 +316,8 @@ class RefitOptions(_Settings):
 
     def __post_init__(self) -> None:
         self._coerce()
-        if self.relay.active and self.mode is not UpdateMode.IN_PLACE:
-            raise OptionError("RefitOptions.relay: relay needs mode='in_place' (a relaying gen rank "
+        if self.relay.forwards_within_nodes and self.mode is not UpdateMode.IN_PLACE:
+            raise OptionError("RefitOptions.relay: forwarding within nodes needs mode='in_place' (a leader "
                               f"forwards what landed in its engine memory), got mode={self.mode.value!r}")
         if self.bucket_bytes is not None and (self.bucket_bytes < _MESSAGE_ALIGN
                                               or self.bucket_bytes % _MESSAGE_ALIGN):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_core.contract.errors import RefitError
+from refit_core.contract.errors import PlanError, RefitError
 from refit_core.contract.experts import ExpertNaming, group_side
 from refit_core.contract.options import Colocation, RefitOptions
 from refit_core.contract.pieces import Piece, PieceMeta
@@ -145,9 +145,8 @@ def plan_for_all(rdv: Rendezvous, me: RankId, settings: RefitOptions, sizes: dic
         schedule.fingerprint, schedule.num_src, schedule.num_dst, schedule.bucket_bytes, schedule.summary,
         relay is not None or any(link is Link.NETWORK for link in links.values()),
         {side: grouped[side].counts for side in Side},
-        None if relay is None else rankplan.RelayFacts(relay.replica_size, relay.waves, relay.wave_rounds,
-                                                       relay.schedule.fingerprint, relay.schedule.summary,
-                                                       relay.node_ranks))
+        None if relay is None else rankplan.RelayFacts(relay.replica_size, relay.tree, relay.schedule.fingerprint,
+                                                       relay.schedule.summary, relay.node_ranks))
     record = rankplan.facts_to_wire(facts)
     mine = None
     for part in rankplan.rank_plans(facts, schedule, relay, links, {side: grouped[side].metas for side in Side},
@@ -172,6 +171,12 @@ def assign_links(rdv: Rendezvous, schedule: Schedule, sizes: dict[Side, int], co
     links = pair_links(pairs, places[Side.TRAIN], places[Side.GEN], colocate)
     if relay is not None:
         check_relay_pairs(relay, places[Side.GEN])
+        relaying = {m.src for msgs in relay.schedule.rounds for m in msgs}
+        colocated = sorted({dst for (_, dst), link in links.items() if link is not Link.NETWORK and dst in relaying})
+        if colocated and not relay.within_nodes:
+            raise PlanError(f"relay: gen rank(s) {colocated} relay to other replicas but get part of the step from a "
+                            "trainer on the same GPU (CUDA IPC), which they cannot forward; place the replicas the "
+                            "trainers feed on GPUs of their own, or run without relay")
     return links
 
 

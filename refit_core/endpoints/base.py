@@ -37,7 +37,7 @@ from refit_core.plan.schedule import Schedule
 from refit_core.plan.subset import Subset
 from refit_core.run.colocated import ColocatedReceiver, ColocatedSender
 from refit_core.run.copies import CopyCounts
-from refit_core.run.executor import ForwardExecutor, HeaderScope, SendExecutor, StepCount
+from refit_core.run.executor import ForwardExecutor, HeaderScope, StepCount
 from refit_core.run.timing import SetupClock, SetupTimes, StepTimeline, StepTrace, Timeline
 from refit_core.units import format_bytes
 
@@ -82,8 +82,8 @@ class RefitEndpoint:
         self._counts: dict[str, int] = {}
         self._experts: ExpertNaming = self.plugins.expert_naming()
         self._executor: NetworkExecutor | None = None
-        self._relay_out: SendExecutor | ForwardExecutor | None = None
-        """A gen rank's forwarding once its step landed: to the next wave's replicas, or within its node."""
+        self._relay_out: ForwardExecutor | None = None
+        """A gen rank's forwarding within its node once its step landed (None: none)."""
         self._colocated: ColocatedSender | ColocatedReceiver | None = None
         self._subsets: Subsets | None = None
         self._memory: BoundMemory | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +79,12 @@ class RefitReceiver(RefitEndpoint):
     def _make_executors(self, schedule: Schedule, settings: RefitOptions, scope: HeaderScope) -> None:
         self._quantizing = ReceiverQuantizer(schedule.receiver_quantizations_of(self.rank))
         network, colocated = split_rounds(schedule.rounds_of_destination(self.rank), self._is_network)
+        relay = self.relay
         if network:
-            self._executor = self._network_executor(network, scope)
-        if self.relay is not None:
-            self._make_relay_executors(self.relay, schedule, settings, scope)
+            forward_to = () if relay is None or relay.within_nodes else self._relay_children(relay)
+            self._executor = self._network_executor(network, scope, forward_to=forward_to)
+        if relay is not None:
+            self._make_relay_executors(relay, schedule, settings, scope)
         if colocated:
             receiver = colocated_path().receiver(by_peer(colocated, lambda m: m.src),
                                                  self._require_rendezvous().store, self.rank, self.device,
@@ -93,10 +95,10 @@ class RefitReceiver(RefitEndpoint):
 
     def _make_relay_executors(self, relay: RelayPlan, schedule: Schedule, settings: RefitOptions,
                               scope: HeaderScope) -> None:
-        """A relayed rank receives its step from its parent replica's rank (its network executor); a
-        rank with children forwards to them after its own step landed (``_relay_out``). Forwarding
-        within nodes: after its own step landed, a rank sends the regions it leads to its node's other
-        holders and receives the ones they lead, in one exchange per round (``_relay_out``)."""
+        """Replica relay: a relayed rank receives each round from its parent replica's rank and forwards it on
+        to its own children (its network executor). Forwarding within nodes: after its own step landed, a
+        rank sends the regions it leads to its node's other holders and receives the ones they lead, in one
+        exchange per round (``_relay_out``)."""
         assert self.transport is not None  # always opened with relay
         offset = self.sizes[Side.TRAIN]  # relay peers are gen ranks: global rank = train ranks + gen rank
         run_with = executor_settings(schedule, settings)
@@ -109,17 +111,30 @@ class RefitReceiver(RefitEndpoint):
         if incoming:
             if self._executor is not None:
                 raise PlanError(f"refit bug: gen rank {self.rank} is fed by trainers and by a relay")
-            self._executor = ReceiveExecutor(incoming, self.transport, offset, run_with, scope=scope)
-        outgoing = relay.schedule.rounds_of_source(self.rank)
-        if outgoing:
-            self._relay_out = SendExecutor(outgoing, self.transport, offset, run_with)
+            self._executor = ReceiveExecutor(incoming, self.transport, offset, run_with, scope=scope,
+                                             forward_to=self._relay_children(relay))
 
-    def _network_executor(self, rounds: list[list[Message]], scope: HeaderScope, steps: StepCount | None = None
-                          ) -> ReceiveExecutor:
-        """A receive executor for ``rounds`` from the train ranks (the whole schedule's, or a subset's)."""
+    def _relay_children(self, relay: RelayPlan) -> list[int]:
+        """The global ranks this rank forwards each round to (its replica's children's rank of its index)."""
+        offset = self.sizes[Side.TRAIN]
+        return sorted({offset + m.dst for msgs in relay.schedule.rounds_of_source(self.rank) for m in msgs})
+
+    def _relay_source(self) -> str:
+        """How a failed step names where this rank's step comes from, when its parent replica relays it."""
+        relay = self.relay
+        if relay is None or relay.within_nodes or relay.fed_by_trainers(self.rank):
+            return ""
+        parent = relay.tree.parent[relay.replica_of(self.rank)]
+        parent_rank = parent * relay.replica_size + self.rank % relay.replica_size
+        return f" (relayed: its relay parent is gen rank {parent_rank}, replica {parent})"
+
+    def _network_executor(self, rounds: list[list[Message]], scope: HeaderScope, steps: StepCount | None = None,
+                          forward_to: Sequence[int] = ()) -> ReceiveExecutor:
+        """A receive executor for ``rounds`` from the train ranks (the whole schedule's, or a subset's);
+        ``forward_to``: the global ranks it relays each round to (empty: none)."""
         assert self.transport is not None and self.schedule is not None and self.settings is not None
         return ReceiveExecutor(rounds, self.transport, 0, executor_settings(self.schedule, self.settings),
-                               scope=scope, steps=steps)
+                               scope=scope, steps=steps, forward_to=forward_to)
 
     def _subset_refusal(self) -> str | None:
         if self._quantizing.items:
@@ -197,11 +212,8 @@ class RefitReceiver(RefitEndpoint):
             if subset is not None:
                 loader_weights = [(name, tensor) for name, tensor in loader_weights if name in subset.names]
             stats = self._receive_parts(executor, touched)
-            relay_out = self._relay_out
-            if isinstance(relay_out, ForwardExecutor):  # forward only what has fully landed here
-                relay_out.run(stats.version, touched=touched)
-            elif relay_out is not None:
-                relay_out.run(stats.version)
+            if self._relay_out is not None:  # forwarding within nodes: only what has fully landed here
+                self._relay_out.run(stats.version, touched=touched)
             if self._mode is UpdateMode.STAGED:
                 self._await_commit(step, ballot)
                 if executor is not None:
@@ -298,7 +310,8 @@ class RefitReceiver(RefitEndpoint):
             outcome = (f"{len(names)} destination tensor(s) may be partly written (torn): "
                        f"{', '.join(names[:shown])}{' ...' if len(names) > shown else ''}; the engine needs a new "
                        f"refit and keeps {held}")
-        error = StepFailedError(f"refit step {step} failed on gen rank {self.rank}: {exc}; {outcome}", failure)
+        error = StepFailedError(f"refit step {step} failed on gen rank {self.rank}{self._relay_source()}: {exc}; "
+                                f"{outcome}", failure)
         if handled is False:
             error.add_note(f"refit: gen rank {self.rank}: the engine could not restore its previous weights "
                            "(refit_abort_update returned False); it may hold a mix of versions until the "

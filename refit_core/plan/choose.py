@@ -121,7 +121,7 @@ def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *,
     for direct in relay_candidates(relay.replicas):
         options = relay_options(relay, direct=direct)
         summary = plan(options)
-        waves = len(summary.relay.waves.waves) if summary.relay is not None else 1
+        waves = len(summary.relay.tree.levels) if summary.relay is not None else 1
         fastest.add(Prediction(options, predicted_s(summary, topology), baseline=direct == relay.replicas,
                                waves=waves), summary)
     return fastest.choice()

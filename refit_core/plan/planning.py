@@ -7,7 +7,7 @@ from collections.abc import Collection, Sequence
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.pieces import PieceMeta
 from refit_core.plan.fast import plan_transfers_fast
-from refit_core.plan.relay import RelayPlan, plan_relay
+from refit_core.plan.relay import RelayPlan, plan_node_forwarding, relay_down_tree, replica_tree
 from refit_core.plan.schedule import Schedule, build_schedule
 
 
@@ -15,18 +15,24 @@ def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Seque
                     settings: RefitOptions, *,
                     expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
     """The whole static plan from (expert-grouped) metadata and the agreed ``settings``: the trainers'
-    schedule into the replicas they feed, and the relay plan (None without relay), whose digest is
-    hashed into the schedule's fingerprint with the settings. What a live setup and ``refit plan`` run."""
+    schedule into the gen ranks they feed, and the relay plan (None without relay), whose tree or
+    forwarding messages are hashed into the schedule's fingerprint with the settings. What a live setup
+    and ``refit plan`` run."""
     assert settings.bucket_bytes is not None, "resolve the options first (RefitOptions.resolved)"
-    relay = plan_relay(settings.relay, gen_metas, settings.bucket_bytes, settings.messages,
-                       expert_groups=expert_groups)
-    fed = gen_metas if relay is None else relay.direct_metas(gen_metas)
+    options, agreed, fed = settings.relay, settings.digest(), gen_metas
+    tree = replica_tree(options, gen_metas) if options.fans_out else None
+    forwarding = (plan_node_forwarding(options.node_ranks, gen_metas, settings.bucket_bytes, settings.messages,
+                                       expert_groups=expert_groups, min_bytes=options.forward_min_bytes)
+                  if options.forwards_within_nodes else None)
+    if tree is not None:
+        fed, agreed = tree.direct_metas(gen_metas), f"{agreed}|{tree.digest}"
+    elif forwarding is not None:
+        fed, agreed = forwarding.direct_metas(gen_metas), f"{agreed}|{forwarding.digest}"
     transfers = plan_transfers_fast(train_metas, fed, cast=settings.cast,
                                     allow_unused_sources=settings.allow_unused_sources)
-    agreed = settings.digest() if relay is None else f"{settings.digest()}|{relay.digest}"
     schedule = build_schedule(transfers, len(train_metas), len(gen_metas), settings.bucket_bytes, settings.messages,
                               expert_groups=expert_groups, agreed_settings=agreed)
-    return schedule, relay
+    return schedule, relay_down_tree(tree, schedule) if tree is not None else forwarding
 
 
 __all__ = ["plan_with_relay"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from refit_core.contract.pieces import PieceMeta
 from refit_core.plan.items import Message, ReceiverQuantization
 from refit_core.plan.links import Link
-from refit_core.plan.relay import RelayPlan, Waves
+from refit_core.plan.relay import RelayPlan, RelayTree
 from refit_core.plan.schedule import Schedule, ScheduleSummary
 
 Rounds = list[list[Message]]
@@ -15,7 +15,7 @@ Rounds = list[list[Message]]
 
 @dataclass(frozen=True)
 class PlanFacts:
-    """What every rank learns of the whole plan (O(1) in the world size, save the relay's waves)."""
+    """What every rank learns of the whole plan (O(1) in the world size, save the relay's tree)."""
 
     fingerprint: str
     num_src: int
@@ -31,11 +31,10 @@ class PlanFacts:
 
 @dataclass(frozen=True)
 class RelayFacts:
-    """The relay plan's plan-wide part: replica size, waves, its own fingerprint and summary."""
+    """The relay plan's plan-wide part: replica size, tree, its own fingerprint and summary."""
 
     replica_size: int
-    waves: Waves
-    wave_rounds: tuple[int, ...]
+    tree: RelayTree
     fingerprint: str
     summary: ScheduleSummary
     node_ranks: int = 0
@@ -78,4 +77,4 @@ class RankPlan:
         rounds = ([[*i, *o] for i, o in zip(self.relay_in, self.relay_out)] if r.node_ranks
                   else [*self.relay_in, *self.relay_out])
         schedule = Schedule(world, world, self.facts.bucket_bytes, rounds, r.fingerprint, r.summary)
-        return RelayPlan(r.replica_size, r.waves, schedule, r.wave_rounds, r.node_ranks)
+        return RelayPlan(r.replica_size, r.tree, schedule, r.node_ranks)

@@ -55,7 +55,7 @@ def rank_plans(facts: PlanFacts, schedule: Schedule, relay: RelayPlan | None, li
                 relay_in.setdefault(rank, empty)
                 relay_out.setdefault(rank, empty)
     quantizing: dict[int, list[ReceiverQuantization]] = {}
-    for q in schedule.receiver_quantizations:
+    for q in (*schedule.receiver_quantizations, *(relay.schedule.receiver_quantizations if relay else ())):
         quantizing.setdefault(q.dst, []).append(q)
     pair_links: dict[tuple[str, int], dict[tuple[int, int], Link]] = {}
     for pair, link in links.items():

@@ -30,10 +30,10 @@ from refit_core.plan.codec import (
 from refit_core.plan.items import Message, ReceiverQuantization, Segment, SegmentScales
 from refit_core.plan.links import Link
 from refit_core.plan.rankplan_records import PlanFacts, RankPlan, RelayFacts, Rounds
-from refit_core.plan.relay import Waves
+from refit_core.plan.relay import RelayTree
 from refit_core.plan.schedule import ScheduleSummary
 
-FORMAT = 2
+FORMAT = 3
 """The record's layout version: a rank of another refit version fails with a named error."""
 
 
@@ -81,8 +81,8 @@ def facts_to_wire(facts: PlanFacts) -> dict[str, Any]:
             "bucket_bytes": facts.bucket_bytes, "summary": _summary_to_wire(facts.summary), "network": facts.network,
             "counts": facts.counts,
             "relay": None if relay is None else {
-                "replica_size": relay.replica_size, "waves": [list(w) for w in relay.waves.waves],
-                "parent": list(relay.waves.parent), "wave_rounds": list(relay.wave_rounds),
+                "replica_size": relay.replica_size, "levels": [list(level) for level in relay.tree.levels],
+                "parent": list(relay.tree.parent),
                 "fingerprint": relay.fingerprint, "summary": _summary_to_wire(relay.summary),
                 "node_ranks": relay.node_ranks}}
 
@@ -161,10 +161,9 @@ def facts_from_wire(value: Any, what: str) -> PlanFacts:
     relay = None
     if relay_in is not None:
         parent = r.ints(r.field(relay_in, "parent", list), "relay parents", lo=-1)
-        waves = tuple(tuple(r.ints(w, "relay wave", lo=0)) for w in r.field(relay_in, "waves", list))
+        levels = tuple(tuple(r.ints(level, "relay level", lo=0)) for level in r.field(relay_in, "levels", list))
         relay = RelayFacts(r.int_(r.field(relay_in, "replica_size", int), "replica size", 1),
-                           Waves(waves, tuple(parent)),
-                           tuple(r.ints(r.field(relay_in, "wave_rounds", list), "wave rounds")),
+                           RelayTree(levels, tuple(parent)),
                            r.fingerprint(r.field(relay_in, "fingerprint", str), "relay fingerprint"),
                            r.summary(r.field(relay_in, "summary", list)),
                            r.int_(r.field(relay_in, "node_ranks", int), "node ranks", 0))

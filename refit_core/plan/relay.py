@@ -1,19 +1,23 @@
-"""Relay fanout: engine replicas updated in wave k forward their weights to replicas of wave k+1.
+"""Relay fanout: engine replicas forward each message to the replicas below them as soon as it landed.
 
-When engine replicas outnumber what the trainers' links can feed (one trainer node into 32 engine
-replicas: every replica's bytes leave the same eight NICs), the trainers feed only the first
-``direct`` replicas (wave 0); every replica that holds the step then forwards it to up to ``fanout``
-replicas of the next wave, so the number of replicas holding the weights grows geometrically while
-each trainer GPU sends its share once per wave-0 replica only.
+When engine replicas outnumber what the trainers' links can feed (one trainer GPU into 3 replicas,
+one trainer node into 32: every replica's bytes leave the same GPUs), the trainers feed only the
+first ``direct`` replicas (the roots); every other replica gets the step from its parent in a
+:class:`RelayTree` of ``fanout`` children per holder (``fanout=1``: chains). Each relayed rank receives
+exactly the messages its root's rank receives from the trainers, round for round, and its parent
+forwards each of them as soon as it landed, while the rest of the step still arrives: the step is
+pipelined down the tree message by message, so every byte crosses each link once and a chain of N
+replicas costs about what one replica costs (plus one message per hop).
 
 Replicas are ``replicas`` consecutive, equal blocks of gen ranks (vLLM's data-parallel replicas:
 replica ``d`` is gen ranks ``d*size .. d*size+size-1``) whose destination pieces are identical rank by
-rank; rank ``i`` of a replica forwards every piece whole to rank ``i`` of its children. The plan is
-static and part of the fingerprint: the waves, every replica's parent, and the relay messages
-(schedule rounds whose ``src`` and ``dst`` are both gen ranks, one wave's rounds after another's).
-A relaying rank forwards only after its own step has fully landed (its receive completed), so a
-child never sees a half-old region; a failed relay fails the step on both ends like any other step
-(:class:`~refit_core.contract.failures.StepFailedError` naming the tensors that may be torn).
+rank; rank ``i`` of a replica forwards to rank ``i`` of its children. The plan is static and part of
+the fingerprint: the tree (every replica's parent) is hashed into the settings, and the relay
+messages follow from it and the trainers' schedule (:func:`relay_down_tree`). A relayed rank's
+messages keep the operations (:attr:`~refit_core.plan.items.Message.parts`) of its root's, so the
+forward of each operation is the operation its parent received. A failed relay fails the step on
+both ends like any other step (:class:`~refit_core.contract.failures.StepFailedError` naming the
+tensors that may be torn), and every rank below the lost one fails it within the deadline.
 
 **Forwarding within nodes** (``RelayOptions.node_ranks``) is the same idea inside one replica: a
 region that several gen ranks of one node hold (norms that tensor parallelism replicates, MLA's
@@ -26,6 +30,7 @@ receives; each round is posted as one exchange, so ranks never wait on each othe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -33,70 +38,150 @@ from refit_core.contract.errors import PlanError
 from refit_core.contract.options import MessageOptions, RelayOptions
 from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.spec import Box, dtype_size
-from refit_core.plan.items import Message, Transfer
+from refit_core.plan.items import Message, Segment, Transfer
 from refit_core.plan.links import Placement
 from refit_core.plan.schedule import Schedule, build_schedule, digest_rounds, summarize
 from refit_core.units import format_bytes
 
 
 @dataclass(frozen=True)
-class Waves:
-    """Which replicas get a step in which wave, and from whom.
+class RelayTree:
+    """Which replica forwards the step to which: ``parent[c]`` is the replica that forwards to replica
+    ``c`` (-1 for a root, fed by the trainers); ``levels[k]`` are the replicas ``k`` hops below a root."""
 
-    ``waves[0]`` are fed by the trainers; ``parent[c]`` is the replica that forwards to replica
-    ``c`` (-1 for wave 0).
-    """
-
-    waves: tuple[tuple[int, ...], ...]
+    levels: tuple[tuple[int, ...], ...]
     parent: tuple[int, ...]
 
     @property
     def replicas(self) -> int:
         return len(self.parent)
 
-    def wave_of(self, replica: int) -> int:
-        return next(w for w, members in enumerate(self.waves) if replica in members)
+    @property
+    def roots(self) -> tuple[int, ...]:
+        """The replicas the trainers feed."""
+        return self.levels[0]
+
+    def children(self, replica: int) -> tuple[int, ...]:
+        """The replicas ``replica`` forwards to (empty: a leaf)."""
+        return tuple(c for c, p in enumerate(self.parent) if p == replica)
+
+    def root_of(self, replica: int) -> int:
+        """The root whose messages ``replica`` receives (itself for a root)."""
+        while self.parent[replica] >= 0:
+            replica = self.parent[replica]
+        return replica
+
+    def level_of(self, replica: int) -> int:
+        return next(k for k, members in enumerate(self.levels) if replica in members)
 
 
-def plan_waves(replicas: int, direct: int, fanout: int = 1) -> Waves:
-    """Waves for ``replicas`` replicas, ``direct`` of them fed by the trainers.
+def plan_tree(replicas: int, direct: int, fanout: int = 1) -> RelayTree:
+    """The relay tree of ``replicas`` replicas, ``direct`` of them fed by the trainers.
 
-    Every replica holding the step after wave k (waves 0..k) forwards to at most ``fanout``
-    replicas of wave k+1, holders in order of arrival, so ``direct * (1 + fanout) ** k`` replicas
-    hold it after wave k. ``direct >= replicas`` gives one wave (no relay).
+    Replicas are numbered breadth first: replica ``c >= direct`` hangs below replica
+    ``(c - direct) // fanout``, so every holder forwards to at most ``fanout`` replicas (``fanout=1``:
+    ``direct`` chains of about equal length). ``direct >= replicas`` gives one level (no relay).
     """
     if replicas < 1 or direct < 1 or fanout < 1:
         raise PlanError(f"relay: replicas={replicas}, direct={direct}, fanout={fanout} must all be >= 1")
     direct = min(direct, replicas)
-    parent = [-1] * replicas
-    waves = [tuple(range(direct))]
-    holders = list(waves[0])
-    following = direct
-    while following < replicas:
-        wave = []
-        for holder in list(holders):
-            for _ in range(fanout):
-                if following == replicas:
-                    break
-                parent[following] = holder
-                wave.append(following)
-                following += 1
-        waves.append(tuple(wave))
-        holders += wave
-    return Waves(tuple(waves), tuple(parent))
+    parent = [-1] * direct + [(c - direct) // fanout for c in range(direct, replicas)]
+    level = [0] * replicas
+    for c in range(direct, replicas):
+        level[c] = level[parent[c]] + 1
+    levels = tuple(tuple(c for c in range(replicas) if level[c] == k) for k in range(max(level) + 1))
+    return RelayTree(levels, tuple(parent))
+
+
+@dataclass(frozen=True)
+class ReplicaTree:
+    """The replica relay before the trainers' schedule exists: replicas of ``replica_size`` gen ranks and
+    their :class:`RelayTree`. What the trainers' schedule is planned against (:meth:`direct_metas`)."""
+
+    replica_size: int
+    tree: RelayTree
+
+    def replica_of(self, gen_rank: int) -> int:
+        return gen_rank // self.replica_size
+
+    def fed_by_trainers(self, gen_rank: int) -> bool:
+        """True when the trainers feed this gen rank (it belongs to a root replica)."""
+        return self.tree.parent[self.replica_of(gen_rank)] < 0
+
+    def direct_metas(self, gen_metas: Sequence[Sequence[PieceMeta]]) -> list[list[PieceMeta]]:
+        """The gen ranks' metadata as the trainers feed it: relayed ranks emptied."""
+        return [list(m) if self.fed_by_trainers(r) else [] for r, m in enumerate(gen_metas)]
+
+    @property
+    def digest(self) -> str:
+        """What the plan's fingerprint hashes of the relay (its messages follow from it and the schedule)."""
+        return f"relay-tree:{self.replica_size}:{self.tree.parent}"
+
+
+def replica_tree(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]]) -> ReplicaTree:
+    """The replica relay's tree for ``options`` (``options.fans_out``); a :class:`PlanError` naming the ranks
+    if the replicas' layouts differ."""
+    return ReplicaTree(_check_replicas(gen_metas, options.replicas),
+                       plan_tree(options.replicas, options.direct, options.fanout))
+
+
+def relay_down_tree(relay: ReplicaTree, schedule: Schedule) -> RelayPlan:
+    """The relay plan: round by round, every message the trainers send to a root replica's rank ``i``,
+    forwarded from each replica's rank ``i`` to rank ``i`` of each of its children (same bytes, same
+    destination segments, same operations); receiver-side quantizations are copied to the relayed ranks."""
+    size, tree = relay.replica_size, relay.tree
+    below: dict[int, list[tuple[int, int]]] = {root: [] for root in tree.roots}  # root -> (parent, child)
+    for level in tree.levels[1:]:
+        for child in level:
+            below[tree.root_of(child)].append((tree.parent[child], child))
+    rounds: list[list[Message]] = []
+    for msgs in schedule.rounds:
+        forwards = []
+        for m in msgs:
+            root, i = divmod(m.dst, size)
+            if not below[root]:
+                continue
+            segments = _as_forwarded(m)
+            forwards += [Message(parent * size + i, child * size + i, m.nbytes, segments, m.dst_segments)
+                         for parent, child in below[root]]
+        if forwards:
+            rounds.append(forwards)
+    quantizing = tuple(dataclasses.replace(q, dst=child * size + q.dst % size)
+                       for q in schedule.receiver_quantizations
+                       for _, child in below[q.dst // size])
+    world = schedule.num_dst
+    relayed = Schedule(world, world, schedule.bucket_bytes, rounds,
+                       digest_rounds(world, world, schedule.bucket_bytes, rounds, relay.digest, quantizing),
+                       summarize(rounds), quantizing)
+    return RelayPlan(size, tree, relayed)
+
+
+def _as_forwarded(m: Message) -> tuple[Segment, ...]:
+    """A root message's destination segments, as the source segments of its forward: a value segment the
+    trainer quantized keeps its scales' offset, so the forward travels as the same operations."""
+    if not m.scales_at:
+        return m.dst_segments
+    out: list[Segment] = []
+    destinations = iter(m.dst_segments)
+    for src in m.src_segments:
+        values = next(destinations)
+        if src.scales is None:
+            out.append(values)
+        else:
+            out += [dataclasses.replace(values, scales=src.scales), next(destinations)]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class RelayPlan:
-    """The static relay plan: replicas of ``replica_size`` gen ranks, the waves, and the relay
-    messages (gen rank -> gen rank) as a :class:`~refit_core.plan.schedule.Schedule` whose rounds run wave
-    after wave (``wave_rounds[k]`` rounds belong to wave ``k+1``). Forwarding within nodes is one
-    replica of the whole gen world, one wave, and ``node_ranks`` > 1; its rounds run after the step."""
+    """The static relay plan: replicas of ``replica_size`` gen ranks, their tree, and the relay messages
+    (gen rank -> gen rank) as a :class:`~refit_core.plan.schedule.Schedule`. Replica relay: round ``k``
+    forwards the ``k``-th round (of those with messages to a root replica) down the tree. Forwarding within
+    nodes is one replica of the whole gen world and ``node_ranks`` > 1; its rounds run after the step."""
 
     replica_size: int
-    waves: Waves
+    tree: RelayTree
     schedule: Schedule
-    wave_rounds: tuple[int, ...]
     node_ranks: int = 0
     """Gen ranks per node when this plan forwards within nodes (0: replica relay)."""
     forwarded: frozenset[tuple[int, int]] = frozenset()
@@ -112,31 +197,30 @@ class RelayPlan:
 
     def fed_by_trainers(self, gen_rank: int) -> bool:
         """True when the trainers feed this gen rank (all its pieces, or all not forwarded to it)."""
-        return self.waves.parent[self.replica_of(gen_rank)] < 0
+        return self.tree.parent[self.replica_of(gen_rank)] < 0
 
     def direct_metas(self, gen_metas: Sequence[Sequence[PieceMeta]]) -> list[list[PieceMeta]]:
-        """The gen ranks' metadata as the trainers feed it: relayed ranks emptied; forwarded pieces
-        shrunk to empty boxes (piece indices stay those of the gen ranks)."""
-        if self.within_nodes:
-            return [[_emptied(m) if (r, i) in self.forwarded else m for i, m in enumerate(metas)]
-                    for r, metas in enumerate(gen_metas)]
-        return [list(m) if self.fed_by_trainers(r) else [] for r, m in enumerate(gen_metas)]
+        """Node forwarding: the gen ranks' metadata as the trainers feed it, forwarded pieces shrunk to
+        empty boxes (piece indices stay those of the gen ranks)."""
+        return [[_emptied(m) if (r, i) in self.forwarded else m for i, m in enumerate(metas)]
+                for r, metas in enumerate(gen_metas)]
 
     @property
     def digest(self) -> str:
-        """What the plan's fingerprint hashes of the relay: waves, parents and relay messages."""
-        if self.within_nodes:
-            return f"forward:{self.node_ranks}:{self.schedule.fingerprint}"
-        return f"relay:{self.replica_size}:{self.waves.waves}:{self.waves.parent}:{self.schedule.fingerprint}"
+        """What the plan's fingerprint hashes of node forwarding (its messages)."""
+        return f"forward:{self.node_ranks}:{self.schedule.fingerprint}"
 
     def lines(self) -> list[str]:
         if self.within_nodes:
             s = self.schedule.summary
             return [f"forwarding:   within nodes of {self.node_ranks} gen ranks: {s.messages} messages, "
                     f"{format_bytes(s.bytes)} over the nodes' links in {s.rounds} round(s)"]
-        sizes = " + ".join(str(len(w)) for w in self.waves.waves)
-        return [f"relay:        {self.waves.replicas} replicas of {self.replica_size} gen rank(s) in "
-                f"{len(self.waves.waves)} waves ({sizes}); {self.schedule.summary.messages} relay messages"]
+        tree = self.tree
+        shape = ("chains" if all(len(tree.children(r)) <= 1 for r in range(tree.replicas))
+                 else f"a tree of fanout {max(len(tree.children(r)) for r in range(tree.replicas))}")
+        return [f"relay:        {tree.replicas} replicas of {self.replica_size} gen rank(s): {len(tree.roots)} fed by "
+                f"the trainers, the others pipelined down {shape} ({len(tree.levels) - 1} hop(s) deep); "
+                f"{self.schedule.summary.messages} relay messages"]
 
 
 def _emptied(meta: PieceMeta) -> PieceMeta:
@@ -156,46 +240,6 @@ def _check_replicas(gen_metas: Sequence[Sequence[PieceMeta]], replicas: int) -> 
             raise PlanError(f"relay: gen rank {rank} (replica {rank // size}) has other destination pieces "
                             f"than gen rank {first} (replica 0): replicas must hold identical layouts to relay")
     return size
-
-
-def plan_relay(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]], bucket_bytes: int,
-               formation: MessageOptions | None = None, *, expert_groups: Collection[str] = ()) -> RelayPlan | None:
-    """The relay plan for ``options`` over the (expert-grouped) gen metadata, or None when relay is off.
-
-    Deterministic for the same input, so every rank computes the same plan.
-    """
-    if not options.active:
-        return None
-    if options.forwards_within_nodes:
-        return plan_node_forwarding(options.node_ranks, gen_metas, bucket_bytes, formation,
-                                    expert_groups=expert_groups, min_bytes=options.forward_min_bytes)
-    quantized = sorted({m.spec.name for metas in gen_metas for m in metas if m.spec.quant is not None})
-    if quantized:
-        raise PlanError(f"relay: quantized destinations ({', '.join(quantized[:3])}"
-                        f"{', ...' if len(quantized) > 3 else ''}) cannot be relayed yet; run without relay")
-    size = _check_replicas(gen_metas, options.replicas)
-    waves = plan_waves(options.replicas, options.direct, options.fanout)
-    rounds: list[list[Message]] = []
-    wave_rounds = []
-    for members in waves.waves[1:]:
-        transfers = []
-        for child in members:
-            parent = waves.parent[child]
-            for i in range(size):
-                src, dst = parent * size + i, child * size + i
-                for piece, meta in enumerate(gen_metas[src]):
-                    if meta.box.numel == 0:
-                        continue
-                    whole = Box((0,) * len(meta.box.sizes), meta.box.sizes)
-                    transfers.append(Transfer(meta.spec.name, src, piece, whole, dst, piece, whole, meta.spec.dtype))
-        wave = build_schedule(transfers, len(gen_metas), len(gen_metas), bucket_bytes, formation,
-                              expert_groups=expert_groups)
-        rounds += wave.rounds
-        wave_rounds.append(len(wave.rounds))
-    world = len(gen_metas)
-    schedule = Schedule(world, world, bucket_bytes, rounds, digest_rounds(world, world, bucket_bytes, rounds),
-                        summarize(rounds))
-    return RelayPlan(size, waves, schedule, tuple(wave_rounds))
 
 
 _Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # a tensor's name, a box's offsets and sizes
@@ -262,7 +306,7 @@ def plan_node_forwarding(node_ranks: int, gen_metas: Sequence[Sequence[PieceMeta
     if not transfers:
         return None
     schedule = build_schedule(transfers, world, world, bucket_bytes, formation, expert_groups=expert_groups)
-    return RelayPlan(world, plan_waves(1, 1), schedule, (len(schedule.rounds),), node_ranks, frozenset(forwarded))
+    return RelayPlan(world, plan_tree(1, 1), schedule, node_ranks, frozenset(forwarded))
 
 
 def _nbytes(meta: PieceMeta) -> int:
@@ -280,4 +324,5 @@ def check_relay_pairs(relay: RelayPlan, gen_places: Sequence[Placement]) -> None
                                 "GPUs, or run without relay")
 
 
-__all__ = ["RelayPlan", "Waves", "check_relay_pairs", "plan_node_forwarding", "plan_relay", "plan_waves"]
+__all__ = ["RelayPlan", "RelayTree", "ReplicaTree", "check_relay_pairs", "plan_node_forwarding", "plan_tree",
+           "relay_down_tree", "replica_tree"]

@@ -226,8 +226,8 @@ def simulate(schedule: Schedule, topology: Topology, placement: GpuPlacement | N
                      "within nodes avoids, so the prediction can beat it")
     elif relay is not None:
         relay_s = sum(rounds[len(schedule.rounds):])
-        notes.append(f"relay:        {len(relay.waves.waves) - 1} relay wave(s) after the trainers' "
-                     f"{len(relay.waves.waves[0])} replica(s): {format_duration(relay_s)} of the predicted time")
+        notes.append(f"relay:        {len(relay.tree.levels) - 1} relay level(s) below the trainers' "
+                     f"{len(relay.tree.roots)} replica(s): {format_duration(relay_s)} of the predicted time")
     return Simulation(topology, placement, dict(link_bytes), dict(load), rounds, bound, sender_bound,
                       bytes=sum(link_bytes.values()), notes=notes)
 

@@ -130,6 +130,8 @@ class Phase(StrEnum):
     PACK = "pack"
     TRANSFER = "transfer"
     UNPACK = "unpack"
+    FORWARD = "forward"
+    """A relaying rank sends a round it received on to the replicas below it."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ class Timeline:
         self.device = device
         self.round = -1
         """The round the executor is posting now (the transport labels its spans with it)."""
+        self.phase = Phase.TRANSFER
+        """What the executor's exchange of that round does (:attr:`Phase.TRANSFER` or :attr:`Phase.FORWARD`)."""
         self._raw: list[tuple[str, Phase, int, Stamp, Stamp]] = []
         self._t0 = 0.0
         self._e0: torch.cuda.Event | None = None
@@ -224,7 +228,7 @@ class Timeline:
     def transferred(self, stream: torch.cuda.Stream, start: Stamp, end: Stamp) -> None:
         """A transport's span of the current round on ``stream`` (one lane per stream, by first use)."""
         lane = self._stream_lanes.setdefault(id(stream), f"transfer {len(self._stream_lanes)}")
-        self.add(lane, Phase.HEADER if self.round < 0 else Phase.TRANSFER, self.round, start, end)
+        self.add(lane, Phase.HEADER if self.round < 0 else self.phase, self.round, start, end)
 
     def observe(self, fence: Fence, lane: str, phase: Phase, round: int, posted: float) -> Fence:
         """On the host path: ``fence``, whose completion (when first seen) ends a span begun at ``posted``."""

@@ -40,7 +40,7 @@ def _parts(train: list[list[PieceMeta]], gen: list[list[PieceMeta]], **options) 
     facts = rankplan.PlanFacts(schedule.fingerprint, len(train), len(gen), schedule.bucket_bytes, schedule.summary,
                                True, {TRAIN: {}, GEN: {}},
                                None if relay is None else rankplan.RelayFacts(
-                                   relay.replica_size, relay.waves, relay.wave_rounds, relay.schedule.fingerprint,
+                                   relay.replica_size, relay.tree, relay.schedule.fingerprint,
                                    relay.schedule.summary))
     record = rankplan.facts_to_wire(facts)
     parts = []
@@ -89,9 +89,9 @@ def test_relayed_ranks_get_their_incoming_and_outgoing_relay_messages():
     _, parts = _parts([[PieceMeta(spec, Box((0, 0), (8, 4)))]], gen, relay={"replicas": 4, "direct": 1, "fanout": 1})
     by_rank = {p.rank: p for p in parts if p.side == GEN}
     assert by_rank[0].rounds and not by_rank[0].relay_in and by_rank[0].relay_out  # fed by the trainer, forwards
-    assert not by_rank[3].rounds and by_rank[3].relay_in and not by_rank[3].relay_out  # the last wave
+    assert not by_rank[3].rounds and by_rank[3].relay_in and not by_rank[3].relay_out  # the chain's end
     relay = by_rank[1].relay_plan()
-    assert relay is not None and relay.waves.waves == ((0,), (1,), (2, 3))
+    assert relay is not None and relay.tree.parent == (-1, 0, 1, 2)
     assert relay.schedule.rounds_of_destination(1) == by_rank[1].relay_in
     assert relay.schedule.rounds_of_source(1) == by_rank[1].relay_out
 

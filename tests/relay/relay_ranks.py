@@ -35,7 +35,7 @@ def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, di
         out: dict = {"fingerprint": schedule.fingerprint, "steps": [],
                      "train_peers": sorted({m.dst for msgs in schedule.rounds for m in msgs}),
                      "train_bytes": sum(m.nbytes for msgs in schedule.rounds for m in msgs),
-                     "waves": endpoint.relay.waves.waves if endpoint.relay else None,
+                     "levels": endpoint.relay.tree.levels if endpoint.relay else None,
                      "relay_messages": endpoint.relay.schedule.summary.messages if endpoint.relay else 0,
                      "relay_pairs": sorted({(m.src, m.dst) for msgs in endpoint.relay.schedule.rounds for m in msgs})
                      if endpoint.relay and rank >= train_ranks else []}

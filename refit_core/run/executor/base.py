@@ -128,18 +128,18 @@ class RoundRunner:
         return Mark(self._timeline, phase, index) if self._timeline is not None else None
 
     def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-                  after: Sequence[Fence], index: int) -> Fence:
-        """The transport's exchange of round ``index`` (-1: the header), recorded when asked to."""
+                  after: Sequence[Fence], index: int, phase: Phase = Phase.TRANSFER) -> Fence:
+        """The transport's exchange of round ``index`` (-1: the header), recorded as ``phase`` when asked to."""
         timeline = self._timeline
         control = index < 0
         if timeline is None:
             return self.transport.exchange(sends, recvs, after=after, control=control)
-        timeline.round = index
+        timeline.round, timeline.phase = index, phase
         posted = time.perf_counter()
         fence = self.transport.exchange(sends, recvs, after=after, control=control)
         if self.transport.records_spans:
             return fence
-        return timeline.observe(fence, "transfer", Phase.HEADER if index < 0 else Phase.TRANSFER, index, posted)
+        return timeline.observe(fence, "transfer", Phase.HEADER if index < 0 else phase, index, posted)
 
     def _exchange_header(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                          after: Sequence[Fence]) -> Fence:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -13,10 +14,13 @@ from refit_core.contract.failures import UpdateMode
 from refit_core.net.transport import Fence, Transport
 from refit_core.plan.items import Message, Segment
 from refit_core.run.copies import StagingCopies
-from refit_core.run.executor.base import RoundRunner, StepStats
+from refit_core.run.executor.base import ExecutorSettings, RoundRunner, StepCount, StepStats
+from refit_core.run.executor.headers import HeaderScope, PostedHeaders, StepHeaders
 from refit_core.run.executor.rounds import buffer_views, pack
 from refit_core.run.executor.send import SendExecutor
 from refit_core.run.timing import Phase, Timeline
+
+Pairs = list[tuple[int, torch.Tensor]]
 
 
 class ReceiveExecutor(RoundRunner):
@@ -24,12 +28,29 @@ class ReceiveExecutor(RoundRunner):
 
     In place, a step lands straight in the destinations. Staged, it lands in a step-wide staging buffer
     only; :meth:`commit` then writes the destinations, or :meth:`discard` drops it.
+
+    A relaying rank (``forward_to``: the global ranks of its children in the relay tree,
+    :mod:`refit_core.plan.relay`) sends every operation of a round on to each child as soon as that round
+    landed here, ordered after its receive by the transport's fences (CUDA events: no host wait), while
+    the next rounds still arrive. Its children receive the same operations, round for round; the step's
+    header goes to them once this rank learned the version.
     """
 
     _landed: tuple[torch.Tensor, list[int]] | None = None
     _commit_copies: StagingCopies | None = None
     """Staged mode: every round's copies from the step-wide buffer into the destinations, planned at the
     first commit (the buffer's layout is the same every step, its address need not be)."""
+
+    def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int,
+                 settings: ExecutorSettings, *, scope: HeaderScope = HeaderScope(), steps: StepCount | None = None,
+                 forward_to: Sequence[int] = ()) -> None:
+        super().__init__(rounds, transport, peer_offset, settings, scope=scope, steps=steps)
+        self.forward_to = tuple(forward_to)
+        self._children = (StepHeaders(settings.fingerprint, self.device, 0, HeaderScope(), list(self.forward_to))
+                          if self.forward_to else None)
+        """The children's header exchange (None: this rank relays to none)."""
+        self._unchecked: PostedHeaders | None = None
+        """The children's headers of this step, posted and not yet checked."""
 
     def _peer(self, m: Message) -> int:
         return m.src
@@ -49,31 +70,38 @@ class ReceiveExecutor(RoundRunner):
         self._begin(timeline)
         headers, ready = self._post_headers(version_hint, "the engine's pending work")
         if self.mode is UpdateMode.STAGED:
-            return self._run_staged(self._check_headers(headers, version_hint, deadline), version_hint, start,
-                                    deadline, ready)
+            version = self._check_headers(headers, version_hint, deadline)
+            self._post_children_headers(version)
+            return self._run_staged(version, version_hint, start, deadline, ready)
         buffers = self._buffers()
         version = self._check_headers(headers, version_hint, deadline)
-        free: list[Fence | None] = [None] * len(buffers)
+        self._post_children_headers(version)
+        free: list[list[Fence]] = [[] for _ in range(len(buffers))]
         pending: list[Fence] = []
         staged = 0
         for index, plan in enumerate(self.plans):
             touched |= plan.direct_pieces
             if not plan.staged_bytes:  # straight into the weights: after the engine's pending work
-                pending.append(self._exchange([], plan.pairs(None), [ready], index))
+                pairs = plan.pairs(None)
+                received = self._exchange([], pairs, [ready], index)
+                pending += [received, *self._forward(pairs, received, index, deadline)]
                 continue
             slot = staged % len(buffers)
             staged += 1
             buffer = buffers[slot]
             previous = free[slot]
-            self._settle(previous, deadline)
-            received = self._exchange([], plan.pairs(buffer), [ready] if previous is None else [ready, previous], index)
+            for fence in previous:
+                self._settle(fence, deadline)
+            pairs = plan.pairs(buffer)
+            received = self._exchange([], pairs, [ready, *previous], index)
+            forwarded = self._forward(pairs, received, index, deadline)
             self._settle(received, deadline)
             touched |= plan.staged_pieces
             assert plan.copies is not None
             unpacked = self.lane.run(partial(plan.copies.run, buffer), after=[received],
                                      mark=self._mark(Phase.UNPACK, index))
-            free[slot] = unpacked
-            pending += [received, unpacked]
+            free[slot] = [unpacked, *forwarded]
+            pending += [received, unpacked, *forwarded]
         self.headers.prepare_next(version_hint, self.step)
         self._finish(pending, deadline)
         self._end()
@@ -89,8 +117,12 @@ class ReceiveExecutor(RoundRunner):
             offsets.append(total)
             total += plan.staged_bytes
         buffer = self.lane.allocate(total, self.device)
-        pending = [self._exchange([], plan.pairs(buffer[off:off + plan.staged_bytes]), [ready], index)
-                   for index, (plan, off) in enumerate(zip(self.plans, offsets)) if plan.posts]
+        pending: list[Fence] = []
+        for index, (plan, off) in enumerate(zip(self.plans, offsets)):
+            if plan.posts:
+                pairs = plan.pairs(buffer[off:off + plan.staged_bytes])
+                received = self._exchange([], pairs, [ready], index)
+                pending += [received, *self._forward(pairs, received, index, deadline)]
         self.headers.prepare_next(version_hint, self.step)
         self._finish(pending, deadline)
         self._end()
@@ -98,6 +130,25 @@ class ReceiveExecutor(RoundRunner):
         stats = self._stats(version, start, [])
         stats.staging_bytes = total
         return stats
+
+    def _post_children_headers(self, version: int) -> None:
+        """A relaying rank: send this step's header (the trainers' ``version``) to its children and post the
+        receives of theirs, checked before the first forward."""
+        if self._children is not None:
+            self._unchecked, _ = self._children.post(self._exchange_header, version, self.step,
+                                                     "the engine's pending work")
+
+    def _forward(self, pairs: Pairs, received: Fence, index: int, deadline: float) -> list[Fence]:
+        """Send round ``index``'s operations (``pairs``, as this rank received them) on to every child once
+        ``received`` completed; the children's headers are checked first (empty: no children)."""
+        if self._children is None:
+            return []
+        if self._unchecked is not None:
+            posted, self._unchecked = self._unchecked, None
+            self._children.check(posted, -1, self.step, lambda: self._remaining(deadline))
+        self._settle(received, deadline)  # the host path posts after it landed; CUDA orders by the event
+        sends = [(child, tensor) for child in self.forward_to for _, tensor in pairs]
+        return [self._exchange(sends, [], [received], index, Phase.FORWARD)]
 
     def commit(self, touched: set[int] | None = None) -> None:
         """Staged mode: copy the landed step into the destinations, adding them to ``touched`` first (in
