@@ -9,6 +9,7 @@ overwrite another's).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -74,8 +75,45 @@ def check_no_overlap(names: Sequence[str], views: Sequence[torch.Tensor]) -> Non
             cluster_end = max(cluster_end, hi)
 
 
+BLOCKS_AT_MOST = 1 << 20
+"""Contiguous blocks a cluster's views may be cut into for the fast check; past that, bytes are counted."""
+
+
+def _blocks(view: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+    """The view as equal contiguous blocks: the ``(size, stride)`` of the dimensions outside its innermost
+    contiguous block, and that block's length (elements)."""
+    dims = [(n, st) for n, st in zip(view.shape, view.stride()) if n > 1]
+    block = 1
+    while dims and dims[-1][1] == block:
+        block *= dims.pop()[0]
+    return dims, block
+
+
+def _disjoint(views: Sequence[torch.Tensor], members: list[int]) -> bool | None:
+    """Whether the members' views share no byte, none with itself included (exact: their contiguous blocks,
+    sorted, never start before an earlier one ends); None if that is too many blocks to list."""
+    layouts = [_blocks(views[i]) for i in members]
+    if sum(math.prod(n for n, _ in dims) for dims, _ in layouts) > BLOCKS_AT_MOST:
+        return None
+    starts, ends = [], []
+    for i, (dims, block) in zip(members, layouts):
+        first = torch.zeros(1, dtype=torch.int64)
+        for n, st in dims:
+            first = (first[:, None] + torch.arange(n, dtype=torch.int64) * st).flatten()
+        size = views[i].element_size()
+        first = first * size + views[i].data_ptr()
+        starts.append(first)
+        ends.append(first + block * size)
+    start, order = torch.cat(starts).sort()
+    end = torch.cat(ends)[order]
+    return bool((start[1:] >= end[:-1].cummax(0).values).all())
+
+
 def _check_cluster(names: Sequence[str], views: Sequence[torch.Tensor], members: list[int]) -> None:
-    """Count, per byte of the cluster's span, the views covering it (addresses only, any device)."""
+    """Prove the cluster's views disjoint from their contiguous blocks; else (they overlap, or are cut in too
+    many blocks) count, per byte of the cluster's span, the views covering it (addresses only, any device)."""
+    if _disjoint(views, members):
+        return
     lo = min(_span(views[i])[0] for i in members)
     hi = max(_span(views[i])[1] for i in members)
     counts = torch.zeros(hi - lo, dtype=torch.uint8)
