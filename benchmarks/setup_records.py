@@ -16,6 +16,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from refit_core.contract.backend import GEN, TRAIN
@@ -29,6 +30,8 @@ from refit_core.net import wire
 from refit_core.plan import codec, rankplan
 from refit_core.plan.links import Link
 from refit_core.plan.planning import plan_with_relay
+from refit_core.plan.relay import RelayPlan
+from refit_core.plan.schedule import Schedule
 
 CASES = [
     ("llama-3-8b-shape", "dtensor:fsdp=8,tp=2", "vllm:tp=4,dp=2"),
@@ -36,7 +39,22 @@ CASES = [
 ]
 
 
-def measure(model: str, train: str, gen: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Planned:
+    """A case planned from metadata as train rank 0 plans it: every rank's (expert-grouped) piece metadata,
+    the schedule and its relay, and the planner's time."""
+
+    metas: dict[str, list[list[PieceMeta]]]
+    counts: dict[str, dict[str, int]]
+    schedule: Schedule
+    relay: RelayPlan | None
+    plan_s: float
+    metadata_bytes: int
+
+
+def plan_case(model: str, train: str, gen: str) -> Planned:
+    """Plan ``model`` (a shape :func:`load_config` knows) from ``train`` to ``gen`` (``backend:layout``)
+    over the plugins' layout hooks: no model is built."""
     pm = get_plugin_manager()
     config = load_config(model)
     (tb, tl), (gb, gl) = parse_backend_layout(train), parse_backend_layout(gen)
@@ -54,19 +72,26 @@ def measure(model: str, train: str, gen: str) -> dict[str, Any]:
     grouped = {side: group_side(metas[side], pm.expert_name) for side in (TRAIN, GEN)}
     schedule, relay = plan_with_relay(grouped[TRAIN].metas, grouped[GEN].metas, settings,
                                       expert_groups=set(grouped[TRAIN].counts) | set(grouped[GEN].counts))
-    plan_s = time.perf_counter() - began
+    return Planned({side: grouped[side].metas for side in (TRAIN, GEN)},
+                   {side: grouped[side].counts for side in (TRAIN, GEN)}, schedule, relay,
+                   time.perf_counter() - began, metadata)
+
+
+def measure(model: str, train: str, gen: str) -> dict[str, Any]:
+    planned = plan_case(model, train, gen)
+    schedule, relay = planned.schedule, planned.relay
     links = {(m.src, m.dst): Link.NETWORK for msgs in schedule.rounds for m in msgs}
     facts = rankplan.PlanFacts(schedule.fingerprint, schedule.num_src, schedule.num_dst, schedule.bucket_bytes,
-                               schedule.summary, True, {side: grouped[side].counts for side in (TRAIN, GEN)}, None)
+                               schedule.summary, True, planned.counts, None)
     began = time.perf_counter()
     record = rankplan.facts_to_wire(facts)
     sizes = [len(wire.encode(rankplan.to_wire(part, record)))
-             for part in rankplan.rank_plans(facts, schedule, relay, links,
-                                             {side: grouped[side].metas for side in (TRAIN, GEN)}, {})]
+             for part in rankplan.rank_plans(facts, schedule, relay, links, planned.metas, {})]
     slice_s = time.perf_counter() - began
-    return {"case": f"{model} {train} -> {gen}", "world": tl.world_size + gl.world_size,
-            "segments": schedule.summary.segments, "plan_s": plan_s, "slice_s": slice_s, "published": sum(sizes),
-            "record_max": max(sizes), "record_median": statistics.median(sizes), "metadata": metadata}
+    return {"case": f"{model} {train} -> {gen}", "world": schedule.num_src + schedule.num_dst,
+            "segments": schedule.summary.segments, "plan_s": planned.plan_s, "slice_s": slice_s,
+            "published": sum(sizes), "record_max": max(sizes), "record_median": statistics.median(sizes),
+            "metadata": planned.metadata_bytes}
 
 
 def main() -> int:
