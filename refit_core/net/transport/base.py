@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -83,6 +84,30 @@ class DoneFence(Fence):
         pass
 
 
+@dataclass
+class TransportCounters:
+    """What a transport posted since it opened, as it counts itself: data operations and their bytes each
+    way, and control exchanges (step headers) apart. What shows that a relay's trainer sends each byte
+    once per step, whatever the number of replicas."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    sends: int = 0
+    receives: int = 0
+    control_exchanges: int = 0
+
+    def add(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+            control: bool) -> None:
+        """Count one exchange."""
+        if control:
+            self.control_exchanges += 1
+            return
+        self.sends += len(sends)
+        self.receives += len(recvs)
+        self.sent_bytes += sum(t.nbytes for _, t in sends)
+        self.received_bytes += sum(t.nbytes for _, t in recvs)
+
+
 class Transport(ABC):
     """Grouped point-to-point exchange among the ranks of one refit.
 
@@ -99,6 +124,8 @@ class Transport(ABC):
     on CUDA streams records each exchange's span there (:meth:`SpanRecorder.transferred`)."""
     records_spans = False
     """True when this transport records its own spans on a timeline (else the executor observes fences)."""
+    counters: TransportCounters | None = None
+    """What it posted since it opened (None: this transport does not count; gloo and nccl do)."""
 
     @abstractmethod
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
@@ -141,4 +168,5 @@ def check_contiguous(pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
             raise TransferError(f"refit bug: non-contiguous buffer for peer {peer} handed to a collective")
 
 
-__all__ = ["DoneFence", "Fence", "SpanRecorder", "Stamp", "Transport", "check_contiguous", "spin_until"]
+__all__ = ["DoneFence", "Fence", "SpanRecorder", "Stamp", "Transport", "TransportCounters", "check_contiguous",
+           "spin_until"]

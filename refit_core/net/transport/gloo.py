@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from refit_core.contract.errors import TransferError
 from refit_core.contract.options import TransportKind
-from refit_core.net.transport.base import Fence, Transport, check_contiguous
+from refit_core.net.transport.base import TransportCounters, Fence, Transport, check_contiguous
 from refit_core.net.transport.kind import TransportContext, TransportType
 from refit_core.net.transport.watch import FIRST_CHECK_S, MAX_CHECK_S, PeerWatch
 
@@ -184,6 +184,7 @@ class GlooTransport(Transport):
         self._waiter = _Waiter(rank)
         self._broken: str | None = None  # why this transport gave up on a step; it posts nothing more
         self._in_flight = 0  # fences posted and not yet waited for
+        self.counters: TransportCounters = TransportCounters()
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                  after: Sequence[Fence] = (), *, control: bool = False) -> Fence:
@@ -201,6 +202,7 @@ class GlooTransport(Transport):
         for peer, tensor in sends:
             works.append((peer, self._post(pg.send, tensor, peer)))
         self._in_flight += bool(works)
+        self.counters.add(sends, recvs, control)
         return _WorkFence(works, self)
 
     def _post(self, operation: Callable[[list[torch.Tensor], int, int], dist.Work], tensor: torch.Tensor,

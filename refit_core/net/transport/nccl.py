@@ -55,7 +55,7 @@ from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.nccl_options import NcclBackend, NcclChoice, NcclOptions
 from refit_core.contract.options import TransportKind
 from refit_core.net.keys import NCCL_PREFIX, nccl_comm_key, nccl_gpu_key
-from refit_core.net.transport.base import Fence, Transport, check_contiguous, spin_until
+from refit_core.net.transport.base import Fence, Transport, TransportCounters, check_contiguous, spin_until
 from refit_core.net.transport.kind import TransportContext, TransportType
 from refit_core.net.transport.nccl_comms import (
     Communicator,
@@ -194,6 +194,7 @@ class NcclTransport(Transport):
         """Asked while a fence is slow (NCCL never reports a dead peer process: its kernels just wait)."""
         self._watching = _Cadence()
         self._in_flight = 0  # fences posted and not yet seen complete
+        self.counters: TransportCounters = TransportCounters()
         self._broken: str | None = None
         store = dist.PrefixStore(NCCL_PREFIX, store)
         uuid = str(torch.cuda.get_device_properties(device).uuid)
@@ -313,6 +314,7 @@ class NcclTransport(Transport):
             event.record(stream)
             events.append(event)
         self._in_flight += 1
+        self.counters.add(sends, recvs, control)
         return _NcclFence(events, self, peers)
 
     def check(self, peers: Sequence[int] = ()) -> None:
