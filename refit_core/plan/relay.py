@@ -167,8 +167,9 @@ def _as_forwarded(m: Message) -> tuple[Segment, ...]:
         values = next(destinations)
         if src.scales is None:
             out.append(values)
-        else:
-            out += [dataclasses.replace(values, scales=src.scales), next(destinations)]
+        else:  # as a quantizing sender's: the values' segment, its scales' segment following in dst_segments
+            out.append(dataclasses.replace(values, scales=src.scales))
+            next(destinations)
     return tuple(out)
 
 

@@ -33,8 +33,9 @@ def fp8_refit_rank(rank: int, world: int, address: str, job: dict[str, Any]) -> 
             endpoint = RefitSender(model, rendezvous=address, rank=rank, world_size=job["train_tp"],
                                    options=options, plugins=plugins)
         else:
-            local = rank - job["train_tp"]
-            model = VllmStyleModel(config, tp=job["gen_tp"], rank=local, device=device, fp8_block=job["block"])
+            local = rank - job["train_tp"]  # with job["replicas"], consecutive engines of gen_tp ranks each
+            model = VllmStyleModel(config, tp=job["gen_tp"], rank=local % job["gen_tp"], device=device,
+                                   fp8_block=job["block"])
             model.poison()
             endpoint = RefitReceiver(model, rendezvous=address, rank=local, world_size=world - job["train_tp"],
                                      options=options, plugins=plugins)

@@ -100,3 +100,19 @@ def test_colocated_pairs_quantize_from_the_trainers_memory(block):
     gen = _gen(results)
     assert gen and all(r["mismatches"] == [] and r["version"] == 1 for r in gen), results
     assert results[0]["sender_quantized"]
+
+
+def test_relayed_replicas_get_the_quantized_bytes_and_quantize_the_rest_themselves():
+    """TP 2 -> 3 replicas of TP 1, a chain fed by the trainers through replica 0, 128 x 128 blocks: what the
+    trainers quantize (the MLP) is forwarded as FP8 values and scales; what the receivers quantize (q/k/v,
+    whose shards split blocks) is forwarded in BF16 and every replica quantizes it itself. Every replica
+    bitwise."""
+    job = {"model": "tiny-llama", "train_tp": 2, "gen_tp": 1, "block": (128, 128), "config": BF16,
+           "options": {"relay": {"replicas": 3, "direct": 1}}}
+    results = spawn(fp8_refit_rank, 5, f"127.0.0.1:{free_port()}", job, timeout_s=240)
+    assert not [r["error"] for r in results if "error" in r], results
+    gen = _gen(results)
+    assert len(gen) == 3 and all(r["mismatches"] == [] and r["version"] == 1 for r in gen)
+    assert all(set(r["receiver_quantized"]) >= {"self_attn.q_proj.weight"} for r in gen)
+    sent = {n for r in results for n in r["sender_quantized"]}
+    assert {"mlp.down_proj.weight"} <= sent and not sent & set(gen[2]["receiver_quantized"])

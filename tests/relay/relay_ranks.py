@@ -3,22 +3,28 @@ one replica each, or one engine sharded over ``engine_ranks`` ranks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+
+import torch
 
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
 
 from refit_core import RefitOptions, RefitReceiver, RefitSender
 from refit_core.kit.verify import mismatches
+from refit_core.run.timing import Timeline
 
 
 def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, die_after_setup: int | None = None,
-                timeout_s: float = 30, train_ranks: int = 1, engine_ranks: int = 1) -> dict | tuple:
+                timeout_s: float = 30, train_ranks: int = 1, engine_ranks: int = 1, options: dict | None = None,
+                record: bool = False) -> dict | tuple:
     """Run one rank; returns what it saw per step, or ``("error", type, message, torn)``.
 
     ``engine_ranks`` 1: every gen rank is a whole engine (identical replicas); above 1, the gen ranks
-    are one engine, sharded (its fused ``qkv`` and norm replicated on every rank)."""
-    options = RefitOptions(timeout_s=timeout_s, relay=relay)
+    are one engine, sharded (its fused ``qkv`` and norm replicated on every rank). ``options``: more
+    RefitOptions; ``record``: each step's spans (gen ranks) and the transport's counters (every rank)."""
+    options = RefitOptions(timeout_s=timeout_s, relay=relay, **(options or {}))
     endpoint: RefitSender | RefitReceiver
     try:
         if rank < train_ranks:
@@ -39,6 +45,9 @@ def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, di
                      "relay_messages": endpoint.relay.schedule.summary.messages if endpoint.relay else 0,
                      "relay_pairs": sorted({(m.src, m.dst) for msgs in endpoint.relay.schedule.rounds for m in msgs})
                      if endpoint.relay and rank >= train_ranks else []}
+        if record:
+            endpoint.timeline = Timeline(torch.device("cpu"))
+            out["timelines"], out["counters"] = [], []
         for step in range(steps):
             if rank < train_ranks:
                 trainer.load(reference(0, step))
@@ -49,6 +58,12 @@ def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, di
                 pieces = endpoint.plugins.destination_map(engine).pieces
                 out["steps"].append({"version": stats.version, "engine_version": engine.version,
                                      "mismatches": mismatches(pieces, reference(0, step))})
+            if record:
+                counters = endpoint.transport.counters if endpoint.transport is not None else None
+                out["counters"].append(dataclasses.asdict(counters) if counters is not None else None)
+                timeline = endpoint.last_timeline
+                out["timelines"].append([(s.phase.value, s.round, s.start, s.end) for s in timeline.spans]
+                                        if timeline is not None else None)
         times = endpoint.setup_times
         out["setup"] = times.to_json() if times else None
         endpoint.close()

@@ -59,31 +59,63 @@ def test_node_forwarding_needs_in_place_mode_and_relay_leaves_fingerprints_alone
     assert RefitOptions(relay=RELAY).agreed_wire()["relay"] == RELAY
 
 
-def _run(steps=2, relay=RELAY, die_after_setup=None, timeout_s=30.0):
-    return spawn(relay_ranks, 5, f"127.0.0.1:{free_port()}", steps, relay, die_after_setup, timeout_s,
-                 timeout_s=180)
+def _run(steps=2, relay=RELAY, die_after_setup=None, timeout_s=30.0, options=None, record=False):
+    return spawn(relay_ranks, 5, f"127.0.0.1:{free_port()}", steps, relay, die_after_setup, timeout_s, 1, 1,
+                 options, record, timeout_s=180)
 
 
-def test_one_train_rank_feeds_one_replica_and_three_replicas_get_the_step_by_relay_bitwise():
-    results = _run(steps=2)
+PIPELINED = {"bucket_bytes": 1 << 12, "messages": {"direct_min_bytes": 1 << 11, "shared_max_bytes": 1 << 11}}
+"""Small buckets and messages: the toy step travels in several rounds, so forwarding overlaps arrival."""
+
+
+def test_a_chain_of_three_relayed_replicas_gets_each_step_bitwise_pipelined_message_by_message():
+    results = _run(steps=2, options=PIPELINED, record=True)
     errors = [r for r in results if isinstance(r, tuple)]
     assert not errors, errors
     assert len({r["fingerprint"] for r in results}) == 1
-    assert results[0]["train_peers"] == [0]  # the trainer sends to replica 0 only
-    assert results[0]["levels"] == ((0,), (1,), (2,), (3,))
-    assert results[0]["relay_messages"] > 0
-    for gen in results[1:]:
+    trainer, gens = results[0], results[1:]
+    assert trainer["train_peers"] == [0]  # the trainer sends to replica 0 only
+    assert trainer["levels"] == ((0,), (1,), (2,), (3,))
+    assert trainer["relay_messages"] > 0
+    for gen in gens:
         assert [s["mismatches"] for s in gen["steps"]] == [[], []]
         assert [(s["version"], s["engine_version"]) for s in gen["steps"]] == [(100, 100), (101, 101)]
         assert gen["setup"]["metadata_bytes"] > 0 and gen["setup"]["bind_s"] is not None
+    # the transports' own counters: the trainer sends each byte once per step, each replica receives it once
+    # and every replica but the last sends it on once, whatever the number of replicas
+    step_bytes = trainer["train_bytes"]
+    for step in range(2):
+        assert trainer["counters"][step]["sent_bytes"] == (step + 1) * step_bytes
+        for hop, gen in enumerate(gens):
+            counted = gen["counters"][step]
+            assert counted["received_bytes"] == (step + 1) * step_bytes, (hop, counted)
+            assert counted["sent_bytes"] == (0 if hop == 3 else (step + 1) * step_bytes), (hop, counted)
+    # the step's timeline: a relaying replica forwards its first round before its last round has landed
+    for gen in gens[1:3]:
+        for spans in gen["timelines"]:
+            received = [end for phase, _, _, end in spans if phase == "transfer"]
+            forwarded = [start for phase, _, start, _ in spans if phase == "forward"]
+            assert len(received) > 2 and forwarded, spans
+            assert min(forwarded) < max(received), spans
+
+
+def test_a_staged_tree_of_fanout_two_relays_bitwise_and_commits_every_replica():
+    results = _run(steps=2, relay={**RELAY, "fanout": 2}, options={**PIPELINED, "mode": "staged"})
+    errors = [r for r in results if isinstance(r, tuple)]
+    assert not errors, errors
+    assert results[0]["levels"] == ((0,), (1, 2), (3,))
+    for gen in results[1:]:
+        assert [s["mismatches"] for s in gen["steps"]] == [[], []]
+        assert [s["engine_version"] for s in gen["steps"]] == [100, 101]
 
 
 def test_relay_changes_the_fingerprint():
-    with_relay = _run(steps=1)
-    without = _run(steps=1, relay={"replicas": 4})
-    assert not any(isinstance(r, tuple) for r in with_relay + without), with_relay + without
-    assert with_relay[0]["fingerprint"] != without[0]["fingerprint"]
-    assert without[0]["train_peers"] == [0, 1, 2, 3]
+    gen = [_metas(8)] * 4
+    train = [_metas(8)]
+    with_relay, _ = plan_with_relay(train, gen, RefitOptions(bucket_bytes=1 << 20, relay=RELAY))
+    without, none = plan_with_relay(train, gen, RefitOptions(bucket_bytes=1 << 20, relay={"replicas": 4}))
+    chains, _ = plan_with_relay(train, gen, RefitOptions(bucket_bytes=1 << 20, relay={**RELAY, "direct": 2}))
+    assert none is None and len({with_relay.fingerprint, without.fingerprint, chains.fingerprint}) == 3
 
 
 def test_a_dead_relaying_replica_fails_the_step_on_its_parent_and_every_replica_below_it():
