@@ -12,6 +12,9 @@ class Method:
     ``info`` is what it reports beside its times."""
 
     name = ""
+    checked_by_checksum = False
+    """True for a method that moves raw bytes (the wire, the broadcast): checked by ``verify(checksum)``,
+    not by the engine's values."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx

@@ -8,6 +8,9 @@
 - ``packed`` (baseline B, NeMo-RL's packed broadcast): HF tensors are packed into buffers of about
   1 GiB, two in flight on two streams, broadcast, and unpacked tensor by tensor into the engine's
   layout (``packed_broadcast_producer`` / ``packed_broadcast_consumer``).
+- ``broadcast`` (runs by itself when ``--gen-dp`` > 1 and one train rank feeds the replicas): NCCL's
+  broadcast of one replica's bytes from the train rank to every replica, in buckets, the reference of a
+  fleet (:mod:`~refit_core.tools.bench.broadcast`).
 - ``refit``: :class:`~refit_core.RefitSender` / :class:`~refit_core.RefitReceiver` with a plan made once.
 - ``refit-quantize-after`` (FP8 destinations only; the baseline of sender-side quantization): refit
   lands BF16 in a BF16 copy of the engine's layout, then the engine quantizes every FP8 weight from
@@ -25,13 +28,15 @@ from collections.abc import Callable
 
 from refit_core.contract.options import RefitOptions
 from refit_core.tools.bench.baselines import PACKED_BUFFERS, PACKED_TARGET_BYTES, Packed, PerTensor
+from refit_core.tools.bench.broadcast import Broadcast
 from refit_core.tools.bench.comms import GlooComm, open_bench_comm
 from refit_core.tools.bench.hftensors import Parts, hf_tensors, materialize, scatter
 from refit_core.tools.bench.method import Method
 from refit_core.tools.bench.refit_methods import Refit, RefitQuantizeAfter
 from refit_core.tools.bench.wire import Wire, WireThenCopy
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (Wire, PerTensor, Packed, Refit, RefitQuantizeAfter)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (Wire, PerTensor, Packed, Refit, RefitQuantizeAfter,
+                                                          Broadcast)}
 BASELINES = ("wire", "per-tensor", "packed")
 """The methods that run between one train and one gen rank (the wire, with refit's pairs, on more)."""
 
@@ -92,7 +97,8 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
 """``refit@KEY=VALUE`` variant keys: the :class:`RefitOptions` setting each sets, and its parser."""
 
 __all__ = [  # the methods' homes are their own modules; these names stay importable from here
-    "BASELINES", "METHODS", "PACKED_BUFFERS", "PACKED_TARGET_BYTES", "VARIANT_SETTINGS", "GlooComm", "Method",
+    "BASELINES", "METHODS", "PACKED_BUFFERS", "PACKED_TARGET_BYTES", "VARIANT_SETTINGS", "Broadcast", "GlooComm",
+    "Method",
     "Packed", "Parts", "PerTensor", "Refit", "RefitQuantizeAfter", "Wire", "WireThenCopy", "hf_tensors",
     "is_baseline", "materialize", "method_class", "open_bench_comm", "scatter",
 ]

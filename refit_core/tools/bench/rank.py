@@ -2,9 +2,9 @@
 
 Each method runs on all ranks together: a store barrier with the GPUs idle, then the step; a step's time
 is the slowest rank's (the weights have landed when the last receiver is done). After each method the
-gen side checks every byte against the values drawn again on its GPU (the wire, which moves the trainer's
-bytes in its own layout, is checked by a checksum instead), and reports the peak GPU memory the method
-allocated beyond the model, and what was still allocated after it.
+gen side checks every byte against the values drawn again on its GPU (the wire and the broadcast, which
+move the trainer's bytes in their own layout, are checked by a checksum instead), and reports the peak GPU
+memory the method allocated beyond the model, and what was still allocated after it.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _join(rank: int, nprocs: int, job: dict[str, Any]) -> tuple[RankContext, Bar
                       device, model, model.nbytes, job["bucket_bytes"], job["num_buffers"], job["timeout_s"],
                       job["ports"], register(PluginManager(load_entry_points=False)), store=store,
                       first_gen=first_gen,
-                      extra={"timeline": job.get("timeline", False),
+                      extra={"timeline": job.get("timeline", False), "ranks": job["ranks"],
                              "devices": {r: spec["device"] for r, spec in enumerate(job["ranks"])}})
     store.set(f"bytes/{rank}", str(model.nbytes))
     barrier()
@@ -232,7 +232,7 @@ def _timed_steps(name: str, method: Any, ctx: RankContext, barrier: Barrier,
 def _check(name: str, method: Any, ctx: RankContext, job: dict[str, Any]) -> str | None:
     """What this rank, which took part in ``name``, says of the bytes that landed (None: nothing, as on a
     train rank)."""
-    if name.startswith("wire"):
+    if method.checked_by_checksum:
         check = method.verify(checksum)
         return check if check is not None and method.lanes else None
     if ctx.is_train:

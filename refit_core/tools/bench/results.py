@@ -1,5 +1,6 @@
 """A ``refit bench`` run's results: per method the slowest rank's median step, memory, checks and its
-ratio to the wire, summed up from every rank's entries, and the markdown table of them."""
+ratio to the wire (and, in a fleet, to the broadcast), summed up from every rank's entries, and the markdown
+table of them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any
 
 from refit_core.kit.models import checkpoint_specs, load_config
 from refit_core.tools.bench.methods import is_baseline
-from refit_core.tools.bench.validity import Ratio, check_ratio
+from refit_core.tools.bench.broadcast import NAME as BROADCAST
+from refit_core.tools.bench.validity import Ratio, Timed, same_bytes_ratio
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 def _setup_reads(s: dict[str, Any]) -> str:
@@ -36,10 +39,13 @@ def summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) ->
     received = sum(r["model_bytes"] for r in gen)
     rows = [_row(name, results, n_train, received) for name in job["methods"]]
     wire = next((r for r in rows if r["method"] == "wire"), None)
+    broadcast = next((r for r in rows if r["method"] == BROADCAST), None)
     for row in rows:
-        ratio = wire_ratio(row, wire)
+        ratio = wire_ratio(row, wire) if row is not broadcast else Ratio(None)  # the wire bounds no collective
         row["ratio_to_wire"] = ratio.value if ratio.valid else None
         row["ratio_to_wire_check"] = ratio.as_json()
+        if broadcast is not None and not is_baseline(row["method"]) and row is not broadcast:
+            row["ratio_to_broadcast_check"] = broadcast_ratio(row, broadcast).as_json()
         links = row.get("links")
         if links:
             total = sum(links.values())
@@ -51,7 +57,7 @@ def summarize(model: str, job: dict[str, Any], results: list[dict[str, Any]]) ->
         "train": [f"{r['device']} tp{r['tp']}:{r['tp_rank']}" for r in results[:n_train]],
         "gen": [f"{r['device']} tp{r['tp']}:{r['tp_rank']}" for r in gen],
         "device_names": sorted({r["device_name"] for r in results}),
-        "build_s": max(r["build_s"] for r in results), "rows": rows,
+        "build_s": max(r["build_s"] for r in results), "rows": rows, "broadcast_note": job.get("broadcast_note"),
     }
 
 
@@ -88,18 +94,44 @@ def _setup(setups: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _timed(row: dict[str, Any]) -> Timed:
+    return Timed(row["method"], row["time_s"], row["bytes"])
+
+
 def wire_ratio(row: dict[str, Any], wire: dict[str, Any] | None) -> Ratio:
     """``row``'s time against the wire's (1.0 = at the wire), a result only if both moved the same bytes
-    (the wire over refit's pairs) and ``row`` does not beat the wire (:func:`check_ratio`)."""
+    (the wire over refit's pairs) and ``row`` does not beat the wire (:func:`same_bytes_ratio`)."""
     if wire is None:
         return Ratio(None)
-    value = wire["time_s"] / row["time_s"] if row["time_s"] else None
-    problem = None
-    if wire["bytes"] != row["bytes"]:
-        problem = f"the wire moved {wire['bytes']:,} bytes, {row['method']} {row['bytes']:,}: not the same bytes"
-    elif wire["info"].get("wire_skipped_pairs"):
-        problem = f"the wire could not time pairs on one device {wire['info']['wire_skipped_pairs']}"
-    return check_ratio(value, "wire moving the same bytes over the same pairs", problem)
+    skipped = wire["info"].get("wire_skipped_pairs")
+    problem = f"the wire could not time pairs on one device {skipped}" if skipped else None
+    return same_bytes_ratio(_timed(row), _timed(wire), "wire moving the same bytes over the same pairs", problem)
+
+
+def broadcast_ratio(row: dict[str, Any], broadcast: dict[str, Any]) -> Ratio:
+    """``row``'s time against the broadcast's (1.0 = at the broadcast): a fleet's refit lands one replica's
+    bytes on every replica, as the broadcast does; a result only on the same bytes and if ``row`` does not
+    beat the broadcast (:func:`same_bytes_ratio`)."""
+    return same_bytes_ratio(_timed(row), _timed(broadcast), "broadcast of the same bytes to every replica")
+
+
+def _broadcast_lines(summary: dict[str, Any]) -> list[str]:
+    """The fleet's reference: what the broadcast moved and each refit method's time against it, or why the
+    broadcast did not run."""
+    if summary.get("broadcast_note"):
+        return ["", f"broadcast (the reference of a fleet) not run: {summary['broadcast_note']}"]
+    row = next((r for r in summary["rows"] if r["method"] == BROADCAST), None)
+    if row is None:
+        return []
+    info = row["info"]
+    lines = ["", f"broadcast (the reference of a fleet): {info['broadcast_bytes']:,} bytes from the train "
+                 f"rank to each of {info['broadcast_replicas']} replicas in {info['broadcast_buckets']} bucket(s) of "
+                 f"{info['broadcast_bucket_bytes'] / MiB:g} MiB, {row['time_s'] * 1e3:.1f} ms; x broadcast "
+                 "(method time / broadcast time, and the fraction of the broadcast's rate):"]
+    for r in summary["rows"]:
+        if "ratio_to_broadcast_check" in r:
+            lines.append(f"- {r['method']}: {Ratio.from_json(r['ratio_to_broadcast_check']).times_text()}")
+    return lines
 
 
 def _gib(n: int | None) -> str:
@@ -135,10 +167,11 @@ def table(summary: dict[str, Any]) -> str:
                          f"{s['pieces_s']:.2f} + metadata {s['metadata_s']:.2f} + plan {s['plan_s']:.2f} + agree "
                          f"{s['agree_s']:.2f} + transport {s['transport_s']:.2f} + bind {s['bind_s']:.2f} s; "
                          + _setup_reads(s))
+    lines += _broadcast_lines(summary)
     infos = [f"{r['method']}: {r['info']}" for r in summary["rows"] if r["info"]]
     if infos:
         lines += ["", *infos]
     return "\n".join(lines)
 
 
-__all__ = ["summarize", "table", "wire_ratio"]
+__all__ = ["broadcast_ratio", "summarize", "table", "wire_ratio"]

@@ -20,6 +20,7 @@ import torch
 
 from refit_core.kit.launch import free_port, spawn
 from refit_core.kit.models import PRESETS
+from refit_core.tools.bench.broadcast import with_broadcast
 from refit_core.tools.bench.fp8 import fp8_comparison, fp8_methods, fp8_table
 from refit_core.tools.bench.methods import BASELINES, METHODS, method_class
 from refit_core.tools.bench.rank import SAFE_ENV, WIRE_PLAN_KEY
@@ -40,7 +41,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         f"presets: {', '.join(PRESETS)})")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {', '.join(METHODS)} (default {DEFAULT_METHODS}; "
-                        "the baselines need one rank per side); refit@bucket=256M+buffers=2+direct=64M+"
+                        "the baselines need one rank per side; broadcast, the reference of a fleet, runs by "
+                        "itself with --gen-dp > 1 from one train rank); refit@bucket=256M+buffers=2+direct=64M+"
                         "zero_copy=0 is a refit variant")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--train-tp", type=int, default=1)
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lora:
         return _lora_bench(args)
     ranks = _ranks(args)
-    methods = _methods(args, one_to_one=len(ranks) == 2)
+    methods, broadcast_note = with_broadcast(_methods(args, one_to_one=len(ranks) == 2), ranks, args.train_tp)
     given = argv if argv is not None else sys.argv[1:]
     command = args.command or "refit bench " + " ".join(shlex.quote(a) for a in given)
     report: dict[str, Any] = {
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                      "gen_tp": args.gen_tp, "gen_dp": args.gen_dp},
         "models": [],
     }
+    if broadcast_note:
+        report["settings"]["broadcast"] = f"not run: {broadcast_note}"
     ok = True
     fp8_block = tuple(int(b) for b in args.fp8_block.split(",")) if args.fp8_block else None
     if fp8_block:
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((fp8_methods(methods), fp8_block))
         summaries = []
         for run_methods, block in runs:
-            summary, passed = _run(args, model, ranks, run_methods, block, report)
+            summary, passed = _run(args, model, ranks, run_methods, block, report, broadcast_note)
             summaries.append(summary)
             ok = ok and passed
         if fp8_block:
@@ -153,15 +157,17 @@ def _methods(args: argparse.Namespace, one_to_one: bool) -> list[str]:
 
 
 def _run(args: argparse.Namespace, model: str, ranks: list[dict[str, Any]], methods: list[str],
-         block: tuple[int, ...] | None, report: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+         block: tuple[int, ...] | None, report: dict[str, Any],
+         broadcast_note: str | None = None) -> tuple[dict[str, Any], bool]:
     """One spawn of every rank for ``model`` (``block``: into block-FP8): its summary, printed and added
-    to ``report``, and True when every method's result checked out."""
+    to ``report``, and True when every method's result checked out (``broadcast_note``: why the broadcast,
+    the reference of a fleet, did not run)."""
     job = {"model": model, "ranks": ranks, "num_train": args.train_tp, "methods": methods,
            "port": free_port(), "ports": {m: free_port() for m in methods}, "seed": args.seed,
            "bucket_bytes": args.bucket_mib * MiB if args.bucket_mib else None, "num_buffers": args.buffers,
            "warmup": args.warmup, "iters": args.iters, "min_iters": args.min_iters,
            "budget_s": args.budget_s, "timeout_s": args.timeout_s, "fp8_block": block,
-           "timeline": bool(args.timeline)}
+           "timeline": bool(args.timeline), "broadcast_note": broadcast_note}
     started = time.perf_counter()  # _worker: this module's, which benchmarks/kernel_gaps.py may have replaced
     results = spawn(_worker, len(ranks), job, env=SAFE_ENV, timeout_s=args.timeout_s * 4)
     summary = summarize(model, job, results)

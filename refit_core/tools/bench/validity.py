@@ -1,7 +1,8 @@
 """One check for every ratio the benchmarks print: a ratio of a bound is a result only if it is possible.
 
-A method cannot beat its physical bound (the wire moving the same bytes over the same pairs, one
-device copy of the same bytes): a ratio above ``TOLERANCE`` of its bound is a measurement error.
+A method cannot beat its physical bound (the wire moving the same bytes over the same pairs, NCCL's
+broadcast of the same bytes to every replica, one device copy of the same bytes): a ratio above
+``TOLERANCE`` of its bound is a measurement error, and a time ratio is one only on the same bytes.
 A copy bound is itself a measurement: one whose implied rate is under ``MIN_PLAUSIBLE`` of the device's
 nominal copy rate was timed cold (or disturbed), one above the nominal rate is impossible. Either way
 :func:`check_ratio` returns a :class:`Ratio` that prints as ``INVALID (reason)``, never as a number.
@@ -48,6 +49,13 @@ class Ratio:
             return f"INVALID ({self.reason})"
         return "-" if self.value is None else f"{self.value:.{digits}f}"
 
+    def times_text(self, digits: int = 3) -> str:
+        """The method's time as a multiple of the bound's and, in brackets, the fraction (``1.250x (0.800)``);
+        ``-`` or ``INVALID (reason)`` as :meth:`text`."""
+        if self.reason is not None or not self.value:
+            return self.text(digits)
+        return f"{1 / self.value:.{digits}f}x ({self.value:.{digits}f})"
+
     def as_json(self) -> dict[str, object]:
         return {"value": self.value, "valid": self.valid, "reason": self.reason}
 
@@ -86,3 +94,23 @@ def check_ratio(value: float | None, bound: str, bound_problem: str | None = Non
     if value > TOLERANCE:
         return Ratio(value, f"{value:.3f} of the {bound}: above the bound, a measurement error")
     return Ratio(value)
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A timed method (or bound): its name, median step seconds and the bytes a step landed."""
+
+    name: str
+    seconds: float
+    nbytes: int
+
+
+def same_bytes_ratio(method: Timed, bound: Timed, label: str, bound_problem: str | None = None) -> Ratio:
+    """``method``'s time against its ``bound``'s (``bound.seconds / method.seconds``: 1.0 = at the bound),
+    checked by :func:`check_ratio` (``label`` names the bound; ``bound_problem``: what is wrong with the
+    bound itself): a result only on the same bytes, which is said first."""
+    value = bound.seconds / method.seconds if method.seconds else None
+    if method.nbytes != bound.nbytes:
+        bound_problem = (f"the {bound.name} moved {bound.nbytes:,} bytes, {method.name} {method.nbytes:,}: "
+                         "not the same bytes")
+    return check_ratio(value, label, bound_problem)

@@ -6,7 +6,7 @@ no value check applies).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,18 @@ def checksum(data: torch.Tensor) -> int:
     return int(total.item())
 
 
+def verify_checksums(store: Any, is_sender: bool, lanes: Sequence[tuple[torch.Tensor, str]],
+                     checksum: Callable[[torch.Tensor], int]) -> str | None:
+    """A sender publishes each lane's checksum under its key; a receiver compares its own bytes' (None on a
+    sender)."""
+    if is_sender:
+        for data, key in lanes:
+            store.set(key, str(checksum(data)))
+        return None
+    bad = [key for data, key in lanes if int(store.get(key).decode()) != checksum(data)]
+    return "checksum ok" if not bad else f"CHECKSUM MISMATCH ({', '.join(bad)})"
+
+
 class Wire(Method):
     """The bound: the bytes refit moves, over the same (train rank, gen rank) pairs, all pairs at once,
     each pair one p2p of one contiguous buffer (``wire@ops=N``: cut into N operations of one NCCL
@@ -35,6 +47,7 @@ class Wire(Method):
 
     name = "wire"
     ops = 1
+    checked_by_checksum = True
 
     buffer: torch.Tensor | None = None
 
@@ -92,13 +105,8 @@ class Wire(Method):
 
     def verify(self, checksum: Callable[[torch.Tensor], int]) -> str | None:
         """Senders publish each pair's checksum; receivers compare theirs (None on a sender)."""
-        store = self.ctx.store
-        if self.ctx.is_train:
-            for _, data, _, key in self.lanes:
-                store.set(key, str(checksum(data)))
-            return None
-        bad = [key for _, data, _, key in self.lanes if int(store.get(key).decode()) != checksum(data)]
-        return "checksum ok" if not bad else f"CHECKSUM MISMATCH ({', '.join(bad)})"
+        return verify_checksums(self.ctx.store, self.ctx.is_train, [(data, key) for _, data, _, key in self.lanes],
+                                checksum)
 
 
 class WireThenCopy(Wire):
@@ -126,4 +134,4 @@ class WireThenCopy(Wire):
         super().close()
 
 
-__all__ = ["Wire", "WireThenCopy", "checksum"]
+__all__ = ["Wire", "WireThenCopy", "checksum", "verify_checksums"]
