@@ -18,21 +18,25 @@ from refit_core.run.timing import Timeline
 
 def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, die_after_setup: int | None = None,
                 timeout_s: float = 30, train_ranks: int = 1, engine_ranks: int = 1, options: dict | None = None,
-                record: bool = False) -> dict | tuple:
+                record: bool = False, cuda: bool = False) -> dict | tuple:
     """Run one rank; returns what it saw per step, or ``("error", type, message, torn)``.
 
     ``engine_ranks`` 1: every gen rank is a whole engine (identical replicas); above 1, the gen ranks
     are one engine, sharded (its fused ``qkv`` and norm replicated on every rank). ``options``: more
-    RefitOptions; ``record``: each step's spans (gen ranks) and the transport's counters (every rank)."""
+    RefitOptions; ``record``: each step's spans (gen ranks) and the transport's counters (every rank);
+    ``cuda``: every rank on a GPU of its own (``cuda:<global rank>``, over NCCL)."""
     options = RefitOptions(timeout_s=timeout_s, relay=relay, **(options or {}))
     endpoint: RefitSender | RefitReceiver
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
     try:
         if rank < train_ranks:
-            trainer = ToyTrainer(rank, train_ranks)
+            trainer = ToyTrainer(rank, train_ranks, device=device)
             endpoint = RefitSender(trainer, rendezvous=address, rank=rank, world_size=train_ranks, options=options)
         else:
             gen_rank = rank - train_ranks
-            engine = ToyEngine(gen_rank % engine_ranks, engine_ranks)
+            engine = ToyEngine(gen_rank % engine_ranks, engine_ranks, device=device)
             endpoint = RefitReceiver(engine, rendezvous=address, rank=gen_rank, world_size=world - train_ranks,
                                      options=options)
         schedule = endpoint.setup()
@@ -46,7 +50,7 @@ def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, di
                      "relay_pairs": sorted({(m.src, m.dst) for msgs in endpoint.relay.schedule.rounds for m in msgs})
                      if endpoint.relay and rank >= train_ranks else []}
         if record:
-            endpoint.timeline = Timeline(torch.device("cpu"))
+            endpoint.timeline = Timeline(torch.device(device))
             out["timelines"], out["counters"] = [], []
         for step in range(steps):
             if rank < train_ranks:
