@@ -8,7 +8,7 @@ import re
 import pytest
 
 from refit_core.tools.bench.broadcast import BroadcastGroup, broadcast_does_not_apply, broadcast_plan, with_broadcast
-from refit_core.tools.bench.results import broadcast_ratio
+from refit_core.tools.bench.results import broadcast_ratio, wire_ratio
 from refit_core.tools.bench.validity import TOLERANCE
 
 LLAMA_BYTES = 16_060_522_496  # llama-3-8b-shape, one replica
@@ -41,6 +41,14 @@ def test_a_fleet_method_faster_than_the_broadcast_prints_invalid():
     assert not unlike.valid and "not the same bytes" in unlike.text()
     assert not broadcast_ratio(_row("refit", float("nan"), 3 * LLAMA_BYTES), _row("broadcast", float("nan"),
                                                                                   3 * LLAMA_BYTES)).valid
+    # the wire of the trainer's pairs bounds direct fanout, not a relay (the pipelined relay took 78.4 ms)
+    wire = _row("wire", 0.1300, 3 * LLAMA_BYTES)
+    direct = dict(_row("refit", 0.1308, 3 * LLAMA_BYTES), links={f"cuda:0->cuda:{g}": LLAMA_BYTES for g in (1, 2, 3)})
+    assert wire_ratio(direct, wire).valid
+    relay = dict(_row("refit@replicas=3+relay=1", 0.0784, 3 * LLAMA_BYTES), links={"cuda:0->cuda:1": LLAMA_BYTES})
+    relayed = wire_ratio(relay, wire)
+    assert not relayed.valid and "the wire of the train ranks' pairs is no bound" in relayed.text()
+    assert broadcast_ratio(relay, broadcast).times_text() == "1.738x (0.575)"
 
 
 def test_the_broadcast_is_the_reference_only_of_one_train_rank_feeding_replicas():

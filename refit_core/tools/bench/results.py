@@ -105,6 +105,10 @@ def wire_ratio(row: dict[str, Any], wire: dict[str, Any] | None) -> Ratio:
         return Ratio(None)
     skipped = wire["info"].get("wire_skipped_pairs")
     problem = f"the wire could not time pairs on one device {skipped}" if skipped else None
+    sent = sum(row.get("links", {}).values()) or row["bytes"]
+    if sent < row["bytes"]:  # a relay: the rest goes from replica to replica, over pairs the wire has not
+        problem = (f"the train ranks send {sent:,} of {row['bytes']:,} bytes, the rest goes between gen ranks: "
+                   "the wire of the train ranks' pairs is no bound")
     return same_bytes_ratio(_timed(row), _timed(wire), "wire moving the same bytes over the same pairs", problem)
 
 
