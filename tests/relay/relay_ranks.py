@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import torch
 
@@ -18,13 +19,14 @@ from refit_core.run.timing import Timeline
 
 def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, die_after_setup: int | None = None,
                 timeout_s: float = 30, train_ranks: int = 1, engine_ranks: int = 1, options: dict | None = None,
-                record: bool = False, cuda: bool = False) -> dict | tuple:
+                record: bool = False, cuda: bool = False, stall_after_setup: int | None = None) -> dict | tuple:
     """Run one rank; returns what it saw per step, or ``("error", type, message, torn)``.
 
     ``engine_ranks`` 1: every gen rank is a whole engine (identical replicas); above 1, the gen ranks
     are one engine, sharded (its fused ``qkv`` and norm replicated on every rank). ``options``: more
     RefitOptions; ``record``: each step's spans (gen ranks) and the transport's counters (every rank);
-    ``cuda``: every rank on a GPU of its own (``cuda:<global rank>``, over NCCL)."""
+    ``cuda``: every rank on a GPU of its own (``cuda:<global rank>``, over NCCL). ``die_after_setup`` /
+    ``stall_after_setup``: that global rank exits, or hangs past the deadline, once set up."""
     options = RefitOptions(timeout_s=timeout_s, relay=relay, **(options or {}))
     endpoint: RefitSender | RefitReceiver
     device = f"cuda:{rank}" if cuda else "cpu"
@@ -41,6 +43,9 @@ def relay_ranks(rank: int, world: int, address: str, steps: int, relay: dict, di
                                      options=options)
         schedule = endpoint.setup()
         if die_after_setup == rank:
+            os._exit(0)
+        if stall_after_setup == rank:  # hung, its connections open: only the deadline can tell
+            time.sleep(timeout_s + 2)
             os._exit(0)
         out: dict = {"fingerprint": schedule.fingerprint, "steps": [],
                      "train_peers": sorted({m.dst for msgs in schedule.rounds for m in msgs}),

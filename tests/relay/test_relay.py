@@ -59,9 +59,9 @@ def test_node_forwarding_needs_in_place_mode_and_relay_leaves_fingerprints_alone
     assert RefitOptions(relay=RELAY).agreed_wire()["relay"] == RELAY
 
 
-def _run(steps=2, relay=RELAY, die_after_setup=None, timeout_s=30.0, options=None, record=False):
+def _run(steps=2, relay=RELAY, die_after_setup=None, timeout_s=30.0, options=None, record=False, stall=None):
     return spawn(relay_ranks, 5, f"127.0.0.1:{free_port()}", steps, relay, die_after_setup, timeout_s, 1, 1,
-                 options, record, timeout_s=180)
+                 options, record, False, stall, timeout_s=180)
 
 
 PIPELINED = {"bucket_bytes": 1 << 12, "messages": {"direct_min_bytes": 1 << 11, "shared_max_bytes": 1 << 11}}
@@ -132,3 +132,16 @@ def test_a_dead_relaying_replica_fails_the_step_on_its_parent_and_every_replica_
         assert isinstance(result, tuple) and result[1] == "StepFailedError", result
         assert f"gen rank {gen_rank} (relayed: its relay parent is gen rank {relay_parent}" in result[2], result
     assert time.monotonic() - start < 60
+
+
+def test_a_stalled_relaying_replica_fails_every_replica_below_it_at_the_deadline():
+    """Gen rank 1 hangs once set up (alive, its connections open: no watch can tell). Replicas 2 and 3 fail
+    at their 5 s deadline, naming their relay parents; the stalled replica's parent fails too."""
+    start = time.monotonic()
+    results = _run(steps=1, stall=2, timeout_s=5)
+    assert time.monotonic() - start < 60
+    for gen_rank, relay_parent in ((2, 1), (3, 2)):
+        result = results[1 + gen_rank]
+        assert isinstance(result, tuple) and result[1] == "StepFailedError", result
+        assert f"(relayed: its relay parent is gen rank {relay_parent}" in result[2], result
+    assert isinstance(results[1], tuple) and results[1][1] == "StepFailedError", results[1]
