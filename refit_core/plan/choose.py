@@ -7,19 +7,41 @@ replicas=N`` and ``--forward-min-bytes auto`` run, and what an RL framework call
 
 from __future__ import annotations
 
+import enum
+import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
+from refit_core.contract.errors import PlanError
 from refit_core.contract.options import RelayOptions
 from refit_core.plan.offline import PlanSummary
-from refit_core.plan.simulate import Topology, simulate
+from refit_core.plan.relay import ReplicaTree, plan_tree, relay_down_tree
+from refit_core.plan.simulate import Simulation, Topology, simulate
+from refit_core.units import format_bytes
 
 FORWARD_FLOORS = (0, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 """The ``forward_min_bytes`` that :func:`choose_forwarding` simulates by default."""
 
-Planner = Callable[[RelayOptions], PlanSummary]
-"""Plans the refit with the given relay options (e.g. :func:`~refit_core.plan.offline.plan_from_metadata`)."""
+RELAY_BUCKETS: tuple[int | None, ...] = (None, 32 << 20, 8 << 20)
+"""The buckets :func:`choose_relay` tries relay trees with (None: the planner's own): a relayed rank forwards
+a round once it landed, so a tree's depth costs about a round's bytes per hop, and smaller buckets make
+smaller rounds (at a latency per message)."""
+
+
+class Planner(Protocol):
+    """Plans the refit with the given relay options and bucket (None: its own; e.g. with
+    :func:`~refit_core.plan.offline.plan_from_metadata`)."""
+
+    def __call__(self, relay: RelayOptions, bucket_bytes: int | None = None) -> PlanSummary: ...
+
+
+class RelayShape(enum.StrEnum):
+    """How a candidate's replicas get the step."""
+
+    DIRECT = "direct"  # the trainers feed every replica (no relay)
+    CHAIN = "chain"  # fanout 1: every holder forwards to one replica
+    TREE = "tree"  # every holder forwards to up to ``fanout`` replicas
 
 
 @dataclass(frozen=True)
@@ -28,15 +50,29 @@ class Prediction:
 
     ``predicted_s`` is None where the options plan no forwarding at all (no shared region reaches the
     floor), so there was nothing new to simulate. ``baseline`` is True for the candidate without relay
-    (direct fanout, or no forwarding within nodes). ``waves`` counts the replica relay's waves (1: the
-    trainers feed every replica); ``forwarded_bytes`` the bytes gen ranks forward to each other.
+    (direct fanout, or no forwarding within nodes). ``shape`` and ``levels`` describe the replica relay's
+    tree (``levels`` 1: the trainers feed every replica); ``bound_s`` is the receiver-side bound;
+    ``forwarded_bytes`` the bytes gen ranks forward to each other.
     """
 
     relay: RelayOptions
     predicted_s: float | None
     baseline: bool = False
-    waves: int = 1
+    shape: RelayShape = RelayShape.DIRECT
+    levels: int = 1
+    bound_s: float = 0.0
     forwarded_bytes: int = 0
+    bucket_bytes: int | None = None
+    """The bucket it was planned with (None: the planner's own)."""
+
+    @property
+    def label(self) -> str:
+        """``direct``, ``chain, 2 roots`` or ``tree fanout 4, 1 root, bucket 8.0 MiB``."""
+        if self.shape is RelayShape.DIRECT:
+            return self.shape.value
+        roots = f"{self.relay.direct} root{'s' if self.relay.direct > 1 else ''}"
+        label = f"chain, {roots}" if self.shape is RelayShape.CHAIN else f"tree fanout {self.relay.fanout}, {roots}"
+        return label if self.bucket_bytes is None else f"{label}, bucket {format_bytes(self.bucket_bytes)}"
 
 
 @dataclass(frozen=True)
@@ -51,6 +87,13 @@ class RelayChoice:
     predicted_s: float
     baseline: Prediction
     candidates: tuple[Prediction, ...]
+    refused: str = ""
+    """Why no relay was planned (the replicas' layouts differ, e.g. experts sharded across them); empty if none."""
+
+    @property
+    def chosen(self) -> Prediction:
+        """The chosen candidate's prediction."""
+        return next(p for p in self.candidates if p.relay is self.relay)
 
     @property
     def chose_baseline(self) -> bool:
@@ -68,9 +111,14 @@ OnPrediction = Callable[[Prediction], None]
 """Hears each candidate's prediction as soon as it is simulated."""
 
 
+def simulated(summary: PlanSummary, topology: Topology) -> Simulation:
+    """A planned refit (its relay or forwarding included) simulated on ``topology``."""
+    return simulate(summary.schedule, topology, relay=summary.relay)
+
+
 def predicted_s(summary: PlanSummary, topology: Topology) -> float:
-    """The simulated time of a planned refit (its relay or forwarding rounds included) on ``topology``."""
-    return simulate(summary.schedule, topology, relay=summary.relay).predicted_s
+    """The simulated time of a planned refit (its relay or forwarding included) on ``topology``."""
+    return simulated(summary, topology).predicted_s
 
 
 def relay_options(relay: RelayOptions, *, drop: Sequence[str] = (), **changes: Any) -> RelayOptions:
@@ -93,19 +141,22 @@ class _Fastest:
         self.predictions: list[Prediction] = []
         self.best: tuple[float, RelayOptions, PlanSummary] | None = None
 
-    def add(self, prediction: Prediction, summary: PlanSummary) -> None:
+    def add(self, prediction: Prediction, summary: PlanSummary) -> bool:
+        """Record ``prediction``; True when its plan is the fastest so far."""
         self.predictions.append(prediction)
         if self.on_prediction is not None:
             self.on_prediction(prediction)
         seconds = prediction.predicted_s
         if seconds is not None and (self.best is None or seconds < self.best[0]):
             self.best = (seconds, prediction.relay, summary)
+            return True
+        return False
 
-    def choice(self) -> RelayChoice:
+    def choice(self, refused: str = "") -> RelayChoice:
         assert self.best is not None  # the baseline is always simulated
         seconds, relay, summary = self.best
         baseline = next(p for p in self.predictions if p.baseline)
-        return RelayChoice(relay, summary, seconds, baseline, tuple(self.predictions))
+        return RelayChoice(relay, summary, seconds, baseline, tuple(self.predictions), refused)
 
 
 def relay_candidates(replicas: int) -> list[int]:
@@ -113,18 +164,68 @@ def relay_candidates(replicas: int) -> list[int]:
     return sorted({replicas, *(1 << k for k in range(replicas.bit_length()) if 1 << k < replicas)}, reverse=True)
 
 
-def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *,
-                 on_prediction: OnPrediction | None = None) -> RelayChoice:
-    """Simulate direct fanout (the trainers feed all ``relay.replicas``) and relay with 1, 2, 4... replicas
-    fed directly (``relay``'s other settings kept); the fastest, direct fanout on ties."""
+def fanout_candidates(replicas: int) -> list[int]:
+    """The ``fanout`` values :func:`choose_relay` tries: 1 (chains), 2, 4... up to the first that lets one root
+    feed every other replica."""
+    fanouts = [1]
+    while fanouts[-1] < replicas - 1:
+        fanouts.append(fanouts[-1] * 2)
+    return fanouts
+
+
+def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *, fanouts: Sequence[int] | None = None,
+                 buckets: Sequence[int | None] = (None,), on_prediction: OnPrediction | None = None) -> RelayChoice:
+    """Simulate direct fanout (the trainers feed all ``relay.replicas``) and relay trees with 1, 2, 4...
+    roots, each with every fanout of ``fanouts`` (default: ``relay.fanout`` where given explicitly, else
+    :func:`fanout_candidates`: chains and trees) and every bucket of ``buckets`` (e.g.
+    :data:`RELAY_BUCKETS`); the fastest, direct fanout on ties.
+
+    The trainers' schedule depends on the roots and the bucket only: it is planned once for each, and each
+    fanout's relay messages derived from it (:func:`~refit_core.plan.relay.relay_down_tree`); trees that
+    come out the same for two fanouts are simulated once. A chosen candidate that was derived is planned
+    again with its own options, so that its fingerprint hashes its tree."""
+    if fanouts is None:
+        fanouts = [relay.fanout] if "fanout" in relay.explicit else fanout_candidates(relay.replicas)
     fastest = _Fastest(on_prediction)
-    for direct in relay_candidates(relay.replicas):
-        options = relay_options(relay, direct=direct)
-        summary = plan(options)
-        waves = len(summary.relay.tree.levels) if summary.relay is not None else 1
-        fastest.add(Prediction(options, predicted_s(summary, topology), baseline=direct == relay.replicas,
-                               waves=waves), summary)
-    return fastest.choice()
+    options = relay_options(relay, direct=relay.replicas)
+    summary = plan(options)
+    sim = simulated(summary, topology)
+    fastest.add(Prediction(options, sim.predicted_s, baseline=True, bound_s=sim.bound_s), summary)
+    try:
+        best_derived = _relay_trees(plan, relay, topology, fastest, fanouts, buckets)
+    except PlanError as e:
+        return fastest.choice(refused=str(e))
+    choice = fastest.choice()
+    if best_derived:
+        choice = replace(choice, plan=plan(choice.relay, choice.chosen.bucket_bytes))
+    return choice
+
+
+def _relay_trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fastest, fanouts: Sequence[int],
+                 buckets: Sequence[int | None]) -> bool:
+    """:func:`choose_relay`'s relay candidates; True when the fastest one's relay messages were derived."""
+    best_derived = False
+    for direct, bucket in itertools.product(relay_candidates(relay.replicas)[1:], buckets):
+        planned: PlanSummary | None = None
+        seen: set[tuple[int, ...]] = set()
+        for fanout in fanouts:
+            tree = plan_tree(relay.replicas, direct, fanout)
+            if tree.parent in seen:
+                continue
+            seen.add(tree.parent)
+            options = relay_options(relay, direct=direct, fanout=fanout)
+            if planned is None:
+                summary = planned = plan(options, bucket)
+            else:
+                assert planned.relay is not None  # planned with 0 < direct < replicas
+                forwards = relay_down_tree(ReplicaTree(planned.relay.replica_size, tree), planned.schedule)
+                summary = replace(planned, relay=forwards)
+            sim = simulated(summary, topology)
+            shape = RelayShape.CHAIN if fanout == 1 else RelayShape.TREE
+            if fastest.add(Prediction(options, sim.predicted_s, shape=shape, levels=len(tree.levels),
+                                      bound_s=sim.bound_s, bucket_bytes=bucket), summary):
+                best_derived = summary is not planned
+    return best_derived
 
 
 def choose_forwarding(plan: Planner, relay: RelayOptions, topology: Topology, *,
@@ -147,5 +248,6 @@ def choose_forwarding(plan: Planner, relay: RelayOptions, topology: Topology, *,
     return fastest.choice()
 
 
-__all__ = ["FORWARD_FLOORS", "OnPrediction", "Planner", "Prediction", "RelayChoice", "choose_forwarding",
-           "choose_relay", "predicted_s", "relay_candidates", "relay_options", "without_forwarding"]
+__all__ = ["FORWARD_FLOORS", "RELAY_BUCKETS", "OnPrediction", "Planner", "Prediction", "RelayChoice", "RelayShape",
+           "choose_forwarding", "choose_relay", "fanout_candidates", "predicted_s", "relay_candidates",
+           "relay_options", "simulated", "without_forwarding"]

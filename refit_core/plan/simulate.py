@@ -5,7 +5,9 @@ The schedule says exactly which bytes go from which train rank to which gen rank
 Bytes between GPUs of one node ride NVLink, bytes between nodes ride the GPUs' NICs, and bytes
 between two ranks of one GPU are a device copy. A round lasts as long as its most loaded GPU link
 (each direction counted apart) plus one message latency per message that GPU posts; rounds run one
-after another. The **receiver-side bound** is the bytes the busiest gen GPU must receive over its
+after another. A replica relay (:mod:`refit_core.plan.relay`) is pipelined message by message with
+them: a relayed message starts once its sender's copy of that round landed and both its sender's egress
+and its receiver's ingress are free. The **receiver-side bound** is the bytes the busiest gen GPU must receive over its
 ingress link; the **sender-side bound** the bytes the busiest train GPU must send over its egress
 link (where train ranks hold unique bytes, such as experts without DP replicas, it can be the larger).
 No schedule beats the larger of the two.
@@ -18,6 +20,7 @@ within 15 %.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -133,16 +136,19 @@ class Simulation:
     load_bytes: dict[Direction, int]
     """Bytes per GPU link and direction (``(gpu, kind, "out")``)."""
     round_seconds: list[float]
+    """The trainers' rounds, then those of forwarding within nodes (the replica relay overlaps them)."""
     bound_s: float
     """Receiver-side bound: the busiest gen GPU's bytes over its ingress link."""
     sender_bound_s: float = 0.0
     """Sender-side bound: the busiest train GPU's bytes over its egress link."""
     bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    relay_end_s: float = 0.0
+    """Replica relay: when its last message landed, counted from the step's start (0: no replica relay)."""
 
     @property
     def predicted_s(self) -> float:
-        return sum(self.round_seconds)
+        return max(sum(self.round_seconds), self.relay_end_s)
 
     @property
     def two_sided_bound_s(self) -> float:
@@ -178,58 +184,110 @@ class Simulation:
         ]
 
 
+class _Traffic:
+    """Every message's bytes per GPU pair and link direction, and each gen GPU's slowest ingress link
+    (and each train GPU's slowest egress link) for the bounds."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.link_bytes: dict[tuple[int, int], int] = defaultdict(int)
+        self.load: dict[Direction, int] = defaultdict(int)
+        self.received: dict[int, int] = defaultdict(int)
+        self.sent: dict[int, int] = defaultdict(int)  # by train GPUs
+        self.ingress: dict[int, LinkKind] = {}
+        self.egress: dict[int, LinkKind] = {}
+
+    def add(self, src: int, dst: int, nbytes: int, *, by_trainer: bool) -> tuple[Direction, Direction, float]:
+        """Count one message from GPU ``src`` to GPU ``dst``: its two link directions and its seconds on them."""
+        kind = self.topology.link(src, dst)
+        self.link_bytes[(src, dst)] += nbytes
+        self.received[dst] += nbytes
+        if kind is not LinkKind.LOCAL and (dst not in self.ingress or kind is LinkKind.NIC):
+            self.ingress[dst] = kind  # the slowest link a gen GPU receives through
+        if by_trainer:
+            self.sent[src] += nbytes
+            if kind is not LinkKind.LOCAL and (src not in self.egress or kind is LinkKind.NIC):
+                self.egress[src] = kind
+        out, into = (src, kind, "out"), (dst, kind, "in")
+        self.load[out] += nbytes
+        self.load[into] += nbytes
+        return out, into, nbytes / self.topology.rate(kind) + self.topology.latency_us * 1e-6
+
+    def rounds(self, rounds: Sequence[Sequence[Message]], src_gpus: Sequence[int], dst_gpus: Sequence[int], *,
+               by_trainer: bool) -> list[float]:
+        """Rounds one after another, each as long as its most loaded link direction."""
+        out = []
+        for msgs in rounds:
+            busy: dict[Direction, float] = defaultdict(float)
+            for m in msgs:
+                src, dst, seconds = self.add(src_gpus[m.src], dst_gpus[m.dst], m.nbytes, by_trainer=by_trainer)
+                busy[src] += seconds
+                busy[dst] += seconds
+            out.append(max(busy.values(), default=0.0))
+        return out
+
+    def bounds(self) -> tuple[float, float]:
+        """The receiver- and sender-side bounds."""
+        rate = self.topology.rate
+        return (max((n / rate(self.ingress.get(g, LinkKind.LOCAL)) for g, n in self.received.items()), default=0.0),
+                max((n / rate(self.egress.get(g, LinkKind.LOCAL)) for g, n in self.sent.items()), default=0.0))
+
+
+def _pipelined_relay(traffic: _Traffic, relay: RelayPlan, schedule: Schedule, round_ends: Sequence[float],
+                     gen_gpus: Sequence[int]) -> float:
+    """When the replica relay's last message landed: each message of relay round ``k`` starts once its
+    sender's round ``k`` landed (a root's: the end of the trainers' round it forwards) and both its sender's
+    egress and its receiver's ingress are free, and lasts its bytes over the link plus one latency.
+    List scheduling, linear in the messages; each link serves its messages in plan order."""
+    size, tree = relay.replica_size, relay.tree
+    depth = {replica: level for level, members in enumerate(tree.levels) for replica in members}
+    feeding = {root for root in tree.roots if tree.children(root)}
+    # relay_down_tree() forwards exactly the trainers' rounds with a message to a root that has children
+    sources = [end for msgs, end in zip(schedule.rounds, round_ends) if any(m.dst // size in feeding for m in msgs)]
+    free: dict[Direction, float] = defaultdict(float)
+    last = 0.0
+    for k, msgs in enumerate(relay.schedule.rounds):
+        landed: dict[int, float] = {}  # gen rank -> when its relay round k landed (relayed ranks only)
+        for m in sorted(msgs, key=lambda m: depth[m.src // size]):  # parents' forwards before their children's
+            out, into, seconds = traffic.add(gen_gpus[m.src], gen_gpus[m.dst], m.nbytes, by_trainer=False)
+            ready = sources[k] if depth[m.src // size] == 0 else landed[m.src]
+            end = max(ready, free[out], free[into]) + seconds
+            free[out] = free[into] = end
+            landed[m.dst] = max(landed.get(m.dst, 0.0), end)
+            last = max(last, end)
+    return last
+
+
 def simulate(schedule: Schedule, topology: Topology, placement: GpuPlacement | None = None,
              relay: RelayPlan | None = None) -> Simulation:
     """Predict ``schedule``'s time on ``topology`` (default placement: :meth:`GpuPlacement.disaggregated`).
 
-    With a ``relay`` plan, its rounds (gen GPU -> gen GPU: wave after wave, or forwarding within
-    nodes) follow the trainers' rounds: a rank forwards only once its own step has landed."""
+    With a replica relay plan, its messages are pipelined with the trainers' rounds (a replica forwards
+    each round as soon as it landed there, :func:`_pipelined_relay`); forwarding within nodes runs its
+    rounds after the trainers' (a leader forwards once its own step landed)."""
     placement = placement or GpuPlacement.disaggregated(schedule.num_src, schedule.num_dst, topology)
     if len(placement.train) != schedule.num_src or len(placement.gen) != schedule.num_dst:
         raise RefitError(f"placement has {len(placement.train)} train / {len(placement.gen)} gen GPUs, "
                          f"the schedule {schedule.num_src} / {schedule.num_dst} ranks")
-    link_bytes: dict[tuple[int, int], int] = defaultdict(int)
-    load: dict[Direction, int] = defaultdict(int)
-    received: dict[int, int] = defaultdict(int)
-    sent: dict[int, int] = defaultdict(int)  # by train GPUs
-    ingress: dict[int, LinkKind] = {}
-    egress: dict[int, LinkKind] = {}
-    rounds: list[float] = []
-    relay_rounds = relay.schedule.rounds if relay is not None else []
-    tagged: list[tuple[bool, list[Message]]] = [(False, m) for m in schedule.rounds] + [(True, m) for m in relay_rounds]
-    for relayed, msgs in tagged:
-        busy: dict[Direction, float] = defaultdict(float)
-        for m in msgs:
-            src = placement.gen[m.src] if relayed else placement.train[m.src]
-            dst = placement.gen[m.dst]
-            kind = topology.link(src, dst)
-            link_bytes[(src, dst)] += m.nbytes
-            received[dst] += m.nbytes
-            if kind is not LinkKind.LOCAL and (dst not in ingress or kind is LinkKind.NIC):
-                ingress[dst] = kind  # the slowest link a gen GPU receives through
-            if not relayed:
-                sent[src] += m.nbytes
-                if kind is not LinkKind.LOCAL and (src not in egress or kind is LinkKind.NIC):
-                    egress[src] = kind
-            seconds = m.nbytes / topology.rate(kind) + topology.latency_us * 1e-6
-            for direction in ((src, kind, "out"), (dst, kind, "in")):
-                load[direction] += m.nbytes
-                busy[direction] += seconds
-        rounds.append(max(busy.values(), default=0.0))
-    bound = max((n / topology.rate(ingress.get(gpu, LinkKind.LOCAL)) for gpu, n in received.items()), default=0.0)
-    sender_bound = max((n / topology.rate(egress.get(gpu, LinkKind.LOCAL)) for gpu, n in sent.items()), default=0.0)
-    notes = []
+    traffic = _Traffic(topology)
+    rounds = traffic.rounds(schedule.rounds, placement.train, placement.gen, by_trainer=True)
+    relay_end, notes = 0.0, []
     if relay is not None and relay.within_nodes:
-        relay_s = sum(rounds[len(schedule.rounds):])
-        notes.append(f"forwarding:   {format_duration(relay_s)} of the predicted time, after the trainers' rounds; the "
-                     "bound counts every byte a gen GPU holds as if it crossed its NIC, which forwarding "
-                     "within nodes avoids, so the prediction can beat it")
+        forwarding = traffic.rounds(relay.schedule.rounds, placement.gen, placement.gen, by_trainer=False)
+        rounds += forwarding
+        notes.append(f"forwarding:   {format_duration(sum(forwarding))} of the predicted time, after the trainers' "
+                     "rounds; the bound counts every byte a gen GPU holds as if it crossed its NIC, which "
+                     "forwarding within nodes avoids, so the prediction can beat it")
     elif relay is not None:
-        relay_s = sum(rounds[len(schedule.rounds):])
-        notes.append(f"relay:        {len(relay.tree.levels) - 1} relay level(s) below the trainers' "
-                     f"{len(relay.tree.roots)} replica(s): {format_duration(relay_s)} of the predicted time")
-    return Simulation(topology, placement, dict(link_bytes), dict(load), rounds, bound, sender_bound,
-                      bytes=sum(link_bytes.values()), notes=notes)
+        ends = list(itertools.accumulate(rounds))
+        relay_end = _pipelined_relay(traffic, relay, schedule, ends, placement.gen)
+        tail = max(relay_end - sum(rounds), 0.0)
+        notes.append(f"relay:        pipelined {len(relay.tree.levels) - 1} hop(s) below the trainers' "
+                     f"{len(relay.tree.roots)} replica(s): the last relayed message lands {format_duration(tail)} "
+                     "after the trainers' last round")
+    bound, sender_bound = traffic.bounds()
+    return Simulation(topology, placement, dict(traffic.link_bytes), dict(traffic.load), rounds, bound, sender_bound,
+                      bytes=sum(traffic.link_bytes.values()), notes=notes, relay_end_s=relay_end)
 
 
 @dataclass(frozen=True)

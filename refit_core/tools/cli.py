@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from refit_core.contract.backend import GEN
@@ -13,7 +14,7 @@ from refit_core.contract.layout import parse_backend_layout
 from refit_core.contract.lora import LoraSpec
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.kit.models import PRESETS, load_config, model_inventory
-from refit_core.plan.choose import FORWARD_FLOORS
+from refit_core.plan.choose import FORWARD_FLOORS, RELAY_BUCKETS
 from refit_core.units import format_bytes
 
 if TYPE_CHECKING:
@@ -68,9 +69,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     lora = LoraSpec.parse(args.lora) if args.lora else None
 
-    def plan(relay: RelayOptions, adapters: LoraSpec | None = lora) -> PlanSummary:
+    def plan(relay: RelayOptions, bucket_bytes: int | None = None, adapters: LoraSpec | None = lora) -> PlanSummary:
         return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
-                                  options=RefitOptions(bucket_bytes=bucket, relay=relay,
+                                  options=RefitOptions(bucket_bytes=bucket_bytes or bucket, relay=relay,
                                                       allow_unused_sources=args.allow_unused_sources),
                                   device=args.device or ("cuda" if simulating else default_device()),
                                   progress=lambda line: print(f"refit plan: {line}", file=sys.stderr, flush=True),
@@ -79,7 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     summary = None
     unforwarded_s: float | None = None  # the prediction without forwarding, where a choice simulated it
     if choose_direct:
-        choice = _choose_relay(plan, relay, args.topology)
+        choice = _choose_relay(plan, relay, args.topology, RELAY_BUCKETS if bucket is None else (None,))
         relay, summary = choice.relay, choice.plan
     if choose_floor:
         choice = _choose_forwarding(plan, relay, args.topology)
@@ -90,7 +91,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for line in summary.lines():
         print("  " + line)
     if lora is not None:
-        print("  " + lora_line(lora, summary.schedule.summary.bytes, plan(relay, None).schedule.summary.bytes))
+        print("  " + lora_line(lora, summary.schedule.summary.bytes, plan(relay, adapters=None).schedule.summary.bytes))
     forwarding = relay.node_ranks > 0
     if forwarding and summary.relay is None:
         print(f"  forwarding:   none: no region of at least {relay.forward_min_bytes} bytes is "
@@ -144,24 +145,27 @@ def _relay_settings(text: str | None) -> dict[str, int]:
     return out
 
 
-def _choose_relay(plan: Planner, relay: RelayOptions, topology: str) -> RelayChoice:
+def _choose_relay(plan: Planner, relay: RelayOptions, topology: str, buckets: Sequence[int | None]) -> RelayChoice:
     """:func:`~refit_core.plan.choose.choose_relay`, printing each prediction and the choice."""
     from refit_core.plan.choose import choose_relay
     from refit_core.plan.simulate import Topology
     from refit_core.units import format_duration
 
-    print(f"refit plan: relay fanout vs direct fanout, {relay.replicas} replicas, fanout {relay.fanout}, "
-          f"simulated on {topology}:")
+    print(f"refit plan: relay trees vs direct fanout, {relay.replicas} replicas, simulated on {topology}:")
 
     def show(prediction: Prediction) -> None:
-        label = ("direct fanout (no relay)" if prediction.baseline else
-                 f"relay, {prediction.relay.direct} fed by trainers")
         assert prediction.predicted_s is not None  # every relay candidate is simulated
-        print(f"  {label:<32} {prediction.waves} wave(s): predicted {format_duration(prediction.predicted_s)}")
+        print(f"  {prediction.label:<26} predicted {format_duration(prediction.predicted_s)}, "
+              f"{prediction.predicted_s / prediction.bound_s:.2f}x the bound")
 
-    choice = choose_relay(plan, relay, Topology.parse(topology), on_prediction=show)
-    verdict = "direct fanout wins" if choice.chose_baseline else f"relay wins, {choice.speedup:.2f}x faster"
-    print(f"  best: direct={choice.relay.direct} ({verdict})")
+    choice = choose_relay(plan, relay, Topology.parse(topology), buckets=buckets, on_prediction=show)
+    if choice.refused:
+        print(f"  no relay: {choice.refused}")
+    best = choice.chosen
+    verdict = "direct fanout wins" if choice.chose_baseline else f"relay wins, {choice.speedup:.2f}x faster than direct"
+    print(f"  best: {best.label} (direct={choice.relay.direct}, fanout={choice.relay.fanout}): predicted "
+          f"{format_duration(choice.predicted_s)}, {choice.predicted_s / best.bound_s:.2f}x the receiver-side bound "
+          f"{format_duration(best.bound_s)} ({verdict})")
     return choice
 
 
@@ -307,9 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "linear shapes), merged mode the merged weights; prints bytes per step beside the "
                            "full model's")
     plan.add_argument("--relay", metavar="replicas=N[,direct=N][,fanout=N]",
-                      help="relay fanout: the gen ranks form N identical replicas; the trainers feed `direct` of "
-                           "them and every holder forwards to `fanout` more per wave (without direct: simulate "
-                           "each choice against direct fanout and plan the fastest)")
+                      help="relay: the gen ranks form N identical replicas; the trainers feed `direct` of them and "
+                           "every holder forwards each message, as soon as it landed, to `fanout` more (1: chains); "
+                           "without direct: simulate direct fanout, chains and trees with 1, 2, 4... roots (only "
+                           "the given fanout where given) and plan the fastest")
     plan.add_argument("--forward-within-nodes", action="store_true",
                       help="regions several gen ranks of one node hold (TP-replicated norms, MLA's q_a / kv_a) "
                            "cross the network once per node and are forwarded over NVLink "

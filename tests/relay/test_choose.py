@@ -9,32 +9,46 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import load_config
-from refit_core.plan.choose import FORWARD_FLOORS, choose_forwarding, choose_relay
+from refit_core.plan.choose import FORWARD_FLOORS, Prediction, RelayShape, choose_forwarding, choose_relay
 from refit_core.plan.offline import PlanSummary, plan_from_metadata
 from refit_core.plan.planning import plan_with_relay
+from refit_core.plan.relay import plan_tree
 from refit_core.plan.simulate import Topology
 
 
 def test_an_rl_framework_asks_for_the_fastest_relay_from_one_trainer_node_into_32_replicas():
-    # test_relay's case: 8 train GPUs each holding 1/8 of a 1 GiB tensor, 32 engine replicas of one GPU each
+    # test_relay_simulation's case: 8 train GPUs each holding 1/8 of a 1 GiB tensor, 32 engine replicas of one GPU
     spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
     train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]
     gen = [[PieceMeta(spec, Box((0, 0), spec.shape))] for _ in range(32)]
+    planned: list[tuple[int, int | None]] = []
 
-    def plan(relay: RelayOptions) -> PlanSummary:
-        schedule, relay_plan = plan_with_relay(train, gen, RefitOptions(bucket_bytes=512 << 20, relay=relay))
+    def plan(relay: RelayOptions, bucket_bytes: int | None = None) -> PlanSummary:
+        planned.append((relay.direct, bucket_bytes))
+        options = RefitOptions(bucket_bytes=bucket_bytes or 512 << 20, relay=relay)
+        schedule, relay_plan = plan_with_relay(train, gen, options)
         return PlanSummary(schedule, len(train), len(gen), 0.0, relay=relay_plan)
 
-    seen: list[int] = []
-    choice = choose_relay(plan, RelayOptions(replicas=32), Topology.parse("h200"),
-                          on_prediction=lambda p: seen.append(p.relay.direct))
-    assert seen == [p.relay.direct for p in choice.candidates] == [32, 16, 8, 4, 2, 1]
-    assert choice.baseline is choice.candidates[0] and choice.baseline.baseline and choice.baseline.waves == 1
-    assert not choice.chose_baseline and choice.relay.direct == 8, choice.candidates
-    assert choice.relay.replicas == 32 and choice.plan.relay is not None
-    assert [len(w) for w in choice.plan.relay.waves.waves] == [8, 8, 16]
-    assert choice.predicted_s == min(p.predicted_s for p in choice.candidates if p.predicted_s is not None)
-    assert choice.speedup > 1 / 0.9  # test_relay: relay beats direct fanout by more than 10 %
+    seen: list[Prediction] = []
+    choice = choose_relay(plan, RelayOptions(replicas=32), Topology.parse("h200"), buckets=(None, 32 << 20),
+                          on_prediction=seen.append)
+    assert seen == list(choice.candidates)
+    assert choice.baseline is seen[0] and seen[0].baseline and seen[0].shape is RelayShape.DIRECT
+    # 1, 2, 4... roots, each with chains and trees of fanout 2, 4... (a fanout that gives a tree seen is skipped)
+    assert [p.relay.direct for p in seen if p.bucket_bytes is None] == [32, *[16] * 5, *[8] * 6, *[4] * 6,
+                                                                        *[2] * 6, *[1] * 6]
+    assert [p.label for p in seen[1:3]] == ["chain, 16 roots", "tree fanout 2, 16 roots"]
+    assert seen[-1].label == "tree fanout 32, 1 root, bucket 32.0 MiB" and seen[-1].levels == 2
+    # the trainers' schedule is planned once per roots and bucket (chains first: the winner is no derived plan)
+    assert planned == [(32, None), *[(d, b) for d in (16, 8, 4, 2, 1) for b in (None, 32 << 20)]]
+    # 8 chains of 4 replicas, 32 MiB rounds: 1.12x the bound; the trainers' NICs feed 8 replicas, not 32
+    assert not choice.chose_baseline and choice.chosen.label == "chain, 8 roots, bucket 32.0 MiB"
+    assert choice.relay == RelayOptions(replicas=32, direct=8, fanout=1)
+    assert choice.plan.relay is not None and choice.plan.relay.tree.parent == plan_tree(32, 8, 1).parent
+    assert choice.plan.schedule.bucket_bytes == 32 << 20
+    assert choice.predicted_s == min(p.predicted_s for p in seen if p.predicted_s is not None)
+    assert choice.predicted_s < 1.15 * choice.chosen.bound_s
+    assert choice.speedup > 3  # direct fanout: every replica's GiB leaves the trainers' NICs
 
 
 def test_an_rl_framework_asks_whether_forwarding_within_nodes_pays():
@@ -43,9 +57,9 @@ def test_an_rl_framework_asks_whether_forwarding_within_nodes_pays():
     gen, gen_layout = parse_backend_layout("dtensor:tp=2")
     config = load_config("tiny-llama")
 
-    def plan(relay: RelayOptions) -> PlanSummary:
+    def plan(relay: RelayOptions, bucket_bytes: int | None = None) -> PlanSummary:
         return plan_from_metadata(get_plugin_manager(), config, train, train_layout, gen, gen_layout,
-                                  options=RefitOptions(relay=relay), device="cuda")
+                                  options=RefitOptions(bucket_bytes=bucket_bytes, relay=relay), device="cuda")
 
     slow_nic = Topology.parse("gpus_per_node=2,nvlink_gbps=370,nic_gbps=1,latency_us=0")
     choice = choose_forwarding(plan, RelayOptions(node_ranks=2), slow_nic)
