@@ -51,6 +51,10 @@ class ReceiveExecutor(RoundRunner):
         """The children's header exchange (None: this rank relays to none)."""
         self._unchecked: PostedHeaders | None = None
         """The children's headers of this step, posted and not yet checked."""
+        self._held: tuple[Pairs, Fence] | None = None
+        """CUDA: the last round received and not yet forwarded, and the fence of its receive."""
+        if self.forward_to and self.device.type == "cuda":  # a round's buffer is read by the next round's exchange
+            self.num_buffers = max(2, self.num_buffers)
 
     def _peer(self, m: Message) -> int:
         return m.src
@@ -66,7 +70,7 @@ class ReceiveExecutor(RoundRunner):
         touched = set() if touched is None else touched
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
-        self._landed = None
+        self._landed, self._held = None, None
         self._begin(timeline)
         headers, ready = self._post_headers(version_hint, "the engine's pending work")
         if self.mode is UpdateMode.STAGED:
@@ -78,30 +82,32 @@ class ReceiveExecutor(RoundRunner):
         self._post_children_headers(version)
         free: list[list[Fence]] = [[] for _ in range(len(buffers))]
         pending: list[Fence] = []
-        staged = 0
+        staged, last_slot = 0, None
         for index, plan in enumerate(self.plans):
             touched |= plan.direct_pieces
+            slot = None
             if not plan.staged_bytes:  # straight into the weights: after the engine's pending work
-                pairs = plan.pairs(None)
-                received = self._exchange([], pairs, [ready], index)
-                pending += [received, *self._forward(pairs, received, index, deadline)]
-                continue
-            slot = staged % len(buffers)
-            staged += 1
-            buffer = buffers[slot]
-            previous = free[slot]
-            for fence in previous:
-                self._settle(fence, deadline)
-            pairs = plan.pairs(buffer)
-            received = self._exchange([], pairs, [ready, *previous], index)
-            forwarded = self._forward(pairs, received, index, deadline)
-            self._settle(received, deadline)
-            touched |= plan.staged_pieces
-            assert plan.copies is not None
-            unpacked = self.lane.run(partial(plan.copies.run, buffer), after=[received],
-                                     mark=self._mark(Phase.UNPACK, index))
-            free[slot] = [unpacked, *forwarded]
-            pending += [received, unpacked, *forwarded]
+                fences = self._receive_round(plan.pairs(None), [ready], index, deadline)
+            else:
+                slot = staged % len(buffers)
+                staged += 1
+                buffer = buffers[slot]
+                previous = free[slot]
+                for fence in previous:
+                    self._settle(fence, deadline)
+                fences = self._receive_round(plan.pairs(buffer), [ready, *previous], index, deadline)
+                received = fences[0]
+                self._settle(received, deadline)
+                touched |= plan.staged_pieces
+                assert plan.copies is not None
+                fences.append(self.lane.run(partial(plan.copies.run, buffer), after=[received],
+                                            mark=self._mark(Phase.UNPACK, index)))
+                free[slot] = list(fences)
+            if last_slot is not None and self._held is not None:  # this exchange forwards from the last slot
+                free[last_slot].append(fences[0])
+            last_slot = slot
+            pending += fences
+        pending += self._flush_forwards(deadline)
         self.headers.prepare_next(version_hint, self.step)
         self._finish(pending, deadline)
         self._end()
@@ -120,9 +126,9 @@ class ReceiveExecutor(RoundRunner):
         pending: list[Fence] = []
         for index, (plan, off) in enumerate(zip(self.plans, offsets)):
             if plan.posts:
-                pairs = plan.pairs(buffer[off:off + plan.staged_bytes])
-                received = self._exchange([], pairs, [ready], index)
-                pending += [received, *self._forward(pairs, received, index, deadline)]
+                pending += self._receive_round(plan.pairs(buffer[off:off + plan.staged_bytes]), [ready], index,
+                                               deadline)
+        pending += self._flush_forwards(deadline)
         self.headers.prepare_next(version_hint, self.step)
         self._finish(pending, deadline)
         self._end()
@@ -138,17 +144,45 @@ class ReceiveExecutor(RoundRunner):
             self._unchecked, _ = self._children.post(self._exchange_header, version, self.step,
                                                      "the engine's pending work")
 
-    def _forward(self, pairs: Pairs, received: Fence, index: int, deadline: float) -> list[Fence]:
-        """Send round ``index``'s operations (``pairs``, as this rank received them) on to every child once
-        ``received`` completed; the children's headers are checked first (empty: no children)."""
+    def _receive_round(self, pairs: Pairs, after: list[Fence], index: int, deadline: float) -> list[Fence]:
+        """Post round ``index``'s receives (``pairs``) after ``after``; the first fence returned is theirs.
+
+        A relaying rank forwards each round as it received it. On the host path a round's forward goes out
+        once it landed, on its own. On CUDA it goes out in one exchange with the next round's receives (the
+        last one after the step, :meth:`_flush_forwards`), ordered after its own receives by their event:
+        sharing NCCL groups, both directions of the rank's links move at once, where a forward posted alone
+        would wait on its stream for the receive before it and the receive after it for the forward."""
         if self._children is None:
+            return [self._exchange([], pairs, after, index)]
+        self._check_children(deadline)
+        if self.device.type != "cuda":
+            received = self._exchange([], pairs, after, index)
+            self._settle(received, deadline)
+            return [received, self._exchange(self._to_children(pairs), [], [received], index, Phase.FORWARD)]
+        held, self._held = self._held, None
+        if held is None:
+            fence = self._exchange([], pairs, after, index)
+        else:
+            fence = self._exchange(self._to_children(held[0]), pairs, [*after, held[1]], index, Phase.FORWARD)
+        self._held = (pairs, fence)
+        return [fence]
+
+    def _flush_forwards(self, deadline: float) -> list[Fence]:
+        """CUDA: forward the step's last round, held back by :meth:`_receive_round` (empty: nothing held)."""
+        held, self._held = self._held, None
+        if held is None:
             return []
+        return [self._exchange(self._to_children(held[0]), [], [held[1]], len(self.plans) - 1, Phase.FORWARD)]
+
+    def _to_children(self, pairs: Pairs) -> Pairs:
+        return [(child, tensor) for child in self.forward_to for _, tensor in pairs]
+
+    def _check_children(self, deadline: float) -> None:
+        """Before the step's first forward: check the children's headers (same plan and step)."""
         if self._unchecked is not None:
             posted, self._unchecked = self._unchecked, None
+            assert self._children is not None
             self._children.check(posted, -1, self.step, lambda: self._remaining(deadline))
-        self._settle(received, deadline)  # the host path posts after it landed; CUDA orders by the event
-        sends = [(child, tensor) for child in self.forward_to for _, tensor in pairs]
-        return [self._exchange(sends, [], [received], index, Phase.FORWARD)]
 
     def commit(self, touched: set[int] | None = None) -> None:
         """Staged mode: copy the landed step into the destinations, adding them to ``touched`` first (in
