@@ -6,6 +6,12 @@ of messages that run at once as one grouped point-to-point exchange; in every ro
 receives) at most ``bucket_bytes`` in all, so the staging memory of a rank is bounded by ``bucket_bytes x
 num_buffers``; :mod:`refit_core.plan.round_placement` places them. Every rank walks its rounds in
 increasing order, so rounds never wait on each other in a cycle.
+
+A step of small units only (no message above ``shared_max_bytes``: an adapter-only LoRA step) is placed in
+rounds of at most ``shared_max_bytes`` instead (:func:`round_bytes`). Every such message is staged; in one
+bucket-sized round a sender packed the whole step before its first byte left, and a receiver unpacked it after
+its last byte came. In smaller rounds each round's copies overlap the transfers of its neighbours, as the
+shared messages of a whole-model step overlap its large ones.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from refit_core.contract.options import MessageOptions
+from refit_core.contract.options import MessageMode, MessageOptions
 from refit_core.contract.spec import QuantSite
 from refit_core.plan.items import ALIGN, Message, ReceiverQuantization, Transfer, align
 from refit_core.plan.message_cutting import QUANTIZED_MESSAGE_SHARE, pair_messages
 from refit_core.plan.round_placement import place_in_rounds
 
-__all__ = ["QUANTIZED_MESSAGE_SHARE", "Schedule", "ScheduleSummary", "build_schedule", "digest_rounds", "summarize"]
+__all__ = ["QUANTIZED_MESSAGE_SHARE", "Schedule", "ScheduleSummary", "build_schedule", "digest_rounds", "round_bytes",
+           "summarize"]
 
 _place_in_rounds = place_in_rounds
 """Its name before :mod:`refit_core.plan.round_placement` (the docs and benchmark notes cite it)."""
@@ -86,11 +93,21 @@ def build_schedule(transfers: Sequence[Transfer], num_src: int, num_dst: int, bu
     for t in transfers:
         by_pair[(t.src, t.dst)].append(t)
     per_pair = {pair: pair_messages(ts, bucket_bytes, formation, groups) for pair, ts in by_pair.items()}
-    rounds = place_in_rounds(per_pair, bucket_bytes)
+    rounds = place_in_rounds(per_pair, round_bytes(per_pair, bucket_bytes, formation))
     quantizing = _receiver_quantizations(transfers)
     return Schedule(num_src, num_dst, bucket_bytes, rounds,
                     digest_rounds(num_src, num_dst, bucket_bytes, rounds, agreed_settings, quantizing),
                     summarize(rounds), quantizing)
+
+
+def round_bytes(per_pair: dict[tuple[int, int], list[Message]], bucket_bytes: int, formation: MessageOptions) -> int:
+    """The most bytes a rank moves per round and direction: ``shared_max_bytes`` when no message is larger (a
+    step of small units, see the module doc), else the bucket (in ``runs`` mode always the bucket)."""
+    cap = min(bucket_bytes, formation.shared_max_bytes)
+    if formation.mode is MessageMode.RUNS or cap == bucket_bytes:
+        return bucket_bytes
+    small = all(align(m.nbytes) <= cap for msgs in per_pair.values() for m in msgs)
+    return cap if small else bucket_bytes
 
 
 def _receiver_quantizations(transfers: Sequence[Transfer]) -> tuple[ReceiverQuantization, ...]:
