@@ -8,7 +8,9 @@ same bytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -17,77 +19,175 @@ Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, source view), equ
 _WORDS = (torch.int64, torch.int32, torch.int16)
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+class Strided(NamedTuple):
+    """A strided view by its layout alone, no tensor made: its storage (by address), the offset of its first
+    element there and its shape and strides (elements), its dtype and element size, and its device."""
+
+    storage: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    itemsize: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Strided:
+        return cls(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                   t.element_size(), t.device)
+
+    @property
+    def address(self) -> int:
+        """Its first element's address (``data_ptr()``)."""
+        return self.storage + self.offset * self.itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def contiguous(self) -> bool:
+        """``is_contiguous()``: dense, row-major (dimensions of size 1 take any stride)."""
+        expected = 1
+        for n, st in zip(reversed(self.shape), reversed(self.stride)):
+            if n != 1:
+                if st != expected:
+                    return self.numel == 0
+                expected *= n
+        return True
+
+    def boxed(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Strided:
+        """Its ``sizes`` box at ``offsets`` (what :meth:`Box.slice_of` selects)."""
+        offset = self.offset
+        for o, st in zip(offsets, self.stride):
+            offset += o * st
+        return Strided(self.storage, offset, sizes, self.stride, self.dtype, self.itemsize, self.device)
+
+    def on(self, base: torch.Tensor) -> torch.Tensor:
+        """This layout as a view of ``base`` (a tensor of its storage and dtype); ``base`` itself if it is that."""
+        if (self.offset, self.shape, self.stride) == (base.storage_offset(), tuple(base.shape), base.stride()):
+            return base
+        return base.as_strided(self.shape, self.stride, self.offset)
+
+    def fresh(self, base: torch.Tensor) -> torch.Tensor:
+        """This layout as a new tensor on ``base``'s storage (not a view of ``base``: no autograd history)."""
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(base.untyped_storage(), self.offset,
+                                                                       self.shape, self.stride)
+
+
+class Merged(NamedTuple):
+    """A copy :func:`coalesce_layouts` made of one or more copies: its two layouts, the first of those copies
+    (whose tensors it is a view of), and whether it spans neighbours flat (then it is made afresh on their
+    storage, as a flat merge always was, not as a view)."""
+
+    dst: Strided
+    src: Strided
+    first: int
+    fresh: bool = False
+
+    def views(self, dst: torch.Tensor, src: torch.Tensor) -> Pair:
+        """The copy's two views, made from its first copy's tensors ``dst`` and ``src``."""
+        if self.fresh:
+            return self.dst.fresh(dst), self.src.fresh(src)
+        return self.dst.on(dst), self.src.on(src)
 
 
 def view_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _adjacent(a: Strided, b: Strided) -> bool:
     """Whether ``b`` starts where contiguous ``a`` ends, in the same storage and dtype."""
-    return (a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous() and _storage(a) == _storage(b)
-            and b.data_ptr() == a.data_ptr() + view_nbytes(a))
+    return (a.dtype == b.dtype and a.storage == b.storage and b.address == a.address + a.numel * a.itemsize
+            and a.contiguous and b.contiguous)
 
 
-def _span(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=a.dtype, device=a.device).set_(a.untyped_storage(), a.storage_offset(),
-                                                               (a.numel() + b.numel(),), (1,))
+def _span(a: Strided, b: Strided) -> Strided:
+    return a._replace(shape=(a.numel + b.numel,), stride=(1,))
 
 
-def _next_along(a: torch.Tensor, b: torch.Tensor) -> int | None:
+def _next_along(a: Strided, b: Strided) -> int | None:
     """The dimension along which ``b`` continues ``a`` (same storage, dtype and strides, shapes equal
     elsewhere, ``b`` starting one step past ``a``'s end on it); None if there is none."""
-    if (a.dtype != b.dtype or a.dim() != b.dim() or a.dim() == 0 or a.stride() != b.stride()
-            or _storage(a) != _storage(b)):
+    if (a.dtype != b.dtype or len(a.shape) != len(b.shape) or not a.shape or a.stride != b.stride
+            or a.storage != b.storage):
         return None
-    differ = [d for d in range(a.dim()) if a.shape[d] != b.shape[d]]
+    differ = [d for d in range(len(a.shape)) if a.shape[d] != b.shape[d]]
     if len(differ) > 1:
         return None
-    candidates = differ or range(a.dim())
-    gap = b.storage_offset() - a.storage_offset()
+    candidates = differ or range(len(a.shape))
+    gap = b.offset - a.offset
     for d in candidates:
-        if a.stride(d) > 0 and gap == a.shape[d] * a.stride(d):
+        if a.stride[d] > 0 and gap == a.shape[d] * a.stride[d]:
             return d
     return None
 
 
-def _along(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+def _along(a: Strided, b: Strided, dim: int) -> Strided:
     shape = list(a.shape)
     shape[dim] += b.shape[dim]
-    return a.as_strided(shape, a.stride(), a.storage_offset())
+    return a._replace(shape=tuple(shape))
 
 
-def _merge(a: Pair, b: Pair) -> Pair | None:
+def _merge(a: Merged, b: Merged) -> Merged | None:
     """Copy ``a`` and copy ``b`` as one copy of the same bytes, if their views are neighbours on both
     sides (flat, or along the same dimension); None otherwise."""
-    (dst_a, src_a), (dst_b, src_b) = a, b
-    if _adjacent(dst_a, dst_b) and _adjacent(src_a, src_b):
-        return _span(dst_a, dst_b), _span(src_a, src_b)
-    dim = _next_along(dst_a, dst_b)
-    if dim is not None and _next_along(src_a, src_b) == dim and dst_a.shape == src_a.shape:
-        return _along(dst_a, dst_b, dim), _along(src_a, src_b, dim)
+    if _adjacent(a.dst, b.dst) and _adjacent(a.src, b.src):
+        return Merged(_span(a.dst, b.dst), _span(a.src, b.src), a.first, True)
+    dim = _next_along(a.dst, b.dst)
+    if dim is not None and _next_along(a.src, b.src) == dim and a.dst.shape == a.src.shape:
+        return Merged(_along(a.dst, b.dst, dim), _along(a.src, b.src, dim), a.first, a.fresh)
     return None
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and _storage(a) == _storage(b)
+def _same_layout(a: Strided, b: Strided) -> bool:
+    return a.shape == b.shape and a.stride == b.stride and a.dtype == b.dtype and a.storage == b.storage
 
 
-def _step(a: torch.Tensor, b: torch.Tensor) -> int:
+def _step(a: Strided, b: Strided) -> int:
     """Elements from ``a``'s first element to ``b``'s (0 if not a positive whole number)."""
-    delta = b.data_ptr() - a.data_ptr()
-    return delta // a.element_size() if delta > 0 and delta % a.element_size() == 0 else 0
+    delta = b.address - a.address
+    return delta // a.itemsize if delta > 0 and delta % a.itemsize == 0 else 0
 
 
-def _stack(run: list[Pair], steps: tuple[int, int]) -> Pair:
+def _stack(run: list[Merged], steps: tuple[int, int]) -> Merged:
     """Equal-layout copies at constant distances as one copy of two views with a new leading dim."""
-    (dst, src), (dst_step, src_step) = run[0], steps
+    first, (dst_step, src_step) = run[0], steps
     if len(run) == 1:
-        return dst, src
-    return (dst.as_strided((len(run), *dst.shape), (dst_step, *dst.stride()), dst.storage_offset()),
-            src.as_strided((len(run), *src.shape), (src_step, *src.stride()), src.storage_offset()))
+        return first
+    dst, src = first.dst, first.src
+    return first._replace(dst=dst._replace(shape=(len(run), *dst.shape), stride=(dst_step, *dst.stride)),
+                          src=src._replace(shape=(len(run), *src.shape), stride=(src_step, *src.stride)))
+
+
+def coalesce_layouts(pairs: Sequence[tuple[Strided, Strided]]) -> list[Merged]:
+    """:func:`coalesce` on layouts: (destination, source) copies batched into as few copies as possible,
+    each :class:`Merged` naming the first of the ``pairs`` it covers (the tensors to make its views of)."""
+    ordered = sorted((Merged(dst, src, i) for i, (dst, src) in enumerate(pairs) if dst.numel),
+                     key=lambda m: (m.dst.storage, m.dst.address))
+    merged: list[Merged] = []
+    for pair in ordered:
+        joined = _merge(merged[-1], pair) if merged else None
+        if joined is not None:
+            merged[-1] = joined
+        else:
+            merged.append(pair)
+    out: list[Merged] = []
+    run: list[Merged] = []
+    steps = (0, 0)
+    for pair in merged:
+        if run and _same_layout(run[-1].dst, pair.dst) and _same_layout(run[-1].src, pair.src):
+            step = (_step(run[-1].dst, pair.dst), _step(run[-1].src, pair.src))
+            if all(step) and (len(run) == 1 or step == steps):
+                run.append(pair)
+                steps = step
+                continue
+        if run:
+            out.append(_stack(run, steps))
+        run, steps = [pair], (0, 0)
+    if run:
+        out.append(_stack(run, steps))
+    return out
 
 
 def coalesce(pairs: Sequence[Pair]) -> list[Pair]:
@@ -100,30 +200,8 @@ def coalesce(pairs: Sequence[Pair]) -> list[Pair]:
     strided copy (Megatron's per-group ``q``/``k``/``v`` blocks: one copy each per layer).
     Destinations never overlap, so a merged view covers exactly the bytes of the copies it replaces.
     """
-    ordered = sorted((p for p in pairs if p[0].numel()), key=lambda p: (_storage(p[0]), p[0].data_ptr()))
-    merged: list[Pair] = []
-    for pair in ordered:
-        joined = _merge(merged[-1], pair) if merged else None
-        if joined is not None:
-            merged[-1] = joined
-        else:
-            merged.append(pair)
-    out: list[Pair] = []
-    run: list[Pair] = []
-    steps = (0, 0)
-    for dst, src in merged:
-        if run and _same_layout(run[-1][0], dst) and _same_layout(run[-1][1], src):
-            step = (_step(run[-1][0], dst), _step(run[-1][1], src))
-            if all(step) and (len(run) == 1 or step == steps):
-                run.append((dst, src))
-                steps = step
-                continue
-        if run:
-            out.append(_stack(run, steps))
-        run, steps = [(dst, src)], (0, 0)
-    if run:
-        out.append(_stack(run, steps))
-    return out
+    merged = coalesce_layouts([(Strided.of(dst), Strided.of(src)) for dst, src in pairs])
+    return [m.views(*pairs[m.first]) for m in merged]
 
 
 def widen(dst: torch.Tensor, src: torch.Tensor) -> Pair:
