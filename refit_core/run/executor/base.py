@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Sequence, Sized
+from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
 
 import torch
@@ -13,15 +15,17 @@ from refit_core.contract.failures import UpdateMode
 from refit_core.net.transport import Fence, Transport
 from refit_core.plan.items import Message, Segment, align
 from refit_core.run.copies import StagingCopies
+from refit_core.run.copy_merging import Strided
 from refit_core.run.executor.headers import HeaderScope, PostedHeaders, StepHeaders
 from refit_core.run.executor.rounds import (
     Post,
     RoundPlan,
     StagingBuffers,
-    buffer_views,
-    direct_region,
+    direct_span,
     pieces_of,
+    region_of,
     staged,
+    staged_layout,
 )
 from refit_core.run.lanes import Lane, lane_for
 from refit_core.run.timing import Mark, Phase, StepTimeline, Timeline
@@ -65,6 +69,18 @@ class StepCount:
     schedule's and each subset's), so each step's header names the same step on both ends."""
 
     done: int = 0
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was before, after it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class RoundRunner:
@@ -172,6 +188,11 @@ class RoundRunner:
 
         With ``zero_copy`` False every message is staged (for comparisons).
         """
+        with gc_paused():  # a bind makes a few objects per segment: no collector passes over the whole heap
+            self._resolve(views)
+
+    def _resolve(self, views: list[torch.Tensor]) -> None:
+        pieces = [Strided.of(view) for view in views]
         plans = []
         for msgs in self.rounds:
             plan = RoundPlan()
@@ -179,7 +200,8 @@ class RoundRunner:
                 parts = m.parts
                 for start, end, segs in pieces_of(m, parts, self._segments(m)):
                     self._bind_part(plan, self._peer(m) + self.peer_offset,
-                                    [(a - start, b - start) for a, b in parts if start <= a < end], segs, views)
+                                    [(a - start, b - start) for a, b in parts if start <= a < end], segs, views,
+                                    pieces)
             plans.append(plan)
         buffer_bytes = max((p.staged_bytes for p in plans), default=0)
         if buffer_bytes > self.bucket_bytes:
@@ -193,13 +215,15 @@ class RoundRunner:
         self.transport.register([post.direct for p in plans for post in p.posts if post.direct is not None])
 
     def _bind_part(self, plan: RoundPlan, peer: int, parts: list[tuple[int, int]], segs: Sequence[Segment],
-                   views: list[torch.Tensor]) -> None:
+                   views: list[torch.Tensor], pieces: list[Strided]) -> None:
         """A stretch of a message that this side lands or sends alone (``segs`` and its wire ``parts``
-        relative to its start), for global rank ``peer``: direct, else staged, posted part by part."""
-        seg_views = [seg.box.slice_of(views[seg.piece]) for seg in segs]
+        relative to its start), for global rank ``peer``: direct, else staged, posted part by part.
+        ``pieces`` are the layouts of ``views``: a segment's view is made only when it is staged."""
+        local = [pieces[seg.piece].boxed(seg.box.offsets, seg.box.sizes) for seg in segs]
         nbytes = parts[-1][1]
-        region = (direct_region(seg_views, segs, nbytes, gaps_allowed=self.gaps_allowed)
-                  if self.zero_copy and all(self._as_is(seg.piece) for seg in segs) else None)
+        begin = (direct_span(local, segs, nbytes, gaps_allowed=self.gaps_allowed)
+                 if self.zero_copy and all(self._as_is(seg.piece) for seg in segs) else None)
+        region = None if begin is None else region_of(views[segs[0].piece], begin, nbytes)
         if region is not None:
             plan.posts += [Post(peer, b - a, direct=region[a:b]) for a, b in parts]
             plan.direct_pieces.update(seg.piece for seg in segs)
@@ -208,19 +232,21 @@ class RoundRunner:
         plan.posts += [Post(peer, b - a, staging_offset=base + a) for a, b in parts]
         plan.staged_bytes = align(base + nbytes)
         plan.segments.extend(staged(seg, base) for seg in segs)
-        plan.views.extend(seg_views)
+        plan.views.extend(layout.on(views[seg.piece]) for layout, seg in zip(local, segs))
+        plan.local.extend(local)
         plan.planned.extend(segs)
         plan.staged_pieces.update(seg.piece for seg in segs)
 
     def _plan_copies(self, template: torch.Tensor) -> None:
-        """Each staged round's plain copies, coalesced and grouped once (``template``: any buffer)."""
+        """Each staged round's plain copies, coalesced and grouped once (``template``: any buffer), from
+        their layouts: only the merged copies' views are made."""
         for plan in self.plans:
-            plain = [(view, staged) for view, staged, seg, planned in
-                     zip(plan.views, buffer_views(template, plan.segments), plan.segments, plan.planned)
+            plain = [i for i, (seg, planned) in enumerate(zip(plan.segments, plan.planned))
                      if seg.quant is None and self._as_is(planned.piece)]
             if plain:
-                plan.copies = StagingCopies([v for v, _ in plain], [s for _, s in plain],
-                                            into_buffer=self.packs)
+                plan.copies = StagingCopies.of_layouts([plan.local[i] for i in plain], [plan.views[i] for i in plain],
+                                                       [staged_layout(plan.segments[i]) for i in plain], template,
+                                                       into_buffer=self.packs)
 
     def _as_is(self, piece: int) -> bool:
         """Whether piece ``piece``'s bytes are its view's as they are (False: the pack step computes them)."""

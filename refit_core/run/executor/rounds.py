@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -10,7 +11,8 @@ import torch
 
 from refit_core.contract.spec import Quantization, contiguous_strides, dtype_size
 from refit_core.plan.items import Message, Segment
-from refit_core.run.copies import StagingCopies
+from refit_core.run.copies import BufferView, StagingCopies
+from refit_core.run.copy_merging import Strided
 from refit_core.run.lanes import Lane
 from refit_core.run.merge import Deltas, MergeBatch
 from refit_core.run.quant.boxes import QuantBatch
@@ -52,6 +54,8 @@ class RoundPlan:
     segments: list[StagedSegment] = field(default_factory=list)
     views: list[torch.Tensor] = field(default_factory=list)
     """The local views of ``segments`` (sources or destinations), in the same order."""
+    local: list[Strided] = field(default_factory=list)
+    """The layouts of ``views``, in the same order."""
     planned: list[Segment] = field(default_factory=list)
     """The schedule's segments of ``segments`` (their pieces and boxes), in the same order."""
     direct_pieces: set[int] = field(default_factory=set)
@@ -113,35 +117,49 @@ def pack(buffer: torch.Tensor, plan: RoundPlan, deltas: Deltas | None = None) ->
         plan.merges.run(buffer, deltas)
 
 
-def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nbytes: int, *,
-                  gaps_allowed: bool) -> torch.Tensor | None:
-    """A flat uint8 tensor over local memory whose bytes are exactly the message, or None.
+def direct_span(views: Sequence[Strided], segments: Sequence[Segment], nbytes: int, *,
+                gaps_allowed: bool) -> int | None:
+    """Where in their one storage (a byte offset) the segments' local ``views`` hold exactly the message
+    of ``nbytes``, or None.
 
     That is so when every segment's view is contiguous, of the wire dtype, in one storage, and sits
     at the same distance from the first as in the message. A receiver must not write the alignment
     gaps between segments (they may be other weights), so it also needs a gap-free message; a sender
-    merely reads gap bytes, so it may allow them.
+    merely reads gap bytes, so it may allow them. (The span may still lie outside the storage:
+    :func:`region_of` checks that.)
     """
     if not views:
         return None
     first = views[0]
-    storage = first.untyped_storage()
-    start = first.data_ptr() - segments[0].offset
+    start = first.address - segments[0].offset
     expected = 0
     for view, seg in zip(views, segments):
-        if view.dtype != seg.dtype or not view.is_contiguous() or view.device != first.device:
+        if view.dtype != seg.dtype or not view.contiguous or view.device != first.device:
             return None
-        if view.untyped_storage().data_ptr() != storage.data_ptr():
+        if view.storage != first.storage:
             return None
-        if view.data_ptr() - start != seg.offset or (not gaps_allowed and seg.offset != expected):
+        if view.address - start != seg.offset or (not gaps_allowed and seg.offset != expected):
             return None
         expected = seg.offset + seg.nbytes
     if expected != nbytes:
         return None
-    begin = start - storage.data_ptr()
+    return start - first.storage
+
+
+def region_of(base: torch.Tensor, begin: int, nbytes: int) -> torch.Tensor | None:
+    """A flat uint8 tensor over ``nbytes`` of ``base``'s storage from byte ``begin``; None if outside it."""
+    storage = base.untyped_storage()
     if begin < 0 or begin + nbytes > storage.nbytes():
         return None
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, begin, (nbytes,), (1,))
+    return torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage, begin, (nbytes,), (1,))
+
+
+def direct_region(views: Sequence[torch.Tensor], segments: Sequence[Segment], nbytes: int, *,
+                  gaps_allowed: bool) -> torch.Tensor | None:
+    """A flat uint8 tensor over local memory whose bytes are exactly the message, or None
+    (:func:`direct_span` of the views' layouts)."""
+    begin = direct_span([Strided.of(v) for v in views], segments, nbytes, gaps_allowed=gaps_allowed)
+    return None if begin is None else region_of(views[0], begin, nbytes)
 
 
 def pieces_of(m: Message, parts: tuple[tuple[int, int], ...],
@@ -160,14 +178,22 @@ def pieces_of(m: Message, parts: tuple[tuple[int, int], ...],
     return out
 
 
+_strides_of = functools.lru_cache(maxsize=4096)(contiguous_strides)  # a plan repeats a few box sizes many times
+
+
 def staged(seg: Segment, base: int) -> StagedSegment:
     """Where ``seg`` sits in a staging buffer whose message starts at ``base``: contiguous, at its wire offset."""
     sizes = seg.box.sizes
     if seg.scales is None:
-        return StagedSegment(seg.dtype, sizes, contiguous_strides(sizes), base + seg.offset)
-    return StagedSegment(seg.dtype, sizes, contiguous_strides(sizes), base + seg.offset, seg.scales.quant,
+        return StagedSegment(seg.dtype, sizes, _strides_of(sizes), base + seg.offset)
+    return StagedSegment(seg.dtype, sizes, _strides_of(sizes), base + seg.offset, seg.scales.quant,
                          base + seg.scales.offset)
 
 
-__all__ = ["Post", "RoundPlan", "StagedSegment", "StagingBuffers", "buffer_views", "direct_region", "pack",
-           "pieces_of", "staged"]
+def staged_layout(seg: StagedSegment) -> BufferView:
+    """Where ``seg`` sits in any staging buffer of its round (what :func:`buffer_views` makes of it)."""
+    return BufferView(seg.dtype, seg.sizes, seg.strides, seg.offset // dtype_size(seg.dtype))
+
+
+__all__ = ["Post", "RoundPlan", "StagedSegment", "StagingBuffers", "buffer_views", "direct_region", "direct_span",
+           "pack", "pieces_of", "region_of", "staged", "staged_layout"]
