@@ -63,9 +63,12 @@ class Strided(NamedTuple):
             offset += o * st
         return Strided(self.storage, offset, sizes, self.stride, self.dtype, self.itemsize, self.device)
 
-    def on(self, base: torch.Tensor) -> torch.Tensor:
-        """This layout as a view of ``base`` (a tensor of its storage and dtype); ``base`` itself if it is that."""
-        if (self.offset, self.shape, self.stride) == (base.storage_offset(), tuple(base.shape), base.stride()):
+    def on(self, base: torch.Tensor, layout: Strided | None = None) -> torch.Tensor:
+        """This layout as a view of ``base`` (a tensor of its storage and dtype; ``layout``: its layout, if
+        known); ``base`` itself if it is that."""
+        if layout is None:
+            layout = Strided.of(base)
+        if (self.offset, self.shape, self.stride) == (layout.offset, layout.shape, layout.stride):
             return base
         return base.as_strided(self.shape, self.stride, self.offset)
 

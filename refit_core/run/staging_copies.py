@@ -52,18 +52,17 @@ class StagingCopies:
         self._group(coalesce(pairs), batch_below)
 
     @classmethod
-    def of_layouts(cls, local: Sequence[Strided], bases: Sequence[torch.Tensor], staged: Sequence[BufferView],
+    def of_layouts(cls, local: Sequence[Strided], views: Sequence[torch.Tensor], staged: Sequence[BufferView],
                    template: torch.Tensor, *, into_buffer: bool, batch_below: int = BATCH_BELOW) -> StagingCopies:
-        """The same copies from layouts, no tensor made per copy: ``local[i]`` a view of ``bases[i]``,
-        ``staged[i]`` of ``template``; only the merged copies' views are made."""
+        """The same copies, planned from layouts: ``local[i]`` the layout of local view ``views[i]``,
+        ``staged[i]`` a view of ``template``; no staged view is made but those of the merged copies."""
         copies = cls.__new__(cls)
         copies.into_buffer = into_buffer
         storage, device = template.untyped_storage().data_ptr(), template.device
         layouts = [Strided(storage, b.offset, b.shape, b.stride, b.dtype, b.dtype.itemsize, device) for b in staged]
         small = [v.dtype == s.dtype and v.contiguous and s.contiguous and v.numel * v.itemsize < batch_below
                  for v, s in zip(local, layouts)]  # what :func:`runnable` says of their views
-        copies._runs_of([RunCopy(v.on(base), s.offset * s.itemsize)
-                         for v, s, base, run in zip(local, layouts, bases, small) if run])
+        copies._runs_of([RunCopy(view, s.offset * s.itemsize) for view, s, run in zip(views, layouts, small) if run])
         typed: dict[torch.dtype, torch.Tensor] = {}
 
         def buffer_of(dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +75,7 @@ class StagingCopies:
         merged = []
         for m in coalesce_layouts(pairs):
             first = kept[m.first]
-            local_base, staged_base = bases[first], buffer_of(layouts[first].dtype)
+            local_base, staged_base = views[first], buffer_of(layouts[first].dtype)
             merged.append(m.views(staged_base, local_base) if into_buffer else m.views(local_base, staged_base))
         copies._group(merged, batch_below)
         return copies

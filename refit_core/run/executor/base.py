@@ -232,7 +232,7 @@ class RoundRunner:
         plan.posts += [Post(peer, b - a, staging_offset=base + a) for a, b in parts]
         plan.staged_bytes = align(base + nbytes)
         plan.segments.extend(staged(seg, base) for seg in segs)
-        plan.views.extend(layout.on(views[seg.piece]) for layout, seg in zip(local, segs))
+        plan.views.extend(layout.on(views[seg.piece], pieces[seg.piece]) for layout, seg in zip(local, segs))
         plan.local.extend(local)
         plan.planned.extend(segs)
         plan.staged_pieces.update(seg.piece for seg in segs)
