@@ -8,12 +8,26 @@ sides. Its copies run as one call per run of consecutive segments, and its round
 import torch
 
 from refit_core import LoraSpec, ParallelLayout, RefitOptions, get_plugin_manager
+from refit_core.kit.launch import free_port, spawn
 from refit_core.kit.models import load_config
 from refit_core.kit.verify import same_bytes
 from refit_core.plan.items import align
 from refit_core.plan.offline import plan_from_metadata
 from refit_core.plan.schedule import ScheduleSummary
 from refit_core.run.contiguous_runs import ContiguousRuns, RunCopy
+from tests.core.lora_step_ranks import adapter_step_ranks
+
+
+def test_an_adapter_step_costs_the_same_operations_and_torch_calls_for_4x_the_tensors():
+    train, gen = spawn(adapter_step_ranks, 2, [(f"127.0.0.1:{free_port()}", layers) for layers in (2, 8)], 2,
+                       timeout_s=120)
+    small, large = (train[0], gen[0]), (train[1], gen[1])
+    assert [r["tensors"] for r in small + large] == [28, 28, 112, 112]
+    assert all(r["landed"] for r in small + large)
+    for few, many in zip(small, large):  # train side, then gen side; the last (warm) step
+        few_step, many_step = few["steps"][-1], many["steps"][-1]
+        assert few_step["operations"] == many_step["operations"] <= 4, (few_step, many_step)  # header + 1 message
+        assert few_step["torch_calls"] == many_step["torch_calls"] <= 16, (few_step, many_step)
 
 
 def test_runs_pack_and_unpack_mixed_dtypes_and_padding_bit_for_bit():
