@@ -52,14 +52,13 @@ class StagingCopies:
         self._group(coalesce(pairs), batch_below)
 
     @classmethod
-    def of_layouts(cls, local: Sequence[Strided], views: Sequence[torch.Tensor], staged: Sequence[BufferView],
+    def of_layouts(cls, local: Sequence[Strided], views: Sequence[torch.Tensor], layouts: Sequence[Strided],
                    template: torch.Tensor, *, into_buffer: bool, batch_below: int = BATCH_BELOW) -> StagingCopies:
         """The same copies, planned from layouts: ``local[i]`` the layout of local view ``views[i]``,
-        ``staged[i]`` a view of ``template``; no staged view is made but those of the merged copies."""
+        ``layouts[i]`` of a view of ``template`` (its storage's); no staged view is made but those of the
+        merged copies."""
         copies = cls.__new__(cls)
         copies.into_buffer = into_buffer
-        storage, device = template.untyped_storage().data_ptr(), template.device
-        layouts = [Strided(storage, b.offset, b.shape, b.stride, b.dtype, b.dtype.itemsize, device) for b in staged]
         small = [v.dtype == s.dtype and v.contiguous and s.contiguous and v.numel * v.itemsize < batch_below
                  for v, s in zip(local, layouts)]  # what :func:`runnable` says of their views
         copies._runs_of([RunCopy(view, s.offset * s.itemsize) for view, s, run in zip(views, layouts, small) if run])

@@ -42,7 +42,8 @@ def test_copies_planned_from_layouts_move_the_bytes_of_copies_planned_from_views
     template = torch.empty(nbytes, dtype=torch.uint8)
     from_views = StagingCopies(local, [s.on(template) for s in staged], into_buffer=into_buffer,
                                batch_below=batch_below)
-    from_layouts = StagingCopies.of_layouts([Strided.of(v) for v in local], local, staged, template,
+    from_layouts = StagingCopies.of_layouts([Strided.of(v) for v in local], local,
+                                            [Strided.of(s.on(template)) for s in staged], template,
                                             into_buffer=into_buffer, batch_below=batch_below)
     assert from_layouts.launches == from_views.launches < len(local)
     if into_buffer:

@@ -240,13 +240,14 @@ class RoundRunner:
     def _plan_copies(self, template: torch.Tensor) -> None:
         """Each staged round's plain copies, coalesced and grouped once (``template``: any buffer), from
         their layouts: only the merged copies' views are made."""
+        buffer = Strided.of(template)
         for plan in self.plans:
             plain = [i for i, (seg, planned) in enumerate(zip(plan.segments, plan.planned))
                      if seg.quant is None and self._as_is(planned.piece)]
             if plain:
                 plan.copies = StagingCopies.of_layouts([plan.local[i] for i in plain], [plan.views[i] for i in plain],
-                                                       [staged_layout(plan.segments[i]) for i in plain], template,
-                                                       into_buffer=self.packs)
+                                                       [staged_layout(plan.segments[i], buffer) for i in plain],
+                                                       template, into_buffer=self.packs)
 
     def _as_is(self, piece: int) -> bool:
         """Whether piece ``piece``'s bytes are its view's as they are (False: the pack step computes them)."""

@@ -11,7 +11,7 @@ import torch
 
 from refit_core.contract.spec import Quantization, contiguous_strides, dtype_size
 from refit_core.plan.items import Message, Segment
-from refit_core.run.copies import BufferView, StagingCopies
+from refit_core.run.copies import StagingCopies
 from refit_core.run.copy_merging import Strided
 from refit_core.run.lanes import Lane
 from refit_core.run.merge import Deltas, MergeBatch
@@ -190,9 +190,10 @@ def staged(seg: Segment, base: int) -> StagedSegment:
                          base + seg.scales.offset)
 
 
-def staged_layout(seg: StagedSegment) -> BufferView:
-    """Where ``seg`` sits in any staging buffer of its round (what :func:`buffer_views` makes of it)."""
-    return BufferView(seg.dtype, seg.sizes, seg.strides, seg.offset // dtype_size(seg.dtype))
+def staged_layout(seg: StagedSegment, buffer: Strided) -> Strided:
+    """Where ``seg`` sits in staging buffer ``buffer`` (the layout of what :func:`buffer_views` makes of it)."""
+    size = dtype_size(seg.dtype)
+    return Strided(buffer.storage, seg.offset // size, seg.sizes, seg.strides, seg.dtype, size, buffer.device)
 
 
 __all__ = ["Post", "RoundPlan", "StagedSegment", "StagingBuffers", "buffer_views", "direct_region", "direct_span",
