@@ -1,11 +1,11 @@
-"""How long a rank's ``bind`` takes on a real plan: one train rank's and one gen rank's network executor
-resolving every segment of their rounds onto local views (direct or staged regions, staging copies
-planned, the transport's ``register()``), on CPU.
+"""How long a rank's bind takes on a real plan, as an endpoint binds (``checked_views``, then its network
+executor's ``bind``: every segment of its rounds resolved onto local views, direct or staged regions
+picked, staging copies planned, the transport's ``register()``), on CPU.
 
 The plan is planned from metadata as :mod:`setup_records` plans it (the plugins' layout hooks, no model
-built): by default the Qwen3-30B-A3B shape from ``dtensor:tp=2`` to ``vllm:tp=1,dp=2`` (about 51k
-segments), the setup of issue #48. Train rank 0 binds its ``SendExecutor``, gen rank 0 its
-``ReceiveExecutor``, each over the views a real rank hands refit:
+built): by default the Qwen3-30B-A3B shape from ``dtensor:tp=2`` to ``vllm:tp=1,dp=2`` (26k segments,
+each bound on both sides: 52k segment bindings), the setup of issue #48. Train rank 0 binds its
+``SendExecutor``, gen rank 0 its ``ReceiveExecutor``, each over the views a real rank hands refit:
 
 - train (DTensor over transformers' model): the experts' ``gate``/``up`` are the two halves of one
   fused ``gate_up_proj`` stack (``[:, :I]`` and ``[:, I:]``, not contiguous); every other piece is its
@@ -14,16 +14,17 @@ segments), the setup of issue #48. Train rank 0 binds its ``SendExecutor``, gen 
   ``gate_up_proj``, the experts' ``gate``/``up`` the two halves of one ``w13`` stack; every other
   piece is its own tensor.
 
-Memory: every tensor is a ``torch.empty`` on CPU of its real size and dtype. Nothing writes them, so
-the kernel hands out their pages lazily: a rank's ~30 GB of bf16 weights is address space, not RAM
-(printed: the process's resident memory after binding). Binding reads only addresses, shapes and
-strides, so it sees exactly what it sees on a real rank (distinct storages per parameter, fused views).
+Memory: every tensor is a ``torch.empty`` on CPU of its real size and dtype (not one flat buffer cut with
+``as_strided``, and not the meta device: a bind compares storages and addresses, so each parameter needs
+a storage of its own at a real address). Nothing writes them, so the kernel hands out their pages
+lazily: a rank's ~30 GB of bf16 weights is address space, not RAM (printed: the process's peak resident
+memory). Binding reads only addresses, shapes and strides, so it sees what it sees on a real rank.
 
-Printed: per side, the segments and messages bound, the best and median time per bind over
-``--repeat`` binds, and per phase (resolving segments to views and picking direct or staged regions;
-planning the staging copies; the transport's ``register()``); with ``--digest``, a hash of everything
-the bind resolved (posts, staged layout, views as storage and offset, the planned copies), equal
-before and after a change that keeps behaviour; with ``--profile``, cProfile's top functions.
+Printed: per rank, the messages and segments bound, the best and median time per bind over ``--repeat``
+binds (this thread's CPU time: the machine's cores are shared), and per phase (:data:`PHASES`); with
+``--digest``, a hash of everything the bind resolved (posts, staged layout, views as storage and offset,
+the planned copies, in an address-free order), equal before and after a change that keeps behaviour;
+with ``--profile N``, cProfile's top N functions of one bind.
 
     .venv/bin/python benchmarks/bind_speed.py --repeat 3 --digest
 """
@@ -34,6 +35,8 @@ import argparse
 import cProfile
 import hashlib
 import io
+import os
+import platform
 import pstats
 import re
 import resource
@@ -171,18 +174,18 @@ def timed_bind(rank: Rank) -> tuple[RoundRunner, dict[str, float]]:
 
     def timing(name: str, fn: Callable[..., None]) -> Callable[..., None]:
         def run(*args: Any) -> None:
-            began = time.perf_counter()
+            began = time.thread_time()
             fn(*args)
-            spent[name] += time.perf_counter() - began
+            spent[name] += time.thread_time() - began
         return run
 
     executor._plan_copies = timing("copies", executor._plan_copies)  # type: ignore[method-assign]
     transport.register = timing("register", transport.register)  # type: ignore[method-assign]
-    began = time.perf_counter()
+    began = time.thread_time()
     _, views = checked_views(rank.pieces, rank.side, 0, default_expert_name, rank.counts)
-    checked = time.perf_counter()
+    checked = time.thread_time()
     executor.bind(views)
-    done = time.perf_counter()
+    done = time.thread_time()
     return executor, {"total": done - began, "check": checked - began,
                       "resolve": done - checked - spent["copies"] - spent["register"], **spent}
 
@@ -201,10 +204,13 @@ def digest(executor: RoundRunner, memory: Memory) -> str:
                        sorted(plan.staged_pieces))).encode())
         h.update(repr([where(v) for v in plan.views]).encode())
         copies = plan.copies
-        if copies is not None:
-            h.update(repr([(where(v), layout) for v, layout in copies.singles]).encode())
-            h.update(repr([(key, [where(v) for v in views], layouts)
-                           for key, (views, layouts) in copies.batches.items()]).encode())
+        if copies is not None:  # merged copies come in an order that follows storage addresses: sorted here
+            h.update(repr(sorted(repr((where(v), layout)) for v, layout in copies.singles)).encode())
+            h.update(repr(sorted(repr((key, sorted(repr((where(v), layout)) for v, layout in zip(views, layouts))))
+                                 for key, (views, layouts) in copies.batches.items())).encode())
+            runs = getattr(copies, "runs", None)
+            if runs is not None and runs._runs:  # small contiguous copies moved as runs
+                h.update(repr([(r.start, r.end, r.word, r.sizes) for r in runs._runs]).encode())
         quantization = getattr(plan, "quantization", None)
         h.update(repr(quantization is None).encode())
     return h.hexdigest()[:16]
@@ -242,6 +248,8 @@ def main() -> int:
     torch.set_num_threads(1)
     planned = plan_case(args.model, args.train, args.gen)
     schedule = planned.schedule
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'unknown'}), "
+          f"torch {torch.__version__}, Python {platform.python_version()}")
     print(f"{args.model} {args.train} -> {args.gen}: {schedule.summary.segments} segments in the plan, "
           f"{schedule.summary.messages} messages, {schedule.summary.rounds} rounds (planned in {planned.plan_s:.1f} s)")
     print("\n| rank | messages | segments | bind best | bind median | " + " | ".join(PHASES) + " | per segment |")
