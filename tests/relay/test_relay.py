@@ -145,3 +145,9 @@ def test_a_stalled_relaying_replica_fails_every_replica_below_it_at_the_deadline
         assert isinstance(result, tuple) and result[1] == "StepFailedError", result
         assert f"(relayed: its relay parent is gen rank {relay_parent}" in result[2], result
     assert isinstance(results[1], tuple) and results[1][1] == "StepFailedError", results[1]
+
+
+def test_a_relay_opens_eight_nccl_communicators_per_link_unless_told():
+    assert RefitOptions(relay=RELAY).options_for("nccl").comms_per_link == 8
+    assert RefitOptions(relay=RELAY, nccl={"comms_per_link": 2}).options_for("nccl").comms_per_link == 2
+    assert RefitOptions(relay={"replicas": 4}).options_for("nccl").comms_per_link is None  # no relay: the default
