@@ -55,10 +55,12 @@ class EngineRank:
     vocab_padding: int = 64
 
 
-def split_range(total: int, parts: int, index: int, what: str, engine: str) -> tuple[int, int]:
-    """``[start, end)`` of part ``index`` of ``total`` split evenly into ``parts``."""
-    if total % parts:
-        raise PluginError(f"{engine} cannot split {what} ({total}) over {parts} ranks")
+def split_range(total: int, parts: int, index: int, what: str, engine: str, unit: int = 1) -> tuple[int, int]:
+    """``[start, end)`` of part ``index`` of ``total`` split evenly into ``parts``, in whole units of ``unit`` (a
+    head's rows): the error counts what cannot be split in those units (4 attention heads, not 128 rows)."""
+    if (total // unit) % parts:
+        counted = f"{what} ({total})" if unit == 1 else f"{total // unit} {what}"
+        raise PluginError(f"{engine} cannot split {counted} over {parts} ranks")
     size = total // parts
     return index * size, (index + 1) * size
 
@@ -88,14 +90,14 @@ def decoder_pieces(config: dict[str, Any], rank: EngineRank) -> list[Destination
         start, end = min(tp_i * per, vocab), min((tp_i + 1) * per, vocab)
         return (start, end) if end > start else None
 
-    q_rows = split_range(heads * hd, tp, tp_i, "attention heads", engine)
+    q_rows = split_range(heads * hd, tp, tp_i, "attention heads", engine, unit=hd)
     if tp >= kv_heads:
         if tp % kv_heads:
             raise PluginError(f"{engine} cannot replicate {kv_heads} KV heads over {tp} ranks")
         kv_head = tp_i // (tp // kv_heads)
         kv_rows = (kv_head * hd, (kv_head + 1) * hd)
     else:
-        kv_rows = split_range(kv_heads * hd, tp, tp_i, "KV heads", engine)
+        kv_rows = split_range(kv_heads * hd, tp, tp_i, "KV heads", engine, unit=hd)
 
     pieces: list[DestinationPiece] = []
 

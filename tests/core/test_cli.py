@@ -48,3 +48,11 @@ def test_plan_allows_unused_sources_only_when_asked(tmp_path):
     assert refused.returncode != 0 and "model.layers.2.eh_proj.weight" in refused.stderr, refused.stderr
     planned = refit(*args, "--allow-unused-sources")
     assert planned.returncode == 0 and "ranks:        1 train -> 1 gen" in planned.stdout, planned.stderr
+
+
+def test_an_engine_layout_that_splits_heads_names_the_heads(capsys):
+    from refit_core.tools.cli import main
+
+    assert main(["plan", "--model", "tiny-llama", "--train", "dtensor:fsdp=2", "--gen", "vllm:tp=3",
+                 "--device", "cpu"]) == 2
+    assert "vLLM cannot split 4 attention heads over 3 ranks" in capsys.readouterr().err
