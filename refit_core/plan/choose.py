@@ -8,7 +8,6 @@ replicas=N`` and ``--forward-min-bytes auto`` run, and what an RL framework call
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -23,10 +22,10 @@ from refit_core.units import format_bytes
 FORWARD_FLOORS = (0, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 """The ``forward_min_bytes`` that :func:`choose_forwarding` simulates by default."""
 
-RELAY_BUCKETS: tuple[int | None, ...] = (None, 32 << 20, 8 << 20)
-"""The buckets :func:`choose_relay` tries relay trees with (None: the planner's own): a relayed rank forwards
-a round once it landed, so a tree's depth costs about a round's bytes per hop, and smaller buckets make
-smaller rounds (at a latency per message)."""
+RELAY_BUCKETS: tuple[int | None, ...] = (None, 64 << 20, 32 << 20, 16 << 20, 8 << 20, 4 << 20)
+"""The buckets :func:`choose_relay` tries relay trees with, largest first (None: the planner's own): a relayed
+rank forwards a round once it landed, so a tree's depth costs about one round's bytes per hop, and smaller
+buckets make smaller rounds at a latency per message; deep chains want small ones."""
 
 
 class Planner(Protocol):
@@ -89,6 +88,9 @@ class RelayChoice:
     candidates: tuple[Prediction, ...]
     refused: str = ""
     """Why no relay was planned (the replicas' layouts differ, e.g. experts sharded across them); empty if none."""
+    skipped: tuple[int, ...] = ()
+    """Numbers of roots not planned: the trainers' share alone (direct fanout's sender-side bound, scaled to
+    the roots) was no faster than the fastest candidate before them."""
 
     @property
     def chosen(self) -> Prediction:
@@ -152,16 +154,20 @@ class _Fastest:
             return True
         return False
 
-    def choice(self, refused: str = "") -> RelayChoice:
+    @property
+    def best_s(self) -> float:
+        return self.best[0] if self.best is not None else float("inf")
+
+    def choice(self, refused: str = "", skipped: Sequence[int] = ()) -> RelayChoice:
         assert self.best is not None  # the baseline is always simulated
         seconds, relay, summary = self.best
         baseline = next(p for p in self.predictions if p.baseline)
-        return RelayChoice(relay, summary, seconds, baseline, tuple(self.predictions), refused)
+        return RelayChoice(relay, summary, seconds, baseline, tuple(self.predictions), refused, tuple(skipped))
 
 
 def relay_candidates(replicas: int) -> list[int]:
-    """The ``direct`` values :func:`choose_relay` tries: every replica, then 1, 2, 4... fewer, largest first."""
-    return sorted({replicas, *(1 << k for k in range(replicas.bit_length()) if 1 << k < replicas)}, reverse=True)
+    """The ``direct`` values :func:`choose_relay` tries: every replica, then 1, 2, 4... roots below it."""
+    return [replicas, *(1 << k for k in range(replicas.bit_length()) if 1 << k < replicas)]
 
 
 def fanout_candidates(replicas: int) -> list[int]:
@@ -176,9 +182,10 @@ def fanout_candidates(replicas: int) -> list[int]:
 def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *, fanouts: Sequence[int] | None = None,
                  buckets: Sequence[int | None] = (None,), on_prediction: OnPrediction | None = None) -> RelayChoice:
     """Simulate direct fanout (the trainers feed all ``relay.replicas``) and relay trees with 1, 2, 4...
-    roots, each with every fanout of ``fanouts`` (default: ``relay.fanout`` where given explicitly, else
-    :func:`fanout_candidates`: chains and trees) and every bucket of ``buckets`` (e.g.
-    :data:`RELAY_BUCKETS`); the fastest, direct fanout on ties.
+    roots (skipping those the trainers' share alone rules out), each with the fanouts of ``fanouts``
+    (default: ``relay.fanout`` where given explicitly, else :func:`fanout_candidates`: chains and trees) and
+    the buckets of ``buckets`` (e.g. :data:`RELAY_BUCKETS`), each in order while they get faster; the
+    fastest, direct fanout on ties.
 
     The trainers' schedule depends on the roots and the bucket only: it is planned once for each, and each
     fanout's relay messages derived from it (:func:`~refit_core.plan.relay.relay_down_tree`); trees that
@@ -191,41 +198,69 @@ def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *, fano
     summary = plan(options)
     sim = simulated(summary, topology)
     fastest.add(Prediction(options, sim.predicted_s, baseline=True, bound_s=sim.bound_s), summary)
+    skipped: list[int] = []
     try:
-        best_derived = _relay_trees(plan, relay, topology, fastest, fanouts, buckets)
+        best_derived = _relay_trees(plan, relay, topology, fastest, fanouts, buckets, sim.sender_bound_s, skipped)
     except PlanError as e:
         return fastest.choice(refused=str(e))
-    choice = fastest.choice()
+    choice = fastest.choice(skipped=skipped)
     if best_derived:
         choice = replace(choice, plan=plan(choice.relay, choice.chosen.bucket_bytes))
     return choice
 
 
 def _relay_trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fastest, fanouts: Sequence[int],
-                 buckets: Sequence[int | None]) -> bool:
-    """:func:`choose_relay`'s relay candidates; True when the fastest one's relay messages were derived."""
+                 buckets: Sequence[int | None], sender_s: float, skipped: list[int]) -> bool:
+    """:func:`choose_relay`'s relay candidates; True when the fastest one's relay messages were derived.
+
+    Roots are tried fewest first; a number of roots whose trainers' share alone (``sender_s``, direct
+    fanout's sender-side bound, scaled to the roots: replicas are identical) is no faster than the fastest
+    so far is not planned (added to ``skipped``). Per number of roots, the buckets are tried in order until
+    one predicts slower than the one before."""
     best_derived = False
-    for direct, bucket in itertools.product(relay_candidates(relay.replicas)[1:], buckets):
-        planned: PlanSummary | None = None
-        seen: set[tuple[int, ...]] = set()
-        for fanout in fanouts:
-            tree = plan_tree(relay.replicas, direct, fanout)
-            if tree.parent in seen:
-                continue
-            seen.add(tree.parent)
-            options = relay_options(relay, direct=direct, fanout=fanout)
-            if planned is None:
-                summary = planned = plan(options, bucket)
-            else:
-                assert planned.relay is not None  # planned with 0 < direct < replicas
-                forwards = relay_down_tree(ReplicaTree(planned.relay.replica_size, tree), planned.schedule)
-                summary = replace(planned, relay=forwards)
-            sim = simulated(summary, topology)
-            shape = RelayShape.CHAIN if fanout == 1 else RelayShape.TREE
-            if fastest.add(Prediction(options, sim.predicted_s, shape=shape, levels=len(tree.levels),
-                                      bound_s=sim.bound_s, bucket_bytes=bucket), summary):
-                best_derived = summary is not planned
+    for direct in relay_candidates(relay.replicas)[1:]:
+        if sender_s * direct / relay.replicas >= fastest.best_s:
+            skipped.append(direct)
+            continue
+        previous = float("inf")
+        for bucket in buckets:
+            seconds, derived = _trees(plan, relay, topology, fastest, fanouts, direct, bucket)
+            best_derived = best_derived if derived is None else derived
+            if seconds > previous:
+                break
+            previous = seconds
     return best_derived
+
+
+def _trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fastest, fanouts: Sequence[int],
+           direct: int, bucket: int | None) -> tuple[float, bool | None]:
+    """The trees of ``direct`` roots and one bucket, fanouts in order while they get faster: the fastest
+    one's prediction, and whether the fastest candidate so far is now one of them with derived relay
+    messages (None: none of them became the fastest)."""
+    planned: PlanSummary | None = None
+    seen: set[tuple[int, ...]] = set()
+    best, derived = float("inf"), None
+    for fanout in fanouts:
+        tree = plan_tree(relay.replicas, direct, fanout)
+        if tree.parent in seen:
+            continue
+        seen.add(tree.parent)
+        options = relay_options(relay, direct=direct, fanout=fanout)
+        if planned is None:
+            summary = planned = plan(options, bucket)
+        else:
+            assert planned.relay is not None  # planned with 0 < direct < replicas
+            summary = replace(planned, relay=relay_down_tree(ReplicaTree(planned.relay.replica_size, tree),
+                                                             planned.schedule))
+        sim = simulated(summary, topology)
+        shape = RelayShape.CHAIN if fanout == 1 else RelayShape.TREE
+        if fastest.add(Prediction(options, sim.predicted_s, shape=shape, levels=len(tree.levels),
+                                  bound_s=sim.bound_s, bucket_bytes=bucket), summary):
+            derived = summary is not planned
+        if sim.predicted_s > best:
+            break
+        best = sim.predicted_s
+    return best, derived
 
 
 def choose_forwarding(plan: Planner, relay: RelayOptions, topology: Topology, *,

@@ -161,6 +161,8 @@ def _choose_relay(plan: Planner, relay: RelayOptions, topology: str, buckets: Se
     choice = choose_relay(plan, relay, Topology.parse(topology), buckets=buckets, on_prediction=show)
     if choice.refused:
         print(f"  no relay: {choice.refused}")
+    if choice.skipped:
+        print(f"  {', '.join(map(str, choice.skipped))} roots: not planned (the trainers' share alone is slower)")
     best = choice.chosen
     verdict = "direct fanout wins" if choice.chose_baseline else f"relay wins, {choice.speedup:.2f}x faster than direct"
     print(f"  best: {best.label} (direct={choice.relay.direct}, fanout={choice.relay.fanout}): predicted "

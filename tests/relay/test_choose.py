@@ -34,13 +34,17 @@ def test_an_rl_framework_asks_for_the_fastest_relay_from_one_trainer_node_into_3
                           on_prediction=seen.append)
     assert seen == list(choice.candidates)
     assert choice.baseline is seen[0] and seen[0].baseline and seen[0].shape is RelayShape.DIRECT
-    # 1, 2, 4... roots, each with chains and trees of fanout 2, 4... (a fanout that gives a tree seen is skipped)
-    assert [p.relay.direct for p in seen if p.bucket_bytes is None] == [32, *[16] * 5, *[8] * 6, *[4] * 6,
-                                                                        *[2] * 6, *[1] * 6]
-    assert [p.label for p in seen[1:3]] == ["chain, 16 roots", "tree fanout 2, 16 roots"]
-    assert seen[-1].label == "tree fanout 32, 1 root, bucket 32.0 MiB" and seen[-1].levels == 2
+    # 1, 2, 4... roots, chains first, then trees of fanout 2, 4... while they get faster (1 root, 512 MiB: a
+    # tree of fanout 2 beats the 31-hop chain, fanout 4 does not); 16 roots not planned: the trainers' NICs
+    # alone would take 16 x 1 GiB / 8 / 50 GB/s, slower than the best so far
+    assert [p.label for p in seen[1:5]] == ["chain, 1 root", "tree fanout 2, 1 root", "tree fanout 4, 1 root",
+                                            "chain, 1 root, bucket 32.0 MiB"]
+    assert seen[2].predicted_s < seen[1].predicted_s < seen[3].predicted_s
+    assert [p.relay.direct for p in seen if p.bucket_bytes is None] == [32, 1, 1, 1, 2, 2, 4, 4, 8, 8]
+    assert choice.skipped == (16,)
+    assert seen[-1].label == "tree fanout 2, 8 roots, bucket 32.0 MiB" and seen[-1].levels == 3
     # the trainers' schedule is planned once per roots and bucket (chains first: the winner is no derived plan)
-    assert planned == [(32, None), *[(d, b) for d in (16, 8, 4, 2, 1) for b in (None, 32 << 20)]]
+    assert planned == [(32, None), *[(d, b) for d in (1, 2, 4, 8) for b in (None, 32 << 20)]]
     # 8 chains of 4 replicas, 32 MiB rounds: 1.12x the bound; the trainers' NICs feed 8 replicas, not 32
     assert not choice.chose_baseline and choice.chosen.label == "chain, 8 roots, bucket 32.0 MiB"
     assert choice.relay == RelayOptions(replicas=32, direct=8, fanout=1)
