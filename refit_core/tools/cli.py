@@ -20,8 +20,23 @@ from refit_core.units import format_bytes
 if TYPE_CHECKING:
     from refit_core.contract.options import RelayOptions
     from refit_core.plan.choose import Planner, Prediction, RelayChoice
+    from refit_core.tools.demo.rl_loop import LoopSettings
 
 AUTO = "auto"
+
+DEMO_MODEL = "tiny-llama"
+DEMO_STEPS = 2
+"""What ``refit demo`` refits, and how often, when not told (``--loop`` has its own: LoopSettings)."""
+
+FLAGS = {"allow_unused_sources=True": "--allow-unused-sources"}
+"""Library settings an error may name, and the flag that sets them here."""
+
+
+def as_flags(message: str) -> str:
+    """An error message as the command line says it: a setting it names becomes the flag that sets it."""
+    for setting, flag in FLAGS.items():
+        message = message.replace(setting, flag)
+    return message
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -209,17 +224,22 @@ def _choose_forwarding(plan: Planner, relay: RelayOptions, topology: str) -> Rel
     return choice
 
 
+def loop_settings(args: argparse.Namespace) -> LoopSettings:
+    """``refit demo --loop``'s settings: the model and steps given, else the loop's own defaults."""
+    from refit_core.tools.demo.rl_loop import LoopSettings, loop_lora
+
+    return LoopSettings(model=args.model or LoopSettings.model, steps=args.steps or LoopSettings.steps,
+                        device=args.device or "cpu", plot=args.plot, lora=loop_lora(args.lora))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from refit_core.kit.demo import installed_demos
     from refit_core.tools.demo.runner import DemoPlan, default_device, fit_to_gpus, pick_pair, run_demo
 
     if args.loop:
-        from refit_core.tools.demo.rl_loop import LoopSettings, loop_lora, run_cli
+        from refit_core.tools.demo.rl_loop import run_cli
 
-        return run_cli(LoopSettings(model=args.model if args.model != "tiny-llama" else LoopSettings.model,
-                                    steps=args.steps if args.steps != 2 else LoopSettings.steps,
-                                    device=args.device or "cpu", plot=args.plot, lora=loop_lora(args.lora)),
-                       args.train, args.gen)
+        return run_cli(loop_settings(args), args.train, args.gen)
     pm = get_plugin_manager()
     demos = installed_demos(pm)
     able = [demos.of(b.name) for b in pm.backends(GEN)]
@@ -231,9 +251,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     gen_layout = args.gen_layout if args.gen_layout is not None else demos.of(gen.name).gen_layout
     if args.quantize and args.gen_layout is None:
         gen_layout = ""  # one rank holding whole 128 x 128 blocks (a tiny model's TP shards would split them)
-    plan = DemoPlan(train, gen, args.model,
+    plan = DemoPlan(train, gen, args.model or DEMO_MODEL,
                     args.train_layout if args.train_layout is not None else demos.of(train.name).train_layout,
-                    gen_layout, args.steps, args.device or default_device(), colocate=args.colocate,
+                    gen_layout, args.steps or DEMO_STEPS, args.device or default_device(), colocate=args.colocate,
                     quantize=args.quantize)
     if args.quantize and args.quantize not in demos.of(gen.name).quantize:
         raise RefitError(f"--quantize {args.quantize}: the {gen.name} backend's demo cannot hold quantized "
@@ -331,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a real, verified refit between two programs on this machine")
     demo.add_argument("--train", help="train backend (default: best installed)")
     demo.add_argument("--gen", help="gen backend (default: best installed)")
-    demo.add_argument("--model", default="tiny-llama", help=models)
-    demo.add_argument("--steps", type=int, default=2)
+    demo.add_argument("--model", help=f"{models} (default: {DEMO_MODEL}; with --loop, the loop's policy)")
+    demo.add_argument("--steps", type=int, help=f"refits (default: {DEMO_STEPS}; with --loop, the loop's steps)")
     demo.add_argument("--train-layout", help="e.g. fsdp=2 (default: the backend's demo layout)")
     demo.add_argument("--gen-layout", help="e.g. tp=2 (default: the backend's demo layout)")
     demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
@@ -380,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except RefitError as exc:
-        print(f"refit: error: {exc}", file=sys.stderr)
+        print(f"refit: error: {as_flags(str(exc))}", file=sys.stderr)
         return 2
 
 
