@@ -46,6 +46,7 @@ def test_plan_allows_unused_sources_only_when_asked(tmp_path):
     args = ("plan", "--model", str(path), "--train", "megatron:tp=1", "--gen", "vllm:tp=1", "--device", "cpu")
     refused = refit(*args)
     assert refused.returncode != 0 and "model.layers.2.eh_proj.weight" in refused.stderr, refused.stderr
+    assert "(pass --allow-unused-sources to skip them)" in refused.stderr, refused.stderr
     planned = refit(*args, "--allow-unused-sources")
     assert planned.returncode == 0 and "ranks:        1 train -> 1 gen" in planned.stdout, planned.stderr
 
@@ -56,3 +57,15 @@ def test_an_engine_layout_that_splits_heads_names_the_heads(capsys):
     assert main(["plan", "--model", "tiny-llama", "--train", "dtensor:fsdp=2", "--gen", "vllm:tp=3",
                  "--device", "cpu"]) == 2
     assert "vLLM cannot split 4 attention heads over 3 ranks" in capsys.readouterr().err
+
+
+def test_demo_loop_takes_the_steps_and_model_it_is_given():
+    from refit_core.tools.cli import build_parser, loop_settings
+    from refit_core.tools.demo.rl_loop import LoopSettings
+
+    given = loop_settings(build_parser().parse_args(["demo", "--loop", "--steps", "2", "--model", "tiny-llama"]))
+    assert (given.steps, given.model) == (2, "tiny-llama")  # were 20 steps of tiny-qwen3
+    default = loop_settings(build_parser().parse_args(["demo", "--loop"]))
+    assert (default.steps, default.model) == (LoopSettings.steps, LoopSettings.model)
+    demo = build_parser().parse_args(["demo"])
+    assert demo.steps is None and demo.model is None  # cmd_demo takes DEMO_STEPS / DEMO_MODEL

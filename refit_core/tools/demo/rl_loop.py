@@ -159,12 +159,17 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
                                    device=settings.device, **extra) for r in range(settings.train_ranks)]
         engine = Engine.remote(None, config=config, seed=settings.seed, device=settings.device,
                                **(extra if adapter_mode else {}))
+        report(f"refit loop: starting {settings.train_ranks} {train.name} train actor(s) and a {gen.name} "
+               f"engine actor ({settings.model})")
         (address,) = gather({trainers[0].refit_address.remote(): "train actor 0"}, "picking an address",
                             settings.timeout_s)
+        report(f"refit loop: actors up after {time.perf_counter() - start:.1f} s; building the policy")
         gather({t.init_training.remote(address): f"train actor {r}" for r, t in enumerate(trainers)},
                "building the policy", settings.timeout_s)
+        report(f"refit loop: policy built after {time.perf_counter() - start:.1f} s; setting up refit")
         refit = RayRefit(trainers, [engine], timeout_s=settings.timeout_s)
         refit.setup()
+        report(f"refit loop: refit set up after {time.perf_counter() - start:.1f} s; first refit (version 0)")
         first = refit.sync(version=0)
         if lora is not None:
             adapter = ray.get(trainers[0].adapter_bytes.remote(), timeout=settings.timeout_s)
