@@ -14,7 +14,8 @@ No schedule beats the larger of the two.
 
 The model ignores NCCL's protocol overheads and assumes links reach their rate; validated against
 `refit bench` runs on 2 and 4 x H200 (``tests/scale/test_simulate.py``): per-link bytes equal, time
-within 15 %.
+within 15 %; and against issue #48's 4 x H200 runs (one GPU into 3 replicas, TP2 -> TP1 x DP2) within
+10 % (``tests/relay/test_relay_simulation.py``).
 """
 
 from __future__ import annotations
