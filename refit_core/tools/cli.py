@@ -170,7 +170,7 @@ def _choose_relay(plan: Planner, relay: RelayOptions, topology: str, buckets: Se
 
     def show(prediction: Prediction) -> None:
         assert prediction.predicted_s is not None  # every relay candidate is simulated
-        print(f"  {prediction.label:<26} predicted {format_duration(prediction.predicted_s)}, "
+        print(f"  {prediction.label:<40} predicted {format_duration(prediction.predicted_s)}, "
               f"{prediction.predicted_s / prediction.bound_s:.2f}x the bound")
 
     choice = choose_relay(plan, relay, Topology.parse(topology), buckets=buckets, on_prediction=show)
