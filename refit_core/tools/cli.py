@@ -70,6 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     train, train_layout = parse_backend_layout(args.train)
     gen, gen_layout = parse_backend_layout(args.gen)
+    Topology.parse(args.topology)  # a bad --topology fails here, not after the whole plan
     given = _relay_settings(args.relay)
     choose_floor = args.forward_within_nodes and args.forward_min_bytes == AUTO
     choose_direct = "replicas" in given and "direct" not in given

@@ -69,3 +69,13 @@ def test_demo_loop_takes_the_steps_and_model_it_is_given():
     assert (default.steps, default.model) == (LoopSettings.steps, LoopSettings.model)
     demo = build_parser().parse_args(["demo"])
     assert demo.steps is None and demo.model is None  # cmd_demo takes DEMO_STEPS / DEMO_MODEL
+
+
+def test_a_bad_topology_is_refused_before_any_planning(capsys):
+    from refit_core.tools.cli import main
+
+    assert main(["plan", "--model", "llama-3-8b-shape", "--train", "megatron:tp=8", "--gen", "vllm:tp=8",
+                 "--simulate", "--topology", "gpus_per_node=eight"]) == 2
+    captured = capsys.readouterr()
+    assert "topology item 'gpus_per_node=eight': 'eight' is not a number" in captured.err
+    assert "refit plan:" not in captured.out + captured.err  # refused before the plan's progress lines
