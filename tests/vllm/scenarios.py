@@ -832,8 +832,9 @@ def scenario_lora(**kwargs: Any) -> dict[str, Any]:
 SCENARIOS = {"refit": scenario_refit, "mismatch_then_subset": scenario_mismatch_then_subset, "abort": scenario_abort,
              "inflight": scenario_inflight, "docs": scenario_docs, "lora": scenario_lora}
 
-if __name__ == "__main__":
-    name, arguments = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
+
+def run_one(name: str, arguments: dict[str, Any]) -> None:
+    """Run scenario ``name``, print its ``RESULT`` line, remove its scratch folders and exit this process."""
     try:
         outcome = SCENARIOS[name](**arguments)
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -843,3 +844,12 @@ if __name__ == "__main__":
     for scratch in _SCRATCH_DIRS:
         shutil.rmtree(scratch, ignore_errors=True)
     os._exit(0)  # engine processes and threads must not keep the scenario alive
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        import scenario_server  # its serve() is not this module's serve()
+
+        scenario_server.serve(run_one)
+    else:
+        run_one(sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))

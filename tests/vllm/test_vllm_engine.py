@@ -1,17 +1,16 @@
 """refit into a real vLLM engine (CPU, fp32, greedy), trained side FSDP2 over 2 ranks (dtensor plugin).
 
-Every scenario runs in its own process (``scenarios.py``): one vLLM engine each (the mismatched setup and
-the subset session are one scenario: their tests share its engine). The check is the
+Every scenario runs in its own process (``scenarios.py``), forked from a server that imported vLLM once
+(``scenario_server.py``): one vLLM engine each (the mismatched setup and the subset session are one
+scenario: their tests share its engine). The check is the
 user's: after every refit, vLLM's greedy tokens equal HF transformers' with the same weights, token
 for token, and the weight version advances where vLLM shows it (engine, request outputs, workers).
 """
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scenario_server import ScenarioServer
 
 from tests.environments import require
 
@@ -28,27 +28,18 @@ require("refit_vllm")
 
 pytestmark = pytest.mark.vllm
 
-SCENARIOS = Path(__file__).with_name("scenarios.py")
+SERVER = ScenarioServer(Path(__file__).with_name("scenarios.py"))
+atexit.register(SERVER.close)
 
 
 def run_scenario(name: str, timeout: float = 600, **kwargs: Any) -> dict[str, Any]:
-    """Run one scenario in its own session; whatever it leaves behind (engine, workers, trainers) is killed."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, str(SCENARIOS), name, json.dumps(kwargs)], stdout=out, stderr=err,
-                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
+    """Run one scenario in a process of its own (forked by the scenario server, which imported vLLM once);
+    whatever it leaves behind (engine, workers, trainers) is killed."""
+    with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
+        finished = SERVER.run(name, kwargs, timeout, out, err)
+    stdout, stderr = finished.stdout, finished.stderr
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, (f"scenario {name} {kwargs} printed no result (exit {proc.returncode}):\n"
+    assert lines, (f"scenario {name} {kwargs} printed no result (exit {finished.exit}):\n"
                    f"{stdout[-3000:]}\n{stderr[-8000:]}")
     result = json.loads(lines[-1].removeprefix("RESULT "))
     assert "scenario_error" not in result, result["scenario_error"]
