@@ -2,7 +2,7 @@
 
 Train rank 0 plans the whole refit once; every other rank reads only its :class:`RankPlan`: the
 plan-wide facts (fingerprint, sizes, summary, expert counts, whether the network transport opens,
-the relay waves) and its own messages, links, receiver-side quantizations and relay messages.
+the relay tree) and its own messages, links, receiver-side quantizations and relay messages.
 Messages travel as arrays, a segment as a run of integers in one flat list per message side
 (``piece, offset, dtype, quant, scales_offset, ndim, *offsets, *sizes``; ``quant`` indexes the
 record's table of quantizations, -1 for none), so a rank's record grows with its own messages only.

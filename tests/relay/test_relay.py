@@ -1,4 +1,4 @@
-"""Relay fanout: planned waves, and real refits over gloo where engine replicas forward to each other."""
+"""Relay fanout: a pipelined tree of replicas, and real refits over gloo where engine replicas forward to each other."""
 
 import time
 

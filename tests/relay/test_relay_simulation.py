@@ -58,12 +58,10 @@ def _h200x4(model: str, train: str, gen: str, placement: GpuPlacement, relay: Re
     return simulate(summary.schedule, Topology.parse("h200"), placement, relay=summary.relay)
 
 
-# Measured on 4 x H200 (NVLink NV18 switch) at d97d313, every refit bitwise; issue #48 (the lead's runs).
-ONE_TO_THREE_DIRECT_MS = 130.8  # 1 trainer GPU -> 3 replicas of the Llama-3-8B shape (16.06 GB each), direct fanout
-OF_THE_WIRE = {"llama-3-8b-shape": 0.889, "qwen3-30b-a3b-shape": 0.935}  # TP2 (GPUs 0,1) -> TP1 x DP2 (GPUs 2,3)
-# The pipelined chain 1 -> 2 -> 3 of the same shape, 8 communicators per link (commit 32655f6's message, the
-# lead's run): 1.176x NCCL's broadcast of the same bytes in the same run (45.2 ms).
-CHAIN_MS = 1.176 * 45.2
+# Measured on 4 x H200 (NVLink NV18 switch), every refit bitwise: benchmarks/results/nvidia-h200-x4-fleet-2026-11-28.md
+ONE_TO_THREE_DIRECT_MS = 130.9  # 1 trainer GPU -> 3 replicas of the Llama-3-8B shape (16.06 GB each), direct fanout
+OF_THE_WIRE = {"llama-3-8b-shape": 0.878, "qwen3-30b-a3b-shape": 0.926}  # TP2 (GPUs 0,1) -> TP1 x DP2 (GPUs 2,3)
+CHAIN_MS = 52.9  # the pipelined chain 1 -> 2 -> 3 of the same shape, 8 communicators per link (1.171x the broadcast)
 
 
 def test_simulator_predicts_4xh200_direct_fanout_and_chain_within_10_percent():
