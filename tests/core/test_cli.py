@@ -79,3 +79,12 @@ def test_a_bad_topology_is_refused_before_any_planning(capsys):
     captured = capsys.readouterr()
     assert "topology item 'gpus_per_node=eight': 'eight' is not a number" in captured.err
     assert "refit plan:" not in captured.out + captured.err  # refused before the plan's progress lines
+
+
+def test_the_command_line_guide_names_every_model_preset():
+    from pathlib import Path
+
+    from refit_core.kit.models import PRESETS
+
+    guide = (Path(__file__).parents[2] / "docs" / "guides" / "command-line.md").read_text()
+    assert [name for name in PRESETS if f"`{name}`" not in guide] == []
