@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
@@ -304,36 +305,40 @@ def _split_then_recover(llm: Any, cfg: dict[str, Any], torn_rank: int, tokens: C
 def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", loader: list[str] | None = None,
                    steps: list[int] | None = None, torn_rank: int | None = None) -> dict[str, Any]:
     """FSDP2 (2 ranks) -> vLLM (``tp`` workers): after each refit, vLLM's greedy tokens vs HF's; then,
-    with ``torn_rank``, a step that lands on every worker but that one, and the recovery."""
-    _engine_env(tp)
-    from refit_vllm.demo import engine_kwargs, prompts_for
-    from refit_vllm.extension import EXTENSION
+    with ``torn_rank``, a step that lands on every worker but that one, and the recovery. The train
+    ranks start before the engine does (their imports overlap its build)."""
+    from refit_core.kit.launch import free_port
+
+    cfg = tiny_config(model)
+    rendezvous = f"127.0.0.1:{free_port()}"
+    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), steps or [1, 2], {})
+    start = time.perf_counter()
+    engine = _refit_engine(cfg, tp)
+    build_s = time.perf_counter() - start
+    result = {"build_s": build_s, **refit_steps(engine, tp, route, loader, steps, torn_rank,
+                                                trainers=(trainers, rendezvous))}
+    engine.llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def refit_steps(engine: Engine, tp: int = 1, route: str = "weight_transfer", loader: list[str] | None = None,
+                steps: list[int] | None = None, torn_rank: int | None = None, held: int = 0,
+                trainers: tuple[Trainers, str] | None = None) -> dict[str, Any]:
+    """One refit session of :func:`scenario_refit` into ``engine``, which holds step ``held``'s weights
+    (``trainers``: train ranks already started for these steps, and their rendezvous)."""
     from refit_vllm.layout import destination_layout
-    from refit_vllm.reference import reference_dir
-    from vllm import LLM, SamplingParams
-    from vllm.config import WeightTransferConfig
 
     from refit_core import ParallelLayout
     from refit_core.kit.launch import free_port
 
     steps = steps or [1, 2]
-    cfg = tiny_config(model)
-    prompts = prompts_for(cfg)
-    tmp = scratch_dir()
+    llm, cfg, prompts, tmp, generate = engine.llm, engine.cfg, engine.prompts, engine.tmp, engine.outputs
     result: dict[str, Any] = {"steps": []}
-    start = time.perf_counter()
-    llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
-              **engine_kwargs(cfg, tp, weight_transfer_config=WeightTransferConfig(backend="refit"),
-                              worker_extension_cls=EXTENSION))
-    result["build_s"] = time.perf_counter() - start
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-    def generate() -> list[Any]:
-        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-    result["initial_equal"] = [list(o.outputs[0].token_ids) for o in generate()] == hf_tokens(cfg, 0, prompts, tmp)
-    rendezvous = f"127.0.0.1:{free_port()}"
-    trainers = Trainers(train_sender, 2, cfg, rendezvous, free_port(), steps, {})
+    result["initial_equal"] = engine.tokens() == hf_tokens(cfg, held, prompts, tmp)
+    if trainers is None:
+        rendezvous = f"127.0.0.1:{free_port()}"
+        trainers = (Trainers(train_sender, 2, cfg, rendezvous, free_port(), steps, {}), rendezvous)
+    ranks, rendezvous = trainers
     start = time.perf_counter()
     if route == "weight_transfer":
         llm.init_weight_transfer_engine({"init_info": {"rendezvous": rendezvous, "loader": loader or []}})
@@ -372,45 +377,57 @@ def scenario_refit(model: str, tp: int = 1, route: str = "weight_transfer", load
     result["load_weights_calls_during_steps"] = llm.collective_rpc(_load_weights_calls)
     replanned = llm.collective_rpc(_replanned_metas)
     result["replanned_equal"] = [a == b for a, b in zip(replanned, llm.collective_rpc("refit_destination_metas"))]
-    error = trainers.join()
+    error = ranks.join()
     result["trainer_error"] = None if error is None else str(error)
     if torn_rank is not None:
-        result["split"] = _split_then_recover(llm, cfg, torn_rank,
-                                              lambda: [list(o.outputs[0].token_ids) for o in generate()],
+        result["split"] = _split_then_recover(llm, cfg, torn_rank, engine.tokens,
                                               lambda step: hf_tokens(cfg, step, prompts, tmp))
-    llm.llm_engine.engine_core.shutdown()
     return result
 
 
-def _refit_engine(cfg: dict[str, Any]) -> tuple[Any, list[list[int]], str, Callable[[], list[list[int]]]]:
-    """A TP-1 vLLM engine on the step-0 reference weights with refit as its weight-transfer backend:
-    ``(llm, prompts, tmp dir, generate)``, where ``generate()`` returns greedy tokens per prompt."""
-    _engine_env(1)
+@dataclass(frozen=True)
+class Engine:
+    """A vLLM engine with refit as its weight-transfer backend (and refit's worker extension), built on
+    the step-0 reference weights of ``cfg``, with the prompts its checks generate from."""
+
+    llm: Any
+    cfg: dict[str, Any]
+    prompts: list[list[int]]
+    tmp: str
+
+    def outputs(self) -> list[Any]:
+        """vLLM's request outputs, greedy, one per prompt."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        return self.llm.generate([{"prompt_token_ids": p} for p in self.prompts], params, use_tqdm=False)
+
+    def tokens(self) -> list[list[int]]:
+        """Greedy tokens per prompt."""
+        return [list(o.outputs[0].token_ids) for o in self.outputs()]
+
+
+def _refit_engine(cfg: dict[str, Any], tp: int = 1) -> Engine:
+    """A ``tp``-worker :class:`Engine` of ``cfg``."""
+    _engine_env(tp)
     from refit_vllm.demo import engine_kwargs, prompts_for
     from refit_vllm.extension import EXTENSION
     from refit_vllm.reference import reference_dir
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    prompts = prompts_for(cfg)
     tmp = scratch_dir()
     llm = LLM(model=str(reference_dir(cfg, SEED, 0, os.path.join(tmp, "initial"))),
-              **engine_kwargs(cfg, 1, weight_transfer_config=WeightTransferConfig(backend="refit"),
+              **engine_kwargs(cfg, tp, weight_transfer_config=WeightTransferConfig(backend="refit"),
                               worker_extension_cls=EXTENSION))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-    def generate() -> list[list[int]]:
-        return [list(o.outputs[0].token_ids)
-                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-
-    return llm, prompts, tmp, generate
+    return Engine(llm, cfg, prompts_for(cfg), tmp)
 
 
 def scenario_mismatch_then_subset(engine_model: str, train_model: str) -> dict[str, Any]:
     """One engine of ``engine_model`` (one engine start for two scenarios): :func:`mismatched_setup`,
     then, on the weights that failed setup left, :func:`subset_then_whole`."""
-    cfg = tiny_config(engine_model)
-    llm, prompts, tmp, generate = _refit_engine(cfg)
+    engine = _refit_engine(tiny_config(engine_model))
+    llm, cfg, prompts, tmp, generate = engine.llm, engine.cfg, engine.prompts, engine.tmp, engine.tokens
     result = {"mismatch": mismatched_setup(llm, cfg, prompts, tmp, generate, train_model),
               "subset": subset_then_whole(llm, cfg, prompts, tmp, generate)}
     llm.llm_engine.engine_core.shutdown()
@@ -479,16 +496,34 @@ def nccl_update_info(cfg: dict[str, Any], version: int, wrong_shape: str | None 
     return {"version": version, "names": list(tensors), "dtype_names": ["float32"] * len(tensors), "shapes": shapes}
 
 
-def scenario_abort(model: str) -> dict[str, Any]:
-    """A step whose nccl-style update info gives one tensor a wrong shape: refused before any byte lands,
-    on every rank. The trainers die after setup: the step fails, and the engine keeps its previous
-    weights. Then a step that tears weights (vLLM's loader fails on the loader path): the engine
-    refuses to serve, naming its ranks' versions, until a new session's step (nccl-style update info
-    naming every tensor) lands, after which it generates HF's tokens."""
+def scenario_abort_then_loader(model: str, loader: list[str]) -> dict[str, Any]:
+    """One engine for two scenarios (an engine start and its process for both): :func:`failed_steps`,
+    which leaves the engine serving version 2, then :func:`refit_steps` with ``loader`` (steps 3, 4)."""
+    engine = _refit_engine(tiny_config(model))
+    result = {"abort": _part(lambda: failed_steps(engine)),
+              "loader": _part(lambda: refit_steps(engine, loader=loader, steps=[3, 4], held=2))}
+    engine.llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _part(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``'s result, or its traceback as ``scenario_error`` (the other parts still run)."""
+    try:
+        return run()
+    except Exception:  # noqa: BLE001 - reported to the part's test
+        return {"scenario_error": traceback.format_exc()}
+
+
+def failed_steps(engine: Engine) -> dict[str, Any]:
+    """On ``engine`` (step 0's weights, never refitted): a step whose nccl-style update info gives one
+    tensor a wrong shape, refused before any byte lands, on every rank. The trainers die after setup:
+    the step fails, and the engine keeps its previous weights. Then a step that tears weights (vLLM's
+    loader fails on the loader path): the engine refuses to serve, naming its ranks' versions, until a
+    new session's step (nccl-style update info naming every tensor) lands, after which it generates
+    HF's tokens (version 2)."""
     from refit_core.kit.launch import free_port
 
-    cfg = tiny_config(model)
-    llm, prompts, tmp, generate = _refit_engine(cfg)
+    llm, cfg, prompts, tmp, generate = engine.llm, engine.cfg, engine.prompts, engine.tmp, engine.tokens
     before = generate()
     result: dict[str, Any] = {}
     rendezvous = f"127.0.0.1:{free_port()}"
@@ -550,7 +585,6 @@ def scenario_abort(model: str) -> dict[str, Any]:
     result["states_after_recovery"] = llm.collective_rpc("refit_rank_state")
     result["recovered_equal_hf"] = generate() == hf_tokens(cfg, 2, prompts, tmp)
     result["version_after_recovery"] = llm.get_weight_version()
-    llm.llm_engine.engine_core.shutdown()
     return result
 
 
@@ -829,8 +863,9 @@ def scenario_lora(**kwargs: Any) -> dict[str, Any]:
     return run(**kwargs)
 
 
-SCENARIOS = {"refit": scenario_refit, "mismatch_then_subset": scenario_mismatch_then_subset, "abort": scenario_abort,
-             "inflight": scenario_inflight, "docs": scenario_docs, "lora": scenario_lora}
+SCENARIOS = {"refit": scenario_refit, "mismatch_then_subset": scenario_mismatch_then_subset,
+             "abort_then_loader": scenario_abort_then_loader, "inflight": scenario_inflight, "docs": scenario_docs,
+             "lora": scenario_lora}
 
 
 def run_one(name: str, arguments: dict[str, Any]) -> None:

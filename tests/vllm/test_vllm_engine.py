@@ -107,11 +107,25 @@ def check_split_engine_refuses(split: dict[str, Any]) -> None:
         assert split["recovered_equal_hf"]
 
 
-def test_loader_path() -> None:
-    """Layer 1's q_proj and layer 0's experts forced off the fast path: whole fused groups follow."""
-    loader = [r"layers\.1\.self_attn\.q_proj", r"layers\.0\.mlp\.experts\."]
-    result = run_scenario("refit", model="tiny-qwen3-moe", tp=1, loader=loader)
-    check_refits(result, tp=1)
+@pytest.fixture(scope="module")
+def abort_then_loader() -> dict[str, Any]:
+    """One tiny-qwen3-moe engine for the two tests that take it (an engine start is much of their time):
+    the failed and torn steps first, which leave it serving version 2, then the loader path's steps 3, 4."""
+    return run_scenario("abort_then_loader", model="tiny-qwen3-moe",
+                        loader=[r"layers\.1\.self_attn\.q_proj", r"layers\.0\.mlp\.experts\."])
+
+
+def part(result: dict[str, Any], name: str) -> dict[str, Any]:
+    """One test's part of a scenario that several tests share, which must have run to its end."""
+    assert "scenario_error" not in result[name], result[name]["scenario_error"]
+    return result[name]
+
+
+def test_loader_path(abort_then_loader: dict[str, Any]) -> None:
+    """Layer 1's q_proj and layer 0's experts forced off the fast path: whole fused groups follow (steps 3
+    and 4, into the engine the failure test left on version 2)."""
+    result = part(abort_then_loader, "loader")
+    check_refits(result, tp=1, steps=(3, 4))
     plan = result["plan"][0]
     assert sorted(plan["loader"]) == [
         "model.layers.0.mlp.experts.down_proj.weight", "model.layers.0.mlp.experts.gate_proj.weight",
@@ -145,14 +159,15 @@ def test_mismatched_model_fails_at_setup_and_engine_keeps_serving(mismatch_then_
     assert result["still_generates"] and result["matches_hf_initial"]
 
 
-def test_failed_step_keeps_previous_weights_and_a_torn_engine_refuses_to_serve() -> None:
+def test_failed_step_keeps_previous_weights_and_a_torn_engine_refuses_to_serve(
+        abort_then_loader: dict[str, Any]) -> None:
     """A step whose nccl-style update info gives a tensor the wrong shape is refused before any byte
     lands, naming it; the trainers stop at once. Trainers die after setup: update_weights fails, vLLM's
     reload is rolled back, old weights serve. Then vLLM's loader fails on the loader path (the plugin
     cannot tell how far it got: those tensors count as torn): every rank reports it needs a refit,
     generation raises a named refusal, also in a new session before its first step; the new session's
     step (its update info naming every tensor, as vLLM's nccl backend's) lifts it and the engine equals HF."""
-    result = run_scenario("abort", model="tiny-qwen3-moe")
+    result = part(abort_then_loader, "abort")
     assert result["names_error"] == ("InvalidRequestError: update_info gives the wrong full shape for 1 tensor(s): "
                                      "model.norm.weight [129] (the engine's is [128])"), result["names_error"]
     # the trainers hear it as a failed step, long before their 30 s deadline (1.2 s measured)
