@@ -1,7 +1,7 @@
 """What a transport author needs: the interface, the registered record, its context and options.
 
 A transport moves a refit's packed messages between its ranks. Write a :class:`Transport` (``exchange``,
-``close``; optionally ``abort`` and ``register``), describe it as a :class:`TransportType` (its name, how to
+``close``; optionally ``abort``, ``register`` and :class:`TransportCounters`), describe it as a :class:`TransportType` (its name, how to
 open it from a :class:`TransportContext`, its :class:`TransportOptions`), and register that record under the
 entry-point group ``refit.transports`` of your distribution::
 
@@ -17,10 +17,17 @@ every rank. :func:`register_transport` registers a kind in this process only (te
 from __future__ import annotations
 
 from refit_core.contract.transport_options import TransportOptions
-from refit_core.net.transport.base import DoneFence, Fence, Transport, check_contiguous, spin_until
+from refit_core.net.transport.base import (
+    DoneFence,
+    Fence,
+    Transport,
+    TransportCounters,
+    check_contiguous,
+    spin_until,
+)
 from refit_core.net.transport.kind import TransportContext, TransportType
 from refit_core.net.transport.registry import register_transport
 from refit_core.net.transport.watch import PeerWatch
 
-__all__ = ["DoneFence", "Fence", "PeerWatch", "Transport", "TransportContext", "TransportOptions", "TransportType",
-           "check_contiguous", "register_transport", "spin_until"]
+__all__ = ["DoneFence", "Fence", "PeerWatch", "Transport", "TransportContext", "TransportCounters", "TransportOptions",
+           "TransportType", "check_contiguous", "register_transport", "spin_until"]

@@ -50,12 +50,12 @@ SURFACE = {
         "Conformance", "GenFactory", "ModelCase", "PluginConformance", "RankContext", "Refusal", "RoundTrip",
         "TrainFactory", "check_plugin", "check_transport"],
     "refit_core.transports": [
-        "DoneFence", "Fence", "PeerWatch", "Transport", "TransportContext", "TransportOptions", "TransportType",
-        "check_contiguous", "register_transport", "spin_until"],
+        "DoneFence", "Fence", "PeerWatch", "Transport", "TransportContext", "TransportCounters", "TransportOptions",
+        "TransportType", "check_contiguous", "register_transport", "spin_until"],
 }
 """Every public name, by module: a name joins or leaves the surface here, on purpose, with the guide."""
 
-SURFACE_CEILING = 95
+SURFACE_CEILING = 96
 """The most names the five public modules may hold together (141 in three modules before the split).
 
 Below this, every name is imported by a plugin of this repository or pinned by its tests (the engine-wide
