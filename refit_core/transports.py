@@ -1,9 +1,10 @@
 """What a transport author needs: the interface, the registered record, its context and options.
 
 A transport moves a refit's packed messages between its ranks. Write a :class:`Transport` (``exchange``,
-``close``; optionally ``abort``, ``register`` and :class:`TransportCounters`), describe it as a :class:`TransportType` (its name, how to
-open it from a :class:`TransportContext`, its :class:`TransportOptions`), and register that record under the
-entry-point group ``refit.transports`` of your distribution::
+``close``; optionally ``abort``, ``register`` and :class:`TransportCounters`), describe it as a
+:class:`TransportType` (its name, how to open it from a :class:`TransportContext`, its
+:class:`TransportOptions`), and register that record under the entry-point group ``refit.transports`` of
+your distribution::
 
     [project.entry-points."refit.transports"]
     toy-tcp = "refit_toy.tcp:TCP"
