@@ -33,7 +33,7 @@ class Strided(NamedTuple):
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Strided:
-        return cls(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+        return cls(t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.stride(), t.dtype,
                    t.element_size(), t.device)
 
     @property

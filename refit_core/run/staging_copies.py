@@ -46,7 +46,7 @@ class StagingCopies:
                  batch_below: int = BATCH_BELOW) -> None:
         self.into_buffer = into_buffer
         small = [runnable(v, s) and view_nbytes(v) < batch_below for v, s in zip(local, staged)]
-        self._runs_of([RunCopy(v, s.storage_offset() * s.element_size())
+        self._runs_of([RunCopy(v, int(s.storage_offset()) * s.element_size())
                        for v, s, run in zip(local, staged, small) if run])
         pairs = [(s, v) if into_buffer else (v, s) for v, s, run in zip(local, staged, small) if not run]
         self._group(coalesce(pairs), batch_below)
