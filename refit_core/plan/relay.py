@@ -71,9 +71,6 @@ class RelayTree:
             replica = self.parent[replica]
         return replica
 
-    def level_of(self, replica: int) -> int:
-        return next(k for k, members in enumerate(self.levels) if replica in members)
-
 
 def plan_tree(replicas: int, direct: int, fanout: int = 1) -> RelayTree:
     """The relay tree of ``replicas`` replicas, ``direct`` of them fed by the trainers.
