@@ -22,5 +22,5 @@ SUITE = Conformance(
     gen_layouts=("", "tp=2", "tp=4", "pp=2", "tp=2,pp=2", "tp=2,dp=2", "tp=2,ep=2"),
     refusals=(Refusal(Side.GEN, "fsdp=2", "vllm layouts take tp, pp, dp and ep"),
               Refusal(Side.GEN, "tp=2,ep=4", "ep must be 2", MOE),
-              Refusal(Side.GEN, "tp=3", "cannot split attention heads")),
+              Refusal(Side.GEN, "tp=3", "cannot split 4 attention heads over 3 ranks")),
 )
