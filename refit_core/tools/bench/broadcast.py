@@ -19,7 +19,7 @@ import torch
 from refit_core.contract.options import RefitOptions
 from refit_core.tools.bench.comms import open_bench_comm
 from refit_core.tools.bench.method import Method, current_stream
-from refit_core.tools.bench.wire import verify_checksums
+from refit_core.tools.bench.wire import payload, verify_checksums
 
 NAME = "broadcast"
 
@@ -122,22 +122,13 @@ class Broadcast(Method):
         c = self.ctx
         plan = broadcast_plan(c.extra["ranks"], lambda r: int(c.store.get(f"bytes/{r}").decode()))
         bucket = int(RefitOptions(bucket_bytes=c.bucket_bytes).resolved(c.device.type).bucket_bytes or 0)
-        mine = plan.of_rank(c.rank)
-        size = max((g.nbytes for g in mine), default=0) if c.is_train else sum(g.nbytes for g in mine)
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=c.device)
-        if c.is_train:
-            self.buffer.random_(0, 256)
-        else:
-            self.buffer.zero_()
+        own = plan.of_rank(c.rank)
+        mine = [(i, group) for i, group in enumerate(plan.groups) if group in own]
+        self.buffer, views = payload(c.device, c.is_train, [group.nbytes for _, group in mine])
         self.lanes: list[tuple[Any, torch.Tensor, str]] = []  # (comm, bytes, checksum key)
-        offset = 0
-        for i, group in enumerate(plan.groups):
-            if group not in mine:
-                continue
+        for (i, group), view in zip(mine, views):
             comm = open_bench_comm(c.store, f"{self.name}/{i}", len(group.members), group.members.index(c.rank),
                                    c.device)
-            view = self.buffer[:group.nbytes] if c.is_train else self.buffer[offset:offset + group.nbytes]
-            offset += 0 if c.is_train else group.nbytes
             self.lanes.append((comm, view, f"{self.name}/checksum/{i}"))
         self.buckets = [(comm, list(data.split(bucket))) for comm, data, _ in self.lanes]
         self.info.update(broadcast_bytes=plan.replica_bytes, bytes_moved=plan.landed_bytes,

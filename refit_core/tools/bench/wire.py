@@ -25,6 +25,21 @@ def checksum(data: torch.Tensor) -> int:
     return int(total.item())
 
 
+def payload(device: torch.device, is_sender: bool, sizes: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One buffer for a baseline's lanes of ``sizes`` bytes, and each lane's view of it: a sender sends random
+    bytes, every lane a prefix of one buffer of the largest size; a receiver lands each lane in its own slice
+    of one zeroed buffer."""
+    buffer = torch.empty(max(sizes, default=0) if is_sender else sum(sizes), dtype=torch.uint8, device=device)
+    if is_sender:
+        return buffer.random_(0, 256), [buffer[:n] for n in sizes]
+    buffer.zero_()
+    views, offset = [], 0
+    for n in sizes:
+        views.append(buffer[offset:offset + n])
+        offset += n
+    return buffer, views
+
+
 def verify_checksums(store: Any, is_sender: bool, lanes: Sequence[tuple[torch.Tensor, str]],
                      checksum: Callable[[torch.Tensor], int]) -> str | None:
     """A sender publishes each lane's checksum under its key; a receiver compares its own bytes' (None on a
@@ -60,18 +75,10 @@ class Wire(Method):
                 if c.device.type != "cuda" or rank_of.get(p.src) != rank_of.get(p.dst)]
         skipped = [p for p in plan.pairs
                    if c.device.type == "cuda" and rank_of.get(p.src) == rank_of.get(p.dst)]
-        size = max((p.nbytes for p in mine), default=0) if c.is_train else sum(p.nbytes for p in mine)
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=c.device)
-        if c.is_train:
-            self.buffer.random_(0, 256)
-        else:
-            self.buffer.zero_()
-        offset = 0
-        for p in mine:
+        self.buffer, views = payload(c.device, c.is_train, [p.nbytes for p in mine])
+        for p, view in zip(mine, views):
             comm = c.comm if c.comm is not None and len(plan.pairs) == 1 else \
                 open_bench_comm(c.store, f"{self.name}/{p.src}-{p.dst}", 2, 0 if c.is_train else 1, c.device)
-            view = self.buffer[:p.nbytes] if c.is_train else self.buffer[offset:offset + p.nbytes]
-            offset += 0 if c.is_train else p.nbytes
             stream = torch.cuda.Stream(c.device) if c.device.type == "cuda" and len(mine) > 1 else None
             self.lanes.append((comm, view, stream, f"{self.name}/checksum/{p.src}-{p.dst}"))  # one key per method
         self.info["wire_bytes"] = plan.nbytes - sum(p.nbytes for p in skipped)
