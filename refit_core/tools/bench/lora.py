@@ -2,7 +2,9 @@
 
 - **full**: every weight of the model (what a LoRA user without refit's LoRA support moves);
 - **adapter**: only the adapters' ``lora_A`` / ``lora_B`` (adapter mode);
-- **merged**: every weight, the adapted ones merged in the pack step (``W + scale * B @ A``, merged mode).
+- **merged**: every weight, the adapted ones merged in the pack step (``W + scale * B @ A``, merged mode);
+- **wire**: the adapter method's bytes as one p2p of one contiguous buffer over the same pair, the bound of
+  an adapter step (checked by checksum).
 
 The model is a HF config's checkpoint (a preset, e.g. ``llama-3-8b-shape``), every tensor whole on the one
 train rank and the one gen rank (``cuda:0`` -> ``cuda:1`` over NCCL, or CPU over gloo), random values;
@@ -16,10 +18,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.hookspecs import hookimpl
@@ -43,9 +47,13 @@ from refit_core.kit.models import checkpoint_specs, load_config
 from refit_core.kit.verify import same_bytes
 from refit_core.plan.lora import adapted_module
 from refit_core.run.merge import lora_delta, merged_box, time_merge
+from refit_core.tools.bench.comms import open_bench_comm
+from refit_core.tools.bench.method import current_stream
+from refit_core.tools.bench.wire import checksum, payload, verify_checksums
 from refit_core.units import format_bytes
 
-METHODS = ("full", "adapter", "merged")
+METHODS = ("full", "adapter", "merged", "wire")
+WIRE = "wire"
 PLUGIN_NAME = "refit-bench-lora"
 
 
@@ -145,6 +153,8 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
         weights = {n: torch.zeros_like(t) for n, t in weights.items()}
     out: dict[str, Any] = {}
     for method in job["methods"]:
+        if method == WIRE:
+            continue
         options = RefitOptions(timeout_s=job["timeout_s"], bucket_bytes=job["bucket_bytes"])
         address = f"127.0.0.1:{job['ports'][method]}"
         holder = _pieces(method, specs, adapters, weights, factors, lora, train, device)
@@ -169,7 +179,31 @@ def _worker(rank: int, nprocs: int, job: dict[str, Any]) -> dict[str, Any]:
             row["check"] = _check(method, holder, weights_of(specs, device), factors, adapters, lora)
         endpoint.close()
         out[method] = row
+    if WIRE in job["methods"]:
+        out[WIRE] = _wire(out["adapter"]["bytes"], device, job, train)
     return out
+
+
+def _wire(nbytes: int, device: torch.device, job: dict[str, Any], train: bool) -> dict[str, Any]:
+    """The adapter step's bytes as one p2p of one contiguous buffer, timed like the refits."""
+    store = dist.TCPStore("127.0.0.1", job["ports"][WIRE], 2, train, timedelta(seconds=job["timeout_s"]))
+    comm = open_bench_comm(store, "lora-wire", 2, 0 if train else 1, device)
+    buffer, _ = payload(device, train, [nbytes])
+    stream = current_stream(device)
+    times = []
+    for step in range(job["warmup"] + job["iters"]):
+        start = time.perf_counter()
+        if train:
+            comm.post([(1, buffer)], [], stream)
+        else:
+            comm.post([], [(0, buffer)], stream)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step >= job["warmup"]:
+            times.append(time.perf_counter() - start)
+    check = verify_checksums(store, train, [(buffer, "lora-wire/checksum")], checksum)
+    comm.close()
+    return {"bytes": nbytes, "seconds": statistics.median(times), "check": check or "-"}
 
 
 def weights_of(specs: list[TensorSpec], device: torch.device) -> dict[str, torch.Tensor]:
@@ -248,6 +282,12 @@ class LoraBench:
             gbps = row["bytes"] / row["seconds"] / 1e9 if row["seconds"] else 0.0
             lines.append(f"| {method} | {format_bytes(row['bytes'])} | {share} | {row['seconds'] * 1e3:.1f} ms "
                          f"| {gbps:.2f} | {row.get('check', '-')} |")
+        if WIRE in self.rows and "adapter" in self.rows:
+            wire_s, adapter_s = self.rows[WIRE]["seconds"], self.rows["adapter"]["seconds"]
+            lines.append(f"adapter mode: {wire_s / adapter_s:.3f} of the wire on its own bytes (wire "
+                         f"{wire_s * 1e3:.2f} ms, adapter {adapter_s * 1e3:.2f} ms)")
+        if not self.merge_lines:
+            return "\n".join(lines)
         lines += [f"merge on the CPU (the pack step's extra work in merged mode), per shape: {line}"
                   for line in self.merge_lines]
         lines.append(f"merge on the CPU, the whole model once: {self.merge_cpu_s:.3f} s")
@@ -276,7 +316,12 @@ def merge_cpu_time(config: dict[str, Any], lora: LoraSpec, repeats: int = 3,
 def run(model: str, lora: LoraSpec, *, device: str = "cpu", warmup: int = 1, iters: int = 3,
         bucket_bytes: int | None = None, timeout_s: float = 300.0, methods: tuple[str, ...] = METHODS,
         merge_repeats: int = 3) -> LoraBench:
-    """Run the three methods on one train and one gen rank (``cuda``: GPUs 0 and 1, or 0 and 0)."""
+    """Run ``methods`` on one train and one gen rank (``cuda``: GPUs 0 and 1, or 0 and 0); the CPU merge
+    timings only with ``merged``."""
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or (WIRE in methods and "adapter" not in methods):
+        raise ValueError(f"refit bench --lora methods {list(methods)}: choose from {list(METHODS)} "
+                         "(wire moves the adapter method's bytes: it needs adapter)")
     config = load_config(model)
     if device == "cuda":
         last = max(0, torch.cuda.device_count() - 1)
@@ -289,6 +334,8 @@ def run(model: str, lora: LoraSpec, *, device: str = "cpu", warmup: int = 1, ite
     results = spawn(_worker, 2, job, timeout_s=timeout_s * (len(methods) + 1))
     rows = {m: {"bytes": results[0][m]["bytes"], "seconds": max(results[0][m]["seconds"], results[1][m]["seconds"]),
                 "check": results[1][m]["check"]} for m in methods}
+    if "merged" not in methods:
+        return LoraBench(model, lora, device, rows, 0.0, [], None)
     merge_s, lines = merge_cpu_time(config, lora, merge_repeats)
     gpu_s = merge_cpu_time(config, lora, merge_repeats, device="cuda:0")[0] if device == "cuda" else None
     return LoraBench(model, lora, device, rows, merge_s, lines, gpu_s)

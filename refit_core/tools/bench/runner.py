@@ -189,13 +189,15 @@ def _run(args: argparse.Namespace, model: str, ranks: list[dict[str, Any]], meth
 def _lora_bench(args: argparse.Namespace) -> int:
     """``refit bench --lora``: each model's three LoRA refits; 0 when every check passed."""
     from refit_core.contract.lora import LoraSpec
+    from refit_core.tools.bench.lora import METHODS as LORA_METHODS
     from refit_core.tools.bench.lora import run
 
     lora = LoraSpec.parse(args.lora)
     ok = True
     for model in args.models.split(","):
         bench = run(model, lora, device=args.device, warmup=args.warmup, iters=args.iters,
-                    bucket_bytes=args.bucket_mib * MiB if args.bucket_mib else None, timeout_s=args.timeout_s)
+                    bucket_bytes=args.bucket_mib * MiB if args.bucket_mib else None, timeout_s=args.timeout_s,
+                    methods=tuple(args.methods.split(",")) if args.methods else LORA_METHODS)
         print(bench.table(), flush=True)
         ok = ok and all(row["check"] == "bitwise ok" for row in bench.rows.values())
         if args.out:
