@@ -46,7 +46,9 @@ def check_api(result: dict[str, Any]) -> None:
     assert result["metadata_matches"] and result["iter_full_matches"]
     trainer = result["trainer"]
     assert trainer["class"] == "RefitTrainerWeightTransferEngine" and trainer["version"] == 3
-    assert trainer["calls"] == ["init", "start", "update", "finish"] and trainer["weight_versions"] == ["3"]
+    assert result["default_version"] == 4, result["default_version"]
+    assert trainer["calls"] == ["init"] + ["start", "update", "finish"] * 2, trainer["calls"]
+    assert trainer["weight_versions"] == ["3", "4"], trainer["weight_versions"]
     assert trainer["bitwise_equal"], "the refit through vLLM's trainer factory did not land bitwise"
     refused = result["refused_init"]  # an engine refusing before its setup: its text reaches the trainer
     assert refused["engine_error"] == "RefitError: gen rank 1 is outside world_size 1", refused
@@ -54,8 +56,27 @@ def check_api(result: dict[str, Any]) -> None:
             "RefitError: gen rank 1 is outside world_size 1") in refused["trainer_error"], refused
     # the refusing gen rank publishes the gen side's size itself, so the trainer hears at once (it used to
     # wait 2 x timeout_s and raise a bare timeout): 0.3 s measured
-    assert refused["seconds"] < 0.5 * refused["timeout_s"], refused
+    assert refused["timeout_s"] >= 600 and refused["seconds"] < 2, refused
+    check_client_refused(result["client_refused"])
     check_fidelity(result["fidelity"])
+
+
+ENGINE_ERROR = ("the vLLM engine's init_weight_transfer_engine raised (train rank 0's client): RuntimeError: Weight "
+                "transfer not configured. Please set weight_transfer_config to enable weight transfer.")
+
+
+def check_client_refused(out: dict[str, Any]) -> None:
+    """Issue 45: train rank 0's client call raises (an engine without ``weight_transfer_config``): every
+    train rank fails within 2 s at ``timeout_s=600`` with the engine's error (it took 2 x timeout_s, with
+    a bare timeout)."""
+    assert out["timeout_s"] >= 600, out
+    for rank in ("0", "1"):
+        assert rank in out, f"train rank {rank} was still waiting after 60 s: {out}"
+        failed = out[rank]
+        assert failed["error"] is not None and failed["seconds"] < 2, (rank, failed)
+        relayed = f"RefitError: refit setup failed on another rank: gen rank 0: {ENGINE_ERROR}"
+        assert failed["error"].startswith(relayed), (rank, failed)
+    assert out["0"]["cause"] == "RuntimeError", out  # rank 0's traceback shows the engine's own error
 
 
 def check_fidelity(out: dict[str, Any]) -> None:
@@ -77,6 +98,9 @@ def check_fidelity(out: dict[str, Any]) -> None:
     one_rank = out["one_rank_source"]
     assert one_rank["kind"] == "ONE_RANK" and one_rank["version"] == 5 and one_rank["passes"] == 2, one_rank
     assert one_rank["calls"] == ["init", "start", "update", "finish"] and one_rank["bitwise_equal"], one_rank
+    # a source iterating out of its metadata's order: vLLM's nccl trainer raises ValueError, so does refit
+    assert out["reordered_source"].startswith("ValueError|InvalidRequestError: the WeightSource yielded "), out
+    assert "iteration must follow metadata order" in out["reordered_source"], out
     assert out["wrong_world_size"].startswith("RefitError: expected 2 train ranks, 1 arrived; world_size counts "
                                               "train ranks only"), out["wrong_world_size"]
 

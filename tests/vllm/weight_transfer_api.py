@@ -70,7 +70,7 @@ class WorkerClient:
             raise
 
 
-REFUSAL_TIMEOUT_S = 6.0
+REFUSAL_TIMEOUT_S = 600.0
 
 
 def refused_init(source: Any, model: Any) -> dict[str, Any]:
@@ -102,6 +102,58 @@ def refused_init(source: Any, model: Any) -> dict[str, Any]:
             "engine_error": client.error}
 
 
+CLIENT_TIMEOUT_S = 600.0
+NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
+"""What vLLM's worker raises for ``init_weight_transfer_engine`` on an engine started without
+``weight_transfer_config`` (``Worker._check_weight_transfer_engine``, ``vllm/v1/worker/gpu_worker.py``)."""
+
+
+class UnconfiguredEngine:
+    """A client whose engine was started without ``weight_transfer_config``: its init call raises vLLM's
+    error before any refit code runs in the engine (so no gen rank ever joins the refit)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        raise RuntimeError(NOT_CONFIGURED)
+
+
+def client_refused(config: dict[str, Any]) -> dict[str, Any]:
+    """Two train ranks (module sources, on threads) at ``timeout_s=600``; train rank 0's client call raises.
+    Each rank's error, its cause's type and its seconds: every rank must fail at once, with the engine's
+    error (it used to take 2 x timeout_s and raise a bare timeout)."""
+    import threading
+    import time
+
+    import torch
+    from refit_dtensor import build_model
+    from refit_vllm import transfer
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from refit_core.kit.launch import free_port
+
+    rendezvous = f"127.0.0.1:{free_port()}"
+    sources = [transfer.RefitSource(build_model(config, dtype=torch.float32, seed=10 + r)) for r in range(2)]
+    clients = [UnconfiguredEngine(), NoCalls()]
+    out: dict[str, Any] = {"timeout_s": CLIENT_TIMEOUT_S}
+
+    def rank(r: int) -> None:
+        info = transfer.RefitTrainerInitInfo(rank=r, rendezvous=rendezvous, world_size=2,
+                                             options={"timeout_s": CLIENT_TIMEOUT_S})
+        start = time.perf_counter()
+        try:
+            WeightTransferTrainerFactory.trainer_init(info, client=clients[r], source=sources[r])
+            error, cause = None, None
+        except Exception as exc:  # noqa: BLE001 - the expected outcome
+            error, cause = f"{type(exc).__name__}: {exc}", type(exc.__cause__).__name__
+        out[str(r)] = {"error": error, "cause": cause, "seconds": time.perf_counter() - start}
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)  # far below the timeout: a rank still waiting here is the failure this checks
+    return out
+
+
 def _error(call: Any) -> str | None:
     """What ``call`` raised: ``"Type: text"``, prefixed by ``ValueError|`` / ``TypeError|`` where it is one."""
     try:
@@ -121,6 +173,8 @@ def gathered_source(model: Any) -> Any:
     class Gathered(WeightSource):
         def __init__(self) -> None:
             self.passes = 0
+            self.reordered = False
+            """True: iterate in the reverse of metadata order (which vLLM's nccl trainer refuses)."""
 
         def _metas(self) -> list[Any]:
             return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -129,7 +183,8 @@ def gathered_source(model: Any) -> Any:
 
         def iter_full(self) -> Any:
             self.passes += 1
-            for name, param in model.named_parameters():
+            params = list(model.named_parameters())
+            for name, param in reversed(params) if self.reordered else params:
                 yield name, param.detach().clone()
 
         def __iter__(self) -> Any:
@@ -200,11 +255,14 @@ def fidelity(config: dict[str, Any]) -> dict[str, Any]:
         for p in source_model.parameters():
             p.mul_(2.0)
     version = trainer.send_weights(version=5)
+    passes = source.passes
+    source.reordered = True  # vLLM's nccl trainer raises ValueError (NCCLTrainerWeightTransferEngine._checked_iter)
+    out["reordered_source"] = _error(lambda: trainer.send_weights(version=6))
     trainer.shutdown()
     client.receiver.close()
     got = dict(target.named_parameters())
     out["one_rank_source"] = {
-        "kind": trainer.kind.name, "version": version, "calls": client.calls, "passes": source.passes,
+        "kind": trainer.kind.name, "version": version, "calls": client.calls, "passes": passes,
         "bitwise_equal": all(same_bytes(got[n], p) for n, p in source_model.named_parameters())}
 
     # vLLM's nccl world_size counts the trainer and the workers: 2 here, with one train rank
@@ -281,9 +339,11 @@ def check() -> dict[str, Any]:
         for p in source_model.parameters():
             p.add_(0.5)
     version = trainer.send_weights(version=3)
+    result["default_version"] = trainer.send_weights()  # the previous version plus 1
     trainer.shutdown()
     client.receiver.close()
     result["refused_init"] = refused_init(source, build_model(config, dtype=torch.float32, seed=3))
+    result["client_refused"] = client_refused(config)
     result["fidelity"] = fidelity(config)
     target = dict(target_model.named_parameters())
     result["trainer"] = {"class": type(trainer).__name__, "version": version, "calls": client.calls,

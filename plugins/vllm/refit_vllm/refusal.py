@@ -5,6 +5,10 @@ once (the rendezvous' error record). A worker that fails *before* its setup (ini
 parse, a gen rank outside the refit's world size, a model it cannot attach) would otherwise leave the
 trainers waiting for it until their deadline, with only a timeout to show. :func:`publish` runs a
 setup whose only plugin fails with the worker's error, so the trainers raise with its text.
+
+The trainer side does the same when train rank 0's client call itself raises (an engine started
+without ``weight_transfer_config``, an HTTP error, a dead Ray actor: no refit code ran in the engine):
+:func:`publish_client_error` speaks for the engine, so every train rank fails at once with its error.
 """
 
 from __future__ import annotations
@@ -40,6 +44,22 @@ class _Refuses:
 def engine_error(error: Exception) -> EngineSetupError:
     """The error the trainers see for ``error`` (its type and text, and where it happened)."""
     return EngineSetupError(f"the vLLM engine refused init_weight_transfer_engine: {type(error).__name__}: {error}")
+
+
+def client_error(error: Exception) -> EngineSetupError:
+    """The error the trainers see when train rank 0's client call ``init_weight_transfer_engine`` raised
+    ``error`` (its type and text)."""
+    return EngineSetupError(f"the vLLM engine's init_weight_transfer_engine raised (train rank 0's client): "
+                            f"{type(error).__name__}: {error}")
+
+
+def publish_client_error(error: Exception, *, rendezvous: str, options: dict[str, Any] | None = None) -> None:
+    """Tell every rank of the refit at ``rendezvous`` that train rank 0's client call failed with ``error``,
+    speaking as gen rank 0 of one: the store's host then waits for that rank alone before it leaves, so
+    every train rank fails within a second, whatever its ``timeout_s``. If the engine's gen rank 0 is still
+    connected (the engine joined, the client failed anyway), the store refuses this second gen rank 0
+    and the setup fails naming the double join; the engine's error is then a note on train rank 0's."""
+    publish(client_error(error), rendezvous=rendezvous, rank=0, world_size=1, options=options)
 
 
 def publish(error: EngineSetupError, *, rendezvous: str, rank: int, world_size: int,

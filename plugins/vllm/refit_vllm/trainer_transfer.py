@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import Any, ClassVar, Self
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -34,12 +35,9 @@ from refit_core import RefitError, RefitOptions, RefitSender
 from . import vllm_plugin
 from .compat import full_tensors, metadata_member, not_on_rank_0, source_metadata
 from .held import Declared, HeldWeights
+from .refusal import publish_client_error
 from .requests import InvalidRequestError
 from .worker_transfer import RefitWeightTransferInitInfo
-
-if TYPE_CHECKING:
-    pass
-
 
 log = logging.getLogger("refit.vllm")
 
@@ -198,7 +196,9 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
                 _setup(sender, world_size)
                 return engine
         payload = asdict(init_info.worker_info())
-        _concurrently(lambda: client.init_weight_transfer_engine(payload), lambda: _setup(sender, world_size))
+        _concurrently(lambda: client.init_weight_transfer_engine(payload), lambda: _setup(sender, world_size),
+                      on_remote_error=lambda exc: publish_client_error(exc, rendezvous=payload["rendezvous"],
+                                                                       options=payload["options"]))
         return engine
 
     def send_weights(self, version: int | None = None, names: list[str] | None = None) -> int:
@@ -246,27 +246,51 @@ REMOTE_GRACE_S = 2.0
 """How long a failed local half waits for the engine's reply, for its error text."""
 
 
-def _concurrently(remote: Any, local: Any) -> None:
+def _concurrently(remote: Callable[[], None], local: Callable[[], None], *,
+                  on_remote_error: Callable[[Exception], None] | None = None) -> None:
     """Run the engine-side call on a thread while this rank runs its half of the collective.
 
-    If the local half fails, the remote call is awaited for :data:`REMOTE_GRACE_S` at most (it may be
-    blocked on a peer that will never come); the remote error, if it failed by then (an engine that
-    refused the step names why), is added to the local one as a note. If the remote call fails
-    first, its error is raised once the local half returns or fails (an engine that refuses before
-    its setup tells the local half through refit's rendezvous: :mod:`.refusal`).
+    If the remote call raises while the local half still runs, ``on_remote_error`` gets its error on that
+    thread (at init: :func:`.refusal.publish_client_error` tells every rank of the refit at once, whose
+    setup would otherwise wait for gen ranks that never come, until its deadline and then some). If the
+    local half fails, the remote call's answer is awaited for :data:`REMOTE_GRACE_S` at most (it may be
+    blocked on a peer that will never come); the local error is raised, caused by the remote one if it
+    failed by then (an engine that refused the step names why), whose text is added as a note unless the
+    local error already carries it. If the remote call fails first, its error is raised once the local
+    half returns or fails (an engine that refuses before its setup tells the local half through refit's
+    rendezvous: :mod:`.refusal`).
     """
+    answer: Future = Future()  # the remote call's own outcome, before ``on_remote_error`` runs
+    local_done = threading.Event()
+
+    def call_remote() -> None:
+        try:
+            remote()
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread, through ``answer``
+            answer.set_exception(exc)
+            if on_remote_error is not None and isinstance(exc, Exception) and not local_done.is_set():
+                on_remote_error(exc)
+        else:
+            answer.set_result(None)
+
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-vllm-client")
-    future: Future = pool.submit(remote)
+    pool.submit(call_remote)
     try:
         local()
     except BaseException as exc:
+        local_done.set()
         try:
-            remote_error = future.exception(timeout=REMOTE_GRACE_S)
+            remote_error = answer.exception(timeout=REMOTE_GRACE_S)
         except FutureTimeout:
             remote_error = None
-        if remote_error is not None:
+        if remote_error is None:
+            raise
+        if str(remote_error) not in str(exc):
             exc.add_note(f"refit: the engine side failed too: {type(remote_error).__name__}: {remote_error}")
+        if exc.__cause__ is None:
+            raise exc from remote_error
         raise
     finally:
+        local_done.set()
         pool.shutdown(wait=False)
-    future.result()
+    answer.result()
