@@ -9,6 +9,7 @@ code need CUDA); the worker-side protocol it drives is unchanged between the two
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.docs.docs_snippets import ROOT
 from tests.environments import require
 
 require("vllm")
@@ -59,10 +61,46 @@ def check_api(result: dict[str, Any]) -> None:
     assert refused["timeout_s"] >= 600 and refused["seconds"] < 2, refused
     check_client_refused(result["client_refused"])
     check_fidelity(result["fidelity"])
+    check_differences_page(result)
 
 
+DIFFERENCES = ROOT / "docs" / "vllm-differences.md"
 ENGINE_ERROR = ("the vLLM engine's init_weight_transfer_engine raised (train rank 0's client): RuntimeError: Weight "
                 "transfer not configured. Please set weight_transfer_config to enable weight transfer.")
+
+
+def differences_table() -> dict[str, str]:
+    """The table of ``docs/vllm-differences.md``: each row's first cell -> its "checked by" cell."""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in DIFFERENCES.read_text().splitlines() if line.startswith("| ")]
+    assert rows and rows[0][-1] == "checked by", rows[:1]
+    return {row[0]: row[-1] for row in rows[1:]}
+
+
+def check_differences_page(result: dict[str, Any]) -> None:
+    """Issue 45: the docs site's table of differences from vLLM's ``nccl`` backend stays true. Every row
+    names a test file that exists; every result key it names for this test is one that :func:`check_api`
+    asserts; the errors it quotes are the ones measured."""
+    table = differences_table()
+    assert len(table) >= 12, sorted(table)
+    measured = {**result, **result["fidelity"]}
+    for row, cell in table.items():
+        files = re.findall(r"`((?:tests/\w+/)?test_\w+\.py)`", cell)
+        assert files, f"row {row!r} names no test: {cell!r}"
+        for name in files:
+            path = ROOT / name if "/" in name else Path(__file__).with_name(name)
+            assert path.is_file(), f"row {row!r} names {name}, which does not exist"
+        here = re.search(r"`test_vllm_releases\.py` \(([^)]*)\)", cell)
+        if here is not None:
+            keys = re.findall(r"`(\w+)`", here.group(1))
+            assert keys and all(k in measured for k in keys), (row, keys)
+    text = DIFFERENCES.read_text()
+    assert "expected 2 train ranks, 1 arrived; world_size counts train ranks only" in text
+    assert measured["wrong_world_size"].startswith(
+        "RefitError: expected 2 train ranks, 1 arrived; world_size counts train ranks only"), measured
+    assert ENGINE_ERROR.split(": RuntimeError")[0] in text
+    assert "the vLLM engine refused init_weight_transfer_engine: " in text
+    assert "the vLLM engine refused init_weight_transfer_engine: " in result["refused_init"]["trainer_error"]
 
 
 def check_client_refused(out: dict[str, Any]) -> None:
