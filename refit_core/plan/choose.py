@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from refit_core.contract.errors import PlanError
 from refit_core.contract.options import RelayOptions
 from refit_core.plan.offline import PlanSummary
-from refit_core.plan.relay import ReplicaTree, plan_tree, relay_down_tree
+from refit_core.plan.relay import RelayPlan, ReplicaTree, plan_tree, relay_down_tree
 from refit_core.plan.simulate import Simulation, Topology, simulate
 from refit_core.units import format_bytes
 
@@ -26,6 +26,11 @@ RELAY_BUCKETS: tuple[int | None, ...] = (None, 64 << 20, 32 << 20, 16 << 20, 8 <
 """The buckets :func:`choose_relay` tries relay trees with, largest first (None: the planner's own): a relayed
 rank forwards a round once it landed, so a tree's depth costs about one round's bytes per hop, and smaller
 buckets make smaller rounds at a latency per message; deep chains want small ones."""
+
+
+RELAY_CHUNKS: tuple[int, ...] = (0, 16 << 20, 8 << 20, 4 << 20, 2 << 20)
+"""The ``chunk_bytes`` :func:`choose_relay` tries each relay tree with, whole rounds first (0): slices of a
+round are forwarded as they land, so a hop costs a slice instead of a round, at a latency per piece."""
 
 
 class Planner(Protocol):
@@ -63,15 +68,19 @@ class Prediction:
     forwarded_bytes: int = 0
     bucket_bytes: int | None = None
     """The bucket it was planned with (None: the planner's own)."""
+    chunk_bytes: int = 0
+    """The relay's slices (:attr:`~refit_core.plan.relay.RelayPlan.chunk_bytes`; 0: whole rounds)."""
 
     @property
     def label(self) -> str:
-        """``direct``, ``chain, 2 roots`` or ``tree fanout 4, 1 root, bucket 8.0 MiB``."""
+        """``direct``, ``chain, 2 roots`` or ``tree fanout 4, 1 root, bucket 8.0 MiB, chunks 2.0 MiB``."""
         if self.shape is RelayShape.DIRECT:
             return self.shape.value
         roots = f"{self.relay.direct} root{'s' if self.relay.direct > 1 else ''}"
         label = f"chain, {roots}" if self.shape is RelayShape.CHAIN else f"tree fanout {self.relay.fanout}, {roots}"
-        return label if self.bucket_bytes is None else f"{label}, bucket {format_bytes(self.bucket_bytes)}"
+        if self.bucket_bytes is not None:
+            label = f"{label}, bucket {format_bytes(self.bucket_bytes)}"
+        return label if not self.chunk_bytes else f"{label}, chunks {format_bytes(self.chunk_bytes)}"
 
 
 @dataclass(frozen=True)
@@ -180,17 +189,18 @@ def fanout_candidates(replicas: int) -> list[int]:
 
 
 def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *, fanouts: Sequence[int] | None = None,
-                 buckets: Sequence[int | None] = (None,), on_prediction: OnPrediction | None = None) -> RelayChoice:
+                 buckets: Sequence[int | None] = (None,), chunks: Sequence[int] = RELAY_CHUNKS,
+                 on_prediction: OnPrediction | None = None) -> RelayChoice:
     """Simulate direct fanout (the trainers feed all ``relay.replicas``) and relay trees with 1, 2, 4...
     roots (skipping those the trainers' share alone rules out), each with the fanouts of ``fanouts``
     (default: ``relay.fanout`` where given explicitly, else :func:`fanout_candidates`: chains and trees) and
-    the buckets of ``buckets`` (e.g. :data:`RELAY_BUCKETS`), each in order while they get faster; the
-    fastest, direct fanout on ties.
+    the buckets of ``buckets`` (e.g. :data:`RELAY_BUCKETS`) and the slices of ``chunks`` (e.g.
+    :data:`RELAY_CHUNKS`), each in order while they get faster; the fastest, direct fanout on ties.
 
     The trainers' schedule depends on the roots and the bucket only: it is planned once for each, and each
-    fanout's relay messages derived from it (:func:`~refit_core.plan.relay.relay_down_tree`); trees that
-    come out the same for two fanouts are simulated once. A chosen candidate that was derived is planned
-    again with its own options, so that its fingerprint hashes its tree."""
+    fanout's and chunk's relay messages derived from it (:func:`~refit_core.plan.relay.relay_down_tree`);
+    trees that come out the same for two fanouts are simulated once. A chosen candidate that was derived is
+    planned again with its own options, so that its fingerprint hashes its tree, and cut in its chunks."""
     if fanouts is None:
         fanouts = [relay.fanout] if "fanout" in relay.explicit else fanout_candidates(relay.replicas)
     fastest = _Fastest(on_prediction)
@@ -200,17 +210,38 @@ def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *, fano
     fastest.add(Prediction(options, sim.predicted_s, baseline=True, bound_s=sim.bound_s), summary)
     skipped: list[int] = []
     try:
-        best_derived = _relay_trees(plan, relay, topology, fastest, fanouts, buckets, sim.sender_bound_s, skipped)
+        best_derived = _relay_trees(plan, relay, topology, fastest, _Grid(fanouts, buckets, chunks),
+                                    sim.sender_bound_s, skipped)
     except PlanError as e:
         return fastest.choice(refused=str(e))
     choice = fastest.choice(skipped=skipped)
     if best_derived:
-        choice = replace(choice, plan=plan(choice.relay, choice.chosen.bucket_bytes))
+        chosen = choice.chosen
+        summary = plan(choice.relay, chosen.bucket_bytes)
+        if chosen.chunk_bytes:
+            assert summary.relay is not None  # a relay candidate
+            summary = replace(summary, relay=_chunked(summary, chosen.chunk_bytes))
+        choice = replace(choice, plan=summary)
     return choice
 
 
-def _relay_trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fastest, fanouts: Sequence[int],
-                 buckets: Sequence[int | None], sender_s: float, skipped: list[int]) -> bool:
+@dataclass(frozen=True)
+class _Grid:
+    """The relay candidates' settings besides the roots: fanouts, buckets and chunks, each tried in order."""
+
+    fanouts: Sequence[int]
+    buckets: Sequence[int | None]
+    chunks: Sequence[int]
+
+
+def _chunked(summary: PlanSummary, chunk_bytes: int) -> RelayPlan:
+    """``summary``'s relay plan with its messages cut in slices of ``chunk_bytes``."""
+    assert summary.relay is not None
+    return relay_down_tree(ReplicaTree(summary.relay.replica_size, summary.relay.tree), summary.schedule, chunk_bytes)
+
+
+def _relay_trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fastest, grid: _Grid,
+                 sender_s: float, skipped: list[int]) -> bool:
     """:func:`choose_relay`'s relay candidates; True when the fastest one's relay messages were derived.
 
     Roots are tried fewest first; a number of roots whose trainers' share alone (``sender_s``, direct
@@ -223,8 +254,8 @@ def _relay_trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest
             skipped.append(direct)
             continue
         previous = float("inf")
-        for bucket in buckets:
-            seconds, derived = _trees(plan, relay, topology, fastest, fanouts, direct, bucket)
+        for bucket in grid.buckets:
+            seconds, derived = _trees(plan, relay, topology, fastest, grid, direct, bucket)
             best_derived = best_derived if derived is None else derived
             if seconds > previous:
                 break
@@ -232,34 +263,40 @@ def _relay_trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest
     return best_derived
 
 
-def _trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fastest, fanouts: Sequence[int],
+def _trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fastest, grid: _Grid,
            direct: int, bucket: int | None) -> tuple[float, bool | None]:
-    """The trees of ``direct`` roots and one bucket, fanouts in order while they get faster: the fastest
-    one's prediction, and whether the fastest candidate so far is now one of them with derived relay
-    messages (None: none of them became the fastest)."""
+    """The trees of ``direct`` roots and one bucket, fanouts in order while they get faster, each with the
+    chunks in order while they get faster: the fastest one's prediction, and whether the fastest candidate
+    so far is now one of them with derived relay messages (None: none of them became the fastest)."""
     planned: PlanSummary | None = None
     seen: set[tuple[int, ...]] = set()
     best, derived = float("inf"), None
-    for fanout in fanouts:
+    for fanout in grid.fanouts:
         tree = plan_tree(relay.replicas, direct, fanout)
         if tree.parent in seen:
             continue
         seen.add(tree.parent)
         options = relay_options(relay, direct=direct, fanout=fanout)
         if planned is None:
-            summary = planned = plan(options, bucket)
-        else:
-            assert planned.relay is not None  # planned with 0 < direct < replicas
-            summary = replace(planned, relay=relay_down_tree(ReplicaTree(planned.relay.replica_size, tree),
-                                                             planned.schedule))
-        sim = simulated(summary, topology)
-        shape = RelayShape.CHAIN if fanout == 1 else RelayShape.TREE
-        if fastest.add(Prediction(options, sim.predicted_s, shape=shape, levels=len(tree.levels),
-                                  bound_s=sim.bound_s, bucket_bytes=bucket), summary):
-            derived = summary is not planned
-        if sim.predicted_s > best:
+            planned = plan(options, bucket)
+        assert planned.relay is not None  # planned with 0 < direct < replicas
+        fanout_best = float("inf")
+        for chunk in grid.chunks:
+            summary = planned
+            if chunk or planned.relay.tree.parent != tree.parent:
+                summary = replace(planned, relay=relay_down_tree(ReplicaTree(planned.relay.replica_size, tree),
+                                                                 planned.schedule, chunk))
+            sim = simulated(summary, topology)
+            shape = RelayShape.CHAIN if fanout == 1 else RelayShape.TREE
+            if fastest.add(Prediction(options, sim.predicted_s, shape=shape, levels=len(tree.levels),
+                                      bound_s=sim.bound_s, bucket_bytes=bucket, chunk_bytes=chunk), summary):
+                derived = summary is not planned
+            if sim.predicted_s >= fanout_best:  # equal: the pieces change nothing (every message fits one)
+                break
+            fanout_best = sim.predicted_s
+        if fanout_best > best:
             break
-        best = sim.predicted_s
+        best = fanout_best
     return best, derived
 
 
@@ -283,6 +320,6 @@ def choose_forwarding(plan: Planner, relay: RelayOptions, topology: Topology, *,
     return fastest.choice()
 
 
-__all__ = ["FORWARD_FLOORS", "RELAY_BUCKETS", "OnPrediction", "Planner", "Prediction", "RelayChoice", "RelayShape",
-           "choose_forwarding", "choose_relay", "fanout_candidates", "predicted_s", "relay_candidates",
+__all__ = ["FORWARD_FLOORS", "RELAY_BUCKETS", "RELAY_CHUNKS", "OnPrediction", "Planner", "Prediction", "RelayChoice",
+           "RelayShape", "choose_forwarding", "choose_relay", "fanout_candidates", "predicted_s", "relay_candidates",
            "relay_options", "simulated", "without_forwarding"]

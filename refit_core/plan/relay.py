@@ -7,7 +7,10 @@ first ``direct`` replicas (the roots); every other replica gets the step from it
 exactly the messages its root's rank receives from the trainers, round for round, and its parent
 forwards each of them as soon as it landed, while the rest of the step still arrives: the step is
 pipelined down the tree message by message, so every byte crosses each link once and a chain of N
-replicas costs about what one replica costs (plus one message per hop).
+replicas costs about what one replica costs (plus one message per hop). With ``chunk_bytes`` the relay's
+messages travel in slices of at most that size (:func:`relay_slices`), and a holder forwards each slice
+as soon as it landed: a hop then costs one piece, not one round, which deep chains need; every piece
+pays the transport's cost per message, which short chains on fast links do not repay.
 
 Replicas are ``replicas`` consecutive, equal blocks of gen ranks (vLLM's data-parallel replicas:
 replica ``d`` is gen ranks ``d*size .. d*size+size-1``) whose destination pieces are identical rank by
@@ -122,10 +125,51 @@ def replica_tree(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]]
                        plan_tree(options.replicas, options.direct, options.fanout))
 
 
-def relay_down_tree(relay: ReplicaTree, schedule: Schedule) -> RelayPlan:
+def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the pieces a relay message of ``nbytes`` travels in: at most ``chunk_bytes``
+    each, the last one shorter (``chunk_bytes`` 0: the whole message). Both ends of a link cut alike."""
+    if chunk_bytes <= 0 or nbytes <= chunk_bytes:
+        return [(0, nbytes)]
+    return [(start, min(start + chunk_bytes, nbytes)) for start in range(0, nbytes, chunk_bytes)]
+
+
+@dataclass(frozen=True)
+class RelayPiece:
+    """Bytes ``start`` to ``end`` of a round's ``message``-th message to one child (or from the parent)."""
+
+    message: int
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def relay_slices(sizes: Sequence[int], chunk_bytes: int) -> list[list[RelayPiece]]:
+    """How one round's messages of ``sizes`` bytes (in order) travel over one relay link: each cut into
+    pieces (:func:`chunk_spans`), consecutive pieces grouped into slices of at most ``chunk_bytes``; a
+    holder forwards each slice once it landed. ``chunk_bytes`` 0: one slice, the whole messages."""
+    slices: list[list[RelayPiece]] = []
+    filled = chunk_bytes  # bytes in the open slice: none open yet
+    for message, nbytes in enumerate(sizes):
+        for start, end in chunk_spans(nbytes, chunk_bytes):
+            if not slices or (chunk_bytes > 0 and filled + end - start > chunk_bytes):
+                slices.append([])
+                filled = 0
+            slices[-1].append(RelayPiece(message, start, end))
+            filled += end - start
+    return slices
+
+
+def relay_down_tree(relay: ReplicaTree, schedule: Schedule, chunk_bytes: int = 0) -> RelayPlan:
     """The relay plan: round by round, every message the trainers send to a root replica's rank ``i``,
     forwarded from each replica's rank ``i`` to rank ``i`` of each of its children (same bytes, same
-    destination segments, same operations); receiver-side quantizations are copied to the relayed ranks."""
+    destination segments, same operations); receiver-side quantizations are copied to the relayed ranks.
+    ``chunk_bytes``: the relay messages travel in pieces of at most that size (0: whole), hashed into
+    the fingerprint (both ends must cut alike)."""
+    if chunk_bytes < 0:
+        raise PlanError(f"relay: chunk_bytes={chunk_bytes} must be >= 0 (0: whole messages)")
     size, tree = relay.replica_size, relay.tree
     below: dict[int, list[tuple[int, int]]] = {root: [] for root in tree.roots}  # root -> (parent, child)
     for level in tree.levels[1:]:
@@ -147,10 +191,11 @@ def relay_down_tree(relay: ReplicaTree, schedule: Schedule) -> RelayPlan:
                        for q in schedule.receiver_quantizations
                        for _, child in below[q.dst // size])
     world = schedule.num_dst
+    digest = f"{relay.digest}:chunks:{chunk_bytes}" if chunk_bytes else relay.digest
     relayed = Schedule(world, world, schedule.bucket_bytes, rounds,
-                       digest_rounds(world, world, schedule.bucket_bytes, rounds, relay.digest, quantizing),
+                       digest_rounds(world, world, schedule.bucket_bytes, rounds, digest, quantizing),
                        summarize(rounds), quantizing)
-    return RelayPlan(size, tree, relayed)
+    return RelayPlan(size, tree, relayed, chunk_bytes=chunk_bytes)
 
 
 def _as_forwarded(m: Message) -> tuple[Segment, ...]:
@@ -184,6 +229,9 @@ class RelayPlan:
     """Gen ranks per node when this plan forwards within nodes (0: replica relay)."""
     forwarded: frozenset[tuple[int, int]] = frozenset()
     """``(gen rank, piece)`` of every region a node peer forwards instead of the trainers (node forwarding)."""
+    chunk_bytes: int = 0
+    """Replica relay: its messages travel in pieces of at most this many bytes, each forwarded once landed
+    (:func:`chunk_spans`; 0: whole messages, each round forwarded once it landed)."""
 
     @property
     def within_nodes(self) -> bool:
@@ -216,9 +264,10 @@ class RelayPlan:
         tree = self.tree
         shape = ("chains" if all(len(tree.children(r)) <= 1 for r in range(tree.replicas))
                  else f"a tree of fanout {max(len(tree.children(r)) for r in range(tree.replicas))}")
+        pieces = f" in pieces of {format_bytes(self.chunk_bytes)}" if self.chunk_bytes else ""
         return [f"relay:        {tree.replicas} replicas of {self.replica_size} gen rank(s): {len(tree.roots)} fed by "
                 f"the trainers, the others pipelined down {shape} ({len(tree.levels) - 1} hop(s) deep); "
-                f"{self.schedule.summary.messages} relay messages"]
+                f"{self.schedule.summary.messages} relay messages{pieces}"]
 
 
 def _emptied(meta: PieceMeta) -> PieceMeta:
@@ -322,5 +371,5 @@ def check_relay_pairs(relay: RelayPlan, gen_places: Sequence[Placement]) -> None
                                 "GPUs, or run without relay")
 
 
-__all__ = ["RelayPlan", "RelayTree", "ReplicaTree", "check_relay_pairs", "plan_node_forwarding", "plan_tree",
-           "relay_down_tree", "replica_tree"]
+__all__ = ["RelayPiece", "RelayPlan", "RelayTree", "ReplicaTree", "check_relay_pairs", "chunk_spans",
+           "plan_node_forwarding", "plan_tree", "relay_down_tree", "relay_slices", "replica_tree"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 
 from refit_core.contract.errors import RefitError
 from refit_core.plan.items import Message
-from refit_core.plan.relay import RelayPlan
+from refit_core.plan.relay import RelayPlan, relay_slices
 from refit_core.plan.schedule import Schedule
 from refit_core.units import format_bytes, format_duration
 
@@ -236,26 +236,39 @@ class _Traffic:
 
 def _pipelined_relay(traffic: _Traffic, relay: RelayPlan, schedule: Schedule, round_ends: Sequence[float],
                      gen_gpus: Sequence[int]) -> float:
-    """When the replica relay's last message landed: each message of relay round ``k`` starts once its
-    sender's round ``k`` landed (a root's: the end of the trainers' round it forwards) and both its sender's
-    egress and its receiver's ingress are free, and lasts its bytes over the link plus one latency.
-    List scheduling, linear in the messages; each link serves its messages in plan order."""
+    """When the replica relay's last message landed. Each relay link carries round ``k``'s messages in
+    slices (:func:`~refit_core.plan.relay.relay_slices`; without ``relay.chunk_bytes``, one slice: the
+    whole round); a slice starts once its sender holds it (a root: once the trainers' round it forwards
+    landed; a relayed rank: once the same slice landed there) and both its sender's egress and its
+    receiver's ingress are free, and lasts its bytes over the link plus one latency per piece in it.
+    List scheduling, linear in the slices; each link serves its slices in plan order."""
     size, tree = relay.replica_size, relay.tree
     depth = {replica: level for level, members in enumerate(tree.levels) for replica in members}
     feeding = {root for root in tree.roots if tree.children(root)}
     # relay_down_tree() forwards exactly the trainers' rounds with a message to a root that has children
     sources = [end for msgs, end in zip(schedule.rounds, round_ends) if any(m.dst // size in feeding for m in msgs)]
+    latency = traffic.topology.latency_us * 1e-6
     free: dict[Direction, float] = defaultdict(float)
     last = 0.0
     for k, msgs in enumerate(relay.schedule.rounds):
-        landed: dict[int, float] = {}  # gen rank -> when its relay round k landed (relayed ranks only)
-        for m in sorted(msgs, key=lambda m: depth[m.src // size]):  # parents' forwards before their children's
-            out, into, seconds = traffic.add(gen_gpus[m.src], gen_gpus[m.dst], m.nbytes, by_trainer=False)
-            ready = sources[k] if depth[m.src // size] == 0 else landed[m.src]
-            end = max(ready, free[out], free[into]) + seconds
-            free[out] = free[into] = end
-            landed[m.dst] = max(landed.get(m.dst, 0.0), end)
-            last = max(last, end)
+        streams: dict[tuple[int, int], list[int]] = defaultdict(list)  # (sender, receiver) -> message sizes
+        for m in msgs:
+            streams[(m.src, m.dst)].append(m.nbytes)
+        sliced = {pair: relay_slices(sizes, relay.chunk_bytes) for pair, sizes in streams.items()}
+        landed: dict[tuple[int, int], float] = {}  # (gen rank, slice) -> when that slice of round k landed there
+        for level in sorted({depth[src // size] for src, _ in sliced}):  # parents' forwards before their children's
+            links = [pair for pair in sliced if depth[pair[0] // size] == level]
+            for j in range(max(len(sliced[pair]) for pair in links)):  # slice by slice: a holder's children alike
+                for src, dst in links:
+                    if j >= len(sliced[(src, dst)]):
+                        continue
+                    pieces = sliced[(src, dst)][j]
+                    out, into, seconds = traffic.add(gen_gpus[src], gen_gpus[dst], sum(p.nbytes for p in pieces),
+                                                     by_trainer=False)
+                    ready = sources[k] if level == 0 else landed[(src, j)]
+                    done = max(ready, free[out], free[into]) + seconds + (len(pieces) - 1) * latency
+                    free[out] = free[into] = landed[(dst, j)] = done
+                    last = max(last, done)
     return last
 
 

@@ -31,7 +31,7 @@ def test_an_rl_framework_asks_for_the_fastest_relay_from_one_trainer_node_into_3
 
     seen: list[Prediction] = []
     choice = choose_relay(plan, RelayOptions(replicas=32), Topology.parse("h200"), buckets=(None, 32 << 20),
-                          on_prediction=seen.append)
+                          chunks=(0,), on_prediction=seen.append)
     assert seen == list(choice.candidates)
     assert choice.baseline is seen[0] and seen[0].baseline and seen[0].shape is RelayShape.DIRECT
     # 1, 2, 4... roots, chains first, then trees of fanout 2, 4... while they get faster (1 root, 512 MiB: a

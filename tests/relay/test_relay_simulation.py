@@ -44,7 +44,8 @@ def test_simulated_relay_beats_direct_fanout_from_one_trainer_node_into_32_repli
     # pipelined: the last replica's step lands 3 hops of one round (512 MiB over a NIC, plus latencies) after
     # the trainers' last round, not 3 whole steps after it
     tail = relayed.relay_end_s - sum(relayed.round_seconds)
-    assert len(relayed.round_seconds) == 2 and 3 * (512 << 20) / 50e9 < tail <= 3 * max(relayed.round_seconds)
+    assert len(relayed.round_seconds) == 2
+    assert 3 * (512 << 20) / 50e9 < tail <= 3 * max(relayed.round_seconds) * (1 + 1e-9)
     assert relayed.predicted_s == relayed.relay_end_s
     assert any(line.startswith("relay:        pipelined 3 hop(s)") for line in relayed.lines())
 
@@ -92,8 +93,11 @@ def test_refit_plan_compares_relay_trees_with_direct_fanout_and_plans_the_fastes
     table = out.split("simulated on gpus_per_node=8,nvlink_gbps=370,nic_gbps=50,latency_us=0:\n")[1]
     table = table.split("  best: ")[0].splitlines()
     predicted = {line.split("predicted ")[0].strip(): seconds(line.split("predicted ")[1]) for line in table}
-    assert list(predicted) == ["direct", "chain, 1 root", "tree fanout 2, 1 root", "tree fanout 4, 1 root",
-                               "chain, 2 roots", "tree fanout 2, 2 roots"], table
+    trees = ["chain, 1 root", "tree fanout 2, 1 root", "tree fanout 4, 1 root", "chain, 2 roots",
+             "tree fanout 2, 2 roots"]
+    # each tree, then the same tree in slices of 16 MiB: tiny-llama's messages all fit one, so no faster
+    assert list(predicted) == ["direct", *(label for tree in trees for label in (tree, f"{tree}, chunks 16.0 MiB"))]
+    assert all(predicted[f"{tree}, chunks 16.0 MiB"] == predicted[tree] for tree in trees)
     fastest = min(predicted, key=lambda label: (predicted[label], label != "direct"))  # ties go to direct fanout
     best = out.split("  best: ")[1]
     assert best.startswith(f"{fastest} ("), (best, predicted)
