@@ -13,6 +13,7 @@ import torch
 from refit_core.contract.failures import UpdateMode
 from refit_core.net.transport import Fence, Transport
 from refit_core.plan.items import Message, Segment
+from refit_core.plan.relay import chunk_spans, relay_slices
 from refit_core.run.copies import StagingCopies
 from refit_core.run.executor.base import ExecutorSettings, RoundRunner, StepCount, StepStats
 from refit_core.run.executor.headers import HeaderScope, PostedHeaders, StepHeaders
@@ -33,7 +34,9 @@ class ReceiveExecutor(RoundRunner):
     :mod:`refit_core.plan.relay`) sends every operation of a round on to each child as soon as that round
     landed here, ordered after its receive by the transport's fences (CUDA events: no host wait), while
     the next rounds still arrive. Its children receive the same operations, round for round; the step's
-    header goes to them once this rank learned the version.
+    header goes to them once this rank learned the version. With ``chunk_bytes``, relay messages travel in
+    pieces of at most that size: a relayed rank (``relayed``: fed by its parent replica) receives each
+    round in slices (:func:`~refit_core.plan.relay.relay_slices`) and forwards each slice once it landed.
     """
 
     _landed: tuple[torch.Tensor, list[int]] | None = None
@@ -43,9 +46,12 @@ class ReceiveExecutor(RoundRunner):
 
     def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int,
                  settings: ExecutorSettings, *, scope: HeaderScope = HeaderScope(), steps: StepCount | None = None,
-                 forward_to: Sequence[int] = ()) -> None:
+                 forward_to: Sequence[int] = (), chunk_bytes: int = 0, relayed: bool = False) -> None:
         super().__init__(rounds, transport, peer_offset, settings, scope=scope, steps=steps)
         self.forward_to = tuple(forward_to)
+        self.chunk_bytes = chunk_bytes
+        """Relay messages (to the children; from the parent when ``relayed``) in pieces of at most this (0: whole)."""
+        self.relayed = relayed
         self._children = (StepHeaders(settings.fingerprint, self.device, 0, HeaderScope(), list(self.forward_to))
                           if self.forward_to else None)
         """The children's header exchange (None: this rank relays to none)."""
@@ -147,24 +153,33 @@ class ReceiveExecutor(RoundRunner):
     def _receive_round(self, pairs: Pairs, after: list[Fence], index: int, deadline: float) -> list[Fence]:
         """Post round ``index``'s receives (``pairs``) after ``after``; the first fence returned is theirs.
 
-        A relaying rank forwards each round as it received it. On the host path a round's forward goes out
-        once it landed, on its own. On CUDA it goes out in one exchange with the next round's receives (the
-        last one after the step, :meth:`_flush_forwards`), ordered after its own receives by their event:
-        sharing NCCL groups, both directions of the rank's links move at once, where a forward posted alone
-        would wait on its stream for the receive before it and the receive after it for the forward."""
+        A relaying rank forwards each round (or each slice of it, :attr:`chunk_bytes`) as it received it. On
+        the host path a slice's forward goes out once it landed, on its own. On CUDA it goes out in one
+        exchange with the next slice's receives (the step's last one after the step, :meth:`_flush_forwards`),
+        ordered after its own receives by their event: sharing NCCL groups, both directions of the rank's
+        links move at once, where a forward posted alone would wait on its stream for the receive before it
+        and the receive after it for the forward. Each slice's exchange waits for the one before, so the
+        last fence covers the round."""
         if self._children is None:
-            return [self._exchange([], pairs, after, index)]
+            return [self._exchange([], self._pieces(pairs) if self.relayed else pairs, after, index)]
         self._check_children(deadline)
+        slices = self._slices(pairs) if self.relayed else [pairs]
         if self.device.type != "cuda":
-            received = self._exchange([], pairs, after, index)
-            self._settle(received, deadline)
-            return [received, self._exchange(self._to_children(pairs), [], [received], index, Phase.FORWARD)]
-        held, self._held = self._held, None
-        if held is None:
-            fence = self._exchange([], pairs, after, index)
-        else:
-            fence = self._exchange(self._to_children(held[0]), pairs, [*after, held[1]], index, Phase.FORWARD)
-        self._held = (pairs, fence)
+            forwards: list[Fence] = []
+            received = after[0]  # replaced: there is at least one slice
+            for piece in slices:
+                received = self._exchange([], piece, after, index)
+                self._settle(received, deadline)
+                forwards.append(self._exchange(self._to_children(piece), [], [received], index, Phase.FORWARD))
+            return [received, *forwards]
+        fence = after[0]  # replaced: there is at least one slice
+        for piece in slices:
+            held, self._held = self._held, None
+            if held is None:
+                fence = self._exchange([], piece, after, index)
+            else:
+                fence = self._exchange(self._to_children(held[0]), piece, [*after, held[1]], index, Phase.FORWARD)
+            self._held = (piece, fence)
         return [fence]
 
     def _flush_forwards(self, deadline: float) -> list[Fence]:
@@ -175,7 +190,21 @@ class ReceiveExecutor(RoundRunner):
         return [self._exchange(self._to_children(held[0]), [], [held[1]], len(self.plans) - 1, Phase.FORWARD)]
 
     def _to_children(self, pairs: Pairs) -> Pairs:
-        return [(child, tensor) for child in self.forward_to for _, tensor in pairs]
+        return [(child, tensor) for child in self.forward_to for _, tensor in self._pieces(pairs)]
+
+    def _pieces(self, pairs: Pairs) -> Pairs:
+        """``pairs`` cut in the relay's pieces (:func:`~refit_core.plan.relay.chunk_spans`), in order."""
+        if not self.chunk_bytes:
+            return pairs
+        return [(peer, _bytes_of(tensor)[start:end]) for peer, tensor in pairs
+                for start, end in chunk_spans(tensor.nbytes, self.chunk_bytes)]
+
+    def _slices(self, pairs: Pairs) -> list[Pairs]:
+        """A relayed round's receives in the slices its parent forwards (one slice: the whole round)."""
+        if not self.chunk_bytes or not pairs:
+            return [pairs]
+        return [[(pairs[p.message][0], _bytes_of(pairs[p.message][1])[p.start:p.end]) for p in piece]
+                for piece in relay_slices([tensor.nbytes for _, tensor in pairs], self.chunk_bytes)]
 
     def _check_children(self, deadline: float) -> None:
         """Before the step's first forward: check the children's headers (same plan and step)."""
@@ -204,6 +233,11 @@ class ReceiveExecutor(RoundRunner):
     def discard(self) -> None:
         """Staged mode: drop a landed step without touching the destinations."""
         self._landed = None
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous message tensor as its flat bytes."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 class ForwardExecutor:
