@@ -6,22 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-BUILD_PY=${BUILD_PYTHON:-.venv/bin/python}  # builds offline with its setuptools (--no-build-isolation)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/refit-wheels.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
 start=$SECONDS
 
-# a copy of the sources as git sees them (tracked and new files, nothing ignored: no build/, egg-info, .venv)
-mkdir -p "$WORK/src" "$WORK/wheels"
-git ls-files -z --cached --others --exclude-standard | xargs -0 tar -c | tar -x -C "$WORK/src"
-packages=("$WORK/src" "$WORK/src/tests/example_plugin")
-for plugin in "$WORK"/src/plugins/*/; do
-    [ -f "$plugin/pyproject.toml" ] && packages+=("$plugin")
-done
-quiet "$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation --disable-pip-version-check -w "$WORK/wheels" \
-    "${packages[@]}"
-echo "check-wheels: built $(ls "$WORK/wheels" | tr '\n' ' ')($((SECONDS - start)) s)"
+# the wheels users install from this repository (docs/install.md), and the example plugin's
+bash scripts/build-wheels.sh --example "$WORK/wheels"
+echo "check-wheels: built ($((SECONDS - start)) s)"
 
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
