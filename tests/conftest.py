@@ -1,10 +1,17 @@
 """``--require-all`` (CI: the README's test command carries it): every skip whose reason does not start
 with ``by design: `` (:data:`tests.environments.BY_DESIGN`) fails instead, whether it came from
 :func:`tests.environments.require`, ``pytest.skip``, a ``skipif`` mark, an empty parametrization or a
-module-level skip (a collection error then). Without the flag such skips stay skips, with their reasons."""
+module-level skip (a collection error then). Without the flag such skips stay skips, with their reasons.
+
+The suite runs as one refit job: refit refuses to set up without a secret (``RefitOptions.insecure`` opts
+out), and most tests start senders and receivers themselves, in threads or in processes that inherit the
+environment. So ``REFIT_SECRET`` holds :data:`SUITE_SECRET` unless it was set before (set it empty to run
+as a user without one: ``REFIT_SECRET= pytest tests/docs`` checks that the docs' snippets need no help).
+Tests of the secret-less paths remove it (``monkeypatch.delenv``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 
 import pytest
@@ -14,6 +21,8 @@ from tests.environments import BY_DESIGN
 pytest_plugins = ["pytester"]
 
 OPTION = "--require-all"
+SUITE_SECRET = "refit-test-suite"
+os.environ.setdefault("REFIT_SECRET", SUITE_SECRET)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -15,7 +15,12 @@ variable                   setting                          values
 ``REFIT_MESSAGES``         ``messages.mode``                ``units`` or ``runs``
 ``REFIT_JOB``              ``job`` (local)                  this refit job's name
 ``REFIT_SECRET``           ``secret`` (local)               the job's shared secret (never sent)
+``REFIT_INSECURE``         ``insecure`` (local)             ``1``: run without a secret (unsafe)
 ========================== ================================ =====================================
+
+Without ``REFIT_SECRET`` or ``RefitOptions.secret`` (and unless ``insecure``), a rank started by torchrun
+takes its secret from torchrun's run id (``TORCHELASTIC_RUN_ID``) where that is a random UUID, as
+``torchrun --standalone`` makes: every rank of that torchrun derives the same one (:func:`launcher_secret`).
 
 ``REFIT_PLUGINS`` (comma-separated plugin names; unset loads all, empty loads none) selects plugins;
 plugins read their own documented ``REFIT_*`` variables through :func:`read`.
@@ -23,7 +28,9 @@ plugins read their own documented ``REFIT_*`` variables through :func:`read`.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +39,7 @@ from refit_core.contract.errors import OptionError
 from refit_core.contract.options import RefitOptions
 
 PLUGINS = "REFIT_PLUGINS"
+TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ OVERRIDES = (
     Override("REFIT_ZERO_COPY", "messages.zero_copy", _flag),
     Override("REFIT_JOB", "job", str.strip),
     Override("REFIT_SECRET", "secret", str),
+    Override("REFIT_INSECURE", "insecure", _flag),
     Override("REFIT_DIRECT_MIN_BYTES", "messages.direct_min_bytes", _integer),
     Override("REFIT_MESSAGES", "messages.mode", str.strip),
 )
@@ -86,8 +95,30 @@ def plugin_selection(environ: Mapping[str, str] | None = None) -> set[str] | Non
     return None if wanted is None else {n.strip() for n in wanted.split(",") if n.strip()}
 
 
+def launcher_secret(environ: Mapping[str, str] | None = None) -> str | None:
+    """The secret every rank of one launch shares without being told: derived from torchrun's run id
+    when that is a random UUID (``torchrun --standalone`` makes one per run; a name given with
+    ``--rdzv-id`` is no secret and gives none). None: the launcher shares nothing usable."""
+    run_id = (os.environ if environ is None else environ).get(TORCHRUN_RUN_ID, "")
+    try:
+        random_id = uuid.UUID(run_id).version == 4
+    except ValueError:
+        random_id = False
+    return hashlib.sha256(f"refit secret of torchrun run {run_id}".encode()).hexdigest()[:32] if random_id else None
+
+
 def with_overrides(options: RefitOptions, environ: Mapping[str, str] | None = None) -> RefitOptions:
-    """``options`` with every override set in the environment applied (as explicit settings)."""
+    """``options`` with every override set in the environment applied (as explicit settings); without a
+    secret (and unless ``insecure``), the launcher's (:func:`launcher_secret`), as a default."""
+    options = _overridden(options, environ)
+    if options.secret is None and not options.insecure:
+        derived = launcher_secret(environ)
+        if derived is not None:
+            return options.overridden({"secret": derived}, explicit=False)
+    return options
+
+
+def _overridden(options: RefitOptions, environ: Mapping[str, str] | None) -> RefitOptions:
     values: dict[str, Any] = {}
     for override in OVERRIDES:
         text = read(override.variable, environ)
@@ -106,4 +137,5 @@ def with_overrides(options: RefitOptions, environ: Mapping[str, str] | None = No
         raise OptionError(f"{exc} (from the environment: {variables})") from None
 
 
-__all__ = ["OVERRIDES", "PLUGINS", "Override", "plugin_selection", "read", "values_of", "with_overrides"]
+__all__ = ["OVERRIDES", "PLUGINS", "TORCHRUN_RUN_ID", "Override", "launcher_secret", "plugin_selection", "read",
+           "values_of", "with_overrides"]

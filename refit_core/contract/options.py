@@ -277,9 +277,12 @@ class RefitOptions(_Settings):
       the step, and raises if one did not (off by default: it costs the gen ranks a vote and train rank
       0 a read per step, about 1 ms on an H100 pair). Staged mode always confirms: it needs the vote.
     - ``job`` / ``secret``: this refit job's name and shared secret (local settings; defaults:
-      the ``REFIT_JOB`` / ``REFIT_SECRET`` environment variables, else ``"refit"`` and none). Every
-      rank proves both (HMAC) before it may read or write the rendezvous; the secret is never sent.
-      Without a secret any process that can reach the rendezvous, local ones included, can join.
+      the ``REFIT_JOB`` / ``REFIT_SECRET`` environment variables, else ``"refit"`` and the launcher's,
+      see :mod:`refit_core.contract.env`). Every rank proves both (HMAC) before it may read or write
+      the rendezvous; the secret is never sent. Setup refuses to run without a secret unless
+      ``insecure`` (a local setting, ``REFIT_INSECURE=1``) opts out by name: then any process that can
+      reach the rendezvous, local ones included, can join, and two jobs that share the job name and
+      the port can mix.
     - ``store``: :class:`StoreLimits`: what the rendezvous store accepts (train rank 0's own setting).
 
     - ``strided_copies``: :class:`StridedCopy`: how a colocated gen rank moves large strided copies
@@ -312,6 +315,7 @@ class RefitOptions(_Settings):
     confirm: bool = _setting(False, bool)
     job: str | None = _setting(None, str, local=True)
     secret: str | None = field(default=None, repr=False, metadata={"kind": str, "local": True, "secret": True})
+    insecure: bool = _setting(False, bool, local=True)
     relay: RelayOptions = _nested(RelayOptions)
     store: StoreLimits = field(default_factory=StoreLimits, metadata={"kind": StoreLimits, "local": True})
     strided_copies: StridedCopy = _setting(StridedCopy.TRITON, StridedCopy, local=True)

@@ -149,7 +149,7 @@ class RefitEndpoint:
         start = time.perf_counter()
         if self._rdv is not None or self.transport is not None:
             self.close()
-        credentials = JobCredentials.of(self.options.job, self.options.secret)
+        credentials = JobCredentials.required(self.options, f"{self.side} rank {self.rank}")
         rdv = self._rdv = Rendezvous(self.address, host=self.plans, who=str(self.me), timeout_s=self.options.timeout_s,
                                      credentials=credentials, limits=self.options.store)
         request = SetupRequest(self.me, self.world_size, self.address, self.options, self.host_id, self.plugins,

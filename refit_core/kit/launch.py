@@ -14,6 +14,10 @@ from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for
 from typing import Any
 
+from refit_core.contract.env import with_overrides
+from refit_core.contract.options import RefitOptions
+from refit_core.net.auth import new_secret
+
 _EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST_PORT = 10000
 _handed_out: set[int] = set()
@@ -93,14 +97,16 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] |
           timeout_s: float = 600.0) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` new processes; return their results by rank.
 
-    Each rank runs with this process's environment as it is now, plus ``env``. If any rank fails or
+    Each rank runs with this process's environment as it is now, plus ``env``; the ranks are one refit job:
+    without ``REFIT_SECRET`` there (and ``REFIT_INSECURE``), they share a fresh random one
+    (:func:`~refit_core.net.auth.new_secret`). If any rank fails or
     the timeout passes, the others are killed and :class:`RankFailure` is raised with each failing rank's
     traceback (never a hang). ``fn`` must be importable (top level).
     """
     ctx = _context()
     outcomes = ctx.SimpleQueue()
     stacks_after_s = max(1.0, timeout_s - 2.0)
-    environ = {**os.environ, **(env or {})}
+    environ = _with_secret({**os.environ, **(env or {})})
     procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, args, environ, outcomes, stacks_after_s),
                          daemon=False)
              for r in range(nprocs)]
@@ -141,6 +147,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] |
     if bad:
         raise RankFailure(f"ranks {bad} of {fn.__name__} failed:\n" + "\n".join(failed))
     return [results.get(r) for r in range(nprocs)]
+
+
+def _with_secret(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` with a fresh ``REFIT_SECRET`` where it gives no secret and does not opt out (``REFIT_INSECURE``)."""
+    given = with_overrides(RefitOptions(), environ)
+    if given.secret or given.insecure:
+        return environ
+    return {**environ, "REFIT_SECRET": new_secret()}
 
 
 def _exit_status(code: int | None, killed_by_us: bool) -> str:

@@ -9,10 +9,16 @@ Every later frame of the connection carries an HMAC-SHA256 tag under a key of it
 secret, both nonces and the direction) over a sequence number and the frame (:class:`SessionMac`), so a
 relay on the path can neither inject, alter, reorder nor replay a request or an answer.
 
-Without a secret the job name still keeps two jobs apart, but any process that can reach the port, every
-process of the same host included, can join the job, read its metadata and write into it; the frame tags
-are then keyed with public values only and catch corruption, not forgery. A rendezvous without a secret
-logs a warning once per process (:func:`warn_without_secret`).
+A secret is required: setup refuses to start without one (:data:`NO_SECRET` says what to set) unless the
+rank opts out by name (``RefitOptions(insecure=True)`` / ``REFIT_INSECURE=1``). Each job's launcher gives
+its ranks their own (``refit demo``, ``RayRefit``, ``refit_core.apps.spawn``, the vLLM drop-in's trainer,
+torchrun's random run id), so two jobs that meet on one port are two secrets: a rank of one cannot join the
+other's store (it is refused, by name, before it reads or writes anything), and no byte of one job's weights
+can reach the other's ranks. Opted out, the job name alone keeps jobs apart: any process that can reach the
+port, every process of the same host included, can join the job, read its metadata and write into it, and
+two jobs with one name on one port can mix; the frame tags are then keyed with public values only and catch
+corruption, not forgery. A rendezvous without a secret logs a warning once per process
+(:func:`warn_without_secret`).
 """
 
 from __future__ import annotations
@@ -24,11 +30,18 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 
-from refit_core.contract.errors import WireError
+from refit_core.contract.errors import AuthenticationError, WireError
+from refit_core.contract.options import RefitOptions
 
 DEFAULT_JOB = "refit"
 PROTOCOL = "refit-rendezvous/2"
 log = logging.getLogger("refit")
+SET_A_SECRET = ("give every rank of both sides the same random secret: REFIT_SECRET=$(refit secret) in each "
+                "program's environment, or RefitOptions(secret=...)")
+NO_SECRET = (f"refit refuses to set up without a secret: anyone who can reach the rendezvous could join the job "
+             f"and two jobs on one port could exchange weights. No launcher gave this rank one (refit demo, "
+             f"RayRefit, refit_core.apps.spawn, torchrun --standalone and the vLLM drop-in's single-rank trainer "
+             f"do); {SET_A_SECRET}; or opt out by name with RefitOptions(insecure=True) / REFIT_INSECURE=1")
 
 
 def new_nonce() -> str:
@@ -52,6 +65,14 @@ class JobCredentials:
         """From :class:`~refit_core.contract.options.RefitOptions` ``job`` / ``secret`` (None: the defaults)."""
         secret = secret or b""
         return cls(job or DEFAULT_JOB, secret.encode() if isinstance(secret, str) else bytes(secret))
+
+    @classmethod
+    def required(cls, options: RefitOptions, who: str) -> JobCredentials:
+        """``options``' credentials; raises :class:`AuthenticationError` (:data:`NO_SECRET`, naming ``who``)
+        where they carry no secret and ``options.insecure`` does not opt out."""
+        if not options.secret and not options.insecure:
+            raise AuthenticationError(f"{who}: {NO_SECRET}")
+        return cls.of(options.job, options.secret)
 
     @property
     def authenticated(self) -> bool:
@@ -107,8 +128,8 @@ def warn_without_secret(credentials: JobCredentials, where: str) -> None:
     if credentials.authenticated or _warned.is_set():
         return
     _warned.set()
-    log.warning("refit: job %r runs without a secret: any process that can reach the rendezvous at %s, every "
-                "local process of this host included, can join the job, read its setup data and break its "
-                "setup. Give every rank the same random secret: RefitOptions(secret=...) or REFIT_SECRET "
-                "(e.g. REFIT_SECRET=$(refit secret)); RayRefit and `refit demo` make one themselves.",
-                credentials.job, where)
+    log.warning("refit: job %r runs without a secret (insecure=True): any process that can reach the rendezvous "
+                "at %s, every local process of this host included, can join the job, read its setup data and "
+                "break its setup, and another job of the same name on that port can exchange weights with it. "
+                "To be safe, %s; RayRefit, `refit demo` and refit_core.apps.spawn make one themselves.",
+                credentials.job, where, SET_A_SECRET)

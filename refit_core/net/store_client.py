@@ -6,13 +6,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import torch.distributed as dist
 
 from refit_core.contract.errors import AuthenticationError, RendezvousError
-from refit_core.net.auth import PROTOCOL, JobCredentials, SessionMac, new_nonce
+from refit_core.net.auth import PROTOCOL, SET_A_SECRET, JobCredentials, SessionMac, new_nonce
 from refit_core.net.store_protocol import (
     ANSWER_S,
     CLOSE_S,
@@ -28,6 +28,15 @@ from refit_core.net.store_protocol import (
 from refit_core.net.wire import WireError, recv_frame, send_frame
 
 Watch = Callable[[], None]
+
+
+def _since(greeting: dict[str, Any]) -> str:
+    """When the store that answered ``greeting`` says it started (unauthenticated: for the reader only)."""
+    started = greeting.get("started")
+    if type(started) not in (int, float) or not 0 < started < 1e11:
+        return "its start time unknown"
+    at = datetime.fromtimestamp(started, timezone.utc)
+    return f"its store started at {at:%Y-%m-%d %H:%M:%S} UTC, {max(0.0, time.time() - started):.0f} s ago"
 
 
 class _ClosedWithoutAnswer(ConnectionError):
@@ -110,14 +119,17 @@ class StoreClient(dist.Store):
                 shutdown_socket(sock)
                 return str(reply.get("state"))
             if refused == "foreign_job":
-                raise AuthenticationError(f"{where} belongs to a different refit job (job names differ): this rank "
-                                          f"({self.who}) is of job {credentials.job!r}: two jobs on one port?")
+                raise AuthenticationError(f"{where} is another refit job's ({_since(reply)}; job names differ): this "
+                                          f"rank ({self.who}) is of job {credentials.job!r}: two jobs on one port? "
+                                          "Give each job its own port")
             if refused is not None or reply.get("protocol") != PROTOCOL:
                 raise WireError(f"{where}: refused ({refused!r:.40})")
             host_nonce = str(reply.get("nonce"))
             if not credentials.verify(reply.get("proof"), "host", self.who, nonce, host_nonce):
-                raise AuthenticationError(f"{where} could not prove it knows job {credentials.job!r}'s secret: "
-                                          "the ranks were given different secrets (RefitOptions.secret / REFIT_SECRET)")
+                raise AuthenticationError(f"{where} is another refit job's ({_since(reply)}; it could not prove it "
+                                          f"knows job {credentials.job!r}'s secret): two jobs on one port, or the "
+                                          f"ranks of this job were given different secrets. {SET_A_SECRET.capitalize()}"
+                                          "; give each job its own port")
             send_frame(sock, {"proof": credentials.proof("rank", self.who, nonce, host_nonce)})
             verdict = recv_frame(sock, HANDSHAKE_BYTES, where)
         except socket.timeout:
@@ -140,7 +152,8 @@ class StoreClient(dist.Store):
             shutdown_socket(sock)
             if refused == "wrong_secret":
                 raise AuthenticationError(f"{where} refused this rank ({self.who}): wrong secret for job "
-                                          f"{credentials.job!r} (RefitOptions.secret / REFIT_SECRET differ)")
+                                          f"{credentials.job!r}: it is another refit job's, or the ranks were given "
+                                          f"different secrets. {SET_A_SECRET.capitalize()}")
             if refused in ("duplicate", "identity"):
                 raise RendezvousError(str(verdict.get("message"))[:1000])
             raise RendezvousError(f"{where}: unexpected answer to this rank's proof")

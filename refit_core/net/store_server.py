@@ -6,6 +6,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from typing import Any
 
 from refit_core.contract.errors import RendezvousError
@@ -48,6 +49,7 @@ class StoreServer:
         self.handshake_s = handshake_s
         self.limits = limits or StoreLimits()
         self.session = new_nonce()
+        self.started = time.time()  # told to joiners, so that a rank of another job can say whose store it met
         self._data: dict[str, bytes] = {}
         self._stored = 0  # bytes of keys and values in _data
         self._cond = threading.Condition()
@@ -155,7 +157,8 @@ class StoreServer:
         if not all(0 < len(v) <= 256 for v in (job, who, nonce)):
             return None
         if job != self.credentials.job:
-            send_frame(conn, {"refused": "foreign_job"})  # never the job's name: it is the job's to keep
+            # never the job's name: it is the job's to keep
+            send_frame(conn, {"refused": "foreign_job", "started": self.started})
             return None
         with self._cond:  # a failed setup still admits the ranks that have not yet read its error
             busy = ("closed" if self._closed else "sealed" if self._sealed else
@@ -164,7 +167,7 @@ class StoreServer:
             send_frame(conn, {"refused": "busy", "state": busy})
             return None
         mine = new_nonce()
-        send_frame(conn, {"protocol": PROTOCOL, "nonce": mine,
+        send_frame(conn, {"protocol": PROTOCOL, "nonce": mine, "started": self.started,
                           "proof": self.credentials.proof("host", who, nonce, mine)})
         answer = recv_frame(conn, HANDSHAKE_BYTES, f"the proof of {peer}")
         if not isinstance(answer, dict) or not self.credentials.verify(answer.get("proof"), "rank", who, nonce, mine):

@@ -68,12 +68,13 @@ def test_bad_input_names_the_class_and_field(wire, named):
 def test_environment_overrides_are_explicit_settings():
     env = {"REFIT_NCCL_COMMS": "4", "REFIT_ZERO_COPY": "0", "REFIT_MESSAGES": "runs",
            "REFIT_DIRECT_MIN_BYTES": "1024", "REFIT_NCCL_BACKEND": "torch", "REFIT_JOB": "job-7",
-           "REFIT_SECRET": "s3cret"}
+           "REFIT_SECRET": "s3cret", "REFIT_INSECURE": "0"}
     options = with_overrides(RefitOptions(num_buffers=2), env)
     assert options.nccl == NcclOptions(backend="torch", comms_per_link=4)
     assert options.messages == MessageOptions(mode="runs", direct_min_bytes=1024, zero_copy=False)
     assert options.explicit == {"num_buffers", *(o.setting for o in OVERRIDES)}
-    assert (options.job, options.secret) == ("job-7", "s3cret") and "secret" not in options.to_wire()
+    assert (options.job, options.secret, options.insecure) == ("job-7", "s3cret", False)
+    assert "secret" not in options.to_wire()
     assert with_overrides(options, {}) is options
     with pytest.raises(OptionError, match=r"unknown setting\(s\) \['messages.zerocopy'\]"):
         options.overridden({"messages.zerocopy": False})

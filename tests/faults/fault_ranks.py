@@ -176,11 +176,12 @@ def setup_rank(rank: int, report, address: str, train: int, gen: int, options: d
 
 def exit_during_setup_rank(rank: int, report, address: str, train: int, gen: int, options: dict) -> dict:
     """A gen rank that joins the rendezvous and dies (os._exit) before publishing its metadata."""
+    from refit_core.contract.env import with_overrides
     from refit_core.net.auth import JobCredentials
     from refit_core.net.rendezvous import Rendezvous
 
-    Rendezvous(address, host=False, who=f"gen/{rank - train}", timeout_s=30,
-               credentials=JobCredentials.of(options.get("job"), options.get("secret")))
+    credentials = JobCredentials.required(with_overrides(RefitOptions(**options)), f"gen rank {rank - train}")
+    Rendezvous(address, host=False, who=f"gen/{rank - train}", timeout_s=30, credentials=credentials)
     time.sleep(1)
     os._exit(3)
 

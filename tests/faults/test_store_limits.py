@@ -54,8 +54,10 @@ def test_a_foreign_job_is_refused_without_learning_the_jobs_name():
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=3) as raw:
             send_frame(raw, {"protocol": PROTOCOL, "job": "curious", "who": "gen/0", "nonce": new_nonce()})
-            assert recv_frame(raw, 4096, "the host") == {"refused": "foreign_job"}
-        with pytest.raises(AuthenticationError, match=r"a different refit job \(job names differ\)") as info:
+            refusal = recv_frame(raw, 4096, "the host")
+            assert refusal.pop("refused") == "foreign_job" and set(refusal) == {"started"}  # nothing of the job
+        with pytest.raises(AuthenticationError, match=r"another refit job's \(its store started at .*; job names "
+                                                      r"differ\)") as info:
             _rank(port, credentials=JobCredentials("curious", b"s3cret"))
         assert "job-7" not in str(info.value)
     finally:

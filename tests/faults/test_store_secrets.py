@@ -1,5 +1,6 @@
 """Launchers that start every rank themselves give the job a random secret: ``refit demo`` (through
-the side programs' environment, never their command line) and the Ray helper (with the options)."""
+the side programs' environment, never their command line), the Ray helper (with the options),
+``spawn`` (its ranks' environment) and torchrun (derived from its random run id)."""
 
 import re
 
@@ -38,3 +39,33 @@ def test_refit_secret_prints_a_fresh_secret(capsys):
     assert main(["secret"]) == 0 and main(["secret"]) == 0
     first, second = capsys.readouterr().out.split()
     assert HEX_SECRET.fullmatch(first) and first != second
+
+
+def _secret_of_rank(rank: int, nprocs: int) -> str:
+    import os
+    return os.environ.get("REFIT_SECRET", "")
+
+
+def test_spawned_ranks_share_a_fresh_secret_unless_one_is_given(monkeypatch):
+    from refit_core.kit.launch import spawn
+
+    monkeypatch.delenv("REFIT_SECRET", raising=False)
+    first, second = spawn(_secret_of_rank, 2, timeout_s=120)
+    assert HEX_SECRET.fullmatch(first) and first == second  # one job: one secret for all its ranks
+    assert spawn(_secret_of_rank, 1, env={"REFIT_SECRET": "mine"}, timeout_s=120) == ["mine"]
+    assert spawn(_secret_of_rank, 1, env={"REFIT_INSECURE": "1"}, timeout_s=120) == [""]  # opted out by name
+
+
+def test_torchrun_ranks_derive_one_secret_from_a_random_run_id_only():
+    from uuid import uuid4
+
+    from refit_core.contract.env import launcher_secret
+
+    run = {"TORCHELASTIC_RUN_ID": str(uuid4())}
+    derived = with_overrides(RefitOptions(), run)
+    assert HEX_SECRET.fullmatch(derived.secret or "") and derived.secret == launcher_secret(dict(run))
+    assert derived.secret != launcher_secret({"TORCHELASTIC_RUN_ID": str(uuid4())})  # another run, another secret
+    assert "secret" not in derived.explicit and with_overrides(RefitOptions(secret="mine"), run).secret == "mine"
+    assert with_overrides(RefitOptions(insecure=True), run).secret is None  # the opt-out is taken as said
+    for named in ("none", "my-job", ""):  # torchrun's default and a chosen name are no secrets
+        assert launcher_secret({"TORCHELASTIC_RUN_ID": named}) is None
