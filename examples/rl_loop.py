@@ -1,6 +1,7 @@
 """A real RL loop with refit, driven from one Ray controller (what ``refit demo --loop`` runs).
 
-    pip install 'refit-core[ray]' refit-plugin-dtensor refit-plugin-vllm
+    bash scripts/build-wheels.sh    # refit's wheels, until they are published (docs/install.md)
+    pip install "$(ls dist/refit_core-*.whl)[ray]" dist/refit_plugin_dtensor-*.whl dist/refit_plugin_vllm-*.whl
     python examples/rl_loop.py --steps 20 --plot reward.png
 
 Two FSDP2 policy actors train a tiny Qwen3 with GRPO on a synthetic reward; a vLLM engine actor samples
