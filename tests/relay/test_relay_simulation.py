@@ -12,7 +12,8 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import load_config
-from refit_core.plan.offline import plan_from_metadata
+from refit_core.plan.offline import PlanSummary, plan_from_metadata
+from refit_core.plan.relay import ReplicaTree, relay_down_tree
 from refit_core.plan.simulate import GpuPlacement, Simulation, Topology, simulate
 
 
@@ -50,12 +51,17 @@ def test_simulated_relay_beats_direct_fanout_from_one_trainer_node_into_32_repli
     assert any(line.startswith("relay:        pipelined 3 hop(s)") for line in relayed.lines())
 
 
-def _h200x4(model: str, train: str, gen: str, placement: GpuPlacement, relay: RelayOptions) -> Simulation:
-    """The metadata-only plan of a 4 x H200 run, simulated on the h200 topology (NVLink between every pair)."""
+def _h200x4_plan(model: str, train: str, gen: str, relay: RelayOptions) -> PlanSummary:
+    """The metadata-only plan of a 4 x H200 run."""
     train_side, train_layout = parse_backend_layout(train)
     gen_side, gen_layout = parse_backend_layout(gen)
-    summary = plan_from_metadata(get_plugin_manager(), load_config(model), train_side, train_layout, gen_side,
-                                 gen_layout, options=RefitOptions(relay=relay), device="cuda")
+    return plan_from_metadata(get_plugin_manager(), load_config(model), train_side, train_layout, gen_side,
+                              gen_layout, options=RefitOptions(relay=relay), device="cuda")
+
+
+def _h200x4(model: str, train: str, gen: str, placement: GpuPlacement, relay: RelayOptions) -> Simulation:
+    """The metadata-only plan of a 4 x H200 run, simulated on the h200 topology (NVLink between every pair)."""
+    summary = _h200x4_plan(model, train, gen, relay)
     return simulate(summary.schedule, Topology.parse("h200"), placement, relay=summary.relay)
 
 
@@ -74,6 +80,18 @@ def test_simulator_predicts_4xh200_direct_fanout_and_chain_within_10_percent():
                     RelayOptions(replicas=3, direct=1))
     assert chain.bytes == sim.bytes and chain.predicted_s < 0.4 * sim.predicted_s
     assert chain.predicted_s * 1e3 == pytest.approx(CHAIN_MS, rel=0.10)
+
+
+def test_the_4xh200_chain_in_slices_is_predicted_slower_than_in_whole_rounds():
+    """On NVLink a hop of a whole 512 MiB round costs 1.45 ms, while slices pay 15 us per piece on every link:
+    the chooser keeps whole rounds there, as the 4 x H200 bucket sweep (smaller pieces slower) says."""
+    summary = _h200x4_plan("llama-3-8b-shape", "megatron:tp=1", "vllm:tp=1,dp=3", RelayOptions(replicas=3, direct=1))
+    assert summary.relay is not None
+    placement, topology = GpuPlacement((0,), (1, 2, 3)), Topology.parse("h200")
+    whole = simulate(summary.schedule, topology, placement, relay=summary.relay)
+    sliced = simulate(summary.schedule, topology, placement,
+                      relay=relay_down_tree(ReplicaTree(1, summary.relay.tree), summary.schedule, 16 << 20))
+    assert sliced.bytes == whole.bytes and sliced.predicted_s > 1.1 * whole.predicted_s
 
 
 @pytest.mark.parametrize("model", list(OF_THE_WIRE))
