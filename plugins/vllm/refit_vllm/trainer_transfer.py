@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -148,6 +149,17 @@ def _setup(sender: RefitSender, world_size: int) -> None:
                          f"only (vLLM's nccl backend counts the trainer and the workers): {exc}") from exc
 
 
+def _engine_options(sender: RefitSender, options: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The engine's ``options``, with train rank 0's secret: its own (given, ``REFIT_SECRET`` or torchrun's),
+    or, where it is the only train rank and none was given, a fresh one, made here. The secret reaches the
+    engine over the drop-in's own control channel (the one that already drives the engine), never the
+    rendezvous; with ``insecure`` and no secret, none is made."""
+    mine = sender.options
+    if mine.secret is None and not mine.insecure and world_size == 1:
+        sender.options = mine = mine.overridden({"secret": secrets.token_hex(16)}, explicit=False)  # `refit secret`'s
+    return options if mine.secret is None else {**options, "secret": mine.secret}
+
+
 class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
     """A refit sender on every train rank (one-rank sources: on rank 0 only, see :class:`SourceKind`);
     rank 0 also drives the engine through ``client``."""
@@ -196,6 +208,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
                 _setup(sender, world_size)
                 return engine
         payload = asdict(init_info.worker_info())
+        payload["options"] = _engine_options(sender, payload["options"], world_size)
         _concurrently(lambda: client.init_weight_transfer_engine(payload), lambda: _setup(sender, world_size),
                       on_remote_error=lambda exc: publish_client_error(exc, rendezvous=payload["rendezvous"],
                                                                        options=payload["options"]))
