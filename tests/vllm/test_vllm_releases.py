@@ -104,17 +104,19 @@ def check_differences_page(result: dict[str, Any]) -> None:
 
 
 def check_client_refused(out: dict[str, Any]) -> None:
-    """Issue 45: train rank 0's client call raises (an engine without ``weight_transfer_config``): every
-    train rank fails within 2 s at ``timeout_s=600`` with the engine's error (it took 2 x timeout_s, with
-    a bare timeout)."""
+    """Issue 45: train rank 0's client call raises (an engine without ``weight_transfer_config``; vLLM's HTTP
+    client and no server): every train rank fails within 2 s at ``timeout_s=600`` with the engine's error
+    (it took 2 x timeout_s, with a bare timeout)."""
     assert out["timeout_s"] >= 600, out
-    for rank in ("0", "1"):
-        assert rank in out, f"train rank {rank} was still waiting after 60 s: {out}"
-        failed = out[rank]
-        assert failed["error"] is not None and failed["seconds"] < 2, (rank, failed)
-        relayed = f"RefitError: refit setup failed on another rank: gen rank 0: {ENGINE_ERROR}"
-        assert failed["error"].startswith(relayed), (rank, failed)
-    assert out["0"]["cause"] == "RuntimeError", out  # rank 0's traceback shows the engine's own error
+    relayed = "RefitError: refit setup failed on another rank: gen rank 0: "
+    for case, ranks, error in (("unconfigured", 2, ENGINE_ERROR),
+                               ("http", 1, f"{ENGINE_ERROR.split(': RuntimeError')[0]}: ConnectionError: ")):
+        for rank in map(str, range(ranks)):
+            assert rank in out[case], f"{case}: train rank {rank} was still waiting after 60 s: {out}"
+            failed = out[case][rank]
+            assert failed["error"] is not None and failed["seconds"] < 2, (case, rank, failed)
+            assert failed["error"].startswith(relayed + error), (case, rank, failed)
+        assert out[case]["0"]["cause"] in ("RuntimeError", "ConnectionError"), out  # the client's own error
 
 
 def check_fidelity(out: dict[str, Any]) -> None:

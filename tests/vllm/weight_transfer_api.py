@@ -117,9 +117,22 @@ class UnconfiguredEngine:
 
 
 def client_refused(config: dict[str, Any]) -> dict[str, Any]:
-    """Two train ranks (module sources, on threads) at ``timeout_s=600``; train rank 0's client call raises.
-    Each rank's error, its cause's type and its seconds: every rank must fail at once, with the engine's
-    error (it used to take 2 x timeout_s and raise a bare timeout)."""
+    """Train rank 0's client call raises, at ``timeout_s=600``: with two train ranks (module sources, on
+    threads) and an engine without ``weight_transfer_config``; with one and vLLM's own HTTP client at a
+    port where nobody listens. Each rank's error, its cause's type and its seconds: every rank must fail
+    at once, with the engine's (the client's) error (it used to take 2 x timeout_s and raise a timeout)."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from refit_core.kit.launch import free_port
+
+    return {"timeout_s": CLIENT_TIMEOUT_S,
+            "unconfigured": _trainers_fail(config, [UnconfiguredEngine(), NoCalls()]),
+            "http": _trainers_fail(config, [HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{free_port()}")])}
+
+
+def _trainers_fail(config: dict[str, Any], clients: list[Any]) -> dict[str, Any]:
+    """``trainer_init`` on one train rank per client (threads), at ``timeout_s=600``: each rank's error, its
+    cause's type and its seconds, by rank."""
     import threading
     import time
 
@@ -131,12 +144,11 @@ def client_refused(config: dict[str, Any]) -> dict[str, Any]:
     from refit_core.kit.launch import free_port
 
     rendezvous = f"127.0.0.1:{free_port()}"
-    sources = [transfer.RefitSource(build_model(config, dtype=torch.float32, seed=10 + r)) for r in range(2)]
-    clients = [UnconfiguredEngine(), NoCalls()]
-    out: dict[str, Any] = {"timeout_s": CLIENT_TIMEOUT_S}
+    sources = [transfer.RefitSource(build_model(config, dtype=torch.float32, seed=10 + r)) for r in range(len(clients))]
+    out: dict[str, Any] = {}
 
     def rank(r: int) -> None:
-        info = transfer.RefitTrainerInitInfo(rank=r, rendezvous=rendezvous, world_size=2,
+        info = transfer.RefitTrainerInitInfo(rank=r, rendezvous=rendezvous, world_size=len(clients),
                                              options={"timeout_s": CLIENT_TIMEOUT_S})
         start = time.perf_counter()
         try:
@@ -146,7 +158,7 @@ def client_refused(config: dict[str, Any]) -> dict[str, Any]:
             error, cause = f"{type(exc).__name__}: {exc}", type(exc.__cause__).__name__
         out[str(r)] = {"error": error, "cause": cause, "seconds": time.perf_counter() - start}
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(len(clients))]
     for thread in threads:
         thread.start()
     for thread in threads:
