@@ -103,8 +103,9 @@ class RelayChoice:
 
     @property
     def chosen(self) -> Prediction:
-        """The chosen candidate's prediction."""
-        return next(p for p in self.candidates if p.relay is self.relay)
+        """The chosen candidate's prediction (a tree's candidates in slices share its relay options)."""
+        chunk = self.plan.relay.chunk_bytes if self.plan.relay is not None else 0
+        return next(p for p in self.candidates if p.relay is self.relay and p.chunk_bytes == chunk)
 
     @property
     def chose_baseline(self) -> bool:

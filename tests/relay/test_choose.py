@@ -9,7 +9,7 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import load_config
-from refit_core.plan.choose import FORWARD_FLOORS, Prediction, RelayShape, choose_forwarding, choose_relay
+from refit_core.plan.choose import FORWARD_FLOORS, RELAY_CHUNKS, Prediction, RelayShape, choose_forwarding, choose_relay
 from refit_core.plan.offline import PlanSummary, plan_from_metadata
 from refit_core.plan.planning import plan_with_relay
 from refit_core.plan.relay import plan_tree
@@ -78,3 +78,28 @@ def test_an_rl_framework_asks_whether_forwarding_within_nodes_pays():
     choice = choose_forwarding(plan, RelayOptions(node_ranks=2), per_message_cost)
     assert choice.chose_baseline and choice.relay == RelayOptions() and choice.plan.relay is None
     assert choice.speedup == 1.0
+
+
+def test_a_deep_chain_is_chosen_in_slices_and_planned_with_them():
+    # the same 1 GiB tensor from 8 train GPUs into 32 replicas: one chain of 31 hops over the NICs
+    spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
+    train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]
+    gen = [[PieceMeta(spec, Box((0, 0), spec.shape))] for _ in range(32)]
+
+    def plan(relay: RelayOptions, bucket_bytes: int | None = None) -> PlanSummary:
+        schedule, relay_plan = plan_with_relay(train, gen, RefitOptions(bucket_bytes=bucket_bytes or 64 << 20,
+                                                                        relay=relay))
+        return PlanSummary(schedule, len(train), len(gen), 0.0, relay=relay_plan)
+
+    choice = choose_relay(plan, RelayOptions(replicas=32, fanout=1), Topology.parse("h200"), chunks=RELAY_CHUNKS)
+    one_root = [p for p in choice.candidates if p.relay.direct == 1]
+    # a 31-hop chain: whole 64 MiB rounds pay a round per hop, 16 and 8 MiB slices a slice per hop; at 4 MiB
+    # the 15 us per piece outweighs what the hops save, and no smaller slice is tried
+    assert [p.chunk_bytes for p in one_root] == [0, 16 << 20, 8 << 20, 4 << 20]
+    seconds = [p.predicted_s or 0.0 for p in one_root]
+    assert seconds[2] < seconds[1] < 0.9 * seconds[0] and seconds[3] > seconds[2]
+    best = min(choice.candidates, key=lambda p: p.predicted_s or float("inf"))
+    assert choice.chosen is best and best.chunk_bytes and best.label.endswith(f"chunks {best.chunk_bytes >> 20}.0 MiB")
+    assert choice.plan.relay is not None and choice.plan.relay.chunk_bytes == best.chunk_bytes
+    assert choice.plan.relay.tree.parent == plan_tree(32, best.relay.direct, 1).parent
+    assert choice.predicted_s == best.predicted_s < 1.15 * best.bound_s
