@@ -198,15 +198,24 @@ class RefitEndpoint:
         for executor in (self._executor, self._relay_out):
             if executor is not None:
                 executor.bind(views)
-        self._memory = BoundMemory.after_bind(names, views, self.plugins.model_tensors(self.model))
+        self._memory = BoundMemory.after_bind(names, views, self.plugins.model_tensors(self.model), self._pieces)
         if self._clock.bind_s is None:
             self._clock.bind_s = time.perf_counter() - began
 
-    def _replaced_tensor(self) -> str | None:
-        """The first of the model's tensors (``refit_model_tensors``) replaced or moved since the pieces
-        were bound; None if none was, or if no plugin lists them (the caller then compares pieces)."""
-        bound = None if self._memory is None else self._memory.identity
-        return None if bound is None else bound.first_replaced(self.plugins.model_tensors(self.model) or [])
+    def _memory_problem(self) -> str | None:
+        """What changed in the model's memory since the bind, as the step's error says it (the tensor, the
+        side, what changed: a rebinding, ``set_()``, a resize, freed storage); None if nothing did, or if
+        nothing is bound yet. Compares the model's tensors as its plugin lists them (``refit_model_tensors``),
+        else its pieces, against the objects, addresses and storages recorded at the bind; runs before any
+        byte of a step moves, so a failure here is raised where every rank hears of it."""
+        memory = self._memory
+        if memory is None:
+            return None
+        if memory.lists:
+            change = memory.first_listed_change(self.plugins.model_tensors(self.model))
+        else:
+            change = memory.first_piece_change(self._local_pieces())
+        return None if change is None else change.describe(self.side)
 
     def _step_executor(self, only: Iterable[str] | None) -> tuple[Subset | None, NetworkExecutor | None]:
         """The subset a step moving ``only`` moves (None: the whole plan) and the network executor it runs."""
