@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -23,20 +23,12 @@ from refit_core.net.store_protocol import (
     decode_value,
     encode_value,
     shutdown_socket,
+    started_note,
     wake_socket,
 )
 from refit_core.net.wire import WireError, recv_frame, send_frame
 
 Watch = Callable[[], None]
-
-
-def _since(greeting: dict[str, Any]) -> str:
-    """When the store that answered ``greeting`` says it started (unauthenticated: for the reader only)."""
-    started = greeting.get("started")
-    if type(started) not in (int, float) or not 0 < started < 1e11:
-        return "its start time unknown"
-    at = datetime.fromtimestamp(started, timezone.utc)
-    return f"its store started at {at:%Y-%m-%d %H:%M:%S} UTC, {max(0.0, time.time() - started):.0f} s ago"
 
 
 class _ClosedWithoutAnswer(ConnectionError):
@@ -119,17 +111,17 @@ class StoreClient(dist.Store):
                 shutdown_socket(sock)
                 return str(reply.get("state"))
             if refused == "foreign_job":
-                raise AuthenticationError(f"{where} is another refit job's ({_since(reply)}; job names differ): this "
-                                          f"rank ({self.who}) is of job {credentials.job!r}: two jobs on one port? "
-                                          "Give each job its own port")
+                raise AuthenticationError(f"{where} is another refit job's ({started_note(reply)}; job names "
+                                          f"differ): this rank ({self.who}) is of job {credentials.job!r}: two jobs "
+                                          "on one port? Give each job its own port")
             if refused is not None or reply.get("protocol") != PROTOCOL:
                 raise WireError(f"{where}: refused ({refused!r:.40})")
             host_nonce = str(reply.get("nonce"))
             if not credentials.verify(reply.get("proof"), "host", self.who, nonce, host_nonce):
-                raise AuthenticationError(f"{where} is another refit job's ({_since(reply)}; it could not prove it "
-                                          f"knows job {credentials.job!r}'s secret): two jobs on one port, or the "
-                                          f"ranks of this job were given different secrets. {SET_A_SECRET.capitalize()}"
-                                          "; give each job its own port")
+                raise AuthenticationError(f"{where} is another refit job's ({started_note(reply)}; it could not "
+                                          f"prove it knows job {credentials.job!r}'s secret): two jobs on one port, "
+                                          "or the ranks of this job were given different secrets. "
+                                          f"{SET_A_SECRET.capitalize()}; give each job its own port")
             send_frame(sock, {"proof": credentials.proof("rank", self.who, nonce, host_nonce)})
             verdict = recv_frame(sock, HANDSHAKE_BYTES, where)
         except socket.timeout:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import socket
+import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from refit_core.contract.errors import RendezvousError
@@ -71,3 +73,12 @@ def shutdown_socket(conn: socket.socket) -> None:
     """End and close ``conn``; only the thread that uses it may."""
     wake_socket(conn)
     conn.close()
+
+
+def started_note(greeting: dict[str, Any]) -> str:
+    """When the store that answered ``greeting`` says it started (unauthenticated: for the reader only)."""
+    started = greeting.get("started")
+    if type(started) not in (int, float) or not 0 < started < 1e11:
+        return "its start time unknown"
+    at = datetime.fromtimestamp(started, timezone.utc)
+    return f"its store started at {at:%Y-%m-%d %H:%M:%S} UTC, {max(0.0, time.time() - started):.0f} s ago"

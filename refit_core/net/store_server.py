@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import socket
@@ -25,6 +26,7 @@ from refit_core.net.store_protocol import (
     encode_value,
     request_frame_bytes,
     shutdown_socket,
+    started_note,
     wake_socket,
 )
 from refit_core.net.wire import WireError, recv_frame, send_frame
@@ -62,8 +64,7 @@ class StoreServer:
             family, _, _, _, sockaddr = infos[0]
             self._listener = socket.create_server(sockaddr, family=family, backlog=128)
         except OSError as exc:
-            hint = (" (another program, perhaps another refit job, is using this port)"
-                    if getattr(exc, "errno", None) == 98 else "")
+            hint = f" (a busy port: {_who_listens(endpoint)})" if exc.errno == errno.EADDRINUSE else ""
             raise RendezvousError(f"could not host the refit rendezvous at {endpoint}: {exc}{hint}") from exc
         self._thread = threading.Thread(target=self._accept_loop, name="refit-store", daemon=True)
         self._thread.start()
@@ -292,6 +293,22 @@ class StoreServer:
             if op == "gone":
                 return {"ranks": sorted(k[len(GONE_PREFIX):] for k in self._data if k.startswith(GONE_PREFIX))}
         raise WireError(f"unknown store operation {op!r:.40}")
+
+
+def _who_listens(endpoint: Endpoint, timeout_s: float = 1.0) -> str:
+    """Who holds ``endpoint``, as its greeting of a stranger says: never joined, whatever answers."""
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s) as probe:
+            probe.settimeout(timeout_s)
+            send_frame(probe, {"protocol": PROTOCOL, "job": f"refit-probe/{new_nonce()}", "who": "train/0",
+                               "nonce": new_nonce()})
+            reply = recv_frame(probe, HANDSHAKE_BYTES, f"the listener at {endpoint}")
+    except (OSError, ConnectionError, WireError):
+        reply = None
+    if isinstance(reply, dict) and (reply.get("refused") == "foreign_job" or reply.get("protocol") == PROTOCOL):
+        return (f"it holds another refit rendezvous ({started_note(reply)}): another refit job's, or an earlier "
+                "setup of this job not yet closed; give each job its own port")
+    return "another program, not a refit rendezvous, listens there"
 
 
 def _key(request: dict[str, Any]) -> str:

@@ -82,7 +82,8 @@ def test_two_jobs_launched_with_their_own_secrets_never_mix_and_b_is_refused_by_
     r = _race(monkeypatch, tmp_path / "go", environments, {})
     assert r["a_listened"]
     host_b, engine_b = r[10], r[11]
-    assert host_b["error"] == "RendezvousError" and "could not host" in host_b["message"], host_b  # a busy port
+    assert host_b["error"] == "RendezvousError" and "could not host" in host_b["message"], host_b
+    assert "(a busy port: it holds another refit rendezvous (its store started at" in host_b["message"], host_b
     assert engine_b["error"] == "AuthenticationError", engine_b
     assert "is another refit job's (its store started at" in engine_b["message"], engine_b
     assert engine_b["untouched"] and engine_b["holds"] == [], engine_b  # not one byte of job A
