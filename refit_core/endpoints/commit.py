@@ -22,15 +22,25 @@ decision tells the trainers whether every gen rank landed the step.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from refit_core.contract.errors import RefitError, TransferError, WireError
 from refit_core.contract.side import Side
-from refit_core.net.keys import RankId, decision_key, landed_key, settled_key, step_prefixes
+from refit_core.net.keys import (
+    TRANSPORT_FAILED,
+    RankId,
+    decision_key,
+    failed_key,
+    landed_key,
+    settled_key,
+    step_prefixes,
+)
 from refit_core.net.rendezvous import Rendezvous
+from refit_core.net.transport.watch import REASON_CHARS as CAUSE_CHARS
+from refit_core.net.transport.watch import RankNames
 
 REASON_CHARS = 500
 """How much of a failed rank's error its vote carries."""
@@ -247,6 +257,57 @@ def unsettled_report(decision: Decision, ranks: Collection[int], settled: list[S
     return f"step {decision.step} was committed, but not everywhere: {'; '.join(parts)}"
 
 
+# -- the first failure of a step ------------------------------------------------------------
+
+
+CAUSE_READ_S = 1.0
+"""How long a failed rank waits for the store's answer when it looks up or notes a failed step."""
+LINGER_S = 2.0
+"""How long, at most, train rank 0 keeps the store up after its own failed step, for the other ranks to
+read why the step failed (:func:`step_failed`)."""
+
+
+def step_failed(rdv: Rendezvous | None, step: int, me: RankId, train: int, error: str) -> str | None:
+    """Rank ``me`` failed ``step`` for ``error`` (``train``: the train side's world size). Returns why
+    another rank gave up on it first, as an error names it (None: no other rank did, ``error`` says so
+    already, or the store cannot tell); then publishes ``error`` where the transports' watch looks, unless
+    a rank did first, so that peers waiting on this one, or failing because it closed its transport, name
+    the cause (a refused version or subset fails before any byte moves); then notes that this rank
+    failed, for :func:`linger`. Best effort, each request bounded: the store's host may be gone."""
+    if rdv is None:
+        return None
+    names = RankNames(train)
+    cause = None
+    try:
+        raw = rdv.client.try_get(TRANSPORT_FAILED, within=CAUSE_READ_S)
+        if raw is None:
+            rdv.client.compare_set(TRANSPORT_FAILED, b"", f"{names.global_rank(me)} {error[:CAUSE_CHARS]}")
+        else:
+            who, _, reason = bytes(raw).decode(errors="replace").partition(" ")
+            if who.isdigit() and int(who) != names.global_rank(me) and reason not in error:
+                cause = f"{names.name(int(who))} gave up on the step first: {reason}"
+        rdv.client.set(failed_key(step, me), b"1", within=CAUSE_READ_S)
+    except RefitError:
+        pass
+    return cause
+
+
+def linger(rdv: Rendezvous, step: int, sizes: Mapping[Side, int], timeout_s: float) -> None:
+    """Train rank 0 failed ``step``: keep the store up until every other rank noted that it failed too
+    (:func:`step_failed`: it has read the cause), or left, or :data:`LINGER_S` (at most ``timeout_s``) passed."""
+    deadline = time.monotonic() + min(timeout_s, LINGER_S)
+    for side, size in sizes.items():
+        for rank in range(size):
+            who = RankId(side, rank)
+            if who == DECIDER:
+                continue
+            try:
+                rdv.wait([failed_key(step, who)], f"{who.name} to note the failed step {step}",
+                         timeout_s=_left(deadline), watched={str(who)})
+            except RefitError:
+                continue
+
+
 __all__ = ["DECIDER", "DECISION_GRACE_S", "Decision", "DecisionUnknown", "Settlement", "Verdict", "Vote",
-           "await_decision", "await_settlements", "decide", "drain", "forget_old_steps", "settle", "unsettled_report",
-           "vote"]
+           "await_decision", "await_settlements", "decide", "drain", "forget_old_steps", "linger", "settle",
+           "step_failed", "unsettled_report", "vote"]

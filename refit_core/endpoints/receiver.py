@@ -19,6 +19,7 @@ from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
 from refit_core.endpoints import commit
 from refit_core.endpoints.base import RefitEndpoint
+from refit_core.endpoints.binding import first_moved
 from refit_core.endpoints.wiring import by_peer, colocated_path, combined_stats, executor_settings, split_rounds
 from refit_core.plan.items import Message
 from refit_core.plan.relay import RelayPlan
@@ -153,9 +154,15 @@ class RefitReceiver(RefitEndpoint):
                                  "refit_begin_update; a plugin must return the same pieces every time")
             self._pieces = pieces
         elif self._memory is not None:  # the steps write into the views bound earlier: one replaced goes stale
-            problem = self._memory_problem()
-            if problem is not None:
-                raise RefitError(problem)
+            if self._memory.identity is not None:  # the plugin lists the model's tensors: cheaper than its pieces
+                name = self._replaced_tensor()
+            else:
+                moved = first_moved(self._local_pieces(), self._pieces)
+                name = None if moved is None else f"{moved.spec.name}{moved.box}"
+            if name is not None:
+                raise RefitError(f"destination tensor {name} now lives at a different address than when refit "
+                                 "bound it (the engine replaced or moved it): its plugin's refit_begin_update "
+                                 "must return True after replacing destination tensors")
         if not self._loader:
             if rebind or self._memory is None:
                 self._bind(self._pieces)
@@ -276,6 +283,8 @@ class RefitReceiver(RefitEndpoint):
         if isinstance(executor, ReceiveExecutor):
             executor.discard()
         touched = self._quantizing.torn(touched)  # receiver-quantized pieces land in stand-ins first
+        # first: once every rank noted its failure, train rank 0 may close the store
+        cause = commit.step_failed(self._rdv, step, self.me, self.sizes.get(Side.TRAIN, 0), str(exc))
         if self.settings is not None and self._votes and not ballot.voted and self._rdv is not None:
             try:
                 commit.vote(self._rdv, step, commit.Vote(self.rank, str(exc)))
@@ -303,7 +312,8 @@ class RefitReceiver(RefitEndpoint):
             outcome = (f"{len(names)} destination tensor(s) may be partly written (torn): "
                        f"{', '.join(names[:shown])}{' ...' if len(names) > shown else ''}; the engine needs a new "
                        f"refit and keeps {held}")
-        error = StepFailedError(f"refit step {step} failed on gen rank {self.rank}{self._relay_source()}: {exc}; "
+        why = str(exc) if cause is None else f"{cause} (here: {exc})"
+        error = StepFailedError(f"refit step {step} failed on gen rank {self.rank}{self._relay_source()}: {why}; "
                                 f"{outcome}", failure)
         if handled is False:
             error.add_note(f"refit: gen rank {self.rank}: the engine could not restore its previous weights "

@@ -16,7 +16,7 @@ import torch
 from refit_core.contract.errors import RefitError
 from refit_core.contract.experts import ExpertNamer
 from refit_core.contract.side import Side
-from refit_core.net.keys import subset_key
+from refit_core.net.keys import RankId, subset_key, subset_verdict_key
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.plan import subset
 from refit_core.plan.items import Message
@@ -24,6 +24,8 @@ from refit_core.plan.subset import SubSchedules, Subset
 from refit_core.endpoints.binding import BoundMemory
 from refit_core.run.executor import HeaderScope, ReceiveExecutor, SendExecutor, StepCount, SubsetTag
 
+PLANNER = RankId(Side.TRAIN, 0)
+"""The rank that checks every new subset against the plan."""
 NetworkExecutor = Union[SendExecutor, ReceiveExecutor]
 MakeExecutor = Callable[[list[list[Message]], HeaderScope, StepCount | None], NetworkExecutor]
 """Makes a network executor of this rank's side for ``rounds`` whose headers claim ``scope``, counting its
@@ -56,8 +58,30 @@ class Subsets:
         """The subsets this rank moved (by digest), each offered to the store once (:func:`subset_key`)."""
 
     def of(self, names: Iterable[str]) -> Subset:
-        """The :class:`~refit_core.plan.subset.Subset` a step naming ``names`` moves."""
-        return subset.subset_of(names, self._expert_name, self._group_sizes, self._plan_names)
+        """The :class:`~refit_core.plan.subset.Subset` a step naming ``names`` moves. On the train side every
+        rank refuses, by name, a subset naming a tensor the plan does not move: the planner checks each
+        new subset and publishes its verdict, which the other train ranks wait for (once per subset)."""
+        chosen = subset.subset_of(names, self._expert_name, self._group_sizes)
+        if self.side is Side.TRAIN and chosen.digest not in self._names:
+            verdict = self._verdict(chosen)
+            if verdict is not None:
+                raise RefitError(verdict)
+        return chosen
+
+    def _verdict(self, chosen: Subset) -> str | None:
+        """Why the plan cannot move ``chosen`` (None: it can): the planner's own check, published for the
+        other train ranks, or the planner's verdict as they read it."""
+        key = subset_verdict_key(chosen.digest)
+        known = self._plan_names
+        if known is None:
+            (verdict,) = self._rdv.wait([key], "train rank 0's check of the subset", watched={str(PLANNER)})
+            return None if verdict is None else str(verdict)
+        unknown = sorted(chosen.names - known)
+        verdict = None if not unknown else (
+            f"the subset names {len(unknown)} tensor(s) the plan does not move: {subset.listed(unknown)} (the plan "
+            f"moves {len(known)} tensor(s): {subset.listed(sorted(known))})")
+        self._rdv.offer(key, verdict)
+        return verdict
 
     @property
     def derived(self) -> int:

@@ -3,9 +3,11 @@
 Every process of one job must build the same strings, so they never change lightly. A rank's
 store identity is ``SIDE/RANK`` (``"train/0"``); a per-rank key is ``KIND/SIDE/RANK``
 (``"meta/gen/1"``), a side-wide key ``size/SIDE`` (its rank 0 publishes it), a step's landing
-vote ``landed/STEP/gen/RANK``, its decision ``decision/STEP/train/0`` and each gen rank's report that it settled the
-step ``settled/STEP/gen/RANK``, a colocated pair's setup record ``colocated/SRC>DST/RECORD`` and the NCCL
-transport's ``nccl/gpu/RANK`` and ``nccl/{world/K,pair/I/J/K}/uid``.
+vote ``landed/STEP/gen/RANK``, its decision ``decision/STEP/train/0`` and each gen rank's report that it
+settled the step ``settled/STEP/gen/RANK``, a rank's note that it failed a step ``failed/STEP/SIDE/RANK``,
+a train rank's arrival at a merged-mode adapter gather ``gathered/STEP/train/RANK``, a colocated pair's
+setup record ``colocated/SRC>DST/RECORD`` and the NCCL transport's ``nccl/gpu/RANK`` and
+``nccl/{world/K,pair/I/J/K}/uid``.
 """
 
 from __future__ import annotations
@@ -116,10 +118,32 @@ def settled_key(step: int, gen_rank: int) -> str:
     return f"settled/{step}/{RankId(Side.GEN, gen_rank)}"
 
 
+def failed_key(step: int, who: RankId) -> str:
+    """Rank ``who``'s note that it failed step ``step`` and read why the first rank gave up (train rank 0,
+    the store's host, keeps the store up until every rank wrote it: :func:`refit_core.endpoints.commit.linger`)."""
+    return f"failed/{step}/{who}"
+
+
+def gathered_key(step: int, train_rank: int) -> str:
+    """Train rank ``train_rank``'s arrival at step ``step``'s gather of the LoRA adapters (merged mode)."""
+    return f"gathered/{step}/{RankId(Side.TRAIN, train_rank)}"
+
+
+def gathered_prefix(step: int) -> str:
+    """The prefix of every train rank's :func:`gathered_key` of step ``step``."""
+    return f"gathered/{step}/"
+
+
 def subset_key(digest: int) -> str:
     """The names of the subset whose digest is ``digest`` (:mod:`refit_core.plan.subset`), offered by the
     first rank that moves it, for the error of a peer that moves another one."""
     return f"subset/{digest:x}"
+
+
+def subset_verdict_key(digest: int) -> str:
+    """Train rank 0's check of the subset whose digest is ``digest``: null if the plan moves it, else why
+    not (the other train ranks refuse it with that reason)."""
+    return f"subset/{digest:x}/verdict"
 
 
 def step_prefixes(step: int) -> list[str]:
