@@ -8,7 +8,7 @@ checks before every step, on its critical path, that the model's tensors are sti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from itertools import compress
@@ -129,19 +129,29 @@ class BoundTensors:
     def first_change(self, now: Sequence[tuple[str, torch.Tensor]]) -> MemoryChange | None:
         """The first of ``now`` (the model's tensors listed again, as when bound) that is not the memory bound,
         and how it changed; None if every one is."""
-        return self.first_change_of(tuple(map(_SECOND, now)))
+        if len(now) == len(self.names) and self._unchanged(map(_SECOND, now)):
+            return None
+        return self._first_change(tuple(map(_SECOND, now)))
 
     def first_change_of(self, tensors: Sequence[torch.Tensor]) -> MemoryChange | None:
         """:meth:`first_change` for the tensors alone, in the order bound."""
+        if len(tensors) == len(self.names) and self._unchanged(tensors):
+            return None
+        return self._first_change(tensors)
+
+    def _unchanged(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """The common case, on the step's critical path: every address as recorded (one C call per tensor, one
+        per distinct storage)."""
+        try:
+            return (tuple(map(_ADDRESS, tensors)) == self.addresses
+                    and tuple(map(_STORAGE_ADDRESS, self.distinct)) == self.distinct_addresses)
+        except TypeError:  # something else than a tensor: named by _first_change
+            return False
+
+    def _first_change(self, tensors: Sequence[object]) -> MemoryChange | None:
         if len(tensors) != len(self.names):
             return MemoryChange("", Moved.LISTING_CHANGED, f"the model now lists {len(tensors)} tensors, "
                                                            f"{len(self.names)} when refit bound them")
-        try:
-            if (tuple(map(_ADDRESS, tensors)) == self.addresses
-                    and tuple(map(_STORAGE_ADDRESS, self.distinct)) == self.distinct_addresses):
-                return None
-        except TypeError:  # something else than a tensor: named below
-            pass
         for index, tensor in enumerate(tensors):
             change = self._change(index, tensor)
             if change is not None:
