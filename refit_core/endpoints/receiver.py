@@ -19,7 +19,6 @@ from refit_core.contract.side import Side
 from refit_core.contract.spec import TensorSpec
 from refit_core.endpoints import commit
 from refit_core.endpoints.base import RefitEndpoint
-from refit_core.endpoints.binding import first_moved
 from refit_core.endpoints.wiring import by_peer, colocated_path, combined_stats, executor_settings, split_rounds
 from refit_core.plan.items import Message
 from refit_core.plan.relay import RelayPlan
@@ -154,15 +153,9 @@ class RefitReceiver(RefitEndpoint):
                                  "refit_begin_update; a plugin must return the same pieces every time")
             self._pieces = pieces
         elif self._memory is not None:  # the steps write into the views bound earlier: one replaced goes stale
-            if self._memory.identity is not None:  # the plugin lists the model's tensors: cheaper than its pieces
-                name = self._replaced_tensor()
-            else:
-                moved = first_moved(self._local_pieces(), self._pieces)
-                name = None if moved is None else f"{moved.spec.name}{moved.box}"
-            if name is not None:
-                raise RefitError(f"destination tensor {name} now lives at a different address than when refit "
-                                 "bound it (the engine replaced or moved it): its plugin's refit_begin_update "
-                                 "must return True after replacing destination tensors")
+            problem = self._memory_problem()
+            if problem is not None:
+                raise RefitError(problem)
         if not self._loader:
             if rebind or self._memory is None:
                 self._bind(self._pieces)
