@@ -5,8 +5,8 @@ A test that needs ``ray`` calls ``require("ray")`` (at module level, in a fixtur
 the package is declared for the environment the suite runs in and does not import, the test skips
 with a reason that names the package and the setup script that installs it; ``pytest --require-all``
 (CI, through the README's test command) turns that skip into a failure (``conftest.py``). A package
-declared only for the other environment skips *by design* (see :data:`BY_DESIGN`): the SGLang tests
-run in ``.venv-sglang``.
+declared only for another environment skips *by design* (see :data:`BY_DESIGN`): the SGLang tests
+run in ``.venv-sglang``, the verl tests in ``.venv-verl``.
 
 ``python tests/environments.py`` imports every package declared for this environment and exits 1
 naming those that are missing (``.ci/run`` calls it right after ``scripts/setup-env.sh``).
@@ -49,13 +49,17 @@ MAIN = Environment(
         "megatron.core", "peft",
         "ray", "matplotlib",  # refit-core[ray]
         # every plugin under plugins/, and the example plugin
-        "refit_vllm", "refit_dtensor", "refit_megatron", "refit_sglang", "refit_toy",
+        "refit_vllm", "refit_dtensor", "refit_megatron", "refit_sglang", "refit_verl", "refit_toy",
     }))
 SGLANG = Environment(
     venv=".venv-sglang", setup="scripts/setup-sglang-env.sh",
     runs=".venv-sglang/bin/python -m pytest tests/sglang --require-all",
     modules=frozenset({"sglang", "megatron.core", "refit_sglang", "refit_dtensor", "refit_megatron", "refit_toy"}))
-ENVIRONMENTS = (MAIN, SGLANG)
+VERL = Environment(
+    venv=".venv-verl", setup="scripts/setup-verl-env.sh",
+    runs=".venv-verl/bin/python -m pytest tests/verl --require-all",
+    modules=frozenset({"verl", "hydra", "refit_verl", "refit_dtensor", "refit_toy"}))
+ENVIRONMENTS = (MAIN, SGLANG, VERL)
 
 
 def current(environments: tuple[Environment, ...] = ENVIRONMENTS) -> Environment:

