@@ -264,7 +264,7 @@ class RelayPlan:
         tree = self.tree
         shape = ("chains" if all(len(tree.children(r)) <= 1 for r in range(tree.replicas))
                  else f"a tree of fanout {max(len(tree.children(r)) for r in range(tree.replicas))}")
-        pieces = f" in pieces of {format_bytes(self.chunk_bytes)}" if self.chunk_bytes else ""
+        pieces = f" in slices of {format_bytes(self.chunk_bytes)}" if self.chunk_bytes else ""
         return [f"relay:        {tree.replicas} replicas of {self.replica_size} gen rank(s): {len(tree.roots)} fed by "
                 f"the trainers, the others pipelined down {shape} ({len(tree.levels) - 1} hop(s) deep); "
                 f"{self.schedule.summary.messages} relay messages{pieces}"]
