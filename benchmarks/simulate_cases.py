@@ -9,8 +9,8 @@ prediction, the receiver- and sender-side bounds and their ratios; ``--out PREFI
 
 ``--relay``: issue #48's fleet instead: engine replicas fed by one trainer (:data:`RELAY_CASES`), each
 planned by :func:`refit_core.plan.choose.choose_relay` (direct fanout, chains and trees, buckets of
-:data:`~refit_core.plan.choose.RELAY_BUCKETS`) on every ``--topology`` given (comma separated), against the
-goal of 1.15x the receiver-side bound.
+:data:`~refit_core.plan.choose.RELAY_BUCKETS`, the relay's slices of :data:`~refit_core.plan.choose.RELAY_CHUNKS`)
+on every ``--topology`` given (comma separated), against the goal of 1.15x the receiver-side bound.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ The schedule says exactly which bytes go from which train rank to which gen rank
 Bytes between GPUs of one node ride NVLink, bytes between nodes ride the GPUs' NICs, and bytes
 between two ranks of one GPU are a device copy. A round lasts as long as its most loaded GPU link
 (each direction counted apart) plus one message latency per message that GPU posts; rounds run one
-after another. A replica relay (:mod:`refit_core.plan.relay`) is pipelined message by message with
-them: a relayed message starts once its sender's copy of that round landed and both its sender's egress
-and its receiver's ingress are free. The **receiver-side bound** is the bytes the busiest gen GPU must receive over its
-ingress link; the **sender-side bound** the bytes the busiest train GPU must send over its egress
-link (where train ranks hold unique bytes, such as experts without DP replicas, it can be the larger).
+after another. A replica relay (:mod:`refit_core.plan.relay`) is pipelined with them round by round, or
+slice by slice when it travels in slices (``chunk_bytes``): a relayed slice starts once its sender holds
+it and both its sender's egress and its receiver's ingress are free, and pays a latency per piece. The
+**receiver-side bound** is the bytes the busiest gen GPU must receive over its ingress link; the
+**sender-side bound** the bytes the busiest train GPU must send over its egress link (where train ranks
+hold unique bytes, such as experts without DP replicas, it can be the larger).
 No schedule beats the larger of the two.
 
 The model ignores NCCL's protocol overheads and assumes links reach their rate; validated against
