@@ -27,7 +27,8 @@ cd "$WORK"
 import importlib, importlib.metadata as md, sys
 for module, dist in [("refit_core", "refit-core"), ("refit_dtensor", "refit-plugin-dtensor"),
                      ("refit_vllm", "refit-plugin-vllm"), ("refit_toy", "refit-plugin-toy"),
-                     ("refit_megatron", "refit-plugin-megatron"), ("refit_sglang", "refit-plugin-sglang")]:
+                     ("refit_megatron", "refit-plugin-megatron"), ("refit_sglang", "refit-plugin-sglang"),
+                     ("refit_verl", "refit-plugin-verl")]:
     path = importlib.import_module(module).__file__
     if "site-packages" not in path:
         sys.exit(f"check-wheels: {module} imported from {path}, not from the installed wheel")
@@ -37,11 +38,11 @@ for module, dist in [("refit_core", "refit-core"), ("refit_dtensor", "refit-plug
 PY
 
 "$WORK/venv/bin/refit" plugins | tee "$WORK/plugins.txt"
-for plugin in dtensor toy vllm megatron sglang; do
+for plugin in dtensor toy vllm megatron sglang verl; do
     grep -q "^$plugin  *refit-plugin-$plugin " "$WORK/plugins.txt" || { echo "check-wheels: refit plugins does not list $plugin" >&2; exit 1; }
 done
 if grep -q BROKEN "$WORK/plugins.txt"; then echo "check-wheels: a plugin failed to import" >&2; exit 1; fi
-for plugin in toy dtensor vllm megatron sglang; do   # megatron and sglang: model-free, no megatron-core / SGLang
+for plugin in toy dtensor vllm megatron sglang verl; do   # megatron, sglang, verl: model-free, without their frameworks
     "$WORK/venv/bin/refit" check-plugin "$plugin" | tail -1
 done
 echo "check-wheels: plugins conform ($((SECONDS - start)) s)"
