@@ -182,6 +182,9 @@ class RelayOptions(_Settings):
     - ``forward_min_bytes``: smaller shared regions are fed to every holder by the trainers (1 MiB):
       a norm rides along messages its holders get anyway, while forwarding it would have its leader
       hear from every sender that holds a slice of it.
+    - ``chunk_bytes``: replica relay: relay messages travel in slices of at most this many bytes, each
+      forwarded as soon as it landed (0, the default: whole rounds). ``refit plan --relay`` chooses it by
+      simulation (deep chains over NICs want a few MiB; short chains on NVLink none).
 
     Replica relay runs in place and staged; forwarding within nodes needs ``mode="in_place"`` (a leader
     forwards what landed in its engine memory). Both need network links between gen ranks (NCCL needs
@@ -193,12 +196,15 @@ class RelayOptions(_Settings):
     fanout: int = _setting(1, int)
     node_ranks: int = _setting(0, int)
     forward_min_bytes: int = _setting(1 * MiB, int)
+    chunk_bytes: int = _setting(0, int)
 
     def __post_init__(self) -> None:
         self._coerce()
-        if self.replicas < 1 or self.fanout < 1 or min(self.direct, self.node_ranks, self.forward_min_bytes) < 0:
+        others = (self.direct, self.node_ranks, self.forward_min_bytes, self.chunk_bytes)
+        if self.replicas < 1 or self.fanout < 1 or min(others) < 0:
             raise OptionError(f"RelayOptions(replicas={self.replicas}, direct={self.direct}, fanout={self.fanout}, "
-                              f"node_ranks={self.node_ranks}, forward_min_bytes={self.forward_min_bytes}): replicas "
+                              f"node_ranks={self.node_ranks}, forward_min_bytes={self.forward_min_bytes}, "
+                              f"chunk_bytes={self.chunk_bytes}): replicas "
                               "and fanout must be >= 1, the others >= 0")
         if self.fans_out and self.forwards_within_nodes:
             raise OptionError(f"RelayOptions: replica relay (direct={self.direct}) and forwarding within nodes "
@@ -388,6 +394,8 @@ class RefitOptions(_Settings):
         elif not self.relay.forwards_within_nodes:  # nor does node forwarding change replica relay's
             for name in ("node_ranks", "forward_min_bytes"):
                 wire["relay"].pop(name, None)
+        if "relay" in wire and not self.relay.chunk_bytes:  # whole rounds: the same fingerprints as before slices
+            wire["relay"].pop("chunk_bytes", None)
         return wire
 
     def digest(self) -> str:

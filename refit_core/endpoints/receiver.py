@@ -111,7 +111,8 @@ class RefitReceiver(RefitEndpoint):
             if self._executor is not None:
                 raise PlanError(f"refit bug: gen rank {self.rank} is fed by trainers and by a relay")
             self._executor = ReceiveExecutor(incoming, self.transport, offset, run_with, scope=scope,
-                                             forward_to=self._relay_children(relay))
+                                             forward_to=self._relay_children(relay),
+                                             chunk_bytes=settings.relay.chunk_bytes, relayed=True)
 
     def _relay_children(self, relay: RelayPlan) -> list[int]:
         """The global ranks this rank forwards each round to (its replica's children's rank of its index)."""
@@ -133,7 +134,8 @@ class RefitReceiver(RefitEndpoint):
         ``forward_to``: the global ranks it relays each round to (empty: none)."""
         assert self.transport is not None and self.schedule is not None and self.settings is not None
         return ReceiveExecutor(rounds, self.transport, 0, executor_settings(self.schedule, self.settings),
-                               scope=scope, steps=steps, forward_to=forward_to)
+                               scope=scope, steps=steps, forward_to=forward_to,
+                               chunk_bytes=self.settings.relay.chunk_bytes if forward_to else 0)
 
     def _subset_refusal(self) -> str | None:
         if self._quantizing.items:

@@ -283,6 +283,8 @@ def _trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fas
         assert planned.relay is not None  # planned with 0 < direct < replicas
         fanout_best = float("inf")
         for chunk in grid.chunks:
+            if chunk:  # the options a run takes: RelayOptions.chunk_bytes reaches the planner and the receivers
+                options = relay_options(relay, direct=direct, fanout=fanout, chunk_bytes=chunk)
             summary = planned
             if chunk or planned.relay.tree.parent != tree.parent:
                 summary = replace(planned, relay=relay_down_tree(ReplicaTree(planned.relay.replica_size, tree),
