@@ -55,7 +55,8 @@ def _size(text: str) -> int:
 def method_class(name: str) -> type[Method]:
     """A method by name; ``refit@bucket=256M+buffers=2+messages=runs+direct=64M+shared=512M+zero_copy=0+comms=1``
     is a refit variant (``refit@mode=staged``: staged commits; ``refit@confirm=0``: in place without the
-    landing vote) (``refit@replicas=3+relay=1``: relay fanout, the trainers feed 1 of 3 replicas),
+    landing vote) (``refit@replicas=3+relay=1``: relay fanout, the trainers feed 1 of 3 replicas;
+    ``+chunk=16M``: relayed in slices of 16 MiB),
     ``wire@ops=64`` the wire cut into 64 operations of one NCCL group, ``wire@copy`` the wire and then a device
     copy of the received bytes (staged mode's bound)."""
     if name in METHODS:
@@ -91,6 +92,7 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "replicas": ("relay.replicas", int),
     "relay": ("relay.direct", int),
     "fanout": ("relay.fanout", int),
+    "chunk": ("relay.chunk_bytes", _size),
     "mode": ("mode", str),
     "confirm": ("confirm", lambda v: v not in ("0", "false", "False")),
 }
