@@ -10,11 +10,7 @@ PY=${PYTHON:-python3}
 VENV=${VERL_VENV:-.venv-verl}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 echo '*' > "$VENV/.gitignore"   # never tracked, wherever the script is run
-if [ -f scripts/installer.sh ]; then
-    . scripts/installer.sh   # venv_install: uv, with this machine's pip settings
-else
-    venv_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
-fi
+. scripts/installer.sh   # venv_install: uv (pip where uv cannot be had), with this machine's pip settings
 if ! "$VENV/bin/python" -c "import verl.checkpoint_engine, verl.workers.engine_workers" 2>/dev/null; then
     echo "setup-verl: installing torch 2.13.0 (CPU) and verl 0.9.1 without its dependency tree"
     venv_install "$VENV" torch==2.13.0
