@@ -3,13 +3,13 @@ first detects one; outside ``.venv-verl`` nothing here applies (the tests skip b
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
-if importlib.util.find_spec("verl") is not None:
-    from cpu_platform import RUNTIME_ENV
+try:
+    from cpu_platform import RUNTIME_ENV  # registers the platform in this process
+except ImportError:  # no verl here
+    RUNTIME_ENV = {"env_vars": {}}
 
-    for key, value in RUNTIME_ENV["env_vars"].items():
-        if key != "PYTHONPATH":
-            os.environ.setdefault(key, value)
-    import cpu_platform  # noqa: F401  (registers the platform in this process)
+for key, value in RUNTIME_ENV["env_vars"].items():
+    if key != "PYTHONPATH":
+        os.environ.setdefault(key, value)
