@@ -127,7 +127,9 @@ class StoreClient(dist.Store):
         except socket.timeout:
             shutdown_socket(sock)
             raise RendezvousError(f"{where} accepted the connection but did not answer refit's greeting within "
-                                  f"{handshake_s:.0f} s: another program is listening on that port") from None
+                                  f"{handshake_s:.0f} s: the process listening on that port is stopped or hung (a "
+                                  "previous store host, train rank 0, stopped with SIGSTOP? end it, or set up on "
+                                  "another port), or another program listens there") from None
         except (ConnectionError, OSError, WireError) as exc:
             shutdown_socket(sock)
             if isinstance(exc, AuthenticationError):

@@ -303,6 +303,10 @@ def _who_listens(endpoint: Endpoint, timeout_s: float = 1.0) -> str:
             send_frame(probe, {"protocol": PROTOCOL, "job": f"refit-probe/{new_nonce()}", "who": "train/0",
                                "nonce": new_nonce()})
             reply = recv_frame(probe, HANDSHAKE_BYTES, f"the listener at {endpoint}")
+    except socket.timeout:  # accepted, then silent: the kernel accepts for a stopped process too
+        return (f"the process listening there accepted but did not answer within {timeout_s:.0f} s: it is stopped "
+                "or hung (a refit store host, train rank 0, stopped with SIGSTOP? end it, or use another port), "
+                "or another program")
     except (OSError, ConnectionError, WireError):
         reply = None
     if isinstance(reply, dict) and (reply.get("refused") == "foreign_job" or reply.get("protocol") == PROTOCOL):
