@@ -1,9 +1,10 @@
 """The randomized fault campaign (``tests/faults/campaign.py``) at scale: a few hundred runs, then the census.
 
-    python benchmarks/fault_campaign.py --runs 300 --seed 1 [--out benchmarks/results/fault-campaign-cpu.md]
+    nice -n 19 python benchmarks/fault_campaign.py --runs 300 --seed 1 --workers 4 \
+        [--out benchmarks/results/fault-campaign-cpu.md]
 
-Exits non-zero if the census finds a problem (torn weights unreported, an engine serving split weights, a
-survivor past its deadline or hung).
+Exits non-zero if the census finds a problem (a silent stale send, an engine serving split weights, torn
+weights unreported, a byte of another job, a survivor past its deadline or hung, a recovery not bitwise).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=4.0, help="each step's deadline (timeout_s)")
+    parser.add_argument("--workers", type=int, default=2, help="runs at a time (their ranks mostly wait)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     start = time.monotonic()
@@ -32,9 +35,10 @@ def main() -> int:
         print(f"\r{index + 1}/{args.runs} runs, {len(census.problems)} problems, "
               f"{time.monotonic() - start:.0f} s", end="" if sys.stdout.isatty() else "\n", flush=True)
 
-    census = campaign(args.runs, args.seed, progress)
+    census = campaign(args.runs, args.seed, progress, timeout_s=args.timeout, workers=args.workers)
     print()
-    text = (f"# Fault campaign: {args.runs} runs, seed {args.seed}\n\n"
+    text = (f"# Fault campaign: {args.runs} runs, seed {args.seed}, timeout_s={args.timeout:g}, "
+            f"{args.workers} at a time\n\n"
             f"{platform.node()} ({platform.machine()}, Python {platform.python_version()}), "
             f"{time.monotonic() - start:.0f} s\n\n```\n{census.summary()}\n```\n")
     print(text)

@@ -1,41 +1,40 @@
-"""A randomized fault campaign: in each run one rank of a toy refit (2 train ranks, 2 gen ranks, gloo) is
-killed, stopped or paused at a random point of its second step, in a random mode; then a census of what the
-survivors hold and said.
-
-The census counts, over all runs:
-
-- *torn unreported*: a destination tensor on a surviving gen rank that is neither the version the rank
-  reports nor named in its failure's ``torn`` list;
-- *split and serving*: an engine whose ranks all survived, which would serve (no rank ``needs_refit``, every
-  rank on one version: the rule the vLLM and SGLang plugins apply), while a rank holds other weights than
-  that version;
-- *late*: a survivor whose step (success or error) took longer than :func:`deadline_s`;
-- *hung*: a survivor that never reported.
+"""A randomized fault campaign: in each run one or two ranks of a toy refit (2 train ranks, 2 gen ranks, gloo)
+are killed, stopped, paused briefly or stalled past the deadline at random points of the second step, in a
+random mode; in some runs a second job shares the host (its ranks on the same port, with their own secret).
+Then the job sets up again (new endpoints on the same port, a replacement process for each rank that died or
+was stopped, as an operator would) and refits once more. :mod:`census` judges what the survivors hold and said.
 
 ``benchmarks/fault_campaign.py`` runs a few hundred; ``tests/faults/test_campaign.py`` a few dozen.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
+from census import Census
 from commit_ranks import VERSIONS, toy_step
-from fault_ranks import _state
+from fault_ranks import _state, _state_against
 from harness import Ranks
+from two_jobs_ranks import job_rank
 
-from refit_core.endpoints.commit import DECISION_GRACE_S
+from refit_core.endpoints.commit import DECISION_GRACE_S, LINGER_S
 
 TRAIN, GEN = 2, 2
 PAUSE_S = 1.5
 """How long a paused rank sleeps (a descheduled process)."""
 SLACK_S = 3.0
 """What a loaded 2-core machine may add to a deadline (process scheduling, a slow gloo teardown)."""
+SECRET, INTRUDER_SECRET = "fault-campaign", "fault-campaign-intruder"
+RECOVERY = (2, VERSIONS[1] + 1)
+"""The recovery step's reference weights and version."""
+RECOVERY_TIMEOUT_S = 60.0
+"""The second setup's deadline: a replacement process starts slowly on a loaded machine."""
 
 
 class Point(StrEnum):
@@ -57,9 +56,11 @@ class Action(StrEnum):
     KILL = "kill"
     """SIGKILL."""
     STOP = "stop"
-    """SIGSTOP, never continued (the rank is killed once the survivors are done)."""
+    """SIGSTOP, never continued (the rank is killed once the survivors are done, then replaced)."""
     PAUSE = "pause"
     """Sleep :data:`PAUSE_S`, then carry on."""
+    STALL = "stall"
+    """Sleep longer than the step's deadline (:func:`stall_s`), then carry on."""
 
 
 @dataclass(frozen=True)
@@ -75,36 +76,59 @@ class Strike:
 class Run:
     index: int
     mode: str
-    strike: Strike
+    strikes: tuple[Strike, ...]
     timeout_s: float = 4.0
+    two_jobs: bool = False
+    """A second job's train and gen rank start on the same port while this job sets up."""
+
+    def describe(self) -> str:
+        hits = ", ".join(f"{s.action.value} rank {s.rank} at {s.point.value}#{s.exchange}" for s in self.strikes)
+        return f"run {self.index} ({self.mode}, {hits}{', two jobs' if self.two_jobs else ''})"
+
+    @property
+    def dead(self) -> set[int]:
+        """The ranks struck dead or stopped: replaced for the recovery."""
+        return {s.rank for s in self.strikes if s.action in (Action.KILL, Action.STOP)}
 
 
-def draw(rng: random.Random, index: int) -> Run:
-    """One random run."""
-    mode = rng.choice(["staged", "in_place"])
-    rank = rng.randrange(TRAIN + GEN)
+def _strike(rng: random.Random, rank: int, mode: str) -> Strike:
     if rank >= TRAIN:
         points = [Point.TRANSFER, Point.AFTER_VOTE] + ([Point.AFTER_SETTLE] if mode == "staged" else [])
     else:
         points = [Point.TRANSFER, Point.AFTER_SEND] + ([Point.AFTER_DECIDE] if rank == 0 else [])
-    strike = Strike(rank, rng.choice(points), rng.choice(list(Action)), rng.randint(1, 4))
-    return Run(index, mode, strike)
+    return Strike(rank, rng.choice(points), rng.choice(list(Action)), rng.randint(1, 4))
 
 
-def deadline_s(run: Run) -> float:
+def draw(rng: random.Random, index: int) -> Run:
+    """One random run: one strike, or two on different ranks; a second job on the host in one run of four."""
+    mode = rng.choice(["staged", "in_place"])
+    ranks = rng.sample(range(TRAIN + GEN), rng.choice([1, 1, 2]))
+    return Run(index, mode, tuple(_strike(rng, rank, mode) for rank in sorted(ranks)), two_jobs=rng.random() < 0.25)
+
+
+def stall_s(run: Run) -> float:
+    """How long a stalled rank sleeps: past the step's deadline."""
+    return run.timeout_s + 1.0
+
+
+def deadline_s(run: Run, rank: int | None = None) -> float:
     """How long a survivor's step may take, success or error: the transfer's deadline, then the commit's
-    (the decision's grace included), a paused rank's pause and a loaded machine's slack."""
-    return 2 * run.timeout_s + DECISION_GRACE_S + PAUSE_S + SLACK_S
+    (the decision's grace included), train rank 0 keeping the store up for the others after its failure,
+    a paused rank's pause and a loaded machine's slack; a stalled ``rank`` its stall on top."""
+    stalled = any(s.rank == rank and s.action is Action.STALL for s in run.strikes)
+    return 2 * run.timeout_s + DECISION_GRACE_S + LINGER_S + PAUSE_S + SLACK_S + (stall_s(run) if stalled else 0)
 
 
-def _hit(action: Action) -> None:
+def _hit(action: Action, run: Run) -> None:
     if action is Action.PAUSE:
         time.sleep(PAUSE_S)
+    elif action is Action.STALL:
+        time.sleep(stall_s(run))
     else:
         os.kill(os.getpid(), signal.SIGKILL if action is Action.KILL else signal.SIGSTOP)
 
 
-def _arm(endpoint, strike: Strike) -> None:
+def _arm(endpoint, strike: Strike, run: Run) -> None:
     """Install the strike in this process, to land in the step about to start."""
     from refit_core.endpoints import commit
 
@@ -115,7 +139,7 @@ def _arm(endpoint, strike: Strike) -> None:
         def exchange(sends, recvs, after=(), **options):
             calls[0] += 1
             if calls[0] == strike.exchange:
-                _hit(strike.action)
+                _hit(strike.action, run)
             return real_exchange(sends, recvs, after, **options)
         transport.exchange = exchange
     wrapped = {Point.AFTER_VOTE: "vote", Point.AFTER_DECIDE: "decide", Point.AFTER_SETTLE: "settle"}
@@ -126,32 +150,46 @@ def _arm(endpoint, strike: Strike) -> None:
         def struck(*args, **kwargs):
             result = real(*args, **kwargs)
             if name != "vote" or args[2].landed:
-                _hit(strike.action)
+                _hit(strike.action, run)
             return result
         setattr(commit, name, struck)
 
 
-def campaign_rank(rank: int, report, address: str, run: Run) -> dict:
-    """One rank of a campaign run: two steps, the strike (if it is this rank's) in the second."""
+def _endpoint(rank: int, address: str, options):
+    """Rank ``rank``'s model and a new endpoint for it (train ranks first)."""
     from refit_toy.models import ToyEngine, ToyTrainer
 
-    from refit_core import RefitOptions, RefitReceiver, RefitSender
+    from refit_core import RefitReceiver, RefitSender
 
     train = rank < TRAIN
     local, size = (rank, TRAIN) if train else (rank - TRAIN, GEN)
-    options = RefitOptions(timeout_s=run.timeout_s, bucket_bytes=1024, num_buffers=2, mode=run.mode)
     model = ToyTrainer(local, size) if train else ToyEngine(local, size)
     endpoint = (RefitSender if train else RefitReceiver)(model, rendezvous=address, rank=local, world_size=size,
                                                          options=options)
-    outcome: dict = {"side": "train" if train else "gen", "failed_step": None}
+    return model, endpoint
+
+
+def _options(run: Run, timeout_s: float):
+    from refit_core import RefitOptions
+
+    return RefitOptions(timeout_s=timeout_s, bucket_bytes=1024, num_buffers=2, mode=run.mode, secret=SECRET)
+
+
+def campaign_rank(rank: int, report, address: str, run: Run, again) -> dict:
+    """One rank of a campaign run: two steps, its strike (if any) in the second; then, once ``again`` is set
+    (every dead rank replaced), the recovery (:func:`recovery_rank`) with a new endpoint."""
+    model, endpoint = _endpoint(rank, address, _options(run, run.timeout_s))
+    outcome: dict = {"side": "train" if rank < TRAIN else "gen", "failed_step": None}
     try:
         endpoint.setup()
     except Exception as exc:  # noqa: BLE001 - a setup failure voids the run (the strike comes later)
-        return {**outcome, "failed_step": -1, "error": type(exc).__name__, "message": str(exc)}
-    mine = run.strike.rank == rank
+        outcome.update(failed_step=-1, error=type(exc).__name__, message=str(exc))
+        report("phase", outcome)
+        return outcome
+    mine = next((s for s in run.strikes if s.rank == rank), None)
     for step, version in enumerate(VERSIONS):
-        if step == 1 and mine:
-            _arm(endpoint, run.strike)
+        if step == 1 and mine is not None:
+            _arm(endpoint, mine, run)
         start = time.monotonic()
         try:
             toy_step(endpoint, model, step, version)
@@ -162,101 +200,120 @@ def campaign_rank(rank: int, report, address: str, run: Run) -> dict:
             break
         finally:
             outcome["seconds"] = time.monotonic() - start
-        if step == 1 and mine and run.strike.point is Point.AFTER_SEND:
-            _hit(run.strike.action)
-    if not train:
+        if step == 1 and mine is not None and mine.point is Point.AFTER_SEND:
+            _hit(mine.action, run)
+    if rank >= TRAIN:
         outcome.update(state=_state(model, endpoint), version=endpoint.version, needs_refit=endpoint.needs_refit)
     endpoint.close()
+    report("phase", outcome)
+    if again.wait(RECOVERY_TIMEOUT_S):
+        outcome["recovery"] = recovery_rank(rank, report, address, run, model)
     return outcome
 
 
-@dataclass
-class Census:
-    """What the campaign found; a clean campaign has no problems."""
-
-    runs: int = 0
-    void: int = 0
-    """Runs in which a step before the strike failed (a loaded machine): nothing to judge."""
-    outcomes: Counter = field(default_factory=Counter)
-    problems: list[str] = field(default_factory=list)
-    slowest: float = 0.0
-    """The slowest survivor's step, as a fraction of its deadline."""
-
-    def judge(self, run: Run, results: dict[int, dict | None]) -> None:
-        """Add one run: ``results`` maps every rank that was not struck dead to what it reported (None: hung)."""
-        self.runs += 1
-        what = f"run {run.index} ({run.mode}, {run.strike.action.value} rank {run.strike.rank} at " \
-               f"{run.strike.point.value}#{run.strike.exchange})"
-        hung = [rank for rank, r in results.items() if r is None]
-        if hung:
-            self.problems.append(f"{what}: ranks {hung} hung")
-        done = {rank: r for rank, r in results.items() if r is not None}
-        if any(r["failed_step"] is not None and r["failed_step"] < 1 for r in done.values()):
-            self.void += 1
-            return
-        for rank, r in done.items():
-            if r["seconds"] > deadline_s(run):
-                self.problems.append(f"{what}: rank {rank} took {r['seconds']:.1f} s > {deadline_s(run):.1f} s")
-            self.slowest = max(self.slowest, r["seconds"] / deadline_s(run))
-        gen = {rank: r for rank, r in done.items() if r["side"] == "gen"}
-        for rank, r in gen.items():
-            expected = {VERSIONS[0]: "old", VERSIONS[1]: "new"}[r["version"]]
-            unreported = [n for n, s in r["state"].items() if s != expected and n not in r.get("torn", [])]
-            if unreported:
-                self.problems.append(f"{what}: gen rank {rank - TRAIN} holds {unreported} unreported "
-                                     f"(version {r['version']})")
-        if len(gen) == GEN:
-            serves = not any(r["needs_refit"] for r in gen.values()) and len({r["version"] for r in gen.values()}) == 1
-            whole = all(set(r["state"].values()) == {"old" if r["version"] == VERSIONS[0] else "new"}
-                        for r in gen.values())
-            if serves and not whole:
-                self.problems.append(f"{what}: the engine would serve split or torn weights")
-            self.outcomes["engine serves " + ("new" if serves and gen[TRAIN]["version"] == VERSIONS[1] else
-                                              "old" if serves else "nothing (refit again)")] += 1
-        else:
-            self.outcomes["engine lost a rank"] += 1
-
-    def summary(self) -> str:
-        lines = [f"{self.runs} runs ({self.void} void), slowest survivor at {self.slowest:.2f} of its deadline",
-                 *(f"  {k}: {v}" for k, v in sorted(self.outcomes.items())),
-                 f"  problems: {len(self.problems)}", *(f"    {p}" for p in self.problems)]
-        return "\n".join(lines)
+def recovery_rank(rank: int, report, address: str, run: Run, model=None) -> dict:
+    """The job sets up again after the fault, as a user would: a new endpoint (in a replacement process
+    for a rank that died: ``model`` None), on the same port, then one more step (:data:`RECOVERY`)."""
+    weights, version = RECOVERY
+    fresh, endpoint = _endpoint(rank, address, _options(run, RECOVERY_TIMEOUT_S))
+    if model is not None:
+        endpoint.model = model
+    try:
+        endpoint.setup()
+        toy_step(endpoint, endpoint.model, weights, version)
+        bitwise = rank < TRAIN or _state_against(endpoint.model, endpoint, weights)
+    except Exception as exc:  # noqa: BLE001 - the census inspects it
+        return {"error": type(exc).__name__, "message": str(exc)[:400]}
+    finally:
+        endpoint.close()
+    return {"bitwise": bitwise}
 
 
-def execute(run: Run) -> dict[int, dict | None]:
-    """Run one campaign run; every rank that was not killed reports (a stopped rank is killed at the end)."""
+def _intrude(ranks: Ranks, address: str) -> None:
+    """A second job (one train rank, one gen rank, its own secret) starts on this job's port once it listens."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    options = {"secret": INTRUDER_SECRET, "timeout_s": 10}
+    for rank, train in ((INTRUDER, True), (INTRUDER + 1, False)):
+        ranks.start(job_rank, rank, address, train, 7, options)
+
+
+INTRUDER = 100
+"""The other job's ranks' numbers in the harness."""
+
+
+def _collect(ranks: Ranks, wanted: list[int], event: str, limit_s: float) -> dict[int, dict | None]:
+    """Each rank's ``event`` payload, None for a rank that sent none within ``limit_s`` in all."""
+    deadline = time.monotonic() + limit_s
+    out: dict[int, dict | None] = {}
+    for rank in wanted:
+        try:
+            out[rank] = ranks.wait_for([(rank, event)], timeout_s=max(1.0, deadline - time.monotonic()))[(rank, event)]
+        except AssertionError:
+            out[rank] = None
+    return out
+
+
+def execute(run: Run) -> tuple[dict[int, dict | None], dict[int, dict | None], dict | None]:
+    """Run one campaign run. Returns what every rank not struck dead reported (its fault phase, with its
+    ``recovery``; None: hung), the replacements' recoveries by rank, and the other job's engine's report
+    (None without one)."""
     from refit_core.kit.launch import free_port
 
     ranks = Ranks()
     address = f"127.0.0.1:{free_port()}"
     everyone = range(TRAIN + GEN)
-    dead = {run.strike.rank} if run.strike.action is not Action.PAUSE else set()
-    survivors = [r for r in everyone if r not in dead]
+    survivors = [r for r in everyone if r not in run.dead]
+    again = ranks._ctx.Event()
     try:
         for rank in everyone:
-            ranks.start(campaign_rank, rank, address, run)
+            ranks.start(campaign_rank, rank, address, run, again)
         ranks.release()
-        limit = deadline_s(run) + 30  # the steps before the strike and setup
+        if run.two_jobs:
+            _intrude(ranks, address)
+        phase = _collect(ranks, survivors, "phase", max(deadline_s(run, r) for r in everyone) + 30)
+        intruder = _collect(ranks, [INTRUDER + 1], "result", 30)[INTRUDER + 1] if run.two_jobs else None
+        if any(r is None for r in phase.values()):
+            return phase, {}, intruder
+        for rank in sorted(run.dead):  # as an operator would: end what is left of it, start a replacement
+            ranks.kill(rank)
+            ranks.start(recovery_rank, rank, address, run)
+        again.set()
+        done = _collect(ranks, [*survivors, *sorted(run.dead)], "result", RECOVERY_TIMEOUT_S + 30)
         results: dict[int, dict | None] = {}
-        deadline = time.monotonic() + limit
-        for rank in survivors:
-            try:
-                got = ranks.wait_for([(rank, "result")], timeout_s=max(1.0, deadline - time.monotonic()))
-                results[rank] = got[(rank, "result")]
-            except AssertionError:
-                results[rank] = None
-        return results
+        for rank in survivors:  # one that did not report its recovery: its fault phase, recovery None
+            results[rank] = done[rank] if done[rank] is not None else {**(phase[rank] or {}), "recovery": None}
+        return results, {rank: done[rank] for rank in sorted(run.dead)}, intruder
     finally:
         ranks.close()
 
 
-def campaign(runs: int, seed: int, progress=None) -> Census:
-    """``runs`` random runs from ``seed``; ``progress(i, run, census)`` after each."""
+def campaign(runs: int, seed: int, progress=None, *, timeout_s: float = 4.0, workers: int = 1) -> Census:
+    """``runs`` random runs from ``seed`` at step deadline ``timeout_s`` (:func:`census_of`)."""
     rng = random.Random(seed)
+    return census_of([dataclasses.replace(draw(rng, index), timeout_s=timeout_s) for index in range(runs)],
+                     progress, workers)
+
+
+def census_of(runs: list[Run], progress=None, workers: int = 1) -> Census:
+    """The census of ``runs``, ``workers`` of them at a time (their ranks mostly wait: on deadlines, pauses,
+    stopped peers); ``progress(i, run, census)`` after each, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
     census = Census()
-    for index in range(runs):
-        run = draw(rng, index)
-        census.judge(run, execute(run))
-        if progress is not None:
-            progress(index, run, census)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for run, (results, replacements, intruder) in zip(runs, pool.map(execute, runs)):
+            census.strikes += len(run.strikes)
+            deadlines = {rank: deadline_s(run, rank) for rank in range(TRAIN + GEN)}
+            census.judge(run.describe(), run.mode, TRAIN, GEN, results, deadlines, replacements, intruder)
+            if progress is not None:
+                progress(run.index, run, census)
     return census

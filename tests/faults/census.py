@@ -1,0 +1,124 @@
+"""The census of a fault campaign (``campaign.py``): what the survivors of every run hold and said, judged.
+
+Over all runs it counts, each of which a clean campaign keeps at 0:
+
+- *silent stale sends*: a staged step every train rank reported sent while a surviving gen rank does not
+  hold it, or a recovery step reported sent while a gen rank holds other bytes;
+- *silent version splits*: an engine whose ranks all survived, which would serve (no rank ``needs_refit``,
+  every rank on one version: the rule the vLLM and SGLang plugins apply), while a rank holds other weights
+  than that version;
+- *unreported torn tensors*: a destination tensor on a surviving gen rank that is neither the version the
+  rank reports nor named in its failure's ``torn`` list;
+- *cross-job bytes*: a byte of the other job on an engine (two jobs sharing the host);
+- *late* / *hung*: a survivor whose step (success or error) took longer than its deadline, or that never
+  reported;
+- *recoveries not bitwise*: after the fault, the job sets up again (new endpoints, a replacement for each
+  dead rank) and refits once more: every gen rank must hold that step's weights bitwise, no rank failing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from commit_ranks import VERSIONS
+
+COUNTS = ("silent stale sends", "silent version splits", "unreported torn tensors", "cross-job bytes", "late",
+          "hung", "recoveries not bitwise")
+
+
+@dataclass
+class Census:
+    """What the campaign found; a clean campaign has no problems."""
+
+    runs: int = 0
+    void: int = 0
+    """Runs in which a step before the strike failed (a loaded machine): nothing to judge."""
+    strikes: int = 0
+    recoveries: int = 0
+    """Runs that set up again after the fault and refitted bitwise."""
+    outcomes: Counter = field(default_factory=Counter)
+    counts: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    slowest: float = 0.0
+    """The slowest survivor's step, as a fraction of its deadline."""
+
+    def problem(self, kind: str, text: str) -> None:
+        self.counts[kind] += 1
+        self.problems.append(f"{kind}: {text}")
+
+    def judge(self, what: str, mode: str, train: int, gen: int, results: dict[int, dict | None],
+              deadlines: dict[int, float], replacements: dict[int, dict | None], intruder: dict | None = None
+              ) -> None:
+        """Add one run: ``results`` maps every rank that was not struck dead to what it reported (None: hung),
+        with its ``recovery``; ``deadlines`` each rank's allowed step time; ``replacements`` the recovery
+        of each dead rank's replacement (None: it never reported); ``intruder``: the other job's engine's
+        report, if any."""
+        self.runs += 1
+        hung = [rank for rank, r in results.items() if r is None]
+        for rank in hung:
+            self.problem("hung", f"{what}: rank {rank} never reported")
+        done = {rank: r for rank, r in results.items() if r is not None}
+        if intruder is not None and not intruder.get("untouched", False):
+            self.problem("cross-job bytes", f"{what}: the other job's engine holds bytes it did not send itself")
+        if any(r.get("failed_step") is not None and r["failed_step"] < 1 for r in done.values()):
+            self.void += 1
+            return
+        self._judge_fault(what, mode, train, gen, done, deadlines)
+        if not hung:
+            self._judge_recovery(what, train, {**{r: v.get("recovery") for r, v in done.items()}, **replacements})
+
+    def _judge_fault(self, what: str, mode: str, train: int, gen_size: int, done: dict[int, dict],
+                     deadlines: dict[int, float]) -> None:
+        for rank, r in done.items():
+            if r["seconds"] > deadlines[rank]:
+                self.problem("late", f"{what}: rank {rank} took {r['seconds']:.1f} s > {deadlines[rank]:.1f} s")
+            self.slowest = max(self.slowest, r["seconds"] / deadlines[rank])
+        gen = {rank: r for rank, r in done.items() if r["side"] == "gen"}
+        for rank, r in gen.items():
+            expected = {VERSIONS[0]: "old", VERSIONS[1]: "new"}[r["version"]]
+            unreported = [n for n, s in r["state"].items() if s != expected and n not in r.get("torn", [])]
+            if unreported:
+                self.problem("unreported torn tensors", f"{what}: gen rank {rank - train} holds {unreported} "
+                             f"unreported (version {r['version']})")
+        senders = [r for r in done.values() if r["side"] == "train"]
+        if mode == "staged" and len(senders) == train and all(r["failed_step"] is None for r in senders):
+            stale = [rank - train for rank, r in gen.items() if set(r["state"].values()) != {"new"}]
+            if stale:
+                self.problem("silent stale sends", f"{what}: every train rank sent step 1, gen ranks {stale} "
+                             "do not hold it")
+        if len(gen) == gen_size:
+            serves = not any(r["needs_refit"] for r in gen.values()) and len({r["version"] for r in gen.values()}) == 1
+            whole = all(set(r["state"].values()) == {"old" if r["version"] == VERSIONS[0] else "new"}
+                        for r in gen.values())
+            if serves and not whole:
+                self.problem("silent version splits", f"{what}: the engine would serve split or torn weights")
+            first = gen[min(gen)]
+            self.outcomes["engine serves " + ("new" if serves and first["version"] == VERSIONS[1] else
+                                              "old" if serves else "nothing (refit again)")] += 1
+        else:
+            self.outcomes["engine lost a rank"] += 1
+
+    def _judge_recovery(self, what: str, train: int, again: dict[int, Any]) -> None:
+        failed = {rank: r for rank, r in again.items() if r is None or "error" in r}
+        if failed:
+            self.problem("recoveries not bitwise", f"{what}: the second setup failed: {failed}")
+            return
+        torn = [rank - train for rank, r in again.items() if rank >= train and not r["bitwise"]]
+        if torn:
+            self.problem("recoveries not bitwise", f"{what}: gen ranks {torn} do not hold the recovery step")
+            return
+        self.recoveries += 1
+
+    def summary(self) -> str:
+        judged = self.runs - self.void
+        lines = [f"{self.runs} runs ({self.void} void), {self.strikes} strikes, slowest survivor at "
+                 f"{self.slowest:.2f} of its deadline, {self.recoveries} of {judged} recoveries bitwise",
+                 *(f"  {k}: {v}" for k, v in sorted(self.outcomes.items())),
+                 *(f"  {k}: {self.counts[k]}" for k in COUNTS),
+                 f"  problems: {len(self.problems)}", *(f"    {p}" for p in self.problems)]
+        return "\n".join(lines)
+
+
+__all__ = ["COUNTS", "Census"]
