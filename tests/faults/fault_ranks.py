@@ -108,7 +108,7 @@ def run_rank(rank: int, report, address: str, scenario: Scenario) -> dict:
                        engine_version=model.version, serves=_serves(model))
     if scenario.recover and "error" in outcome:
         endpoint.close()
-        endpoint.options = dataclasses.replace(options, timeout_s=90)  # the replacement starts slowly
+        endpoint.options = dataclasses.replace(endpoint.options, timeout_s=90)  # the replacement starts slowly
         endpoint.setup()
         if train:
             model.load(reference(0, 5))
