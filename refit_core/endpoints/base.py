@@ -90,6 +90,7 @@ class RefitEndpoint:
         """What the executors were last bound to (None: not yet; a gen rank binds at its first step)."""
         self._steps = 0  # steps since setup (the commit keys of each step)
         self._broken: str | None = None  # why the last step failed; a new setup() clears it
+        self._aborted = False  # True: by abort()
         self._clock = SetupClock()
 
     @property
@@ -166,7 +167,7 @@ class RefitEndpoint:
         self._counts = own.part.facts.counts[self.side]
         self._subsets = Subsets(self.side, self.rank, rdv, self.plugins.expert_name, own.groups, own.train_names,
                                 self._network_executor)
-        self._broken, self._steps, self._memory = None, 0, None  # new executors: bind the views again
+        self._broken, self._aborted, self._steps, self._memory = None, False, 0, None  # new executors: bind again
         rdv.seal()
         self._make_executors(own.schedule, done.settings, self._subsets.whole_scope)
         summary = own.schedule.summary
@@ -236,7 +237,8 @@ class RefitEndpoint:
     def _require_step(self) -> None:
         self._require_setup()
         if self._broken is not None:
-            raise TransferError(f"refit {self.side} rank {self.rank}: a previous step failed ({self._broken[:300]}); "
+            what = "aborted" if self._aborted else "a previous step failed"
+            raise TransferError(f"refit {self.side} rank {self.rank}: {what} ({self._broken[:300]}); "
                                 "call close() and setup() again before the next step")
 
     # -- what the last setup and step did ------------------------------------------------------
@@ -285,6 +287,15 @@ class RefitEndpoint:
         transport, self.transport = self.transport, None
         if transport is not None:
             transport.abort(reason)
+
+    def abort(self, reason: str) -> None:
+        """Give up on the step in progress, from any thread (a client call that failed beside ``send()``):
+        ``send()`` / ``receive()`` then raises naming ``reason``, and every peer still in the step stops
+        within about a second, hearing it, instead of at its deadline. The endpoint cannot step again
+        (``close()``, then ``setup()``). Does nothing before ``setup()`` or after ``close()``."""
+        if self.transport is not None:
+            self._aborted = True
+            self._break(reason)
 
     def close(self) -> None:
         """Release the transport, the colocated peers' memory and the rendezvous (the host stops its

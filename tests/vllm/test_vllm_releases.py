@@ -25,6 +25,7 @@ require("refit_dtensor")
 require("refit_vllm")
 
 from vllm_releases import VLLM_033, WheelUnavailable, extract_weight_transfer, wheel
+from weight_transfer_api import UPDATE_ERROR
 
 pytestmark = pytest.mark.vllm
 
@@ -60,6 +61,7 @@ def check_api(result: dict[str, Any]) -> None:
     # wait 2 x timeout_s and raise a bare timeout): 0.3 s measured
     assert refused["timeout_s"] >= 600 and refused["seconds"] < 2, refused
     check_client_refused(result["client_refused"])
+    check_update_refused(result["update_refused"])
     check_fidelity(result["fidelity"])
     check_differences_page(result)
 
@@ -117,6 +119,17 @@ def check_client_refused(out: dict[str, Any]) -> None:
             assert failed["error"] is not None and failed["seconds"] < 2, (case, rank, failed)
             assert failed["error"].startswith(relayed + error), (case, rank, failed)
         assert out[case]["0"]["cause"] in ("RuntimeError", "ConnectionError"), out  # the client's own error
+
+
+def check_update_refused(out: dict[str, Any]) -> None:
+    """Issue 45: train rank 0's ``update_weights`` call raises, its engine never entering the step: both
+    train ranks fail within 2 s at ``timeout_s=600``, each naming the engine's error (they waited for the
+    deadline, then raised a timeout)."""
+    assert out["timeout_s"] >= 600, out
+    engine = "the vLLM engine's update_weights raised (train rank 0's client): " + UPDATE_ERROR
+    for rank in ("0", "1"):
+        assert rank in out, f"train rank {rank} was still waiting after 60 s: {out}"
+        assert out[rank]["seconds"] < 2 and engine in (out[rank]["error"] or ""), (rank, out[rank])
 
 
 def check_fidelity(out: dict[str, Any]) -> None:

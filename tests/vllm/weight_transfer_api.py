@@ -166,6 +166,65 @@ def _trainers_fail(config: dict[str, Any], clients: list[Any]) -> dict[str, Any]
     return out
 
 
+UPDATE_ERROR = "RuntimeError: 500 Internal Server Error from the engine's /update_weights"
+
+
+class RefusingUpdate(LocalClient):
+    """A client whose engine took ``init`` but whose ``update_weights`` call raises before the engine receives
+    (an HTTP error, an engine that refuses the step): its gen rank never enters the step."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update")
+        raise RuntimeError(UPDATE_ERROR.removeprefix("RuntimeError: "))
+
+
+def update_refused(config: dict[str, Any]) -> dict[str, Any]:
+    """Two train ranks (threads) and one engine rank, at ``timeout_s=600``: train rank 0's ``update_weights``
+    call raises. Each train rank's error and seconds from the start of ``send_weights``: every rank must fail
+    at once, naming the engine's error (it used to wait ``timeout_s``, then raise a timeout)."""
+    import threading
+    import time
+
+    import torch
+    from refit_dtensor import build_model
+    from refit_vllm import transfer
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from refit_core.kit.launch import free_port
+
+    rendezvous = f"127.0.0.1:{free_port()}"
+    sources = [transfer.RefitSource(build_model(config, dtype=torch.float32, seed=20 + r)) for r in range(2)]
+    clients: list[Any] = [RefusingUpdate(build_model(config, dtype=torch.float32, seed=30)), NoCalls()]
+    trainers: list[Any] = [None, None]
+    out: dict[str, Any] = {"timeout_s": CLIENT_TIMEOUT_S}
+
+    def init(r: int) -> None:
+        info = transfer.RefitTrainerInitInfo(rank=r, rendezvous=rendezvous, world_size=2,
+                                             options={"timeout_s": CLIENT_TIMEOUT_S})
+        trainers[r] = WeightTransferTrainerFactory.trainer_init(info, client=clients[r], source=sources[r])
+
+    def send(r: int) -> None:
+        start = time.perf_counter()
+        try:
+            trainers[r].send_weights(version=1)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the expected outcome
+            error = f"{type(exc).__name__}: {exc}"
+        out[str(r)] = {"error": error, "seconds": time.perf_counter() - start}
+
+    for target in (init, send):
+        threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)  # far below the timeout: a rank still waiting here is the failure this checks
+    for trainer in trainers:
+        if trainer is not None:
+            trainer.shutdown()
+    clients[0].receiver.close()
+    return out
+
+
 def _error(call: Any) -> str | None:
     """What ``call`` raised: ``"Type: text"``, prefixed by ``ValueError|`` / ``TypeError|`` where it is one."""
     try:
@@ -356,6 +415,7 @@ def check() -> dict[str, Any]:
     client.receiver.close()
     result["refused_init"] = refused_init(source, build_model(config, dtype=torch.float32, seed=3))
     result["client_refused"] = client_refused(config)
+    result["update_refused"] = update_refused(config)
     result["fidelity"] = fidelity(config)
     target = dict(target_model.named_parameters())
     result["trainer"] = {"class": type(trainer).__name__, "version": version, "calls": client.calls,

@@ -245,7 +245,13 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             raise RefitError("refit trainer weight transfer is shut down")
         self.client.start_weight_update()
         info: dict[str, Any] = {"version": self.version} if only is None else {"version": self.version, "only": only}
-        _concurrently(lambda: self.client.update_weights(info), lambda: sender.send(version=self.version, only=only))
+
+        def engine_failed(exc: Exception) -> None:  # every rank of the step stops now, hearing the engine's error
+            sender.abort(f"the vLLM engine's update_weights raised (train rank 0's client): "
+                         f"{type(exc).__name__}: {exc}")
+
+        _concurrently(lambda: self.client.update_weights(info), lambda: sender.send(version=self.version, only=only),
+                      on_remote_error=engine_failed)
         self.client.finish_weight_update(weight_version=str(self.version))
         return self.version
 

@@ -242,8 +242,7 @@ class GlooTransport(Transport):
         return TransferError(reason)
 
     def abort(self, reason: str) -> None:
-        if self._in_flight:  # peers may be waiting on half a message from us: they must not wait for gloo
-            self._give_up(f"rank {self.rank} left the step ({reason})")
+        self._give_up(f"rank {self.rank} left the step ({reason})")  # peers waiting on it, or on the step, stop
         self.close()
 
     def close(self) -> None:

@@ -335,7 +335,7 @@ class NcclTransport(Transport):
         """Give up on the step: tell the peers (if this rank is the first to know), then abort every
         communicator, which ends kernels still waiting on a lost peer (``close()`` would wait for them)."""
         comms, self._comms = self._comms, None
-        if self._broken is None and self._in_flight and self.watch is not None:
+        if self._broken is None and self.watch is not None:
             self.watch.give_up(self.rank, reason)
         self._broken = self._broken or reason
         for comm in comms or ():
