@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -128,6 +130,19 @@ def _hit(action: Action, run: Run) -> None:
         os.kill(os.getpid(), signal.SIGKILL if action is Action.KILL else signal.SIGSTOP)
 
 
+_COMMIT_STEPS = ("vote", "decide", "settle")
+
+
+def _disarm() -> None:
+    """Take back the strike :func:`_arm` put into the commit protocol: the recovery runs without it."""
+    from refit_core.endpoints import commit
+
+    for name in _COMMIT_STEPS:
+        real = getattr(getattr(commit, name), "real", None)
+        if real is not None:
+            setattr(commit, name, real)
+
+
 def _arm(endpoint, strike: Strike, run: Run) -> None:
     """Install the strike in this process, to land in the step about to start."""
     from refit_core.endpoints import commit
@@ -152,6 +167,7 @@ def _arm(endpoint, strike: Strike, run: Run) -> None:
             if name != "vote" or args[2].landed:
                 _hit(strike.action, run)
             return result
+        struck.real = real  # type: ignore[attr-defined]
         setattr(commit, name, struck)
 
 
@@ -175,9 +191,9 @@ def _options(run: Run, timeout_s: float):
     return RefitOptions(timeout_s=timeout_s, bucket_bytes=1024, num_buffers=2, mode=run.mode, secret=SECRET)
 
 
-def campaign_rank(rank: int, report, address: str, run: Run, again) -> dict:
-    """One rank of a campaign run: two steps, its strike (if any) in the second; then, once ``again`` is set
-    (every dead rank replaced), the recovery (:func:`recovery_rank`) with a new endpoint."""
+def campaign_rank(rank: int, report, address: str, run: Run, again: str) -> dict:
+    """One rank of a campaign run: two steps, its strike (if any) in the second; then, once the file ``again``
+    exists (every dead rank replaced), the recovery (:func:`recovery_rank`) with a new endpoint."""
     model, endpoint = _endpoint(rank, address, _options(run, run.timeout_s))
     outcome: dict = {"side": "train" if rank < TRAIN else "gen", "failed_step": None}
     try:
@@ -206,9 +222,22 @@ def campaign_rank(rank: int, report, address: str, run: Run, again) -> dict:
         outcome.update(state=_state(model, endpoint), version=endpoint.version, needs_refit=endpoint.needs_refit)
     endpoint.close()
     report("phase", outcome)
-    if again.wait(RECOVERY_TIMEOUT_S):
+    _disarm()
+    if _gate_opens(again, RECOVERY_TIMEOUT_S):
         outcome["recovery"] = recovery_rank(rank, report, address, run, model)
     return outcome
+
+
+def _gate_opens(gate: str, timeout_s: float) -> bool:
+    """Whether the file ``gate`` appears within ``timeout_s``. A file, not a ``multiprocessing.Event``: its
+    ``set()`` waits for every process sleeping in ``wait()`` to wake, forever for one that was killed there
+    (a rank struck dead whose strike never came, killed by the test all the same)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def recovery_rank(rank: int, report, address: str, run: Run, model=None) -> dict:
@@ -272,7 +301,7 @@ def execute(run: Run) -> tuple[dict[int, dict | None], dict[int, dict | None], d
     address = f"127.0.0.1:{free_port()}"
     everyone = range(TRAIN + GEN)
     survivors = [r for r in everyone if r not in run.dead]
-    again = ranks._ctx.Event()
+    again = os.path.join(tempfile.mkdtemp(prefix="refit-campaign-"), "again")
     try:
         for rank in everyone:
             ranks.start(campaign_rank, rank, address, run, again)
@@ -286,7 +315,7 @@ def execute(run: Run) -> tuple[dict[int, dict | None], dict[int, dict | None], d
         for rank in sorted(run.dead):  # as an operator would: end what is left of it, start a replacement
             ranks.kill(rank)
             ranks.start(recovery_rank, rank, address, run)
-        again.set()
+        open(again, "w").close()
         done = _collect(ranks, [*survivors, *sorted(run.dead)], "result", RECOVERY_TIMEOUT_S + 30)
         results: dict[int, dict | None] = {}
         for rank in survivors:  # one that did not report its recovery: its fault phase, recovery None
@@ -294,6 +323,7 @@ def execute(run: Run) -> tuple[dict[int, dict | None], dict[int, dict | None], d
         return results, {rank: done[rank] for rank in sorted(run.dead)}, intruder
     finally:
         ranks.close()
+        shutil.rmtree(os.path.dirname(again), ignore_errors=True)
 
 
 def campaign(runs: int, seed: int, progress=None, *, timeout_s: float = 4.0, workers: int = 1) -> Census:
