@@ -15,10 +15,6 @@ start=$SECONDS
 bash scripts/build-wheels.sh --example "$WORK/wheels"
 echo "check-wheels: built ($((SECONDS - start)) s)"
 
-# a throwaway venv: its processes compile what they import (a third of the 9,754 files), once, instead of
-# uv compiling every file at install (26 s here)
-unset PYTHONDONTWRITEBYTECODE
-export INSTALL_BYTECODE=0
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
 # torch 2.13.0: the CPU build (see DEVELOPERS.md), with the wheels in one resolution

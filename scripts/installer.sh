@@ -2,8 +2,7 @@
 # (several times faster than pip here), and with pip only where uv cannot be had.
 #   venv_install VENV ARGS...      what `pip install ARGS...` would do in VENV (-e, --no-deps, pins)
 #   venv_uninstall VENV NAMES...   removes NAMES from VENV; a name that is not installed is no error
-# INSTALL_BYTECODE=0 leaves bytecode to Python at import (a throwaway venv whose processes import a part of it);
-# by default every installed module is compiled at install, as pip does: with PYTHONDONTWRITEBYTECODE=1, a
+# Every installed module is compiled at install, as pip does: with PYTHONDONTWRITEBYTECODE=1 (set here), a
 # venv without .pyc files compiles its imports again in every process.
 # uv reads none of pip's configuration, so the machine's (pip config list: find-links, index URLs,
 # constraints, certificate) is handed to it, and it weighs all indexes as pip does (unsafe-best-match):
@@ -53,20 +52,17 @@ venv_install() {
     local venv=$1 uv cert
     shift
     if uv=$(_uv_for "$venv"); then
-        local options=() compile=--compile-bytecode
-        if [ "${INSTALL_BYTECODE:-1}" = 0 ]; then compile=--no-compile-bytecode; fi
+        local options=()
         mapfile -t options < <(_uv_options_from_pip "$venv")
         cert=$(_pip_cert "$venv")
         # uv's timings stay in the log (resolved, prepared, installed, compiled), its list of packages does not
         SSL_CERT_FILE=${SSL_CERT_FILE:-$cert} "$uv" pip install --python "$venv/bin/python" \
-            --index-strategy unsafe-best-match "$compile" "${options[@]}" "$@" 2>&1 \
+            --index-strategy unsafe-best-match --compile-bytecode "${options[@]}" "$@" 2>&1 \
             | { grep -v -e "^ [-+~] " || true; }
         return "${PIPESTATUS[0]}"
     else
         echo "installer: uv could not be installed; installing with pip" >&2
-        local compile=--compile
-        if [ "${INSTALL_BYTECODE:-1}" = 0 ]; then compile=--no-compile; fi
-        _pip_quiet "$venv/bin/python" -m pip install -q --disable-pip-version-check "$compile" "$@"
+        _pip_quiet "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@"
     fi
 }
 
