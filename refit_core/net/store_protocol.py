@@ -78,7 +78,7 @@ def shutdown_socket(conn: socket.socket) -> None:
 def started_note(greeting: dict[str, Any]) -> str:
     """When the store that answered ``greeting`` says it started (unauthenticated: for the reader only)."""
     started = greeting.get("started")
-    if type(started) not in (int, float) or not 0 < started < 1e11:
+    if isinstance(started, bool) or not isinstance(started, (int, float)) or not 0 < started < 1e11:
         return "its start time unknown"
     at = datetime.fromtimestamp(started, timezone.utc)
     return f"its store started at {at:%Y-%m-%d %H:%M:%S} UTC, {max(0.0, time.time() - started):.0f} s ago"
