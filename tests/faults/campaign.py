@@ -23,7 +23,7 @@ from census import Census
 from commit_ranks import VERSIONS, toy_step
 from fault_ranks import _state, _state_against
 from harness import Ranks
-from two_jobs_ranks import job_rank
+from two_jobs_ranks import SEEDS, job_rank
 
 from refit_core.endpoints.commit import DECISION_GRACE_S, LINGER_S
 
@@ -272,11 +272,13 @@ def _intrude(ranks: Ranks, address: str) -> None:
             time.sleep(0.05)
     options = {"secret": INTRUDER_SECRET, "timeout_s": 10}
     for rank, train in ((INTRUDER, True), (INTRUDER + 1, False)):
-        ranks.start(job_rank, rank, address, train, 7, options)
+        ranks.start(job_rank, rank, address, train, INTRUDER_SEED, options)
 
 
 INTRUDER = 100
 """The other job's ranks' numbers in the harness."""
+INTRUDER_SEED = SEEDS[0]
+"""The other job's weights (``reference(INTRUDER_SEED, 0)``): it may set up between this job's two setups."""
 
 
 def _collect(ranks: Ranks, wanted: list[int], event: str, limit_s: float) -> dict[int, dict | None]:
@@ -310,6 +312,8 @@ def execute(run: Run) -> tuple[dict[int, dict | None], dict[int, dict | None], d
             _intrude(ranks, address)
         phase = _collect(ranks, survivors, "phase", max(deadline_s(run, r) for r in everyone) + 30)
         intruder = _collect(ranks, [INTRUDER + 1], "result", 30)[INTRUDER + 1] if run.two_jobs else None
+        if intruder is not None:  # no byte of this job: nothing written, or its own weights whole
+            intruder["own_only"] = intruder.get("untouched") or intruder.get("holds") == [INTRUDER_SEED]
         if any(r is None for r in phase.values()):
             return phase, {}, intruder
         for rank in sorted(run.dead):  # as an operator would: end what is left of it, start a replacement

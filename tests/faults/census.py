@@ -9,7 +9,9 @@ Over all runs it counts, each of which a clean campaign keeps at 0:
   than that version;
 - *unreported torn tensors*: a destination tensor on a surviving gen rank that is neither the version the
   rank reports nor named in its failure's ``torn`` list;
-- *cross-job bytes*: a byte of the other job on an engine (two jobs sharing the host);
+- *cross-job bytes*: a byte of the other job on an engine (two jobs sharing the host: this job's engine
+  would hold torn weights; the other job's holds nothing written or its own weights whole: it may set up
+  on the port between this job's two setups);
 - *late* / *hung*: a survivor whose step (success or error) took longer than its deadline, or that never
   reported;
 - *recoveries not bitwise*: after the fault, the job sets up again (new endpoints, a replacement for each
@@ -60,8 +62,9 @@ class Census:
         for rank in hung:
             self.problem("hung", f"{what}: rank {rank} never reported")
         done = {rank: r for rank, r in results.items() if r is not None}
-        if intruder is not None and not intruder.get("untouched", False):
-            self.problem("cross-job bytes", f"{what}: the other job's engine holds bytes it did not send itself")
+        if intruder is not None and not intruder.get("own_only", False):
+            self.problem("cross-job bytes", f"{what}: the other job's engine holds bytes its trainer did not send "
+                         f"({intruder})")
         if any(r.get("failed_step") is not None and r["failed_step"] < 1 for r in done.values()):
             self.void += 1
             return
