@@ -5,14 +5,11 @@ meets a stopped store host still holding the port says so, where it said "anothe
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 from campaign import GEN, TRAIN, Action, Point, Run, Strike, census_of
 from census import COUNTS
-from harness import ENV
-from test_store_stopped_host import HOST, _until_stopped
+from test_store_stopped_host import _until_stopped, store_host
 
 from refit_core.contract.errors import RendezvousError
 from refit_core.kit.launch import free_port
@@ -40,10 +37,7 @@ def test_after_each_fault_class_the_job_sets_up_again_and_refits_bitwise(mode):
 
 def test_a_second_setup_against_a_stopped_store_host_says_what_holds_the_port():
     address = f"127.0.0.1:{free_port()}"
-    host = subprocess.Popen([sys.executable, "-c", HOST, address], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **ENV})
-    try:
-        assert host.stdout is not None and host.stdout.readline().strip() == "ready"
+    with store_host(address) as host:
         os.kill(host.pid, signal.SIGSTOP)
         _until_stopped(host.pid)
         credentials = JobCredentials.of(None, "s")
@@ -51,6 +45,3 @@ def test_a_second_setup_against_a_stopped_store_host_says_what_holds_the_port():
             Rendezvous(address, host=False, who="gen/0", timeout_s=10, handshake_s=1, credentials=credentials)
         with pytest.raises(RendezvousError, match="could not host .* stopped or hung .*SIGSTOP"):
             Rendezvous(address, host=True, who="train/0", timeout_s=10, credentials=credentials)
-    finally:
-        host.kill()
-        host.wait()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from fault_ranks import Fault, Scenario, run_rank, setup_rank
@@ -53,12 +55,22 @@ def _until_stopped(pid: int, timeout_s: float = 5.0) -> None:
     raise AssertionError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP")
 
 
-def test_a_stopped_store_host_is_named_on_every_request_and_close_stays_bounded():
-    address = f"127.0.0.1:{free_port()}"
+@contextmanager
+def store_host(address: str) -> Iterator[subprocess.Popen]:
+    """A process hosting a store at ``address`` (:data:`HOST`), ready when this yields; killed on exit."""
     host = subprocess.Popen([sys.executable, "-c", HOST, address], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, **ENV})
     try:
         assert host.stdout is not None and host.stdout.readline().strip() == "ready"
+        yield host
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_a_stopped_store_host_is_named_on_every_request_and_close_stays_bounded():
+    address = f"127.0.0.1:{free_port()}"
+    with store_host(address) as host:
         waiting = Rendezvous(address, host=False, who="gen/0", timeout_s=TIMEOUT_S)
         publisher = Rendezvous(address, host=False, who="gen/1", timeout_s=TIMEOUT_S)
         quiet = Rendezvous(address, host=False, who="gen/2", timeout_s=TIMEOUT_S)
@@ -85,9 +97,6 @@ def test_a_stopped_store_host_is_named_on_every_request_and_close_stays_bounded(
         for name in names:
             assert out.get(name, ("still blocked",))[0] == "returned", out
             assert out[name][1] < CLOSE_S + 1, out
-    finally:
-        host.kill()
-        host.wait()
 
 
 def _planner_stops_rank(rank, report, address, train, gen, options):
