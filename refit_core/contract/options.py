@@ -185,6 +185,9 @@ class RelayOptions(_Settings):
     - ``chunk_bytes``: replica relay: relay messages travel in slices of at most this many bytes, each
       forwarded as soon as it landed (0, the default: whole rounds). ``refit plan --relay`` chooses it by
       simulation (deep chains over NICs want a few MiB; short chains on NVLink none).
+    - ``slice_pieces``: with ``chunk_bytes``, each slice travels as this many operations of equal size (1,
+      the default: one). NCCL runs one operation on one communicator, which fills a fraction of an NVLink
+      link; a slice in as many pieces as the link has communicators spreads over all of them.
 
     Replica relay runs in place and staged; forwarding within nodes needs ``mode="in_place"`` (a leader
     forwards what landed in its engine memory). Both need network links between gen ranks (NCCL needs
@@ -197,15 +200,16 @@ class RelayOptions(_Settings):
     node_ranks: int = _setting(0, int)
     forward_min_bytes: int = _setting(1 * MiB, int)
     chunk_bytes: int = _setting(0, int)
+    slice_pieces: int = _setting(1, int)
 
     def __post_init__(self) -> None:
         self._coerce()
         others = (self.direct, self.node_ranks, self.forward_min_bytes, self.chunk_bytes)
-        if self.replicas < 1 or self.fanout < 1 or min(others) < 0:
+        if self.replicas < 1 or self.fanout < 1 or self.slice_pieces < 1 or min(others) < 0:
             raise OptionError(f"RelayOptions(replicas={self.replicas}, direct={self.direct}, fanout={self.fanout}, "
                               f"node_ranks={self.node_ranks}, forward_min_bytes={self.forward_min_bytes}, "
-                              f"chunk_bytes={self.chunk_bytes}): replicas "
-                              "and fanout must be >= 1, the others >= 0")
+                              f"chunk_bytes={self.chunk_bytes}, slice_pieces={self.slice_pieces}): replicas, "
+                              "fanout and slice_pieces must be >= 1, the others >= 0")
         if self.fans_out and self.forwards_within_nodes:
             raise OptionError(f"RelayOptions: replica relay (direct={self.direct}) and forwarding within nodes "
                               f"(node_ranks={self.node_ranks}) cannot be combined; choose one")
@@ -396,6 +400,8 @@ class RefitOptions(_Settings):
                 wire["relay"].pop(name, None)
         if "relay" in wire and not self.relay.chunk_bytes:  # whole rounds: the same fingerprints as before slices
             wire["relay"].pop("chunk_bytes", None)
+        if "relay" in wire and self.relay.slice_pieces == 1:  # likewise before slices in pieces
+            wire["relay"].pop("slice_pieces", None)
         return wire
 
     def digest(self) -> str:

@@ -112,7 +112,8 @@ class RefitReceiver(RefitEndpoint):
                 raise PlanError(f"refit bug: gen rank {self.rank} is fed by trainers and by a relay")
             self._executor = ReceiveExecutor(incoming, self.transport, offset, run_with, scope=scope,
                                              forward_to=self._relay_children(relay),
-                                             chunk_bytes=settings.relay.chunk_bytes, relayed=True)
+                                             chunk_bytes=settings.relay.chunk_bytes,
+                                             slice_pieces=settings.relay.slice_pieces, relayed=True)
 
     def _relay_children(self, relay: RelayPlan) -> list[int]:
         """The global ranks this rank forwards each round to (its replica's children's rank of its index)."""
@@ -135,7 +136,8 @@ class RefitReceiver(RefitEndpoint):
         assert self.transport is not None and self.schedule is not None and self.settings is not None
         return ReceiveExecutor(rounds, self.transport, 0, executor_settings(self.schedule, self.settings),
                                scope=scope, steps=steps, forward_to=forward_to,
-                               chunk_bytes=self.settings.relay.chunk_bytes if forward_to else 0)
+                               chunk_bytes=self.settings.relay.chunk_bytes if forward_to else 0,
+                               slice_pieces=self.settings.relay.slice_pieces)
 
     def _subset_refusal(self) -> str | None:
         if self._quantizing.items:

@@ -32,7 +32,9 @@ def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Seque
                                     allow_unused_sources=settings.allow_unused_sources)
     schedule = build_schedule(transfers, len(train_metas), len(gen_metas), settings.bucket_bytes, settings.messages,
                               expert_groups=expert_groups, agreed_settings=agreed)
-    return schedule, relay_down_tree(tree, schedule, options.chunk_bytes) if tree is not None else forwarding
+    if tree is None:
+        return schedule, forwarding
+    return schedule, relay_down_tree(tree, schedule, options.chunk_bytes, options.slice_pieces)
 
 
 __all__ = ["plan_with_relay"]

@@ -10,7 +10,9 @@ pipelined down the tree message by message, so every byte crosses each link once
 replicas costs about what one replica costs (plus one message per hop). With ``chunk_bytes`` the relay's
 messages travel in slices of at most that size (:func:`relay_slices`), and a holder forwards each slice
 as soon as it landed: a hop then costs one piece, not one round, which deep chains need; every piece
-pays the transport's cost per message, which short chains on fast links do not repay.
+pays the transport's cost per message, which short chains on fast links do not repay. With ``slice_pieces``
+each slice travels as that many operations (:func:`piece_bytes`), so that one slice spreads over a link's
+communicators instead of running on one.
 
 Replicas are ``replicas`` consecutive, equal blocks of gen ranks (vLLM's data-parallel replicas:
 replica ``d`` is gen ranks ``d*size .. d*size+size-1``) whose destination pieces are identical rank by
@@ -133,6 +135,20 @@ def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_bytes, nbytes)) for start in range(0, nbytes, chunk_bytes)]
 
 
+PIECE_ALIGN = 4096
+"""Pieces of a slice cut in several (``slice_pieces``) are whole multiples of this many bytes."""
+
+
+def piece_bytes(chunk_bytes: int, slice_pieces: int = 1) -> int:
+    """The most bytes of one relay operation: ``chunk_bytes`` (0: whole messages) cut in ``slice_pieces``
+    (so that ``slice_pieces`` of them fill a slice), rounded down to a multiple of :data:`PIECE_ALIGN` where
+    a piece is larger than that."""
+    if chunk_bytes <= 0 or slice_pieces <= 1:
+        return chunk_bytes
+    piece = max(1, chunk_bytes // slice_pieces)
+    return piece - piece % PIECE_ALIGN if piece >= PIECE_ALIGN else piece
+
+
 @dataclass(frozen=True)
 class RelayPiece:
     """Bytes ``start`` to ``end`` of a round's ``message``-th message to one child (or from the parent)."""
@@ -146,14 +162,16 @@ class RelayPiece:
         return self.end - self.start
 
 
-def relay_slices(sizes: Sequence[int], chunk_bytes: int) -> list[list[RelayPiece]]:
+def relay_slices(sizes: Sequence[int], chunk_bytes: int, slice_pieces: int = 1) -> list[list[RelayPiece]]:
     """How one round's messages of ``sizes`` bytes (in order) travel over one relay link: each cut into
-    pieces (:func:`chunk_spans`), consecutive pieces grouped into slices of at most ``chunk_bytes``; a
-    holder forwards each slice once it landed. ``chunk_bytes`` 0: one slice, the whole messages."""
+    pieces of at most :func:`piece_bytes` (:func:`chunk_spans`), consecutive pieces grouped into slices of
+    at most ``chunk_bytes``; a holder forwards each slice once it landed. ``chunk_bytes`` 0: one slice, the
+    whole messages."""
     slices: list[list[RelayPiece]] = []
     filled = chunk_bytes  # bytes in the open slice: none open yet
+    cut = piece_bytes(chunk_bytes, slice_pieces)
     for message, nbytes in enumerate(sizes):
-        for start, end in chunk_spans(nbytes, chunk_bytes):
+        for start, end in chunk_spans(nbytes, cut):
             if not slices or (chunk_bytes > 0 and filled + end - start > chunk_bytes):
                 slices.append([])
                 filled = 0
@@ -162,14 +180,16 @@ def relay_slices(sizes: Sequence[int], chunk_bytes: int) -> list[list[RelayPiece
     return slices
 
 
-def relay_down_tree(relay: ReplicaTree, schedule: Schedule, chunk_bytes: int = 0) -> RelayPlan:
+def relay_down_tree(relay: ReplicaTree, schedule: Schedule, chunk_bytes: int = 0, slice_pieces: int = 1
+                    ) -> RelayPlan:
     """The relay plan: round by round, every message the trainers send to a root replica's rank ``i``,
     forwarded from each replica's rank ``i`` to rank ``i`` of each of its children (same bytes, same
     destination segments, same operations); receiver-side quantizations are copied to the relayed ranks.
-    ``chunk_bytes``: the relay messages travel in pieces of at most that size (0: whole), hashed into
-    the fingerprint (both ends must cut alike)."""
-    if chunk_bytes < 0:
-        raise PlanError(f"relay: chunk_bytes={chunk_bytes} must be >= 0 (0: whole messages)")
+    ``chunk_bytes``: the relay messages travel in slices of at most that size (0: whole), each in
+    ``slice_pieces`` operations; both hashed into the fingerprint (both ends must cut alike)."""
+    if chunk_bytes < 0 or slice_pieces < 1:
+        raise PlanError(f"relay: chunk_bytes={chunk_bytes} must be >= 0 (0: whole messages) and "
+                        f"slice_pieces={slice_pieces} >= 1")
     size, tree = relay.replica_size, relay.tree
     below: dict[int, list[tuple[int, int]]] = {root: [] for root in tree.roots}  # root -> (parent, child)
     for level in tree.levels[1:]:
@@ -192,10 +212,12 @@ def relay_down_tree(relay: ReplicaTree, schedule: Schedule, chunk_bytes: int = 0
                        for _, child in below[q.dst // size])
     world = schedule.num_dst
     digest = f"{relay.digest}:chunks:{chunk_bytes}" if chunk_bytes else relay.digest
+    if chunk_bytes and slice_pieces > 1:
+        digest = f"{digest}:pieces:{slice_pieces}"
     relayed = Schedule(world, world, schedule.bucket_bytes, rounds,
                        digest_rounds(world, world, schedule.bucket_bytes, rounds, digest, quantizing),
                        summarize(rounds), quantizing)
-    return RelayPlan(size, tree, relayed, chunk_bytes=chunk_bytes)
+    return RelayPlan(size, tree, relayed, chunk_bytes=chunk_bytes, slice_pieces=slice_pieces)
 
 
 def _as_forwarded(m: Message) -> tuple[Segment, ...]:
@@ -232,6 +254,8 @@ class RelayPlan:
     chunk_bytes: int = 0
     """Replica relay: its messages travel in pieces of at most this many bytes, each forwarded once landed
     (:func:`chunk_spans`; 0: whole messages, each round forwarded once it landed)."""
+    slice_pieces: int = 1
+    """With :attr:`chunk_bytes`: the operations each slice travels as (:func:`piece_bytes`)."""
 
     @property
     def within_nodes(self) -> bool:
@@ -265,6 +289,8 @@ class RelayPlan:
         shape = ("chains" if all(len(tree.children(r)) <= 1 for r in range(tree.replicas))
                  else f"a tree of fanout {max(len(tree.children(r)) for r in range(tree.replicas))}")
         pieces = f" in slices of {format_bytes(self.chunk_bytes)}" if self.chunk_bytes else ""
+        if self.chunk_bytes and self.slice_pieces > 1:
+            pieces = f"{pieces}, {self.slice_pieces} pieces each"
         return [f"relay:        {tree.replicas} replicas of {self.replica_size} gen rank(s): {len(tree.roots)} fed by "
                 f"the trainers, the others pipelined down {shape} ({len(tree.levels) - 1} hop(s) deep); "
                 f"{self.schedule.summary.messages} relay messages{pieces}"]
@@ -371,5 +397,5 @@ def check_relay_pairs(relay: RelayPlan, gen_places: Sequence[Placement]) -> None
                                 "GPUs, or run without relay")
 
 
-__all__ = ["RelayPiece", "RelayPlan", "RelayTree", "ReplicaTree", "check_relay_pairs", "chunk_spans",
-           "plan_node_forwarding", "plan_tree", "relay_down_tree", "relay_slices", "replica_tree"]
+__all__ = ["PIECE_ALIGN", "RelayPiece", "RelayPlan", "RelayTree", "ReplicaTree", "check_relay_pairs", "chunk_spans",
+           "piece_bytes", "plan_node_forwarding", "plan_tree", "relay_down_tree", "relay_slices", "replica_tree"]

@@ -255,7 +255,7 @@ def _pipelined_relay(traffic: _Traffic, relay: RelayPlan, schedule: Schedule, ro
         streams: dict[tuple[int, int], list[int]] = defaultdict(list)  # (sender, receiver) -> message sizes
         for m in msgs:
             streams[(m.src, m.dst)].append(m.nbytes)
-        sliced = {pair: relay_slices(sizes, relay.chunk_bytes) for pair, sizes in streams.items()}
+        sliced = {pair: relay_slices(sizes, relay.chunk_bytes, relay.slice_pieces) for pair, sizes in streams.items()}
         landed: dict[tuple[int, int], float] = {}  # (gen rank, slice) -> when that slice of round k landed there
         for level in sorted({depth[src // size] for src, _ in sliced}):  # parents' forwards before their children's
             links = [pair for pair in sliced if depth[pair[0] // size] == level]

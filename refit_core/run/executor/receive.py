@@ -13,7 +13,7 @@ import torch
 from refit_core.contract.failures import UpdateMode
 from refit_core.net.transport import Fence, Transport
 from refit_core.plan.items import Message, Segment
-from refit_core.plan.relay import chunk_spans, relay_slices
+from refit_core.plan.relay import chunk_spans, piece_bytes, relay_slices
 from refit_core.run.copies import StagingCopies
 from refit_core.run.executor.base import ExecutorSettings, RoundRunner, StepCount, StepStats
 from refit_core.run.executor.headers import HeaderScope, PostedHeaders, StepHeaders
@@ -36,7 +36,8 @@ class ReceiveExecutor(RoundRunner):
     the next rounds still arrive. Its children receive the same operations, round for round; the step's
     header goes to them once this rank learned the version. With ``chunk_bytes``, relay messages travel in
     pieces of at most that size: a relayed rank (``relayed``: fed by its parent replica) receives each
-    round in slices (:func:`~refit_core.plan.relay.relay_slices`) and forwards each slice once it landed.
+    round in slices (:func:`~refit_core.plan.relay.relay_slices`) and forwards each slice once it landed;
+    with ``slice_pieces``, each slice as that many operations (spread over the link's communicators).
     """
 
     _landed: tuple[torch.Tensor, list[int]] | None = None
@@ -46,11 +47,14 @@ class ReceiveExecutor(RoundRunner):
 
     def __init__(self, rounds: list[list[Message]], transport: Transport, peer_offset: int,
                  settings: ExecutorSettings, *, scope: HeaderScope = HeaderScope(), steps: StepCount | None = None,
-                 forward_to: Sequence[int] = (), chunk_bytes: int = 0, relayed: bool = False) -> None:
+                 forward_to: Sequence[int] = (), chunk_bytes: int = 0, slice_pieces: int = 1,
+                 relayed: bool = False) -> None:
         super().__init__(rounds, transport, peer_offset, settings, scope=scope, steps=steps)
         self.forward_to = tuple(forward_to)
         self.chunk_bytes = chunk_bytes
-        """Relay messages (to the children; from the parent when ``relayed``) in pieces of at most this (0: whole)."""
+        """Relay messages (to the children; from the parent when ``relayed``) in slices of at most this (0: whole)."""
+        self.slice_pieces = slice_pieces
+        """The operations each slice travels as."""
         self.relayed = relayed
         self._children = (StepHeaders(settings.fingerprint, self.device, 0, HeaderScope(), list(self.forward_to))
                           if self.forward_to else None)
@@ -196,15 +200,17 @@ class ReceiveExecutor(RoundRunner):
         """``pairs`` cut in the relay's pieces (:func:`~refit_core.plan.relay.chunk_spans`), in order."""
         if not self.chunk_bytes:
             return pairs
+        cut = piece_bytes(self.chunk_bytes, self.slice_pieces)
         return [(peer, _bytes_of(tensor)[start:end]) for peer, tensor in pairs
-                for start, end in chunk_spans(tensor.nbytes, self.chunk_bytes)]
+                for start, end in chunk_spans(tensor.nbytes, cut)]
 
     def _slices(self, pairs: Pairs) -> list[Pairs]:
         """A relayed round's receives in the slices its parent forwards (one slice: the whole round)."""
         if not self.chunk_bytes or not pairs:
             return [pairs]
         return [[(pairs[p.message][0], _bytes_of(pairs[p.message][1])[p.start:p.end]) for p in piece]
-                for piece in relay_slices([tensor.nbytes for _, tensor in pairs], self.chunk_bytes)]
+                for piece in relay_slices([tensor.nbytes for _, tensor in pairs], self.chunk_bytes,
+                                          self.slice_pieces)]
 
     def _check_children(self, deadline: float) -> None:
         """Before the step's first forward: check the children's headers (same plan and step)."""

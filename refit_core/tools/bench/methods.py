@@ -93,6 +93,7 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "relay": ("relay.direct", int),
     "fanout": ("relay.fanout", int),
     "chunk": ("relay.chunk_bytes", _size),
+    "pieces": ("relay.slice_pieces", int),
     "mode": ("mode", str),
     "confirm": ("confirm", lambda v: v not in ("0", "false", "False")),
 }
