@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from enum import StrEnum
 
 import pytest
 import torch
 from harness import Ranks
+from memory_faults import Change, MemoryFault, strike
 
 from refit_core import (
     Box,
@@ -26,6 +26,7 @@ from refit_core import (
     RefitOptions,
     RefitReceiver,
     RefitSender,
+    Side,
     SourcePiece,
     TensorSpec,
     hookimpl,
@@ -36,28 +37,7 @@ from refit_core.kit.launch import free_port
 TRAIN, GEN = 2, 2
 SHAPES = {"layer.weight": (8, 4), "norm.weight": (4,)}
 CULPRIT = "layer.weight"  # the tensor each change strikes, on one rank
-
-
-class Change(StrEnum):
-    """What a rank's model does to one of its tensors between two steps."""
-
-    REBIND = "rebind"
-    """``param.data = new_tensor``."""
-    SET = "set"
-    """``param.set_(new_tensor)``."""
-    RESIZE = "resize"
-    """Its storage resized (reallocated, its bytes kept)."""
-    FREE = "free"
-    """Its storage freed (``untyped_storage().resize_(0)``, as FSDP frees unsharded parameters)."""
-
-
-
-
-def says(change: Change, train: bool) -> str:
-    """What the error says changed (``layer.weight`` holds 32 float32 on a gen rank, 16 on a train rank)."""
-    nbytes = 64 if train else 128
-    return {Change.REBIND: "storage replaced", Change.SET: "storage replaced", Change.FREE: "storage freed",
-            Change.RESIZE: f"storage resized from {nbytes} to {2 * nbytes} bytes"}[change]
+CULPRIT_BYTES = {Side.TRAIN: 64, Side.GEN: 128}  # its storage: 16 float32 on a train rank, 32 on a gen rank
 
 
 def reference(step: int) -> dict[str, torch.Tensor]:
@@ -111,17 +91,6 @@ class HandsParameters:
     @hookimpl
     def refit_begin_update(self, model):
         return False if isinstance(model, Model) else None
-
-
-def strike(param: torch.nn.Parameter, change: Change) -> None:
-    if change is Change.REBIND:
-        param.data = torch.full_like(param, -1.0)
-    elif change is Change.SET:
-        param.set_(torch.full_like(param, -1.0))
-    elif change is Change.RESIZE:
-        param.untyped_storage().resize_(2 * param.untyped_storage().nbytes())
-    else:
-        param.untyped_storage().resize_(0)
 
 
 @dataclass(frozen=True)
@@ -192,15 +161,13 @@ def test_a_tensor_changed_after_setup_fails_the_step_on_every_rank_naming_it(cul
     gloo ("Bad address", or the process aborted)."""
     cases = [Case(change, lists, culprit, f"127.0.0.1:{free_port()}") for lists in (False, True) for change in Change]
     results = run(cases)
-    side, role = ("train", "source") if culprit < TRAIN else ("gen", "destination")
-    named, where = f"{role} tensor {CULPRIT} ", f"(on the {side} side: "
+    side = Side.TRAIN if culprit < TRAIN else Side.GEN
     for index, case in enumerate(cases):
+        fault = MemoryFault(CULPRIT, side, case.change, CULPRIT_BYTES[side])
         for rank, outcomes in results.items():
             outcome = outcomes[index]
             assert outcome.get("step") == 1, (case, rank, outcome)
-            message = outcome["message"]
-            assert named in message and where in message, (case, rank, outcome)
-            assert says(case.change, culprit < TRAIN) in message, (case, rank, outcome)
+            assert fault.named_in(outcome["message"]), (case, rank, outcome)
             assert outcome["seconds"] < 8 + 3, (case, rank, outcome)
             if rank >= TRAIN:
                 assert outcome["unchanged"], (case, rank, outcome)
