@@ -1,6 +1,8 @@
 """A randomized fault campaign: in each run one or two ranks of a toy refit (2 train ranks, 2 gen ranks, gloo)
 are killed, stopped, paused briefly or stalled past the deadline at random points of the second step, in a
 random mode; in some runs a second job shares the host (its ranks on the same port, with their own secret).
+In others, one rank's model changes one of its tensors' memory behind refit's back between the two steps
+(rebinds it, ``set_()``s it, resizes or frees its storage: :mod:`memory_strikes`).
 Then the job sets up again (new endpoints on the same port, a replacement process for each rank that died or
 was stopped, as an operator would) and refits once more. :mod:`census` judges what the survivors hold and said.
 
@@ -21,8 +23,9 @@ from enum import StrEnum
 
 from census import Census
 from commit_ranks import VERSIONS, toy_step
-from fault_ranks import _state, _state_against
+from fault_ranks import _state_against
 from harness import Ranks
+from memory_strikes import MemoryStrike, arm, held, plugins, random_strike, recover
 from two_jobs_ranks import SEEDS, job_rank
 
 from refit_core.endpoints.commit import DECISION_GRACE_S, LINGER_S
@@ -37,6 +40,8 @@ RECOVERY = (2, VERSIONS[1] + 1)
 """The recovery step's reference weights and version."""
 RECOVERY_TIMEOUT_S = 60.0
 """The second setup's deadline: a replacement process starts slowly on a loaded machine."""
+MEMORY_SHARE = 0.3
+"""The share of runs whose strike is a memory fault instead of process faults."""
 
 
 class Point(StrEnum):
@@ -82,10 +87,13 @@ class Run:
     timeout_s: float = 4.0
     two_jobs: bool = False
     """A second job's train and gen rank start on the same port while this job sets up."""
+    memory: MemoryStrike | None = None
+    """A memory fault right before one rank's second step (then :attr:`strikes` is empty)."""
 
     def describe(self) -> str:
-        hits = ", ".join(f"{s.action.value} rank {s.rank} at {s.point.value}#{s.exchange}" for s in self.strikes)
-        return f"run {self.index} ({self.mode}, {hits}{', two jobs' if self.two_jobs else ''})"
+        hits = [f"{s.action.value} rank {s.rank} at {s.point.value}#{s.exchange}" for s in self.strikes]
+        hits += [self.memory.describe()] if self.memory is not None else []
+        return f"run {self.index} ({self.mode}, {', '.join(hits)}{', two jobs' if self.two_jobs else ''})"
 
     @property
     def dead(self) -> set[int]:
@@ -102,8 +110,11 @@ def _strike(rng: random.Random, rank: int, mode: str) -> Strike:
 
 
 def draw(rng: random.Random, index: int) -> Run:
-    """One random run: one strike, or two on different ranks; a second job on the host in one run of four."""
+    """One random run: a memory fault (:data:`MEMORY_SHARE` of runs), else one strike or two on different
+    ranks; a second job on the host in one run of four."""
     mode = rng.choice(["staged", "in_place"])
+    if rng.random() < MEMORY_SHARE:
+        return Run(index, mode, (), two_jobs=rng.random() < 0.25, memory=random_strike(rng, TRAIN, GEN))
     ranks = rng.sample(range(TRAIN + GEN), rng.choice([1, 1, 2]))
     return Run(index, mode, tuple(_strike(rng, rank, mode) for rank in sorted(ranks)), two_jobs=rng.random() < 0.25)
 
@@ -171,8 +182,8 @@ def _arm(endpoint, strike: Strike, run: Run) -> None:
         setattr(commit, name, struck)
 
 
-def _endpoint(rank: int, address: str, options):
-    """Rank ``rank``'s model and a new endpoint for it (train ranks first)."""
+def _endpoint(rank: int, address: str, options, run: Run):
+    """Rank ``rank``'s model and a new endpoint for it (train ranks first), with the run's plugins."""
     from refit_toy.models import ToyEngine, ToyTrainer
 
     from refit_core import RefitReceiver, RefitSender
@@ -180,8 +191,9 @@ def _endpoint(rank: int, address: str, options):
     train = rank < TRAIN
     local, size = (rank, TRAIN) if train else (rank - TRAIN, GEN)
     model = ToyTrainer(local, size) if train else ToyEngine(local, size)
+    lists = run.memory is None or run.memory.lists
     endpoint = (RefitSender if train else RefitReceiver)(model, rendezvous=address, rank=local, world_size=size,
-                                                         options=options)
+                                                         options=options, plugins=plugins(lists))
     return model, endpoint
 
 
@@ -194,7 +206,7 @@ def _options(run: Run, timeout_s: float):
 def campaign_rank(rank: int, report, address: str, run: Run, again: str) -> dict:
     """One rank of a campaign run: two steps, its strike (if any) in the second; then, once the file ``again``
     exists (every dead rank replaced), the recovery (:func:`recovery_rank`) with a new endpoint."""
-    model, endpoint = _endpoint(rank, address, _options(run, run.timeout_s))
+    model, endpoint = _endpoint(rank, address, _options(run, run.timeout_s), run)
     outcome: dict = {"side": "train" if rank < TRAIN else "gen", "failed_step": None}
     try:
         endpoint.setup()
@@ -206,6 +218,8 @@ def campaign_rank(rank: int, report, address: str, run: Run, again: str) -> dict
     for step, version in enumerate(VERSIONS):
         if step == 1 and mine is not None:
             _arm(endpoint, mine, run)
+        if step == 1 and run.memory is not None and run.memory.rank == rank:
+            arm(endpoint, model, run.memory)
         start = time.monotonic()
         try:
             toy_step(endpoint, model, step, version)
@@ -219,7 +233,7 @@ def campaign_rank(rank: int, report, address: str, run: Run, again: str) -> dict
         if step == 1 and mine is not None and mine.point is Point.AFTER_SEND:
             _hit(mine.action, run)
     if rank >= TRAIN:
-        outcome.update(state=_state(model, endpoint), version=endpoint.version, needs_refit=endpoint.needs_refit)
+        outcome.update(state=held(model, endpoint), version=endpoint.version, needs_refit=endpoint.needs_refit)
     endpoint.close()
     report("phase", outcome)
     _disarm()
@@ -244,8 +258,9 @@ def recovery_rank(rank: int, report, address: str, run: Run, model=None) -> dict
     """The job sets up again after the fault, as a user would: a new endpoint (in a replacement process
     for a rank that died: ``model`` None), on the same port, then one more step (:data:`RECOVERY`)."""
     weights, version = RECOVERY
-    fresh, endpoint = _endpoint(rank, address, _options(run, RECOVERY_TIMEOUT_S))
+    fresh, endpoint = _endpoint(rank, address, _options(run, RECOVERY_TIMEOUT_S), run)
     if model is not None:
+        recover(model)
         endpoint.model = model
     try:
         endpoint.setup()
@@ -345,9 +360,9 @@ def census_of(runs: list[Run], progress=None, workers: int = 1) -> Census:
     census = Census()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for run, (results, replacements, intruder) in zip(runs, pool.map(execute, runs)):
-            census.strikes += len(run.strikes)
+            census.strikes += len(run.strikes) + (run.memory is not None)
             deadlines = {rank: deadline_s(run, rank) for rank in range(TRAIN + GEN)}
-            census.judge(run.describe(), run.mode, TRAIN, GEN, results, deadlines, replacements, intruder)
+            census.judge(run.describe(), run.mode, TRAIN, GEN, results, deadlines, replacements, intruder, run.memory)
             if progress is not None:
                 progress(run.index, run, census)
     return census

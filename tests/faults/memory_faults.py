@@ -48,12 +48,16 @@ def strike(tensor: torch.Tensor, change: Change) -> None:
         tensor.data = tensor.detach().clone()
 
 
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes of storage ``tensor`` needs (up to its last element; it is contiguous)."""
+    return (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+
+
 def heal(tensor: torch.Tensor) -> None:
     """Give a tensor whose storage was freed memory again (its values undefined), as FSDP does before its next
     use; nothing for any other tensor."""
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
-        storage.resize_((tensor.storage_offset() + tensor.numel()) * tensor.element_size())
+    if tensor.untyped_storage().nbytes() == 0:
+        tensor.untyped_storage().resize_(nbytes(tensor))
 
 
 @dataclass(frozen=True)
@@ -81,4 +85,4 @@ class MemoryFault:
                                                 self.says))
 
 
-__all__ = ["Change", "MemoryFault", "heal", "strike"]
+__all__ = ["Change", "MemoryFault", "heal", "nbytes", "strike"]
