@@ -188,6 +188,11 @@ class RelayOptions(_Settings):
     - ``slice_pieces``: with ``chunk_bytes``, each slice travels as this many operations of equal size (1,
       the default: one). NCCL runs one operation on one communicator, which fills a fraction of an NVLink
       link; a slice in as many pieces as the link has communicators spreads over all of them.
+    - ``broadcast``: replica relay by collective: each message the trainers send to a rank of the first
+      replica reaches that rank of every replica in one broadcast (NCCL pipelines it down a chain inside
+      its kernels, with no host round trip per piece). Needs ``direct=1``; a transport without broadcasts
+      of its own sends from the trainer to every replica (:meth:`Transport.broadcast
+      <refit_core.net.transport.base.Transport.broadcast>`).
 
     Replica relay runs in place and staged; forwarding within nodes needs ``mode="in_place"`` (a leader
     forwards what landed in its engine memory). Both need network links between gen ranks (NCCL needs
@@ -201,6 +206,7 @@ class RelayOptions(_Settings):
     forward_min_bytes: int = _setting(1 * MiB, int)
     chunk_bytes: int = _setting(0, int)
     slice_pieces: int = _setting(1, int)
+    broadcast: bool = _setting(False, bool)
 
     def __post_init__(self) -> None:
         self._coerce()
@@ -210,6 +216,9 @@ class RelayOptions(_Settings):
                               f"node_ranks={self.node_ranks}, forward_min_bytes={self.forward_min_bytes}, "
                               f"chunk_bytes={self.chunk_bytes}, slice_pieces={self.slice_pieces}): replicas, "
                               "fanout and slice_pieces must be >= 1, the others >= 0")
+        if self.broadcast and self.direct != 1:
+            raise OptionError(f"RelayOptions(broadcast=True) needs direct=1 (every replica hears the trainers' "
+                              f"messages in one broadcast), not direct={self.direct}")
         if self.fans_out and self.forwards_within_nodes:
             raise OptionError(f"RelayOptions: replica relay (direct={self.direct}) and forwarding within nodes "
                               f"(node_ranks={self.node_ranks}) cannot be combined; choose one")
@@ -402,6 +411,8 @@ class RefitOptions(_Settings):
             wire["relay"].pop("chunk_bytes", None)
         if "relay" in wire and self.relay.slice_pieces == 1:  # likewise before slices in pieces
             wire["relay"].pop("slice_pieces", None)
+        if "relay" in wire and not self.relay.broadcast:  # likewise before broadcasts
+            wire["relay"].pop("broadcast", None)
         return wire
 
     def digest(self) -> str:

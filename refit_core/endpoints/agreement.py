@@ -169,7 +169,13 @@ def assign_links(rdv: Rendezvous, schedule: Schedule, sizes: dict[Side, int], co
               for side, n in sizes.items()}
     pairs = {(m.src, m.dst) for msgs in schedule.rounds for m in msgs}
     links = pair_links(pairs, places[Side.TRAIN], places[Side.GEN], colocate)
-    if relay is not None:
+    if relay is not None and relay.broadcast:  # its transport checks that each group's GPUs differ
+        local = sorted(pair for pair, link in links.items() if link is not Link.NETWORK)
+        if local:
+            raise PlanError(f"relay by broadcast: (train rank, gen rank) pair(s) {local} share a GPU, and a "
+                            "broadcast reaches its members over the network transport; place the replicas on GPUs "
+                            "of their own, or relay without broadcast")
+    elif relay is not None:
         check_relay_pairs(relay, places[Side.GEN])
         relaying = {m.src for msgs in relay.schedule.rounds for m in msgs}
         colocated = sorted({dst for (_, dst), link in links.items() if link is not Link.NETWORK and dst in relaying})

@@ -107,9 +107,11 @@ class RefitReceiver(RefitEndpoint):
                 self._relay_out = ForwardExecutor(self.rank, rounds, self.transport, offset, run_with)
             return
         incoming = relay.schedule.rounds_of_destination(self.rank)
-        if incoming:
-            if self._executor is not None:
-                raise PlanError(f"refit bug: gen rank {self.rank} is fed by trainers and by a relay")
+        if incoming and self._executor is not None:
+            raise PlanError(f"refit bug: gen rank {self.rank} is fed by trainers and by a relay")
+        if incoming and settings.relay.broadcast:  # the first replica's messages, from the trainers, as it gets them
+            self._executor = ReceiveExecutor(incoming, self.transport, 0, run_with, scope=scope)
+        elif incoming:
             self._executor = ReceiveExecutor(incoming, self.transport, offset, run_with, scope=scope,
                                              forward_to=self._relay_children(relay),
                                              chunk_bytes=settings.relay.chunk_bytes,
@@ -127,6 +129,8 @@ class RefitReceiver(RefitEndpoint):
             return ""
         parent = relay.tree.parent[relay.replica_of(self.rank)]
         parent_rank = parent * relay.replica_size + self.rank % relay.replica_size
+        if self.settings is not None and self.settings.relay.broadcast:
+            return f" (relayed: it hears the trainers' broadcasts with gen rank {parent_rank} of replica {parent})"
         return f" (relayed: its relay parent is gen rank {parent_rank}, replica {parent})"
 
     def _network_executor(self, rounds: list[list[Message]], scope: HeaderScope, steps: StepCount | None = None,

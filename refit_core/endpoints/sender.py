@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from refit_core.contract.errors import PlanError, RefitError, RendezvousError, TransferError
@@ -61,6 +62,10 @@ class RefitSender(RefitEndpoint):
         self._merging = Merging(merges, [p.box.offsets for p in self._pieces])
         self._adapters = list({id(m.factors): m.factors for m in merges if m is not None}.values())
         network, colocated = split_rounds(schedule.rounds_of_source(self.rank), self._is_network)
+        if network and self.relay is not None and settings.relay.broadcast:  # headers to every group member
+            size, replicas = self.relay.replica_size, self.relay.tree.replicas
+            fed = {m.dst for msgs in network for m in msgs}
+            scope = replace(scope, peers=tuple(sorted(p + r * size for p in fed for r in range(replicas))))
         if network:
             self._executor = self._network_executor(network, scope)
         if colocated:

@@ -22,6 +22,7 @@ from refit_core.net.transport import StoreWatch, Transport, open_transport, reso
 from refit_core.plan import rankplan
 from refit_core.plan.links import Link
 from refit_core.plan.schedule import Schedule
+from refit_core.run.broadcast_links import broadcast_view
 from refit_core.run.timing import SetupClock
 from refit_core.run.validate import check_view
 
@@ -86,6 +87,8 @@ def set_up(rdv: Rendezvous, request: SetupRequest, clock: SetupClock) -> SetupRe
             agreement.agree(rdv, me, own.part.facts.fingerprint, sizes)
         with clock.phase("transport"):  # the planner's answer, the same on every rank (relay always opens it)
             transport = open_network(rdv, request, settings, sizes, device) if own.part.facts.network else None
+            if transport is not None and settings.relay.broadcast and own.relay is not None:
+                transport = broadcast_view(transport, own.schedule, own.relay, me.side, me.rank, sizes[Side.TRAIN])
         clock.metadata_bytes = rdv.downloaded
     except Exception as exc:
         agreement.abort_setup(rdv, me, request.world_size, sizes, exc, request.options.timeout_s)

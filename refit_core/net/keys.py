@@ -170,6 +170,11 @@ def nccl_comm_key(pair: tuple[int, int] | None, index: int) -> str:
     return f"world/{index}" if pair is None else f"pair/{pair[0]}/{pair[1]}/{index}"
 
 
+def nccl_broadcast_key(members: tuple[int, ...], index: int) -> str:
+    """The ``index``-th communicator of the broadcast group of global ranks ``members`` (its root first)."""
+    return f"broadcast/{'.'.join(map(str, members))}/{index}"
+
+
 def nccl_group_prefix(comm_key: str) -> str:
     """The prefix under which torch's NCCL process group for communicator ``comm_key`` keeps its own keys."""
     return f"{comm_key}/"

@@ -48,7 +48,9 @@ def rank_plans(facts: PlanFacts, schedule: Schedule, relay: RelayPlan | None, li
     relay_out: dict[int, Rounds] = {}
     if relay is not None:
         slice_rounds = _aligned_by_rank if relay.within_nodes else _by_rank
-        relay_in, relay_out = slice_rounds(relay.schedule.rounds, False), slice_rounds(relay.schedule.rounds, True)
+        relay_in = slice_rounds(relay.schedule.rounds, False)
+        if not relay.broadcast:  # a broadcast's relay messages come from the trainers: no gen rank sends them
+            relay_out = slice_rounds(relay.schedule.rounds, True)
         if relay.within_nodes:  # a rank that only sends or only receives still posts every round
             empty: Rounds = [[] for _ in relay.schedule.rounds]
             for rank in set(relay_in) | set(relay_out):

@@ -24,6 +24,12 @@ forward of each operation is the operation its parent received. A failed relay f
 both ends like any other step (:class:`~refit_core.contract.failures.StepFailedError` naming the
 tensors that may be torn), and every rank below the lost one fails it within the deadline.
 
+**Broadcast** (``RelayOptions.broadcast``): the trainers feed the first replica only, and each of their
+messages to its rank ``i`` reaches rank ``i`` of every replica in one collective broadcast over the sender
+and those ranks (:func:`broadcast_groups`): NCCL pipelines it down a chain inside its kernels, so no holder
+posts a forward per piece. The relayed ranks receive the first replica's messages, from the trainers, as
+its rank does; the plan's relay messages say so (the trainers' messages, re-addressed to them).
+
 **Forwarding within nodes** (``RelayOptions.node_ranks``) is the same idea inside one replica: a
 region that several gen ranks of one node hold (norms that tensor parallelism replicates, MLA's
 ``q_a`` / ``kv_a`` projections at TP 32) crosses the network once per node instead of once per GPU.
@@ -102,6 +108,8 @@ class ReplicaTree:
 
     replica_size: int
     tree: RelayTree
+    broadcast: bool = False
+    """The relayed replicas hear the trainers' messages to the first replica in broadcasts (no forwards)."""
 
     def replica_of(self, gen_rank: int) -> int:
         return gen_rank // self.replica_size
@@ -117,14 +125,17 @@ class ReplicaTree:
     @property
     def digest(self) -> str:
         """What the plan's fingerprint hashes of the relay (its messages follow from it and the schedule)."""
-        return f"relay-tree:{self.replica_size}:{self.tree.parent}"
+        tree = f"relay-tree:{self.replica_size}:{self.tree.parent}"
+        return f"{tree}:broadcast" if self.broadcast else tree
 
 
 def replica_tree(options: RelayOptions, gen_metas: Sequence[Sequence[PieceMeta]]) -> ReplicaTree:
     """The replica relay's tree for ``options`` (``options.fans_out``); a :class:`PlanError` naming the ranks
-    if the replicas' layouts differ."""
-    return ReplicaTree(_check_replicas(gen_metas, options.replicas),
-                       plan_tree(options.replicas, options.direct, options.fanout))
+    if the replicas' layouts differ. A broadcast's tree is a star: every replica one hop below the first."""
+    size = _check_replicas(gen_metas, options.replicas)
+    if options.broadcast:
+        return ReplicaTree(size, plan_tree(options.replicas, 1, max(1, options.replicas - 1)), broadcast=True)
+    return ReplicaTree(size, plan_tree(options.replicas, options.direct, options.fanout))
 
 
 def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -191,6 +202,8 @@ def relay_down_tree(relay: ReplicaTree, schedule: Schedule, chunk_bytes: int = 0
         raise PlanError(f"relay: chunk_bytes={chunk_bytes} must be >= 0 (0: whole messages) and "
                         f"slice_pieces={slice_pieces} >= 1")
     size, tree = relay.replica_size, relay.tree
+    if relay.broadcast:
+        return _broadcast_plan(relay, schedule)
     below: dict[int, list[tuple[int, int]]] = {root: [] for root in tree.roots}  # root -> (parent, child)
     for level in tree.levels[1:]:
         for child in level:
@@ -218,6 +231,35 @@ def relay_down_tree(relay: ReplicaTree, schedule: Schedule, chunk_bytes: int = 0
                        digest_rounds(world, world, schedule.bucket_bytes, rounds, digest, quantizing),
                        summarize(rounds), quantizing)
     return RelayPlan(size, tree, relayed, chunk_bytes=chunk_bytes, slice_pieces=slice_pieces)
+
+
+def _broadcast_plan(relay: ReplicaTree, schedule: Schedule) -> RelayPlan:
+    """A broadcast's relay plan: every relayed rank receives the first replica's messages (the trainers'
+    messages re-addressed to it, sender kept), round for round, and its receiver-side quantizations."""
+    size, others = relay.replica_size, range(1, relay.tree.replicas)
+    rounds = [[dataclasses.replace(m, dst=r * size + m.dst) for m in msgs for r in others]
+              for msgs in schedule.rounds]
+    quantizing = tuple(dataclasses.replace(q, dst=r * size + q.dst) for q in schedule.receiver_quantizations
+                       for r in others)
+    world = schedule.num_dst
+    relayed = Schedule(schedule.num_src, world, schedule.bucket_bytes, rounds,
+                       digest_rounds(schedule.num_src, world, schedule.bucket_bytes, rounds, relay.digest, quantizing),
+                       summarize(rounds), quantizing)
+    return RelayPlan(size, relay.tree, relayed, broadcast=True)
+
+
+def broadcast_groups(schedule: Schedule, relay: RelayPlan, rank: int, train: bool) -> list[tuple[int, ...]]:
+    """The broadcast groups of a relay by broadcast that train (``train``) or gen rank ``rank`` belongs to, in
+    one order on every rank: per train rank ``s`` and rank ``i`` of the first replica that ``s`` sends to,
+    the global ranks ``s`` (the root), then rank ``i`` of every replica (gen ranks follow the train ranks).
+    ``schedule``: this rank's part of the trainers' schedule (a relayed rank's relay messages for it)."""
+    num_src, size = schedule.num_src, relay.replica_size
+    if train:
+        pairs = {(rank, m.dst) for msgs in schedule.rounds for m in msgs if m.src == rank}
+    else:
+        rounds = schedule.rounds if relay.fed_by_trainers(rank) else relay.schedule.rounds
+        pairs = {(m.src, rank % size) for msgs in rounds for m in msgs if m.dst == rank}
+    return [(src, *(num_src + r * size + i for r in range(relay.tree.replicas))) for src, i in sorted(pairs)]
 
 
 def _as_forwarded(m: Message) -> tuple[Segment, ...]:
@@ -256,6 +298,8 @@ class RelayPlan:
     (:func:`chunk_spans`; 0: whole messages, each round forwarded once it landed)."""
     slice_pieces: int = 1
     """With :attr:`chunk_bytes`: the operations each slice travels as (:func:`piece_bytes`)."""
+    broadcast: bool = False
+    """Replica relay by broadcast: the relay messages come from the trainers, in broadcasts (no forwards)."""
 
     @property
     def within_nodes(self) -> bool:
@@ -286,6 +330,10 @@ class RelayPlan:
             return [f"forwarding:   within nodes of {self.node_ranks} gen ranks: {s.messages} messages, "
                     f"{format_bytes(s.bytes)} over the nodes' links in {s.rounds} round(s)"]
         tree = self.tree
+        if self.broadcast:
+            return [f"relay:        {tree.replicas} replicas of {self.replica_size} gen rank(s): each message of the "
+                    f"trainers to the first replica reaches every replica in one broadcast "
+                    f"({self.schedule.summary.messages} relayed receives)"]
         shape = ("chains" if all(len(tree.children(r)) <= 1 for r in range(tree.replicas))
                  else f"a tree of fanout {max(len(tree.children(r)) for r in range(tree.replicas))}")
         pieces = f" in slices of {format_bytes(self.chunk_bytes)}" if self.chunk_bytes else ""
@@ -397,5 +445,6 @@ def check_relay_pairs(relay: RelayPlan, gen_places: Sequence[Placement]) -> None
                                 "GPUs, or run without relay")
 
 
-__all__ = ["PIECE_ALIGN", "RelayPiece", "RelayPlan", "RelayTree", "ReplicaTree", "check_relay_pairs", "chunk_spans",
+__all__ = ["PIECE_ALIGN", "RelayPiece", "RelayPlan", "RelayTree", "ReplicaTree", "broadcast_groups",
+           "check_relay_pairs", "chunk_spans",
            "piece_bytes", "plan_node_forwarding", "plan_tree", "relay_down_tree", "relay_slices", "replica_tree"]

@@ -1,7 +1,7 @@
 """The pipelined relay over NCCL: 1 trainer GPU -> a chain of 3 replicas on GPUs 1-3, in place and staged,
 every replica bitwise, forwarding ordered by CUDA events (the step's CUDA timeline shows a replica forwarding
-its first round before it received its last). Skipped without 4 CUDA GPUs (CI has none);
-``benchmarks/run_gpu.sh`` runs it on nvidia-h200-x4."""
+its first round before it received its last); and the relay by broadcast, NCCL's own. Skipped without 4 CUDA
+GPUs (CI has none); ``benchmarks/run_gpu.sh`` runs it on nvidia-h200-x4."""
 
 from __future__ import annotations
 
@@ -42,3 +42,21 @@ def test_one_gpu_feeds_a_chain_of_three_replicas_over_nccl_bitwise(mode):
     last_received = min((start, end) for _, r, start, end in spans if r == last)[1]
     forwarded = [start for phase, _, start, _ in spans if phase == "forward"]
     assert last > 1 and forwarded and min(forwarded) < last_received, spans
+
+
+@pytest.mark.parametrize("mode", ["in_place", "staged"])
+def test_one_gpu_broadcasts_each_message_to_three_replicas_over_nccl_bitwise(mode):
+    """``RelayOptions.broadcast``: NCCL's own broadcasts; the trainer's GPU sends each byte once per step, and no
+    replica sends any (NCCL forwards inside its kernels, which refit's counters do not see)."""
+    results = spawn(relay_ranks, 4, f"127.0.0.1:{free_port()}", 3, {**CHAIN, "broadcast": True}, None, 120.0, 1, 1,
+                    {**SMALL, "mode": mode}, True, True, timeout_s=300)
+    errors = [r for r in results if isinstance(r, tuple)]
+    assert not errors, errors
+    trainer, gens = results[0], results[1:]
+    for gen in gens:
+        assert [s["mismatches"] for s in gen["steps"]] == [[], [], []]
+        assert [s["engine_version"] for s in gen["steps"]] == [100, 101, 102]
+    step_bytes = trainer["train_bytes"]
+    assert trainer["counters"][-1]["sent_bytes"] == 3 * step_bytes
+    assert [g["counters"][-1]["received_bytes"] for g in gens] == [3 * step_bytes] * 3
+    assert [g["counters"][-1]["sent_bytes"] for g in gens] == [0, 0, 0]

@@ -126,6 +126,8 @@ class Transport(ABC):
     """True when this transport records its own spans on a timeline (else the executor observes fences)."""
     counters: TransportCounters | None = None
     """What it posted since it opened (None: this transport does not count; gloo and nccl do)."""
+    _broadcast_groups: list[tuple[int, ...]] = []
+    _broadcast_rank = -1
 
     @abstractmethod
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
@@ -154,6 +156,25 @@ class Transport(ABC):
         key of its own, and reads its peers' before its first exchange, so that ``exchange`` can then
         write into (or read from) a peer's memory by address. Exchanges still name whole contiguous tensors
         inside registered memory, so a transport maps each to (region, offset) by its address."""
+
+    def open_broadcasts(self, groups: Sequence[Sequence[int]], rank: int) -> None:
+        """Prepare the broadcast groups this rank (global ``rank``) belongs to: each the global ranks of its
+        members, its root (the sender) first, in one order on every rank. Collective over each group's members.
+        Default: nothing to prepare; :meth:`broadcast` then sends from the root to every member."""
+        self._broadcast_groups = [tuple(members) for members in groups]
+        self._broadcast_rank = rank
+
+    def broadcast(self, posts: Sequence[tuple[int, torch.Tensor]], after: Sequence[Fence] = ()) -> Fence:
+        """Post one broadcast per ``(group, tensor)`` (``group``: an index into :meth:`open_broadcasts`'s
+        groups) once ``after`` completed: the root's tensor lands in every member's. Every member posts the
+        same broadcasts of a group in the same order. Default: one exchange, the root sending its tensor to
+        each member (the root's egress carries every member's bytes; NCCL's own broadcast pipelines them
+        down a chain instead)."""
+        groups, rank = self._broadcast_groups, self._broadcast_rank
+        sends = [(member, tensor) for group, tensor in posts if groups[group][0] == rank
+                 for member in groups[group][1:]]
+        recvs = [(groups[group][0], tensor) for group, tensor in posts if groups[group][0] != rank]
+        return self.exchange(sends, recvs, after)
 
     @abstractmethod
     def close(self) -> None:

@@ -45,8 +45,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ import torch.distributed as dist
 from refit_core.contract.errors import RefitError, TransferError
 from refit_core.contract.nccl_options import NcclBackend, NcclChoice, NcclOptions
 from refit_core.contract.options import TransportKind
-from refit_core.net.keys import NCCL_PREFIX, nccl_comm_key, nccl_gpu_key
+from refit_core.net.keys import NCCL_PREFIX, nccl_broadcast_key, nccl_comm_key, nccl_gpu_key
 from refit_core.net.transport.base import Fence, Transport, TransportCounters, check_contiguous, spin_until
 from refit_core.net.transport.kind import TransportContext, TransportType
 from refit_core.net.transport.nccl_comms import (
@@ -197,6 +198,9 @@ class NcclTransport(Transport):
         self.counters: TransportCounters = TransportCounters()
         self._broken: str | None = None
         store = dist.PrefixStore(NCCL_PREFIX, store)
+        self._store, self._timeout_s = store, timeout_s
+        self._broadcasts: list[list[_Link]] = []  # group -> one link (its root's member index) per communicator
+        self._broadcasted: dict[int, int] = {}  # group -> broadcasts posted since the last control exchange
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         store.set(nccl_gpu_key(rank), uuid)
         gpus = [store.get(nccl_gpu_key(r)).decode() for r in range(world_size)]
@@ -283,28 +287,42 @@ class NcclTransport(Transport):
             groups.setdefault(id(link.comm), _Group(link)).recvs.append((link.peer_rank, tensor))
         return list(groups.values())
 
-    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-                 after: Sequence[Fence] = (), *, control: bool = False) -> Fence:
-        """See :meth:`Transport.exchange`; a ``control`` exchange goes on each link's first communicator,
-        one NCCL group for both directions, and restarts the rotation of data operations with its peers."""
+    def _open(self) -> list[Communicator]:
         if self._comms is None:
             raise TransferError(f"the nccl transport of rank {self.rank} is closed"
                                 + (f" (it gave up on a step: {self._broken})" if self._broken else ""))
+        return self._comms
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 after: Sequence[Fence] = (), *, control: bool = False) -> Fence:
+        """See :meth:`Transport.exchange`; a ``control`` exchange goes on each link's first communicator,
+        one NCCL group for both directions, and restarts the rotation of data operations with its peers (and
+        of the broadcasts of its groups)."""
+        self._open()
         check_contiguous(sends)
         check_contiguous(recvs)
+        if control:
+            self._broadcasted.clear()
         groups = self._groups(sends, recvs, control)
+        peers = [p for p, _ in (*sends, *recvs)]
+        fence = self._post([(g.link, partial(g.link.comm.post, g.sends, g.recvs)) for g in groups], after, peers)
+        self.counters.add(sends, recvs, control)
+        return fence
+
+    def _post(self, groups: Sequence[tuple[_Link, Callable[[torch.cuda.Stream], None]]], after: Sequence[Fence],
+              peers: list[int]) -> Fence:
+        """Post each group (its link, and what posts it on a stream) after ``after``; the fence of them all."""
         if not groups:
             return _AllFence(after)
         events = []
-        peers = [p for p, _ in (*sends, *recvs)]
-        for group in groups:
-            stream = group.link.stream
+        for link, post in groups:
+            stream = link.stream
             for fence in after:
                 fence.wait(stream)
             timeline = self.timeline
             start = timeline.stamp(stream) if timeline is not None else None
             try:
-                group.link.comm.post(group.sends, group.recvs, stream)
+                post(stream)
             except Exception as exc:  # every transport failure is a TransferError
                 raise TransferError(f"NCCL exchange of rank {self.rank} with rank(s) {sorted(set(peers))} "
                                     f"failed to post: {exc}") from exc
@@ -314,8 +332,47 @@ class NcclTransport(Transport):
             event.record(stream)
             events.append(event)
         self._in_flight += 1
-        self.counters.add(sends, recvs, control)
         return _NcclFence(events, self, peers)
+
+    def open_broadcasts(self, groups: Sequence[Sequence[int]], rank: int) -> None:
+        """Build :attr:`choice`'s number of communicators for each group (in order: the same on every member),
+        each on a stream of its own. The members must be on different GPUs."""
+        super().open_broadcasts(groups, rank)
+        comms = self._open()
+        for members in self._broadcast_groups:
+            gpus = [self.gpus[m] for m in members]
+            if len(set(gpus)) < len(gpus) or rank not in members:
+                raise RefitError(f"NCCL broadcast group {list(members)}: its ranks must be on different GPUs and "
+                                 f"include rank {rank} (GPUs {gpus})")
+            links = []
+            for k in range(self.choice.comms_per_link):
+                comm = open_comm(self._store, nccl_broadcast_key(tuple(members), k), len(members),
+                                 members.index(rank), self.device, self._timeout_s, self.backend, self.choice.max_ctas)
+                comms.append(comm)
+                links.append(_Link(comm, 0, _stream_for(self.device)))
+            self._broadcasts.append(links)
+
+    def broadcast(self, posts: Sequence[tuple[int, torch.Tensor]], after: Sequence[Fence] = ()) -> Fence:
+        """See :meth:`Transport.broadcast`: NCCL's own broadcasts, rotating over each group's communicators as
+        data operations do over a link's (small ones ride with the one before)."""
+        self._open()
+        check_contiguous(posts)
+        by_comm: dict[int, tuple[_Link, list[torch.Tensor]]] = {}
+        for group, tensor in posts:
+            links = self._broadcasts[group]
+            index = self._broadcasted.get(group, 0)
+            if tensor.nbytes <= SMALL_OP_BYTES:
+                link = links[max(index - 1, 0) % len(links)]
+            else:
+                link = links[index % len(links)]
+                self._broadcasted[group] = index + 1
+            by_comm.setdefault(id(link.comm), (link, []))[1].append(tensor)
+        groups = self._broadcast_groups
+        mine = [(g, t) for g, t in posts if groups[g][0] == self._broadcast_rank]
+        self.counters.add(mine, [(g, t) for g, t in posts if groups[g][0] != self._broadcast_rank], False)
+        peers = sorted({m for g, _ in posts for m in groups[g] if m != self.rank})
+        return self._post([(link, partial(link.comm.post_broadcasts, tensors, link.peer_rank))
+                           for link, tensors in by_comm.values()], after, peers)
 
     def check(self, peers: Sequence[int] = ()) -> None:
         """Raise :class:`TransferError` if NCCL reported an asynchronous error, or (while a fence on
@@ -343,7 +400,7 @@ class NcclTransport(Transport):
                 comm.abort()
             except Exception as exc:  # noqa: BLE001 - aborting must not mask the caller's outcome
                 log.warning("refit: aborting an NCCL communicator failed: %s", exc)
-        self._links = {}
+        self._links, self._broadcasts = {}, []
 
     def close(self) -> None:
         if self._in_flight:  # a step is abandoned half way: its kernels may wait on a peer forever
@@ -351,7 +408,7 @@ class NcclTransport(Transport):
         comms, self._comms = self._comms, None
         if not comms:
             return
-        for links in self._links.values():
+        for links in (*self._links.values(), *self._broadcasts):
             for link in links:
                 link.stream.synchronize()
         for comm in comms:
@@ -359,7 +416,7 @@ class NcclTransport(Transport):
                 comm.close()
             except Exception as exc:  # noqa: BLE001 - closing must not mask the caller's outcome
                 log.warning("refit: closing an NCCL communicator failed: %s", exc)
-        self._links = {}
+        self._links, self._broadcasts = {}, []
 
 
 def open_nccl(context: TransportContext) -> NcclTransport:

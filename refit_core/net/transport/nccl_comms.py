@@ -36,6 +36,9 @@ class Communicator(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None: ...
 
+    def post_broadcasts(self, tensors: Sequence[torch.Tensor], root: int, stream: torch.cuda.Stream) -> None:
+        """One group of in-place broadcasts of ``tensors`` from member ``root``, on ``stream``."""
+
     def error(self) -> str | None: ...
 
     def abort(self) -> None:
@@ -89,6 +92,19 @@ class NcclComm:
 
     def broadcast(self, tensor: torch.Tensor, root: int, stream: torch.cuda.Stream) -> None:
         self.comm.broadcast(tensor, tensor, root, stream=stream.cuda_stream)
+
+    def post_broadcasts(self, tensors: Sequence[torch.Tensor], root: int, stream: torch.cuda.Stream) -> None:
+        """One NCCL group of in-place broadcasts, as bytes, through the raw bindings (see :meth:`post`)."""
+        elsewhere = [t.device for t in tensors if t.get_device() != self._index]
+        if elsewhere:
+            raise ValueError(f"a tensor on {elsewhere[0]} handed to the communicator of {self.device}")
+        bindings, comm, handle = self._bindings, self._handle, stream.cuda_stream
+        bindings.group_start()
+        try:
+            for tensor in tensors:
+                bindings.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.nbytes, _UINT8, root, comm, handle)
+        finally:
+            bindings.group_end()
 
     def error(self) -> str | None:
         """NCCL's asynchronous error, if any (a dead peer, a broken link)."""
@@ -153,6 +169,10 @@ class TorchNcclComm:
         opts.rootRank = root
         with torch.cuda.stream(stream):
             self.pg.broadcast([tensor], opts).wait()
+
+    def post_broadcasts(self, tensors: Sequence[torch.Tensor], root: int, stream: torch.cuda.Stream) -> None:
+        for tensor in tensors:
+            self.broadcast(tensor, root, stream)
 
     def error(self) -> str | None:
         return None

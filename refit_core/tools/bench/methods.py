@@ -94,6 +94,7 @@ VARIANT_SETTINGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "fanout": ("relay.fanout", int),
     "chunk": ("relay.chunk_bytes", _size),
     "pieces": ("relay.slice_pieces", int),
+    "broadcast": ("relay.broadcast", lambda v: v not in ("0", "false", "False")),
     "mode": ("mode", str),
     "confirm": ("confirm", lambda v: v not in ("0", "false", "False")),
 }
