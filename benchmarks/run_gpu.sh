@@ -17,7 +17,8 @@
 #      the pack / transfer / unpack lanes of one step as a PNG (CUDA events), with the setup breakdown.
 #   9. relay (not in the default STEPS; needs 4 GPUs, nvidia-h200-x4): 1 train rank on GPU 0 -> 3 engine
 #      replicas on GPUs 1-3, both shapes: NCCL broadcast of the same bytes (the reference), direct fanout,
-#      the pipelined relay (a chain: the trainer feeds replica 0, each replica the next), in place and staged.
+#      the pipelined relay (a chain: the trainer feeds replica 0, each replica the next), and the relay by
+#      broadcast (NCCL's own, in place and staged).
 #      relay-fp8: the same into block-FP8 destinations (Llama shape).
 #      reshard-x4 (not in the default STEPS; 4 GPUs): TP2 on GPUs 0,1 -> TP1 x DP2 on GPUs 2,3, both shapes.
 #   Every ratio is on the same bytes: a multi-rank wire moves refit's bytes over refit's pairs, all at once;
@@ -177,13 +178,13 @@ if step relay; then
   # NCCL's broadcast of one replica's bytes to the 3 replica GPUs is the reference (it runs by itself with --gen-dp).
   for model in ${RELAY_MODELS:-llama-3-8b-shape qwen3-30b-a3b-shape}; do
     bench_run relay ${RELAY_TIMEOUT:-150} 120 "$OUT/$MACHINE-fleet-$model-$DATE" \
-      "refit bench --models $model --methods ${RELAY_METHODS:-refit,refit@replicas=3+relay=1,refit@mode=staged+replicas=3+relay=1} --gen-dp 3 --train-gpus 0 --gen-gpus 1,2,3 --machine $MACHINE"
+      "refit bench --models $model --methods ${RELAY_METHODS:-refit,refit@replicas=3+relay=1,refit@replicas=3+relay=1+broadcast=1,refit@mode=staged+replicas=3+relay=1+broadcast=1} --gen-dp 3 --train-gpus 0 --gen-gpus 1,2,3 --machine $MACHINE"
   done
 fi
 if step relay-fp8; then
   # block-FP8 destinations through the relay: the trainers quantize, replicas forward the FP8 values and scales
   bench_run relay-fp8 ${RELAY_TIMEOUT:-150} 120 "$OUT/$MACHINE-fleet-fp8-$DATE" \
-    "refit bench --models llama-3-8b-shape --fp8-block 128,128 --methods refit,refit@replicas=3+relay=1 --gen-dp 3 --train-gpus 0 --gen-gpus 1,2,3 --machine $MACHINE"
+    "refit bench --models llama-3-8b-shape --fp8-block 128,128 --methods ${RELAY_FP8_METHODS:-refit,refit@replicas=3+relay=1,refit@replicas=3+relay=1+broadcast=1} --gen-dp 3 --train-gpus 0 --gen-gpus 1,2,3 --machine $MACHINE"
 fi
 if step reshard-x4; then
   bench_run reshard-x4 ${RESHARD_TIMEOUT:-240} 120 "$OUT/$MACHINE-reshard-x4-$DATE" \
