@@ -1,4 +1,4 @@
-"""What the per-step check of the bound memory costs, alone, on CPU: ``python benchmarks/bound_check.py``.
+"""What the per-step check of the bound memory costs, alone, on the CPU: ``python benchmarks/bound_check.py``.
 
 Before any byte of a step moves, each rank checks that the model's tensors are still the memory refit bound
 (:mod:`refit_core.endpoints.binding`): the same objects at the same addresses, so that a rebinding
@@ -7,27 +7,32 @@ This times that check, nothing else (not the plugin's listing of its tensors or 
 the Llama-3-8B shape (291 tensors) and the Qwen3-30B-A3B shape (18,867 tensors: every expert its own
 tensor, as a trainer holds them), each tensor named as the checkpoint names it.
 
-Each tensor is a real one-element CPU tensor with a storage of its own (not the meta device: the check
-reads addresses, and a meta tensor has none). The check reads each tensor's object and address, never its
-bytes, so its cost depends on the number of tensors, not on their sizes: one-element tensors give the cost
-of the real model's.
+Each tensor is a real one-element tensor with a storage of its own (not the meta device: the check reads
+addresses, and a meta tensor has none), on the CPU, and on the GPU too where CUDA is available (``--device``):
+the check reads each tensor's object and address, never its bytes, on the CPU whichever device the tensor is
+on, so its cost depends on the number of tensors, not on their sizes: one-element tensors give the cost of the
+real model's.
 
-Two paths, as a plugin implements them: ``listed`` (``refit_model_tensors``: the tensors' addresses, then
-their distinct storages' addresses) and ``pieces`` (no such hook: the pieces the plugin hands, compared by
-spec and box, then as ``listed``). Also ``before``: the check this replaced (the listed objects' identity
-and addresses, no storage pass; it missed a rebinding whenever a plugin did not list its tensors), and
-``diagnosis``: a step that finds the last tensor's storage freed, named (the cost of a failure, once).
-Times are the best and the median over ``--repeat`` checks of this thread's CPU time (the machine's cores
-are shared), and the median wall time.
+Two paths, as a plugin implements them: ``listed`` (``refit_model_tensors``) and ``pieces`` (no such hook:
+the pieces the plugin hands, compared by spec and box, then as ``listed``); each with each address check this
+torch has (``check``): ``builtin``, one call of torch's ``_tensors_data_ptrs_at_indices_equal`` (CUDA builds of
+torch only) over the tensors and one witness per distinct storage, and ``python``, two ``map`` passes (the
+tensors' addresses, then their distinct storages'). Also ``before``: the check this replaced (the listed
+objects' identity and addresses, no storage pass; it missed a rebinding whenever a plugin did not list its
+tensors), and ``diagnosis``: a step that finds the last tensor's storage freed, named (the cost of a failure,
+once). Times are the best and the median over ``--repeat`` checks of this thread's CPU time (the machine's
+cores may be shared), and the median wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import is_, itemgetter
 
@@ -35,7 +40,8 @@ import torch
 
 from refit_core.contract.pieces import SourcePiece
 from refit_core.contract.spec import Box
-from refit_core.endpoints.binding import BoundMemory, BoundTensors
+from refit_core.endpoints import binding
+from refit_core.endpoints.binding import AddressesEqual, BoundMemory, BoundTensors
 from refit_core.kit.models import PRESETS, checkpoint_specs
 
 
@@ -48,6 +54,9 @@ class Shape:
 
 
 SHAPES = (Shape("llama-3-8b-shape", 0.1), Shape("qwen3-30b-a3b-shape", 1.0))
+CHECKS: dict[str, AddressesEqual | None] = {
+    **({"builtin": binding.ADDRESSES_EQUAL} if binding.ADDRESSES_EQUAL is not None else {}), "python": None}
+"""The address checks this torch has, by name: its one-call builtin (CUDA builds only), and the Python passes."""
 
 
 @dataclass(frozen=True)
@@ -71,57 +80,86 @@ def timed(check: Callable[[], object], repeat: int) -> Timing:
     return Timing(min(cpu), statistics.median(cpu), statistics.median(wall))
 
 
-def model(preset: str) -> list[SourcePiece]:
+def model(preset: str, device: torch.device) -> list[SourcePiece]:
     """One source piece per checkpoint tensor of ``preset`` (per-expert names): its first element, a one-element
-    tensor of its own."""
+    tensor of its own on ``device``."""
     pieces = []
     for spec in checkpoint_specs(PRESETS[preset], grouped=False):
         ones = (1,) * len(spec.shape)
-        pieces.append(SourcePiece(spec, Box((0,) * len(ones), ones), torch.empty(ones, dtype=spec.dtype)))
+        view = torch.empty(ones, dtype=spec.dtype, device=device)
+        pieces.append(SourcePiece(spec, Box((0,) * len(ones), ones), view))
     return pieces
 
 
-def measure(shape: Shape, repeat: int) -> dict[str, Timing | int]:
-    pieces = model(shape.preset)
+@contextmanager
+def address_check(equal: AddressesEqual | None) -> Iterator[None]:
+    """Binds made inside check addresses with ``equal`` (None: the Python passes)."""
+    saved, binding.ADDRESSES_EQUAL = binding.ADDRESSES_EQUAL, equal
+    try:
+        yield
+    finally:
+        binding.ADDRESSES_EQUAL = saved
+
+
+def measure(pieces: list[SourcePiece], repeat: int) -> dict[str, Timing]:
+    """Each path's times on ``pieces``: ``before`` and ``diagnosis`` once, ``listed`` and ``pieces`` per check."""
     listed = [(p.spec.name, p.view) for p in pieces]
-    bound = BoundTensors.listed(listed)
-    memory = BoundMemory.after_bind([], [], None, pieces)
-    assert bound.first_change(listed) is None and memory.first_piece_change(pieces) is None
-    freed = torch.empty(1)
-    broken = BoundTensors.listed([*listed[:-1], ("freed", freed)])
-    freed.untyped_storage().resize_(0)
-    assert broken.first_change([*listed[:-1], ("freed", freed)]) is not None
     objects, addresses = tuple(map(itemgetter(1), listed)), tuple(p.view.data_ptr() for p in pieces)
 
     def before() -> bool:  # the check before issue #44: the same objects at the same addresses, no storage pass
         tensors = tuple(map(itemgetter(1), listed))
         return all(map(is_, tensors, objects)) and tuple(map(torch.Tensor.data_ptr, tensors)) == addresses
 
-    return {"tensors": len(listed),
-            "before": timed(before, repeat),
-            "listed": timed(lambda: bound.first_change(listed), repeat),
-            "pieces": timed(lambda: memory.first_piece_change(pieces), repeat),
-            "diagnosis": timed(lambda: broken.first_change([*listed[:-1], ("freed", freed)]), max(3, repeat // 10))}
+    timings = {"before": timed(before, repeat)}
+    for check, equal in CHECKS.items():
+        with address_check(equal):
+            bound = BoundTensors.listed(listed)
+            memory = BoundMemory.after_bind([], [], None, pieces)
+        assert (bound.witnessed is None) is (equal is None)
+        assert bound.first_change(listed) is None and memory.first_piece_change(pieces) is None
+        timings[f"listed, {check}"] = timed(lambda: bound.first_change(listed), repeat)
+        timings[f"pieces, {check}"] = timed(lambda: memory.first_piece_change(pieces), repeat)
+    freed = pieces[-1].view.clone()
+    broken = BoundTensors.listed([*listed[:-1], ("freed", freed)])
+    freed.untyped_storage().resize_(0)
+    assert broken.first_change([*listed[:-1], ("freed", freed)]) is not None
+    timings["diagnosis"] = timed(lambda: broken.first_change([*listed[:-1], ("freed", freed)]), max(3, repeat // 10))
+    return timings
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else its architecture."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=200, help="checks timed per shape and path")
+    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
+                        help="where the tensors live (all: the CPU, and the GPU where CUDA is available)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}; "
-          f"best and median of {args.repeat} checks (this thread's CPU time), median wall time\n")
-    print("| shape | tensors | path | best | median | median wall | per tensor | goal |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    for shape in SHAPES:
-        result = measure(shape, args.repeat)
-        count = result["tensors"]
-        assert isinstance(count, int)
-        for path in ("before", "listed", "pieces", "diagnosis"):
-            t = result[path]
-            assert isinstance(t, Timing)
-            goal = {"diagnosis": "(a failure)", "before": "(old check)"}.get(path, f"< {shape.goal_ms:g} ms")
-            print(f"| {shape.preset} | {count:,} | {path} | {t.best_cpu:.3f} ms | {t.median_cpu:.3f} ms | "
-                  f"{t.median_wall:.3f} ms | {1e6 * t.median_cpu / count:.0f} ns | {goal} |")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    devices = [torch.device("cpu")] if args.device != "cuda" else []
+    devices += [torch.device("cuda")] if args.device != "cpu" and torch.cuda.is_available() else []
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}; torch._C._tensors_data_ptrs_at_indices_"
+          f"equal {'present' if 'builtin' in CHECKS else 'absent'}), Python {platform.python_version()}, "
+          f"{cpu_name()} ({os.cpu_count()} CPUs); best and median of {args.repeat} checks (this "
+          f"thread's CPU time), median wall time\n")
+    print("| device | shape | tensors | path | best | median | median wall | per tensor | goal |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    for device in devices:
+        for shape in SHAPES:
+            pieces = model(shape.preset, device)
+            for path, t in measure(pieces, args.repeat).items():
+                goal = {"diagnosis": "(a failure)", "before": "(old check)"}.get(path, f"< {shape.goal_ms:g} ms")
+                print(f"| {device.type} | {shape.preset} | {len(pieces):,} | {path} | {t.best_cpu:.3f} ms | "
+                      f"{t.median_cpu:.3f} ms | {t.median_wall:.3f} ms | {1e6 * t.median_cpu / len(pieces):.0f} ns | "
+                      f"{goal} |")
 
 
 if __name__ == "__main__":
