@@ -53,6 +53,9 @@ class BroadcastLinks(Transport):
                                 f"{exc.args[0]}") from None
         return self.inner.broadcast(posts, after)
 
+    def __getattr__(self, name: str) -> object:  # what else the inner transport reports (its mode, its choice)
+        return getattr(self.inner, name)
+
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
         self.inner.register(tensors)
 
