@@ -14,10 +14,11 @@ on, so its cost depends on the number of tensors, not on their sizes: one-elemen
 real model's.
 
 Two paths, as a plugin implements them: ``listed`` (``refit_model_tensors``) and ``pieces`` (no such hook:
-the pieces the plugin hands, compared by spec and box, then as ``listed``); each with each address check this
-torch has (``check``): ``builtin``, one call of torch's ``_tensors_data_ptrs_at_indices_equal`` (CUDA builds of
-torch only) over the tensors and one witness per distinct storage, and ``python``, two ``map`` passes (the
-tensors' addresses, then their distinct storages'). Also ``before``: the check this replaced (the listed
+the pieces the plugin hands, compared by spec and box, then as ``listed``): two ``map`` passes, the tensors'
+addresses, then their distinct storages'. (One call of torch's ``_tensors_data_ptrs_at_indices_equal``, CUDA
+builds only, over the tensors and a one-byte witness tensor per storage was measured slower on 4 x H200's
+Xeon, 2.75 against 2.23 ms at 18,867 tensors, and was dropped; see
+``benchmarks/results/cpu-bound-check-2026-11-28.md``.) Also ``before``: the check this replaced (the listed
 objects' identity and addresses, no storage pass; it missed a rebinding whenever a plugin did not list its
 tensors), and ``diagnosis``: a step that finds the last tensor's storage freed, named (the cost of a failure,
 once). Times are the best and the median over ``--repeat`` checks of this thread's CPU time (the machine's
@@ -31,8 +32,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import is_, itemgetter
 
@@ -40,8 +40,7 @@ import torch
 
 from refit_core.contract.pieces import SourcePiece
 from refit_core.contract.spec import Box
-from refit_core.endpoints import binding
-from refit_core.endpoints.binding import AddressesEqual, BoundMemory, BoundTensors
+from refit_core.endpoints.binding import BoundMemory, BoundTensors
 from refit_core.kit.models import PRESETS, checkpoint_specs
 
 
@@ -54,9 +53,6 @@ class Shape:
 
 
 SHAPES = (Shape("llama-3-8b-shape", 0.1), Shape("qwen3-30b-a3b-shape", 1.0))
-CHECKS: dict[str, AddressesEqual | None] = {
-    **({"builtin": binding.ADDRESSES_EQUAL} if binding.ADDRESSES_EQUAL is not None else {}), "python": None}
-"""The address checks this torch has, by name: its one-call builtin (CUDA builds only), and the Python passes."""
 
 
 @dataclass(frozen=True)
@@ -91,16 +87,6 @@ def model(preset: str, device: torch.device) -> list[SourcePiece]:
     return pieces
 
 
-@contextmanager
-def address_check(equal: AddressesEqual | None) -> Iterator[None]:
-    """Binds made inside check addresses with ``equal`` (None: the Python passes)."""
-    saved, binding.ADDRESSES_EQUAL = binding.ADDRESSES_EQUAL, equal
-    try:
-        yield
-    finally:
-        binding.ADDRESSES_EQUAL = saved
-
-
 def measure(pieces: list[SourcePiece], repeat: int) -> dict[str, Timing]:
     """Each path's times on ``pieces``: ``before`` and ``diagnosis`` once, ``listed`` and ``pieces`` per check."""
     listed = [(p.spec.name, p.view) for p in pieces]
@@ -111,14 +97,11 @@ def measure(pieces: list[SourcePiece], repeat: int) -> dict[str, Timing]:
         return all(map(is_, tensors, objects)) and tuple(map(torch.Tensor.data_ptr, tensors)) == addresses
 
     timings = {"before": timed(before, repeat)}
-    for check, equal in CHECKS.items():
-        with address_check(equal):
-            bound = BoundTensors.listed(listed)
-            memory = BoundMemory.after_bind([], [], None, pieces)
-        assert (bound.witnessed is None) is (equal is None)
-        assert bound.first_change(listed) is None and memory.first_piece_change(pieces) is None
-        timings[f"listed, {check}"] = timed(lambda: bound.first_change(listed), repeat)
-        timings[f"pieces, {check}"] = timed(lambda: memory.first_piece_change(pieces), repeat)
+    bound = BoundTensors.listed(listed)
+    memory = BoundMemory.after_bind([], [], None, pieces)
+    assert bound.first_change(listed) is None and memory.first_piece_change(pieces) is None
+    timings["listed"] = timed(lambda: bound.first_change(listed), repeat)
+    timings["pieces"] = timed(lambda: memory.first_piece_change(pieces), repeat)
     freed = pieces[-1].view.clone()
     broken = BoundTensors.listed([*listed[:-1], ("freed", freed)])
     freed.untyped_storage().resize_(0)
@@ -146,8 +129,7 @@ def main() -> None:
         parser.error("--device cuda: CUDA is not available")
     devices = [torch.device("cpu")] if args.device != "cuda" else []
     devices += [torch.device("cuda")] if args.device != "cpu" and torch.cuda.is_available() else []
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}; torch._C._tensors_data_ptrs_at_indices_"
-          f"equal {'present' if 'builtin' in CHECKS else 'absent'}), Python {platform.python_version()}, "
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), Python {platform.python_version()}, "
           f"{cpu_name()} ({os.cpu_count()} CPUs); best and median of {args.repeat} checks (this "
           f"thread's CPU time), median wall time\n")
     print("| device | shape | tensors | path | best | median | median wall | per tensor | goal |")

@@ -8,7 +8,7 @@ checks before every step, on its critical path, that the model's tensors are sti
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from itertools import compress
@@ -27,14 +27,6 @@ _SPEC, _BOX, _VIEW = attrgetter("spec"), attrgetter("box"), attrgetter("view")
 _ADDRESS = torch.Tensor.data_ptr
 _STORAGE = torch.Tensor.untyped_storage
 _STORAGE_ADDRESS, _STORAGE_BYTES = torch.UntypedStorage.data_ptr, torch.UntypedStorage.nbytes
-
-AddressesEqual = Callable[[list, list, list], bool]
-"""``(tensors, data_ptrs, indices)``: whether ``tensors[i].data_ptr() == data_ptrs[i]`` for every ``i`` in
-``indices`` (lists only)."""
-
-ADDRESSES_EQUAL: AddressesEqual | None = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-"""torch's one-call check of many tensors' addresses (the one its cudagraph trees check static inputs with),
-which only CUDA builds of torch have; None without it. Each bind reads it: None binds for the Python passes."""
 
 
 def device_of(pieces: list[Piece]) -> torch.device:
@@ -88,48 +80,6 @@ class MemoryChange:
         return f"{role} tensor {self.name} {where}: {what} (on the {side} side: {remedy}); nothing of the step moved"
 
 
-def _witness(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A one-byte tensor on ``storage``, at its offset 0: its address is the storage's (a tensor without elements
-    has none), 0 once the storage is freed, the new one once it is reallocated."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (1,))
-
-
-@dataclass(frozen=True)
-class WitnessedAddresses:
-    """:class:`BoundTensors`' common-case check in one call of torch's :data:`ADDRESSES_EQUAL`, as strong as its
-    two passes: over a list of the model's tensors now, then one *witness* per distinct bound storage (a
-    one-byte tensor on it, made at the bind: it follows its storage's address, and only the storage's), against
-    the addresses recorded at the bind. A storage of 0 bytes at the bind cannot hold a witness: its address is
-    checked as the Python pass checks it (seldom any)."""
-
-    equal: AddressesEqual
-    witnesses: tuple[torch.Tensor, ...]
-    expected: list[int]
-    """The tensors' addresses at the bind, then the witnesses'."""
-    indices: list[int]
-    bare: tuple[torch.UntypedStorage, ...]
-    """The distinct bound storages of 0 bytes (no witness)."""
-    bare_addresses: tuple[int, ...]
-
-    @classmethod
-    def of(cls, equal: AddressesEqual, addresses: Sequence[int],
-           storages: Iterable[torch.UntypedStorage]) -> WitnessedAddresses:
-        """Witness each of the distinct ``storages`` bound now, whose tensors' addresses are ``addresses``."""
-        storages = tuple(storages)
-        bare = tuple(s for s in storages if not s.nbytes())
-        witnesses = tuple(_witness(s) for s in storages if s.nbytes())
-        expected = [*addresses, *map(_ADDRESS, witnesses)]
-        return cls(equal, witnesses, expected, list(range(len(expected))), bare, tuple(map(_STORAGE_ADDRESS, bare)))
-
-    def unchanged(self, tensors: Iterable[torch.Tensor]) -> bool:
-        """Whether ``tensors`` (as many as bound) and every witness are at their recorded addresses."""
-        try:
-            return (self.equal([*tensors, *self.witnesses], self.expected, self.indices)
-                    and tuple(map(_STORAGE_ADDRESS, self.bare)) == self.bare_addresses)
-        except (TypeError, RuntimeError):  # something else than a tensor (pybind: RuntimeError): diagnosed after
-            return False
-
-
 @dataclass(frozen=True)
 class BoundTensors:
     """A model's tensors as refit bound them: each object, the address of its first element (``data_ptr()``)
@@ -139,16 +89,15 @@ class BoundTensors:
     ``objects``: whether the listing hands the same tensor objects every time (``refit_model_tensors``), so
     that another object names the change; a plugin's pieces may be new views of the same memory at each call.
 
-    Checked before every step, on its critical path: the common case (nothing changed) is one call of torch's
-    :data:`ADDRESSES_EQUAL` where it has one (:class:`WitnessedAddresses`), else two passes of C calls
-    (``map``), one over the tensors' addresses and one over their distinct storages' addresses; only a
-    difference is diagnosed. Together they see every way the memory can change under a tensor: ``.data =``
+    Checked before every step, on its critical path: the common case (nothing changed) is two passes of C
+    calls (``map``), one over the tensors' addresses and one over their distinct storages' addresses; only
+    a difference is diagnosed. Together they see every way the memory can change under a tensor: ``.data =``
     and ``set_()`` give the tensor another storage (another address: the bound storage is still held, so its
     memory is not reused while it lives), a storage resized gets a new allocation (the old one is held while
     it copies), and a freed storage (``untyped_storage().resize_(0)``) has none: its address falls to 0, and
-    its tensors' to their byte offsets. The storages' pass (or their witnesses) sees a bound storage freed even
-    when the tensor was then given new memory at the very address the freed one had (a caching allocator's
-    reuse), which the executors' views, still on the freed storage, would hand the transport."""
+    its tensors' to their byte offsets. The storages' pass sees a bound storage freed even when the tensor
+    was then given new memory at the very address the freed one had (a caching allocator's reuse), which
+    the executors' views, still on the freed storage, would hand the transport."""
 
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
@@ -161,20 +110,16 @@ class BoundTensors:
     """The distinct storages among :attr:`storages` (by address), each checked once per step."""
     distinct_addresses: tuple[int, ...]
     objects: bool = True
-    witnessed: WitnessedAddresses | None = None
-    """The one-call check (None: torch has no :data:`ADDRESSES_EQUAL`, the two passes check)."""
 
     @classmethod
     def of(cls, names: Sequence[str], tensors: Sequence[torch.Tensor], objects: bool = True) -> BoundTensors:
         """Record ``tensors`` (named ``names``) as bound now."""
         tensors = tuple(tensors)
         storages = tuple(map(_STORAGE, tensors))
-        addresses, tensor_addresses = tuple(map(_STORAGE_ADDRESS, storages)), tuple(map(_ADDRESS, tensors))
+        addresses = tuple(map(_STORAGE_ADDRESS, storages))
         distinct = dict(zip(addresses, storages))
-        equal = ADDRESSES_EQUAL
-        witnessed = None if equal is None else WitnessedAddresses.of(equal, tensor_addresses, distinct.values())
-        return cls(tuple(names), tensors, tensor_addresses, storages, addresses, tuple(map(_STORAGE_BYTES, storages)),
-                   tuple(distinct.values()), tuple(distinct), objects, witnessed)
+        return cls(tuple(names), tensors, tuple(map(_ADDRESS, tensors)), storages, addresses,
+                   tuple(map(_STORAGE_BYTES, storages)), tuple(distinct.values()), tuple(distinct), objects)
 
     @classmethod
     def listed(cls, named: Sequence[tuple[str, torch.Tensor]]) -> BoundTensors:
@@ -195,10 +140,8 @@ class BoundTensors:
         return self._first_change(tensors)
 
     def _unchanged(self, tensors: Iterable[torch.Tensor]) -> bool:
-        """The common case, on the step's critical path: every address as recorded (one call of torch's builtin,
-        else one C call per tensor and one per distinct storage)."""
-        if self.witnessed is not None:
-            return self.witnessed.unchanged(tensors)
+        """The common case, on the step's critical path: every address as recorded (one C call per tensor, one
+        per distinct storage)."""
         try:
             return (tuple(map(_ADDRESS, tensors)) == self.addresses
                     and tuple(map(_STORAGE_ADDRESS, self.distinct)) == self.distinct_addresses)
@@ -323,5 +266,4 @@ class BoundMemory:
         return self.identity.first_change_of(self.layout.views(pieces))
 
 
-__all__ = ["ADDRESSES_EQUAL", "AddressesEqual", "BoundMemory", "BoundTensors", "MemoryChange", "Moved", "PieceLayout",
-           "WitnessedAddresses", "checked_views", "device_of"]
+__all__ = ["BoundMemory", "BoundTensors", "MemoryChange", "Moved", "PieceLayout", "checked_views", "device_of"]

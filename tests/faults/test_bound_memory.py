@@ -7,16 +7,12 @@ each parameter object itself as its piece's view, as the red team's did, with or
 ``refit_model_tensors`` (before: without it, each step compared the piece's object with itself). The red
 team's fuzz cases ``src_set_storage_after_setup`` and ``dst_set_storage_no_rebind`` are :attr:`Change.SET` on
 a train rank and on a gen rank (whose plugin's ``refit_begin_update`` returns False: no rebind).
-
-Every case runs with each address check a bind may use (:class:`Check`): one call of torch's builtin over the
-tensors and a witness per storage, and the Python passes over the tensors and their storages.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from enum import StrEnum
 
 import pytest
 import torch
@@ -36,51 +32,12 @@ from refit_core import (
     hookimpl,
 )
 from refit_core.contract.plugins import PluginManager
-from refit_core.endpoints import binding
-from refit_core.endpoints.binding import AddressesEqual, BoundTensors, Moved
 from refit_core.kit.launch import free_port
 
 TRAIN, GEN = 2, 2
 SHAPES = {"layer.weight": (8, 4), "norm.weight": (4,)}
 CULPRIT = "layer.weight"  # the tensor each change strikes, on one rank
 CULPRIT_BYTES = {Side.TRAIN: 64, Side.GEN: 128}  # its storage: 16 float32 on a train rank, 32 on a gen rank
-TORCH_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds of torch only
-
-
-def data_ptrs_at_indices_equal(tensors: list, data_ptrs: list, indices: list) -> bool:
-    """A pure-Python stand-in for ``torch._C._tensors_data_ptrs_at_indices_equal``, which only CUDA builds of
-    torch have, with its semantics: lists only, and for each index, the tensor's ``data_ptr()`` against the
-    recorded one; something else than a tensor raises RuntimeError, as its pybind cast does."""
-    if not all(type(arg) is list for arg in (tensors, data_ptrs, indices)):
-        raise TypeError("incompatible function arguments: lists only")
-    for index in indices:
-        tensor = tensors[index]
-        if not isinstance(tensor, torch.Tensor):
-            raise RuntimeError(f"Unable to cast Python instance of type {type(tensor)} to C++ type 'at::Tensor'")
-        if tensor.data_ptr() != data_ptrs[index]:
-            return False
-    return True
-
-
-class Check(StrEnum):
-    """How a bind checks the addresses at each step (``refit_core.endpoints.binding``)."""
-
-    BUILTIN = "builtin"
-    """One call of torch's builtin over the tensors and a witness per storage (its stand-in in CPU builds)."""
-    PYTHON = "python"
-    """Two ``map`` passes: the tensors' addresses, then their distinct storages'."""
-
-    @property
-    def equal(self) -> AddressesEqual | None:
-        """What binds made under this check use as :data:`refit_core.endpoints.binding.ADDRESSES_EQUAL`."""
-        return None if self is Check.PYTHON else TORCH_EQUAL or data_ptrs_at_indices_equal
-
-
-@pytest.fixture(params=list(Check))
-def check(request, monkeypatch) -> Check:
-    """Binds made in the test check addresses the parameter's way."""
-    monkeypatch.setattr(binding, "ADDRESSES_EQUAL", request.param.equal)
-    return request.param
 
 
 def reference(step: int) -> dict[str, torch.Tensor]:
@@ -142,14 +99,12 @@ class Case:
     lists: bool
     culprit: int  # a global rank: train ranks first
     address: str
-    check: Check
 
 
 def bound_rank(rank: int, report, cases: list[Case]) -> list[dict]:
     """Rank ``rank`` runs every case in turn: set up, one good step, then the culprit's change and a step."""
     outcomes = []
     for case in cases:
-        binding.ADDRESSES_EQUAL = case.check.equal  # this rank's process alone
         train = rank < TRAIN
         local, size = (rank, TRAIN) if train else (rank - TRAIN, GEN)
         plugins = PluginManager(load_entry_points=False)
@@ -200,12 +155,11 @@ def run(cases: list[Case]) -> dict[int, list[dict]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("culprit", [0, TRAIN + 1], ids=["train", "gen"])
 def test_a_tensor_changed_after_setup_fails_the_step_on_every_rank_naming_it(culprit):
-    """Each change, with and without ``refit_model_tensors``, under each check: every rank's step 1 fails within
-    its deadline, its error names the tensor, the culprit's side and what changed, and no gen rank's bytes
-    moved. Before: a rebinding or ``set_()`` was sent (train) or served (gen) stale with success, and freed
-    storage reached gloo ("Bad address", or the process aborted)."""
-    cases = [Case(change, lists, culprit, f"127.0.0.1:{free_port()}", check)
-             for check in Check for lists in (False, True) for change in Change]
+    """Each change, with and without ``refit_model_tensors``: every rank's step 1 fails within its deadline,
+    its error names the tensor, the culprit's side and what changed, and no gen rank's bytes moved. Before: a
+    rebinding or ``set_()`` was sent (train) or served (gen) stale with success, and freed storage reached
+    gloo ("Bad address", or the process aborted)."""
+    cases = [Case(change, lists, culprit, f"127.0.0.1:{free_port()}") for lists in (False, True) for change in Change]
     results = run(cases)
     side = Side.TRAIN if culprit < TRAIN else Side.GEN
     for index, case in enumerate(cases):
@@ -220,12 +174,13 @@ def test_a_tensor_changed_after_setup_fails_the_step_on_every_rank_naming_it(cul
 
 
 @pytest.mark.parametrize("change", ["data", "set", "resize", "free", "reused", "view", "object", "count"])
-def test_each_change_is_found_and_named_without_a_step(change, check):
+def test_each_change_is_found_and_named_without_a_step(change):
     """The check alone, on a listing of two tensors: each change found, named and told apart; none when
     the model only updated its tensors in place."""
+    from refit_core.endpoints.binding import BoundTensors, Moved
+
     param, other = torch.nn.Parameter(torch.ones(4, 4), requires_grad=False), torch.ones(8)
     bound = BoundTensors.listed([("p", param), ("o", other)])
-    assert (bound.witnessed is not None) is (check is Check.BUILTIN)
     param.add_(1.0)  # in place: no change
     assert bound.first_change([("p", param), ("o", other)]) is None
     now = [("p", param), ("o", other)]
@@ -241,7 +196,7 @@ def test_each_change_is_found_and_named_without_a_step(change, check):
         address = param.data_ptr()
         param.untyped_storage().resize_(0)
         param.set_(torch._C._construct_storage_from_data_pointer(address, param.device, 64), 0, (4, 4))  # never read
-        assert param.data_ptr() == address  # only the storages' pass (or their witnesses) sees it
+        assert param.data_ptr() == address  # only the storages' pass sees it
     elif change == "view":
         other.set_(other.untyped_storage(), 2, (6,))
     elif change == "object":
@@ -249,43 +204,23 @@ def test_each_change_is_found_and_named_without_a_step(change, check):
     else:
         now = now[:1]
     found = bound.first_change(now)
-    freed = ("p", Moved.STORAGE_FREED, "(resized from 64 to 0 bytes)")
     expected = {"data": ("p", Moved.STORAGE_REPLACED, ""), "set": ("p", Moved.STORAGE_REPLACED, ""),
-                "resize": ("p", Moved.STORAGE_RESIZED, "from 64 to 128 bytes"), "free": freed, "reused": freed,
+                "resize": ("p", Moved.STORAGE_RESIZED, "from 64 to 128 bytes"),
+                "free": ("p", Moved.STORAGE_FREED, "(resized from 64 to 0 bytes)"),
+                "reused": ("p", Moved.STORAGE_FREED, "(resized from 64 to 0 bytes)"),
                 "view": ("o", Moved.VIEW_MOVED, "from byte 0 to byte 8 of its storage"),
                 "object": ("o", Moved.OBJECT_REPLACED, ""), "count": ("", Moved.LISTING_CHANGED, "")}[change]
     assert found is not None and (found.name, found.moved) == expected[:2], found
     assert expected[2] in found.detail, found
 
 
-def test_a_storage_bound_empty_is_checked_too(check):
-    """A tensor without elements, on a storage of 0 bytes (no witness fits it): that storage given memory is
-    found."""
+def test_a_storage_bound_empty_is_checked_too():
+    """A tensor without elements, on a storage of 0 bytes: that storage given memory is found."""
+    from refit_core.endpoints.binding import BoundTensors, Moved
+
     empty, other = torch.empty(0), torch.ones(2)
     bound = BoundTensors.listed([("e", empty), ("o", other)])
     empty.untyped_storage().resize_(16)
     found = bound.first_change([("e", empty), ("o", other)])
     assert found is not None and (found.name, found.moved, found.detail) == ("e", Moved.STORAGE_RESIZED,
                                                                              "from 0 to 16 bytes"), found
-
-
-def test_a_witness_follows_its_storage_and_nothing_else():
-    """A witness (the builtin check's one-byte tensor on a bound storage) has the storage's address, the new one
-    once the storage is reallocated, 0 once it is freed; its tensor given other memory leaves it where it was."""
-    binding.ADDRESSES_EQUAL, saved = data_ptrs_at_indices_equal, binding.ADDRESSES_EQUAL
-    try:
-        kept, moved = torch.ones(4), torch.ones(4)
-        bound = BoundTensors.listed([("k", kept), ("m", moved)])
-    finally:
-        binding.ADDRESSES_EQUAL = saved
-    assert bound.witnessed is not None
-    witness_kept, witness_moved = bound.witnessed.witnesses
-    storage, address = moved.untyped_storage(), moved.data_ptr()
-    assert (witness_kept.data_ptr(), witness_moved.data_ptr()) == (kept.data_ptr(), address)
-    moved.set_(torch.zeros(4))
-    assert witness_moved.data_ptr() == address != moved.data_ptr()
-    storage.resize_(32)
-    assert witness_moved.data_ptr() == storage.data_ptr() != address
-    storage.resize_(0)
-    assert witness_moved.data_ptr() == 0
-    assert witness_kept.data_ptr() == kept.data_ptr() and kept.untyped_storage().nbytes() == 16
