@@ -46,6 +46,7 @@ class RelayShape(enum.StrEnum):
     DIRECT = "direct"  # the trainers feed every replica (no relay)
     CHAIN = "chain"  # fanout 1: every holder forwards to one replica
     TREE = "tree"  # every holder forwards to up to ``fanout`` replicas
+    BROADCAST = "broadcast"  # every replica hears the trainers' messages in NCCL broadcasts
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class Prediction:
         """``direct``, ``chain, 2 roots`` or ``tree fanout 4, 1 root, bucket 8.0 MiB, chunks 2.0 MiB``."""
         if self.shape is RelayShape.DIRECT:
             return self.shape.value
+        if self.shape is RelayShape.BROADCAST:
+            bucket = "" if self.bucket_bytes is None else f", bucket {format_bytes(self.bucket_bytes)}"
+            return f"{self.shape.value}{bucket}"
         roots = f"{self.relay.direct} root{'s' if self.relay.direct > 1 else ''}"
         label = f"chain, {roots}" if self.shape is RelayShape.CHAIN else f"tree fanout {self.relay.fanout}, {roots}"
         if self.bucket_bytes is not None:
@@ -191,12 +195,13 @@ def fanout_candidates(replicas: int) -> list[int]:
 
 def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *, fanouts: Sequence[int] | None = None,
                  buckets: Sequence[int | None] = (None,), chunks: Sequence[int] = RELAY_CHUNKS,
-                 on_prediction: OnPrediction | None = None) -> RelayChoice:
+                 broadcast: bool = True, on_prediction: OnPrediction | None = None) -> RelayChoice:
     """Simulate direct fanout (the trainers feed all ``relay.replicas``) and relay trees with 1, 2, 4...
     roots (skipping those the trainers' share alone rules out), each with the fanouts of ``fanouts``
     (default: ``relay.fanout`` where given explicitly, else :func:`fanout_candidates`: chains and trees) and
     the buckets of ``buckets`` (e.g. :data:`RELAY_BUCKETS`) and the slices of ``chunks`` (e.g.
-    :data:`RELAY_CHUNKS`), each in order while they get faster; the fastest, direct fanout on ties.
+    :data:`RELAY_CHUNKS`), each in order while they get faster; with ``broadcast`` (the transport has broadcasts
+    of its own: NCCL), the relay by broadcast with each bucket too; the fastest, direct fanout on ties.
 
     The trainers' schedule depends on the roots and the bucket only: it is planned once for each, and each
     fanout's and chunk's relay messages derived from it (:func:`~refit_core.plan.relay.relay_down_tree`);
@@ -215,6 +220,8 @@ def choose_relay(plan: Planner, relay: RelayOptions, topology: Topology, *, fano
                                     sim.sender_bound_s, skipped)
     except PlanError as e:
         return fastest.choice(refused=str(e))
+    if broadcast:
+        _broadcasts(plan, relay, topology, fastest, buckets)
     choice = fastest.choice(skipped=skipped)
     if best_derived:
         chosen = choice.chosen
@@ -301,6 +308,21 @@ def _trees(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fas
             break
         best = fanout_best
     return best, derived
+
+
+def _broadcasts(plan: Planner, relay: RelayOptions, topology: Topology, fastest: _Fastest,
+                buckets: Sequence[int | None]) -> None:
+    """:func:`choose_relay`'s relay by broadcast, with each of ``buckets`` in order while they get faster."""
+    options = relay_options(relay, direct=1, broadcast=True, drop=("fanout", "chunk_bytes", "slice_pieces"))
+    previous = float("inf")
+    for bucket in buckets:
+        summary = plan(options, bucket)
+        sim = simulated(summary, topology)
+        fastest.add(Prediction(options, sim.predicted_s, shape=RelayShape.BROADCAST, levels=2, bound_s=sim.bound_s,
+                               bucket_bytes=bucket), summary)
+        if sim.predicted_s >= previous:
+            break
+        previous = sim.predicted_s
 
 
 def choose_forwarding(plan: Planner, relay: RelayOptions, topology: Topology, *,

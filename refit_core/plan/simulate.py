@@ -5,7 +5,9 @@ The schedule says exactly which bytes go from which train rank to which gen rank
 Bytes between GPUs of one node ride NVLink, bytes between nodes ride the GPUs' NICs, and bytes
 between two ranks of one GPU are a device copy. A round lasts as long as its most loaded GPU link
 (each direction counted apart) plus one message latency per message that GPU posts; rounds run one
-after another. A replica relay (:mod:`refit_core.plan.relay`) is pipelined with them round by round, or
+after another. A relay by broadcast moves each message down its chain of replicas in NCCL's chunks while the
+rounds arrive (:func:`_broadcast_relay`). A replica relay (:mod:`refit_core.plan.relay`) is pipelined with
+them round by round, or
 slice by slice when it travels in slices (``chunk_bytes``): a relayed slice starts once its sender holds
 it and both its sender's egress and its receiver's ingress are free, and pays a latency per piece. The
 **receiver-side bound** is the bytes the busiest gen GPU must receive over its ingress link; the
@@ -273,6 +275,30 @@ def _pipelined_relay(traffic: _Traffic, relay: RelayPlan, schedule: Schedule, ro
     return last
 
 
+NCCL_CHUNK_BYTES = 512 << 10
+"""The piece a broadcast moves down its chain at a time in the model: NCCL's buffer of 4 MiB in 8 steps."""
+
+
+def _broadcast_relay(traffic: _Traffic, relay: RelayPlan, trainers_end: float, gen_gpus: Sequence[int]) -> float:
+    """When a relay by broadcast's last replica has the step. Every message of the trainers to rank ``i`` of the
+    first replica travels on down the chain of rank ``i`` of every replica (its relay messages, one per
+    replica, name the same bytes); NCCL moves it there in chunks inside its kernels, so each link of a chain
+    is busy with its bytes over its rate while the trainers' rounds arrive, and the last replica finishes one
+    chunk and one latency per hop after the slowest link of any chain did."""
+    size = relay.replica_size
+    busy: dict[Direction, float] = defaultdict(float)
+    tail = 0.0
+    for msgs in relay.schedule.rounds:
+        for m in msgs:  # m.dst: rank i of replica r >= 1; its bytes come from rank i of replica r - 1
+            out, into, _ = traffic.add(gen_gpus[m.dst - size], gen_gpus[m.dst], m.nbytes, by_trainer=False)
+            rate = traffic.topology.rate(out[1])
+            busy[out] += m.nbytes / rate
+            busy[into] += m.nbytes / rate
+            hop = NCCL_CHUNK_BYTES / rate + traffic.topology.latency_us * 1e-6
+            tail = max(tail, hop * relay.replica_of(m.dst))
+    return max(trainers_end, max(busy.values(), default=0.0)) + tail
+
+
 def simulate(schedule: Schedule, topology: Topology, placement: GpuPlacement | None = None,
              relay: RelayPlan | None = None) -> Simulation:
     """Predict ``schedule``'s time on ``topology`` (default placement: :meth:`GpuPlacement.disaggregated`).
@@ -293,6 +319,10 @@ def simulate(schedule: Schedule, topology: Topology, placement: GpuPlacement | N
         notes.append(f"forwarding:   {format_duration(sum(forwarding))} of the predicted time, after the trainers' "
                      "rounds; the bound counts every byte a gen GPU holds as if it crossed its NIC, which "
                      "forwarding within nodes avoids, so the prediction can beat it")
+    elif relay is not None and relay.broadcast:
+        relay_end = _broadcast_relay(traffic, relay, sum(rounds), placement.gen)
+        notes.append(f"relay:        by broadcast to {relay.tree.replicas} replicas: the last replica has the step "
+                     f"{format_duration(max(relay_end - sum(rounds), 0.0))} after the trainers' last round")
     elif relay is not None:
         ends = list(itertools.accumulate(rounds))
         relay_end = _pipelined_relay(traffic, relay, schedule, ends, placement.gen)

@@ -146,16 +146,19 @@ def lora_line(lora: LoraSpec, lora_bytes: int, full_bytes: int) -> str:
             f"({share:.2%})")
 
 
-def _relay_settings(text: str | None) -> dict[str, int]:
-    """``--relay replicas=32,direct=8,fanout=1`` -> the settings given, for :class:`RelayOptions`."""
+def _relay_settings(text: str | None) -> dict[str, int | bool]:
+    """``--relay replicas=32,direct=8,fanout=1`` (or ``broadcast=1``) -> the settings given, for
+    :class:`RelayOptions`."""
     if not text:
         return {}
-    out: dict[str, int] = {}
+    out: dict[str, int | bool] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("replicas", "direct", "fanout") or not value.isdigit():
-            raise RefitError(f"--relay item {item!r}: use replicas=N[,direct=N][,fanout=N]")
-        out[key] = int(value)
+        if key not in ("replicas", "direct", "fanout", "broadcast") or not value.isdigit():
+            raise RefitError(f"--relay item {item!r}: use replicas=N[,direct=N][,fanout=N][,broadcast=1]")
+        out[key] = bool(int(value)) if key == "broadcast" else int(value)
+    if out.get("broadcast"):
+        out.setdefault("direct", 1)
     if "replicas" not in out:
         raise RefitError("--relay needs replicas=N (the gen ranks' identical replicas, e.g. the gen layout's dp)")
     return out
@@ -333,11 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan a LoRA refit: adapter mode moves only the adapters (derived from the model's "
                            "linear shapes), merged mode the merged weights; prints bytes per step beside the "
                            "full model's")
-    plan.add_argument("--relay", metavar="replicas=N[,direct=N][,fanout=N]",
+    plan.add_argument("--relay", metavar="replicas=N[,direct=N][,fanout=N][,broadcast=1]",
                       help="relay: the gen ranks form N identical replicas; the trainers feed `direct` of them and "
                            "every holder forwards each message, as soon as it landed, to `fanout` more (1: chains); "
-                           "without direct: simulate direct fanout, chains and trees with 1, 2, 4... roots (only "
-                           "the given fanout where given) and plan the fastest")
+                           "broadcast=1: the trainers' messages reach every replica in NCCL broadcasts; without "
+                           "direct: simulate direct fanout, chains and trees with 1, 2, 4... roots (only the given "
+                           "fanout where given) and the broadcast, and plan the fastest")
     plan.add_argument("--forward-within-nodes", action="store_true",
                       help="regions several gen ranks of one node hold (TP-replicated norms, MLA's q_a / kv_a) "
                            "cross the network once per node and are forwarded over NVLink "

@@ -31,7 +31,7 @@ def test_an_rl_framework_asks_for_the_fastest_relay_from_one_trainer_node_into_3
 
     seen: list[Prediction] = []
     choice = choose_relay(plan, RelayOptions(replicas=32), Topology.parse("h200"), buckets=(None, 32 << 20),
-                          chunks=(0,), on_prediction=seen.append)
+                          chunks=(0,), broadcast=False, on_prediction=seen.append)
     assert seen == list(choice.candidates)
     assert choice.baseline is seen[0] and seen[0].baseline and seen[0].shape is RelayShape.DIRECT
     # 1, 2, 4... roots, chains first, then trees of fanout 2, 4... while they get faster (1 root, 512 MiB: a
@@ -91,7 +91,8 @@ def test_a_deep_chain_is_chosen_in_slices_and_planned_with_them():
                                                                         relay=relay))
         return PlanSummary(schedule, len(train), len(gen), 0.0, relay=relay_plan)
 
-    choice = choose_relay(plan, RelayOptions(replicas=32, fanout=1), Topology.parse("h200"), chunks=RELAY_CHUNKS)
+    choice = choose_relay(plan, RelayOptions(replicas=32, fanout=1), Topology.parse("h200"), chunks=RELAY_CHUNKS,
+                          broadcast=False)
     one_root = [p for p in choice.candidates if p.relay.direct == 1]
     # a 31-hop chain: whole 64 MiB rounds pay a round per hop, 16 and 8 MiB slices a slice per hop; at 4 MiB
     # the 15 us per piece outweighs what the hops save, and no smaller slice is tried
@@ -103,3 +104,23 @@ def test_a_deep_chain_is_chosen_in_slices_and_planned_with_them():
     assert choice.plan.relay is not None and choice.plan.relay.chunk_bytes == best.chunk_bytes
     assert choice.plan.relay.tree.parent == plan_tree(32, best.relay.direct, 1).parent
     assert choice.predicted_s == best.predicted_s < 1.15 * best.bound_s
+
+
+def test_with_nccl_broadcasts_the_fleet_is_one_broadcast_per_message():
+    # the same 1 GiB tensor from 8 train GPUs into 32 replicas, where the transport broadcasts (NCCL)
+    spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
+    train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]
+    gen = [[PieceMeta(spec, Box((0, 0), spec.shape))] for _ in range(32)]
+
+    def plan(relay: RelayOptions, bucket_bytes: int | None = None) -> PlanSummary:
+        schedule, relay_plan = plan_with_relay(train, gen, RefitOptions(bucket_bytes=bucket_bytes or 512 << 20,
+                                                                        relay=relay))
+        return PlanSummary(schedule, len(train), len(gen), 0.0, relay=relay_plan)
+
+    choice = choose_relay(plan, RelayOptions(replicas=32), Topology.parse("h200"), chunks=(0,))
+    trees = [p for p in choice.candidates if p.shape in (RelayShape.CHAIN, RelayShape.TREE)]
+    assert choice.chosen.shape is RelayShape.BROADCAST and choice.chosen.label == "broadcast"
+    assert choice.relay == RelayOptions(replicas=32, direct=1, broadcast=True)
+    assert choice.plan.relay is not None and choice.plan.relay.broadcast
+    assert choice.predicted_s < min(p.predicted_s or float("inf") for p in trees)
+    assert choice.predicted_s < 1.05 * choice.chosen.bound_s  # 31 hops cost a chunk each, not a round
