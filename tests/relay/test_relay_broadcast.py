@@ -4,6 +4,8 @@ sends the root's bytes to every member (``Transport.broadcast``): these tests ch
 the headers bitwise on CPU; ``test_relay_gpu.py`` checks NCCL's own broadcast (each byte leaves the trainer
 once) on 4 GPUs."""
 
+import time
+
 import pytest
 from relay_ranks import relay_ranks
 
@@ -42,3 +44,17 @@ def test_every_replica_hears_the_trainers_broadcasts_bitwise(mode: str, train_ra
     sent = trainers[0]["train_bytes"]  # the planner's schedule is the whole one
     received = [g["counters"][-1]["received_bytes"] for g in gens]
     assert received == [2 * sent] * 4, received
+
+
+def test_a_dead_replica_fails_the_broadcast_step_on_every_rank_within_the_deadline():
+    """Gen rank 1 (a relayed replica) dies once set up: the trainer's broadcast to it fails, and every other
+    rank fails the step within the deadline; a relayed replica's error says how its step comes."""
+    start = time.monotonic()
+    results = spawn(relay_ranks, 5, f"127.0.0.1:{free_port()}", 1, BROADCAST, 2, 15.0, 1, 1, None, False, False,
+                    None, timeout_s=180)
+    assert time.monotonic() - start < 60
+    trainer, gens = results[0], [results[1], results[3], results[4]]
+    assert isinstance(trainer, tuple) and "between rank 0 and rank 2 failed" in trainer[2], trainer
+    assert all(isinstance(r, tuple) and r[1] == "StepFailedError" for r in gens), gens
+    assert all("gave up on the step" in r[2] and "rank 2" in r[2] for r in gens), gens
+    assert all("hears the trainers' broadcasts with gen rank 0" in r[2] for r in gens[1:]), gens
