@@ -188,7 +188,7 @@ if step relay-fp8; then
 fi
 if step reshard-x4; then
   bench_run reshard-x4 ${RESHARD_TIMEOUT:-240} 120 "$OUT/$MACHINE-reshard-x4-$DATE" \
-    "refit bench --models llama-3-8b-shape,qwen3-30b-a3b-shape --methods wire,refit --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,1 --gen-gpus 2,3 --machine $MACHINE"
+    "refit bench --models ${RESHARD_MODELS:-llama-3-8b-shape,qwen3-30b-a3b-shape} --methods ${RESHARD_METHODS:-wire,refit} --train-tp 2 --gen-tp 1 --gen-dp 2 --train-gpus 0,1 --gen-gpus 2,3 --machine $MACHINE"
 fi
 if step megatron; then
   OUT="$OUT" PY="$PY" MACHINE="$MACHINE" limit ${MEGATRON_TIMEOUT:-300} bash benchmarks/megatron_gpu.sh 2>&1 | tail -12 | tee -a "$LOG"
