@@ -114,11 +114,12 @@ def count_gathers() -> None:
 class ModelAdapter(BaseRollout):
     """A server adapter serving from a transformers model in this process (refit's DTensor destination)."""
 
-    def __init__(self, config: RolloutConfig, model_config: HFModelConfig, seed: int) -> None:
+    def __init__(self, config: RolloutConfig, model_config: HFModelConfig, seed: int,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__(config, model_config, device_mesh=None)
         from refit_dtensor import build_model
 
-        self.model = build_model(model_config.hf_config, seed=seed)
+        self.model = build_model(model_config.hf_config, seed=seed, dtype=dtype)
         self.updates: list[tuple[int | None, int]] = []
 
     async def resume(self, tags: list[str]) -> None:
@@ -134,8 +135,9 @@ class ModelAdapter(BaseRollout):
 class Rollout(CheckpointEngineWorker):
     """verl's checkpoint-engine worker beside the rollout's model."""
 
-    def __init__(self, rollout_config: RolloutConfig, model_config: HFModelConfig, seed: int = 1) -> None:
-        super().__init__(rollout_config, model_config, ModelAdapter(rollout_config, model_config, seed))
+    def __init__(self, rollout_config: RolloutConfig, model_config: HFModelConfig, seed: int = 1,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(rollout_config, model_config, ModelAdapter(rollout_config, model_config, seed, dtype))
 
     @verl_method(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights(self) -> dict[str, torch.Tensor]:
