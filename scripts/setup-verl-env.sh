@@ -4,6 +4,8 @@
 # needs >= 5.16.1, so verl lives in its own virtualenv. Lean: the CPU torch wheel on this disk, verl without
 # its dependency tree (flash-attn, wandb, tensorboard, vLLM / SGLang extras), plus only what the import
 # chains of verl's checkpoint engine, workers and FSDP engine need. From scratch: 88 s and 1.9 GB here (warm caches).
+# verl's Megatron engine (tests/verl/test_verl_megatron.py) adds megatron-core and mbridge, both without their
+# dependency trees (Transformer Engine, apex: CUDA only), and refit-plugin-megatron: about 4 s, 20 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,6 +20,11 @@ if ! "$VENV/bin/python" -c "import verl.checkpoint_engine, verl.workers.engine_w
     venv_install "$VENV" "transformers>=5.5.3,<5.11,!=5.6.0" "tensordict>=0.8,<=0.10" "ray>=2.41" hydra-core \
         codetiming peft accelerate datasets pillow uvicorn fastapi
 fi
-venv_install "$VENV" -e ".[test]" -e tests/example_plugin -e plugins/dtensor -e plugins/verl
-"$VENV/bin/python" -W ignore -c "import verl.checkpoint_engine, refit_verl.engine, refit_dtensor" \
-    || { echo "setup-verl: verl, refit-plugin-verl or refit-plugin-dtensor is missing" >&2; exit 1; }
+if ! "$VENV/bin/python" -c "from importlib.metadata import version; version('megatron-core'), version('mbridge')" \
+        2>/dev/null; then
+    echo "setup-verl: installing megatron-core 0.16.1 and mbridge 0.15.1 (verl's Megatron engine) without their trees"
+    venv_install "$VENV" --no-deps megatron-core==0.16.1 mbridge==0.15.1   # einops comes with refit-plugin-megatron
+fi
+venv_install "$VENV" -e ".[test]" -e tests/example_plugin -e plugins/dtensor -e plugins/megatron -e plugins/verl
+"$VENV/bin/python" -W ignore -c "import verl.checkpoint_engine, refit_verl.engine, refit_dtensor, refit_megatron, mbridge" \
+    || { echo "setup-verl: verl, mbridge or a refit plugin (verl, dtensor, megatron) is missing" >&2; exit 1; }

@@ -5,10 +5,11 @@ verl's ``CheckpointEngineManager.update_weights`` runs, every step: ``prepare`` 
 rendezvous: actor rank 0's address), ``init_process_group`` on every actor and rollout worker, then
 ``send_weights`` / ``receive_weights`` together, then ``finalize``. Here ``init_process_group`` sets up a
 :class:`~refit_core.RefitSender` on the actor's training engine and a :class:`~refit_core.RefitReceiver`
-on the rollout's model once (refit plans once); every step moves each rank's own FSDP2 shards straight
-into the rollout's parameters as weight version ``global_steps``. ``send_weights`` never iterates the
-generator verl hands it: verl's FSDP2 generator gathers a full tensor per item only when iterated, so
-nothing is gathered. ``receive_weights`` yields nothing: the weights are already in place.
+on the rollout's model once (refit plans once); every step moves each rank's own FSDP2 or Megatron shards
+straight into the rollout's parameters as weight version ``global_steps``. ``send_weights`` never iterates
+the generator verl hands it: verl's generators (FSDP2's ``full_tensor()``, Megatron's all-gather per
+tensor-parallel weight) gather only when iterated, so nothing is gathered. ``receive_weights`` yields
+nothing: the weights are already in place.
 
 Offload: refit refuses a source whose memory moved since setup (a colocated engine reads it in place).
 With the actor's ``param_offload``, ``init_process_group`` loads the parameters to the device and sets up

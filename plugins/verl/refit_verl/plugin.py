@@ -1,9 +1,10 @@
-"""The refit backend ``verl`` (entry point ``refit: verl``): verl's FSDP2 training engines as sources.
+"""The refit backend ``verl`` (entry point ``refit: verl``): verl's training engines as sources.
 
 A ``verl.workers.engine`` FSDP engine is claimed whole: its module's DTensor shards (refit-plugin-dtensor's
 pieces, never ``full_tensor()``), a PEFT module's adapters in adapter mode, merged on the way with
-``lora.merge``. Metadata-only layouts are the FSDP2 / HSDP layouts verl's FSDP engine builds (``fsdp``,
-``dp``); tensor, pipeline and expert parallelism belong to verl's Megatron engine, refused here.
+``lora.merge``. A Megatron engine's tensor / pipeline / expert shards are refit-plugin-megatron's pieces
+(:mod:`refit_verl.megatron`). Metadata-only layouts are the FSDP2 / HSDP layouts verl's FSDP engine builds
+(``fsdp``, ``dp``); a Megatron engine's layouts are the ``megatron`` backend's (``megatron:tp=2,...``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from refit_core import Backend, ParallelLayout, PluginError, Side, SourcePiece, hookimpl
 
+from .megatron import is_megatron_engine, megatron_pieces, megatron_tensors
 from .sources import is_training_engine, source_model
 
 BACKEND = "verl"
@@ -22,19 +26,28 @@ _SHARDED_BY = ("fsdp", "dp")
 @hookimpl
 def refit_register_backends(register: Callable[[Backend], None]) -> None:
     register(Backend(BACKEND, {Side.TRAIN},
-                     description="verl's FSDP2 actor (a verl training engine), its DTensor shards read in place"))
+                     description="verl's FSDP2 or Megatron actor (a verl training engine), its shards read in place"))
 
 
 @hookimpl
 def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
     if not is_training_engine(model):
         return None
+    if is_megatron_engine(model):
+        return megatron_pieces(model)
     from refit_dtensor import plugin as dtensor
 
     pieces = dtensor.refit_source_pieces(source_model(model))
     if pieces is None:
         raise PluginError(f"verl actor: {type(model.module).__name__} is not a transformers model refit can read")
     return pieces
+
+
+@hookimpl
+def refit_model_tensors(model: Any) -> list[tuple[str, torch.Tensor]] | None:
+    if not (is_training_engine(model) and is_megatron_engine(model)):
+        return None  # an FSDP engine: refit asks refit_source_pieces again before every step
+    return megatron_tensors(model)
 
 
 @hookimpl

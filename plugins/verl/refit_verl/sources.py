@@ -1,4 +1,5 @@
-"""What refit moves in a verl job: the actor's FSDP2 model, read in place, and the rollout's destination.
+"""What refit moves in a verl job: the actor's FSDP2 or Megatron model, read in place, and the rollout's
+destination.
 
 verl builds the checkpoint engine inside its workers (``ActorRolloutRefWorker`` / ``TrainingWorker`` on
 the actor side, ``CheckpointEngineWorker`` on the rollout side) and calls it through the worker's
@@ -13,18 +14,23 @@ from typing import Any
 
 from refit_core import PluginError
 
+from .megatron import is_megatron_engine, megatron_source
+
 _FRAMES = 12
 """How far up the call stack the worker holding an engine may be (verl's dispatch adds a few frames)."""
 
 
 def is_training_engine(model: Any) -> bool:
-    """Whether ``model`` is a verl training engine (``verl.workers.engine``'s FSDP engines and kin)."""
+    """Whether ``model`` is a verl training engine (``verl.workers.engine``'s FSDP and Megatron engines, kin)."""
     return type(model).__module__.startswith("verl.") and hasattr(model, "module") and hasattr(model, "engine_config")
 
 
 def source_model(engine: Any) -> Any:
     """The model refit reads on a train rank: the engine's FSDP2 module (a PEFT model for LoRA, moved
-    in refit's adapter mode; ``lora.merge=True`` folds the adapters in on the way, refit's merged mode)."""
+    in refit's adapter mode; ``lora.merge=True`` folds the adapters in on the way, refit's merged mode), or
+    a Megatron engine's chunks as refit-plugin-megatron's ``MegatronSource``."""
+    if is_megatron_engine(engine):
+        return megatron_source(engine)
     from refit_dtensor.lora import merged, peft_of
 
     module = engine.module
