@@ -11,6 +11,9 @@ transport on each through the registry, and checks, in order:
 - ``after fences``: a send posted ``after`` a fence that fills its tensor only when waited on carries the
   filled bytes (the transport waited for the fence before it read the tensor);
 - ``control exchange``: a ``control=True`` exchange (the step header) lands both ways;
+- ``broadcasts land bitwise``: two groups (every rank, rooted at rank 0; then at the last rank) opened with
+  :meth:`~refit_core.net.transport.base.Transport.open_broadcasts`, a broadcast of several messages in each;
+  every member holds the root's bytes bit for bit (a transport may keep the default, which sends them);
 - ``non-contiguous refused``: a non-contiguous tensor raises a ``TransferError`` that says so, before
   anything is posted;
 - ``abort reaches peers``: rank 0 aborts with a receive in flight; every other rank's wait on it fails with a
@@ -157,6 +160,23 @@ class _Rank:
         return [f"rank {self.rank}: the control exchange from rank {p} landed {got.tolist()}"
                 for p, got in recvs if got.tolist() != [p, self.rank, 42]]
 
+    def broadcasts(self) -> list[str]:
+        last = self.world - 1
+        groups = [tuple(range(self.world)), (last, *range(last))]
+        self.transport.open_broadcasts(groups, self.rank)
+        posts = [(g, _pattern(root, self.world, i, dt, n, self.device) if self.rank == root else
+                  torch.zeros(n, dtype=dt, device=self.device))
+                 for g, root in enumerate((0, last)) for i, (dt, n) in enumerate(MESSAGES)]
+        self._finish(self.transport.broadcast(posts))
+        problems = []
+        for k, (group, got) in enumerate(posts):
+            index, root = k % len(MESSAGES), groups[group][0]
+            dtype, numel = MESSAGES[index]
+            if _differs(got, _pattern(root, self.world, index, dtype, numel, self.device)):
+                problems.append(f"rank {self.rank}: broadcast message {index} ({numel} x {dtype}) from rank {root} "
+                                "did not land bit for bit")
+        return problems
+
     def non_contiguous(self) -> list[str]:
         strided = torch.zeros(8, 8, device=self.device)[:, ::2]
         try:
@@ -225,7 +245,8 @@ def transport_rank(rank: int, world: int, job: _Job) -> RankChecks:
                             [f"rank {rank}: its kind is {transport.kind!r}, not {kind!r}"])]
     results.append(_checked("register", me.register))
     for name, check in (("exchanges land bitwise", me.exchanges), ("after fences", me.after_fences),
-                        ("control exchange", me.control), ("non-contiguous refused", me.non_contiguous)):
+                        ("control exchange", me.control), ("broadcasts land bitwise", me.broadcasts),
+                        ("non-contiguous refused", me.non_contiguous)):
         _barrier(store, name, rank, world)
         results.append(_checked(name, check))
     _barrier(store, "abort", rank, world)

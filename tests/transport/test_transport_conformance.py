@@ -12,7 +12,7 @@ from tests.environments import BY_DESIGN
 from refit_core.testing.results import ConformanceError, Outcome
 from refit_core.testing.transport import check_transport
 
-CHECKS = {"opens", "register", "exchanges land bitwise", "after fences", "control exchange",
+CHECKS = {"opens", "register", "exchanges land bitwise", "after fences", "control exchange", "broadcasts land bitwise",
           "non-contiguous refused", "abort reaches peers", "close is idempotent"}
 
 
