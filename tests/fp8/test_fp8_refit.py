@@ -102,13 +102,14 @@ def test_colocated_pairs_quantize_from_the_trainers_memory(block):
     assert results[0]["sender_quantized"]
 
 
-def test_relayed_replicas_get_the_quantized_bytes_and_quantize_the_rest_themselves():
-    """TP 2 -> 3 replicas of TP 1, a chain fed by the trainers through replica 0, 128 x 128 blocks: what the
-    trainers quantize (the MLP) is forwarded as FP8 values and scales; what the receivers quantize (q/k/v,
-    whose shards split blocks) is forwarded in BF16 and every replica quantizes it itself. Every replica
-    bitwise."""
+@pytest.mark.parametrize("broadcast", [False, True], ids=["chain", "broadcast"])
+def test_relayed_replicas_get_the_quantized_bytes_and_quantize_the_rest_themselves(broadcast: bool):
+    """TP 2 -> 3 replicas of TP 1, a chain fed by the trainers through replica 0 (or the trainers' broadcasts),
+    128 x 128 blocks: what the trainers quantize (the MLP) is relayed as FP8 values and scales; what the
+    receivers quantize (q/k/v, whose shards split blocks) is relayed in BF16 and every replica quantizes it
+    itself. Every replica bitwise."""
     job = {"model": "tiny-llama", "train_tp": 2, "gen_tp": 1, "block": (128, 128), "config": BF16,
-           "options": {"relay": {"replicas": 3, "direct": 1}}}
+           "options": {"relay": {"replicas": 3, "direct": 1, "broadcast": broadcast}}}
     results = spawn(fp8_refit_rank, 5, f"127.0.0.1:{free_port()}", job, timeout_s=240)
     assert not [r["error"] for r in results if "error" in r], results
     gen = _gen(results)
