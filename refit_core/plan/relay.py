@@ -446,5 +446,5 @@ def check_relay_pairs(relay: RelayPlan, gen_places: Sequence[Placement]) -> None
 
 
 __all__ = ["PIECE_ALIGN", "RelayPiece", "RelayPlan", "RelayTree", "ReplicaTree", "broadcast_groups",
-           "check_relay_pairs", "chunk_spans",
-           "piece_bytes", "plan_node_forwarding", "plan_tree", "relay_down_tree", "relay_slices", "replica_tree"]
+           "check_relay_pairs", "chunk_spans", "piece_bytes", "plan_node_forwarding", "plan_tree", "relay_down_tree",
+           "relay_slices", "replica_tree"]
