@@ -33,6 +33,11 @@ communicators. (A rotation carried across steps gives a step of N operations a n
 until all K have been seen, when N is not a multiple of K; NCCL warms each new mapping up anew, about
 90 ms per step on 2 x H200, so K slow steps came after setup instead of one.)
 
+Broadcasts (the relay by broadcast). :meth:`NcclTransport.open_broadcasts` builds K communicators for each
+group of ranks (its root first, on GPUs of their own), in the order given, the same on every member; a
+group's broadcasts rotate over them as a link's operations do, and the step header restarts that rotation
+too. NCCL moves each broadcast down a chain of the members inside its kernels.
+
 Backends (:class:`~refit_core.contract.options.NcclBackend`). ``nccl4py`` (``pip install nccl4py``; the
 default) or, where it cannot be imported, a ``torch.distributed.ProcessGroupNCCL`` built on the same
 store (``torch`` forces it; it has no pairwise mode). ``nccl4py`` does not check contiguity: only
