@@ -16,11 +16,15 @@ over gloo, and leaves the engine's own code (``_init_device_mesh``, ``make_megat
   those two names; the local norm refuses sequence parallelism (the test turns it off: it shapes activations,
   not parameters);
 * megatron-core's optimizer allocates on ``device='cuda'`` and checks ``torch.cuda.*Tensor`` types: the
-  engine is built without optimizer and LR scheduler; :meth:`MegatronActor.train_step` stands in for a step.
+  engine is built without optimizer and LR scheduler; :meth:`MegatronActor.train_step` stands in for a step;
+* verl's Megatron offload keeps its host copy in pinned memory, which needs an accelerator: on the host it is
+  allocated unpinned (:func:`unpinned`, around :meth:`MegatronActor.offload_round_trip` only).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -54,6 +58,17 @@ def megatron_on_host() -> None:
         "model.layers.{layer_number}.post_attention_layernorm.weight"]}
     MegatronEngine._build_optimizer = lambda self: None  # type: ignore[method-assign]
     MegatronEngine._build_lr_scheduler = lambda self: None  # type: ignore[method-assign]
+
+
+@contextmanager
+def unpinned() -> Iterator[None]:
+    """``torch.empty(..., pin_memory=True)`` allocates plain host memory (the host has no pinned allocator)."""
+    empty = torch.empty
+    torch.empty = lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.empty = empty  # type: ignore[assignment]
 
 
 def count_all_gathers() -> None:
@@ -95,6 +110,19 @@ class MegatronActor(Actor):
     def gathers(self) -> int:
         """How many all-gathers this process made since the worker was built."""
         return _GATHERS[0]
+
+    @verl_method(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def offload_round_trip(self) -> bool:
+        """verl's own Megatron offload and load (``offload_megatron_model_to_cpu``, ``load_megatron_model_to_gpu``):
+        megatron's parameter buffers are freed, then allocated again and the values copied back. True: every
+        parameter's memory was freed in between."""
+        from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
+
+        with unpinned():
+            offload_megatron_model_to_cpu(self.engine.module)
+        freed = all(p.untyped_storage().size() == 0 for p in self.engine.module[0].parameters())
+        load_megatron_model_to_gpu(self.engine.module, load_grad=False)
+        return freed
 
     @verl_method(dispatch_mode=Dispatch.ONE_TO_ALL)
     def local_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -5,7 +5,9 @@ parallel over 2 Ray workers, gloo, bf16) into a rollout worker with the ``refit`
 block. refit reads each rank's tensor-parallel shards in place through refit-plugin-megatron's mapping; verl's
 generator (mbridge's export, which all-gathers every tensor-parallel weight) is closed unread. The reference is
 that very export, taken outside the sync: the rollout's bf16 parameters equal it bit for bit after each of 3
-steps. ``megatron_workers.py`` says what lets verl's CUDA-only Megatron engine build on the host.
+steps. Then the offload story with verl's own Megatron offload round trip (parameter buffers freed and allocated
+again): refused by name, then planned per step with ``param_offload``. ``megatron_workers.py`` says what lets
+verl's CUDA-only Megatron engine build on the host.
 """
 
 from __future__ import annotations
@@ -63,6 +65,23 @@ def test_three_steps_land_bitwise_planned_once_nothing_gathered(job: Any) -> Non
         assert differing(job) == [], f"step {step}"
     assert actor.setups() == [1, 1] and rollout.setups() == [1]
     assert rollout.updates() == [[(step, 0) for step in STEPS]]  # verl's global_steps; nothing yielded
+
+
+def test_offload_moved_parameters_refused_then_planned_per_step(job: Any) -> None:
+    """verl's own Megatron offload round trip moves every parameter: refused by name unless ``param_offload``
+    tells refit's engine to plan each step where the parameters are."""
+    actor, rollout, manager = job.actor, job.rollout, job.manager
+    actor.train_step(4)
+    assert actor.offload_round_trip() == [True, True]
+    with pytest.raises(Exception, match=r"source tensor 0\.\S+ now lives at a different address"):
+        manager.update_weights(global_steps=4)
+    actor.offload_parameters(True)  # param_offload: set up after the load, close after the offload
+    for step in (5, 6):
+        actor.train_step(step)
+        assert actor.offload_round_trip() == [True, True]
+        manager.update_weights(global_steps=step)
+        assert differing(job) == [], f"step {step}"
+    assert actor.setups() == [3, 3] and rollout.setups() == [3]
 
 
 def test_verls_own_export_gathers_what_refit_leaves_in_place(job: Any) -> None:
