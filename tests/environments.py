@@ -58,7 +58,8 @@ SGLANG = Environment(
 VERL = Environment(
     venv=".venv-verl", setup="scripts/setup-verl-env.sh",
     runs=".venv-verl/bin/python -m pytest tests/verl --require-all",
-    modules=frozenset({"verl", "hydra", "refit_verl", "refit_dtensor", "refit_toy"}))
+    modules=frozenset({"verl", "hydra", "refit_verl", "refit_dtensor", "refit_toy", "mbridge", "megatron.core",
+                       "refit_megatron"}))
 ENVIRONMENTS = (MAIN, SGLANG, VERL)
 
 

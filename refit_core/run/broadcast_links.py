@@ -33,7 +33,7 @@ class BroadcastLinks(Transport):
         self._group = {(members[0], member): index for index, members in enumerate(groups) for member in members[1:]}
         """(root, member) -> the group's index."""
 
-    @property  # type: ignore[override]  # the executors set the timeline on the transport they hold
+    @property  # the executors set the timeline on the transport they hold
     def timeline(self) -> SpanRecorder | None:
         return self.inner.timeline
 

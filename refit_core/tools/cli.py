@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from refit_core.contract.backend import GEN
 from refit_core.contract.errors import RefitError
@@ -146,12 +146,12 @@ def lora_line(lora: LoraSpec, lora_bytes: int, full_bytes: int) -> str:
             f"({share:.2%})")
 
 
-def _relay_settings(text: str | None) -> dict[str, int | bool]:
+def _relay_settings(text: str | None) -> dict[str, Any]:
     """``--relay replicas=32,direct=8,fanout=1`` (or ``broadcast=1``) -> the settings given, for
     :class:`RelayOptions`."""
     if not text:
         return {}
-    out: dict[str, int | bool] = {}
+    out: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = item.partition("=")
         if key not in ("replicas", "direct", "fanout", "broadcast") or not value.isdigit():
