@@ -104,6 +104,19 @@ class _Cadence:
 
 
 
+def _rotated(links: Sequence[_Link], counts: dict[int, int], key: int, nbytes: int) -> _Link:
+    """The next of ``links`` for an operation of ``nbytes`` in the sequence ``key`` (a peer and direction, or a
+    broadcast group), ``counts`` holding each sequence's operations so far: data operations rotate over the
+    links; one of at most :data:`SMALL_OP_BYTES` (a message's scales) goes with the operation before it and
+    does not move the rotation, so that the large ones still alternate. Both ends see the same sizes in the
+    same order: they agree."""
+    index = counts.get(key, 0)
+    if nbytes <= SMALL_OP_BYTES:
+        return links[max(index - 1, 0) % len(links)]
+    counts[key] = index + 1
+    return links[index % len(links)]
+
+
 @dataclass(frozen=True)
 class _Link:
     """One communicator to a peer: the peer's rank in it and the stream operations go on."""
@@ -258,22 +271,13 @@ class NcclTransport(Transport):
 
     def _link(self, peer: int, counts: dict[int, int] | None, nbytes: int) -> _Link:
         """The communicator of this rank's next operation with ``peer`` in one direction (``counts``: the
-        operations posted so far per peer in that direction; None: a control exchange, on the first).
-
-        Data operations rotate over the link's communicators; one of at most :data:`SMALL_OP_BYTES` (a
-        message's scales) goes with the operation before it and does not move the rotation, so that the
-        large ones still alternate. Both ends see the same sizes in the same order: they agree."""
+        operations posted so far per peer in that direction; None: a control exchange, on the first). Data
+        operations rotate over the link's communicators (:func:`_rotated`)."""
         try:
             links = self._links[peer]
         except KeyError:
             raise TransferError(f"no NCCL link from rank {self.rank} to rank {peer}") from None
-        if counts is None:
-            return links[0]
-        index = counts.get(peer, 0)
-        if nbytes <= SMALL_OP_BYTES:
-            return links[max(index - 1, 0) % len(links)]
-        counts[peer] = index + 1
-        return links[index % len(links)]
+        return links[0] if counts is None else _rotated(links, counts, peer, nbytes)
 
     def _groups(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                 control: bool) -> list[_Group]:
@@ -359,18 +363,12 @@ class NcclTransport(Transport):
 
     def broadcast(self, posts: Sequence[tuple[int, torch.Tensor]], after: Sequence[Fence] = ()) -> Fence:
         """See :meth:`Transport.broadcast`: NCCL's own broadcasts, rotating over each group's communicators as
-        data operations do over a link's (small ones ride with the one before)."""
+        data operations do over a link's (:func:`_rotated`)."""
         self._open()
         check_contiguous(posts)
         by_comm: dict[int, tuple[_Link, list[torch.Tensor]]] = {}
         for group, tensor in posts:
-            links = self._broadcasts[group]
-            index = self._broadcasted.get(group, 0)
-            if tensor.nbytes <= SMALL_OP_BYTES:
-                link = links[max(index - 1, 0) % len(links)]
-            else:
-                link = links[index % len(links)]
-                self._broadcasted[group] = index + 1
+            link = _rotated(self._broadcasts[group], self._broadcasted, group, tensor.nbytes)
             by_comm.setdefault(id(link.comm), (link, []))[1].append(tensor)
         groups = self._broadcast_groups
         mine = [(g, t) for g, t in posts if groups[g][0] == self._broadcast_rank]
