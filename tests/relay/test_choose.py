@@ -9,25 +9,42 @@ from refit_core.contract.pieces import PieceMeta
 from refit_core.contract.plugins import get_plugin_manager
 from refit_core.contract.spec import Box, TensorSpec
 from refit_core.kit.models import load_config
-from refit_core.plan.choose import FORWARD_FLOORS, RELAY_CHUNKS, Prediction, RelayShape, choose_forwarding, choose_relay
+from refit_core.plan.choose import (
+    FORWARD_FLOORS,
+    RELAY_CHUNKS,
+    Planner,
+    Prediction,
+    RelayShape,
+    choose_forwarding,
+    choose_relay,
+)
 from refit_core.plan.offline import PlanSummary, plan_from_metadata
 from refit_core.plan.planning import plan_with_relay
 from refit_core.plan.relay import plan_tree
 from refit_core.plan.simulate import Topology
 
 
-def test_an_rl_framework_asks_for_the_fastest_relay_from_one_trainer_node_into_32_replicas():
-    # test_relay_simulation's case: 8 train GPUs each holding 1/8 of a 1 GiB tensor, 32 engine replicas of one GPU
+def one_node_into_32_replicas(default_bucket: int, planned: list[tuple[int, int | None]] | None = None) -> Planner:
+    """test_relay_simulation's case as a planner: 8 train GPUs each holding 1/8 of a 1 GiB tensor, 32 engine
+    replicas of one GPU; ``default_bucket`` where the chooser gives none, each call's (direct, bucket) appended to
+    ``planned``."""
     spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
     train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]
     gen = [[PieceMeta(spec, Box((0, 0), spec.shape))] for _ in range(32)]
-    planned: list[tuple[int, int | None]] = []
 
     def plan(relay: RelayOptions, bucket_bytes: int | None = None) -> PlanSummary:
-        planned.append((relay.direct, bucket_bytes))
-        options = RefitOptions(bucket_bytes=bucket_bytes or 512 << 20, relay=relay)
+        if planned is not None:
+            planned.append((relay.direct, bucket_bytes))
+        options = RefitOptions(bucket_bytes=bucket_bytes or default_bucket, relay=relay)
         schedule, relay_plan = plan_with_relay(train, gen, options)
         return PlanSummary(schedule, len(train), len(gen), 0.0, relay=relay_plan)
+
+    return plan
+
+
+def test_an_rl_framework_asks_for_the_fastest_relay_from_one_trainer_node_into_32_replicas():
+    planned: list[tuple[int, int | None]] = []
+    plan = one_node_into_32_replicas(512 << 20, planned)
 
     seen: list[Prediction] = []
     choice = choose_relay(plan, RelayOptions(replicas=32), Topology.parse("h200"), buckets=(None, 32 << 20),
@@ -82,14 +99,7 @@ def test_an_rl_framework_asks_whether_forwarding_within_nodes_pays():
 
 def test_a_deep_chain_is_chosen_in_slices_and_planned_with_them():
     # the same 1 GiB tensor from 8 train GPUs into 32 replicas: one chain of 31 hops over the NICs
-    spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
-    train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]
-    gen = [[PieceMeta(spec, Box((0, 0), spec.shape))] for _ in range(32)]
-
-    def plan(relay: RelayOptions, bucket_bytes: int | None = None) -> PlanSummary:
-        schedule, relay_plan = plan_with_relay(train, gen, RefitOptions(bucket_bytes=bucket_bytes or 64 << 20,
-                                                                        relay=relay))
-        return PlanSummary(schedule, len(train), len(gen), 0.0, relay=relay_plan)
+    plan = one_node_into_32_replicas(64 << 20)
 
     choice = choose_relay(plan, RelayOptions(replicas=32, fanout=1), Topology.parse("h200"), chunks=RELAY_CHUNKS,
                           broadcast=False)
@@ -108,14 +118,7 @@ def test_a_deep_chain_is_chosen_in_slices_and_planned_with_them():
 
 def test_with_nccl_broadcasts_the_fleet_is_one_broadcast_per_message():
     # the same 1 GiB tensor from 8 train GPUs into 32 replicas, where the transport broadcasts (NCCL)
-    spec = TensorSpec("model.w", (8192, 65536), torch.bfloat16)
-    train = [[PieceMeta(spec, Box((1024 * i, 0), (1024, 65536)))] for i in range(8)]
-    gen = [[PieceMeta(spec, Box((0, 0), spec.shape))] for _ in range(32)]
-
-    def plan(relay: RelayOptions, bucket_bytes: int | None = None) -> PlanSummary:
-        schedule, relay_plan = plan_with_relay(train, gen, RefitOptions(bucket_bytes=bucket_bytes or 512 << 20,
-                                                                        relay=relay))
-        return PlanSummary(schedule, len(train), len(gen), 0.0, relay=relay_plan)
+    plan = one_node_into_32_replicas(512 << 20)
 
     choice = choose_relay(plan, RelayOptions(replicas=32), Topology.parse("h200"), chunks=(0,))
     trees = [p for p in choice.candidates if p.shape in (RelayShape.CHAIN, RelayShape.TREE)]
