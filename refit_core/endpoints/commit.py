@@ -34,6 +34,7 @@ from refit_core.net.keys import (
     RankId,
     decision_key,
     failed_key,
+    heard_key,
     landed_key,
     settled_key,
     step_prefixes,
@@ -189,6 +190,28 @@ def decide(rdv: Rendezvous, step: int, version: int, gen_size: int, timeout_s: f
     return decision, votes
 
 
+# -- train ranks other than the decider --------------------------------------------------------
+
+
+HEARD_S = 5.0
+"""How long, at most, train rank 0 keeps the store up at ``close()`` for the other train ranks to read its
+last commit decision (:func:`await_hearers`): a slow rank, not a stopped one, is what it waits for."""
+
+
+def heard(rdv: Rendezvous, step: int, train_rank: int) -> None:
+    """Train rank ``train_rank`` read the decision on ``step`` (best effort: never raises)."""
+    try:
+        rdv.client.set(heard_key(step, train_rank), b"1", within=CAUSE_READ_S)
+    except RefitError:
+        pass
+
+
+def await_hearers(rdv: Rendezvous, step: int, train_size: int, timeout_s: float) -> None:
+    """Train rank 0, about to stop the store: wait until every other train rank read the decision on ``step``
+    (:func:`heard`), or left, or :data:`HEARD_S` (at most ``timeout_s``) passed."""
+    rdv.linger([heard_key(step, rank) for rank in range(1, train_size)], timeout_s=min(timeout_s, HEARD_S))
+
+
 KEPT_STEPS = 2
 """How many recent steps' commit keys the store keeps at least: every rank has long read older ones (a
 step cannot start on the gen side before the previous one settled)."""
@@ -309,5 +332,5 @@ def linger(rdv: Rendezvous, step: int, sizes: Mapping[Side, int], timeout_s: flo
 
 
 __all__ = ["DECIDER", "DECISION_GRACE_S", "Decision", "DecisionUnknown", "Settlement", "Verdict", "Vote",
-           "await_decision", "await_settlements", "decide", "drain", "forget_old_steps", "linger", "settle",
-           "step_failed", "unsettled_report", "vote"]
+           "await_decision", "await_hearers", "await_settlements", "decide", "drain", "forget_old_steps", "heard",
+           "linger", "settle", "step_failed", "unsettled_report", "vote"]

@@ -40,6 +40,9 @@ class RefitSender(RefitEndpoint):
                          plugins=plugins, host_id=host_id)
         self._decided = -1
         """The last step train rank 0 published a decision on."""
+        self._heard_by = -1
+        """Train rank 0: the step just committed, whose decision the other train ranks read before ``close()``
+        stops the store (-1: none, or the last step failed)."""
         self._merging = Merging()
         """Merged mode: per bound source piece, the adapter folded into it when packed, and its box's origin."""
         self._adapters: list[AdapterFactors] = []
@@ -83,7 +86,7 @@ class RefitSender(RefitEndpoint):
                             merging=self._merging)
 
     def setup(self) -> Schedule:
-        self._decided = self._gathered = -1
+        self._decided = self._gathered = self._heard_by = -1
         schedule = super().setup()
         self._bind(self._pieces)
         return schedule
@@ -144,10 +147,13 @@ class RefitSender(RefitEndpoint):
         staged = self._mode is UpdateMode.STAGED
         if not self.plans:
             decision = commit.await_decision(rdv, step, timeout_s)
+            commit.heard(rdv, step, self.rank)
         else:
             readers = staged or self.world_size > 1  # in place, only the other train ranks read it
             decision, votes = commit.decide(rdv, step, version, self.sizes[Side.GEN], timeout_s, readers=readers)
             self._decided = step
+            if decision.verdict is commit.Verdict.COMMIT and self.world_size > 1:
+                self._heard_by = step  # a failed step lingers for the failure notes instead (_failed)
             if staged:  # the ranks that landed the step must read the decision before this rank may exit
                 landed = [v.rank for v in votes if v.landed]
                 settled = commit.await_settlements(rdv, step, landed, timeout_s)
@@ -178,6 +184,7 @@ class RefitSender(RefitEndpoint):
     def _step(self, step: int, version: int, only: Iterable[str] | None, start: float) -> StepStats:
         """Step ``step`` of ``send()``: check the sources, gather the adapters, move the bytes, commit."""
         colocated = self._colocated
+        self._heard_by = -1
         _, executor = self._step_executor(only)
         assert executor is None or isinstance(executor, SendExecutor)
         if isinstance(colocated, ColocatedSender):
@@ -225,6 +232,15 @@ class RefitSender(RefitEndpoint):
         error = TransferError(f"{here}: {exc}" if cause is None else f"{here}: {cause} (here: {exc})")
         error.__cause__ = exc
         return error
+
+    def close(self) -> None:
+        """As :meth:`RefitEndpoint.close`; train rank 0 first waits (a few seconds at most) until every other
+        train rank read its last decision, so that a trainer exiting after ``send()`` never takes the
+        decision away from a slower train rank."""
+        if self._heard_by >= 0 and self._rdv is not None:
+            commit.await_hearers(self._rdv, self._heard_by, self.world_size, self.options.timeout_s)
+            self._heard_by = -1
+        super().close()
 
     def send(self, version: int, *, only: Iterable[str] | None = None, reset: bool = False) -> StepStats:
         """Send the model's current weights as weight ``version``; returns this rank's step stats.

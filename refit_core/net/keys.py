@@ -118,6 +118,12 @@ def settled_key(step: int, gen_rank: int) -> str:
     return f"settled/{step}/{RankId(Side.GEN, gen_rank)}"
 
 
+def heard_key(step: int, train_rank: int) -> str:
+    """Train rank ``train_rank``'s note that it read the commit decision on step ``step`` (train rank 0, the
+    store's host, keeps the store up at ``close()`` until every other train rank wrote it)."""
+    return f"heard/{step}/{RankId(Side.TRAIN, train_rank)}"
+
+
 def failed_key(step: int, who: RankId) -> str:
     """Rank ``who``'s note that it failed step ``step`` and read why the first rank gave up (train rank 0,
     the store's host, keeps the store up until every rank wrote it: :func:`refit_core.endpoints.commit.linger`)."""
@@ -147,8 +153,8 @@ def subset_verdict_key(digest: int) -> str:
 
 
 def step_prefixes(step: int) -> list[str]:
-    """The prefixes of every key of step ``step``'s commit (votes, decision, settlements)."""
-    return [f"{kind}/{step}/" for kind in ("landed", "decision", "settled")]
+    """The prefixes of every key of step ``step``'s commit (votes, decision, settlements, train ranks' notes)."""
+    return [f"{kind}/{step}/" for kind in ("landed", "decision", "settled", "heard")]
 
 
 def colocated_key(src: int, dst: int, record: ColocatedRecord) -> str:

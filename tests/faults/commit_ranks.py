@@ -31,6 +31,9 @@ class Trick(StrEnum):
     """Train rank 0 exits (``os._exit``, no ``close()``) as soon as ``send()`` returns."""
     DIE_AFTER_DECIDING = "die_after_deciding"
     """Train rank 0 is killed (SIGKILL) half a second after it published its decision."""
+    READ_DECISION_LATE = "read_decision_late"
+    """Train rank 1 sleeps 2 s before it reads the decision (a descheduled process), while train rank 0
+    returns from ``send()`` and closes."""
     REPLACE_SOURCE = "replace_source"
     """A train rank replaces one of its parameters with a new tensor before the step."""
     REPLACE_DESTINATION = "replace_destination"
@@ -70,6 +73,13 @@ def _arm(trick: Trick) -> None:
             if ballot.landed:
                 time.sleep(2.0)
         commit.vote = slow_vote
+    elif trick is Trick.READ_DECISION_LATE:
+        real_await = commit.await_decision
+
+        def late_await(*args, **kwargs):
+            time.sleep(2.0)
+            return real_await(*args, **kwargs)
+        commit.await_decision = late_await
     elif trick is Trick.DIE_AFTER_DECIDING:
         def die(*args, **kwargs):
             time.sleep(0.5)  # the decision reaches the ranks already waiting for it

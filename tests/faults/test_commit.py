@@ -54,6 +54,18 @@ def test_an_engine_rank_descheduled_after_its_vote_still_lands_the_version_its_p
 
 
 @pytest.mark.slow
+def test_a_train_rank_descheduled_before_reading_the_decision_still_learns_it():
+    """Train rank 1 sleeps 2 s before reading the decision on step 1 while train rank 0 returns and closes:
+    train rank 0's close() keeps the store up until train rank 1 read it, so every rank succeeds (before:
+    train rank 1 raised "could not learn train rank 0's decision", the store gone)."""
+    results = run(CommitScenario(TRAIN, GEN, "staged", ((1, Trick.READ_DECISION_LATE),)))
+    for rank, r in results.items():
+        assert "error" not in r, (rank, r)
+    assert results[1]["seconds"] >= 2.0  # the pause really happened inside the step
+    assert all(r["version"] == NEW for r in gen_results(results))
+
+
+@pytest.mark.slow
 def test_a_rank_that_cannot_learn_the_decision_keeps_its_weights_refuses_to_serve_and_says_why():
     """Train rank 0 dies half a second after deciding; gen rank 1 was descheduled and never read the
     decision. Gen rank 0 applied it; gen rank 1 keeps the old version, marks itself needs_refit, and its
