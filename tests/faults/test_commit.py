@@ -1,6 +1,8 @@
 """The commit point, real processes over gloo: every gen rank votes, train rank 0 decides, every rank applies
 the decision it read; a rank that cannot read it refuses to serve; every error is true and in time."""
 
+import re
+
 import pytest
 from commit_ranks import VERSIONS, CommitScenario, Trick, commit_rank
 from harness import Ranks
@@ -96,7 +98,9 @@ def test_the_surviving_sender_learns_that_the_step_did_not_land():
                                   Fault(1, signal.SIGKILL)))
     survivor = results[0]
     assert survivor.get("error") == "TransferError", survivor
-    assert "did not land step 1" in survivor["message"] or "did not vote on step 1" in survivor["message"], survivor
+    # Which news reaches it first is a race: a gen rank's abort during the transfer, or the commit vote.
+    assert re.search(r"gen rank \d+ (did not land step 1|did not vote on step 1|gave up on the step first)",
+                     survivor["message"]), survivor
 
 
 @pytest.mark.slow
