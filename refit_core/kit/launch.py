@@ -5,9 +5,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
-import random
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -17,49 +15,7 @@ from typing import Any
 from refit_core.contract.env import with_overrides
 from refit_core.contract.options import RefitOptions
 from refit_core.net.auth import new_secret
-
-_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-_LOWEST_PORT = 10000
-_handed_out: set[int] = set()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open(_EPHEMERAL_RANGE_FILE) as f:
-            low, high = (int(v) for v in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now and that the kernel will not hand to anyone else.
-
-    Ports come from below the kernel's ephemeral range: a port that ``bind(0)`` returned and we released
-    can be given to the next socket that binds or connects (a gloo listener, an outgoing connection)
-    before our program listens on it. Each port is handed out once per process.
-    """
-    low, _ = _ephemeral_range()
-    if low - _LOWEST_PORT >= 1000:
-        rng = random.Random(os.getpid() ^ time.monotonic_ns())
-        for _ in range(200):
-            port = rng.randrange(_LOWEST_PORT, low)
-            if port not in _handed_out and _is_free(port):
-                _handed_out.add(port)
-                return port
-    with socket.socket() as sock:  # no room below the ephemeral range: take the kernel's choice
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
+from refit_core.net.ports import free_port as free_port  # its home before refit 0.3: callers import it here
 
 PRELOADED = ("torch", "refit_core")
 """What the server that forks the ranks imports once (a rank then starts in a fraction of a second, not the

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from refit_core.kit.launch import RankFailure, _ephemeral_range, free_port, spawn
+from refit_core.kit.launch import RankFailure, free_port, spawn
+from refit_core.net.ports import _ephemeral_range
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_kernels_ephemeral_range() -> None:
