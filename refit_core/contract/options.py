@@ -253,19 +253,26 @@ class StoreLimits(_Settings):
       per gen rank, deleted two steps later).
     - ``max_rank``: store identities are ``train/N`` or ``gen/N`` with N below the side's published
       world size, or below this (65536) until it is published.
+    - ``max_replicas``: a fleet's replicas at once (:class:`~refit_core.RefitFleet`; 1024); a join beyond it is
+      refused by name.
+    - ``max_joins_per_minute``: replicas a fleet admits per minute (120); a join beyond it is refused by name
+      (a crash-looping replica, or a flood).
     """
 
     max_value_bytes: int = _setting(256 * MiB, int)
     max_stored_bytes: int = _setting(2048 * MiB, int)
     max_keys: int = _setting(1 << 22, int)
     max_rank: int = _setting(1 << 16, int)
+    max_replicas: int = _setting(1024, int)
+    max_joins_per_minute: int = _setting(120, int)
 
     def __post_init__(self) -> None:
         self._coerce()
-        if min(self.max_value_bytes, self.max_stored_bytes, self.max_keys, self.max_rank) < 1:
-            raise OptionError(f"StoreLimits(max_value_bytes={self.max_value_bytes}, max_stored_bytes="
-                              f"{self.max_stored_bytes}, max_keys={self.max_keys}, max_rank={self.max_rank}): "
-                              "each must be >= 1")
+        values = {f: getattr(self, f) for f in ("max_value_bytes", "max_stored_bytes", "max_keys", "max_rank",
+                                                 "max_replicas", "max_joins_per_minute")}
+        if min(values.values()) < 1:
+            shown = ", ".join(f"{name}={value}" for name, value in values.items())
+            raise OptionError(f"StoreLimits({shown}): each must be >= 1")
 
 
 @_tracks_explicit

@@ -31,17 +31,19 @@ _KINDS = {cls.__name__: cls for cls in (PlanError, PluginError, RendezvousError,
 class Rendezvous:
     """One setup's store: hosted here when ``host``, joined always as rank ``who`` (the store identity of a
     :class:`~refit_core.net.keys.RankId`, ``"train/0"``); its keys are :mod:`refit_core.net.keys`.
-    ``limits`` bound what the store accepts (the host's only; None: :class:`StoreLimits` defaults).
+    ``limits`` bound what the store accepts (the host's only; None: :class:`StoreLimits` defaults); ``guests``:
+    the host admits a fleet's joining replicas and observers too (:mod:`refit_core.fleet`).
     Without a secret in ``credentials`` it logs a warning, once per process."""
 
     def __init__(self, address: str, *, host: bool, who: str, timeout_s: float,
                  credentials: JobCredentials | None = None, handshake_s: float = HANDSHAKE_S,
-                 limits: StoreLimits | None = None) -> None:
+                 limits: StoreLimits | None = None, guests: bool = False) -> None:
         endpoint = Endpoint.parse(address)
         credentials = credentials or JobCredentials()
         warn_without_secret(credentials, str(endpoint))
         self.timeout_s = timeout_s
-        self.server = StoreServer(endpoint, credentials, handshake_s=handshake_s, limits=limits) if host else None
+        self.server = (StoreServer(endpoint, credentials, handshake_s=handshake_s, limits=limits, guests=guests)
+                       if host else None)
         try:
             self.client = StoreClient(endpoint, credentials, who, timeout_s=timeout_s, handshake_s=handshake_s)
         except BaseException:

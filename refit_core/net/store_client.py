@@ -277,6 +277,10 @@ class StoreClient(dist.Store):
         """Ranks (``"train/1"``) whose connection closed without a goodbye."""
         return [str(r) for r in self._answer(self._request({"op": "gone"}, within=within), "ranks")]
 
+    def present(self, within: float | None = None) -> list[str]:
+        """The store identities connected now (``"gen/0"``, a fleet's ``"replica/r1/0"``)."""
+        return [str(r) for r in self._answer(self._request({"op": "present"}, within=within), "ranks")]
+
     def close(self, goodbye: bool = True) -> None:
         """Leave the store; with ``goodbye`` the host does not record this rank as gone. Returns within
         about :data:`CLOSE_S` whatever the host does."""

@@ -34,6 +34,8 @@ from refit_core.net.wire import WireError, recv_frame, send_frame
 log = logging.getLogger("refit")
 
 _IDENTITY = re.compile(r"(train|gen)/(0|[1-9][0-9]{0,9})")
+_GUEST = re.compile(r"(replica|observer)/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(0|[1-9][0-9]{0,4})")
+"""A fleet store's guests (``guests=True``): a replica's rank joining the running job, or ``refit status``."""
 
 
 class _Refused(Exception):
@@ -45,8 +47,11 @@ class StoreServer:
     ``limits`` bound what authenticated ranks may store (default :class:`StoreLimits`)."""
 
     def __init__(self, endpoint: Endpoint, credentials: JobCredentials, *, handshake_s: float,
-                 limits: StoreLimits | None = None) -> None:
+                 limits: StoreLimits | None = None, guests: bool = False) -> None:
         self.endpoint = endpoint
+        self.guests = guests
+        """Whether ranks of replicas joining the running job (``replica/NAME/N``) and observers are admitted
+        (a fleet's store, :mod:`refit_core.fleet`); they prove the job's secret like any rank."""
         self.credentials = credentials
         self.handshake_s = handshake_s
         self.limits = limits or StoreLimits()
@@ -182,6 +187,11 @@ class StoreServer:
                 log.warning("refit store: refused %s: %s", peer, unknown)
                 return None
             holder = self._members.get(who)
+            if holder is not None and _GUEST.fullmatch(who):  # a guest's duplicate is its own failure only
+                message = (f"{who} is already connected to this refit fleet (from {holder}): a replica identity "
+                           "already present is refused; give each replica its own name")
+                send_frame(conn, {"refused": "duplicate", "message": message})
+                return None
             if holder is not None:
                 message = (f"{rank_name(who)} joined the refit rendezvous twice (from {holder} "
                            f"and {peer}): two jobs share this port with the same job name, or a rank was "
@@ -198,6 +208,8 @@ class StoreServer:
 
     def _unknown_identity(self, who: str) -> str | None:
         """Why ``who`` is no rank of this job (a side's published world size, else ``max_rank``), or None."""
+        if self.guests and _GUEST.fullmatch(who):
+            return None
         match = _IDENTITY.fullmatch(who)
         if match is None:
             return f"{who!r:.80} is not a refit rank's identity (train/N or gen/N)"
@@ -290,6 +302,8 @@ class StoreServer:
                 return {"deleted": len(doomed)}
             if op == "num_keys":
                 return {"value": len(self._data)}
+            if op == "present":
+                return {"ranks": sorted(self._members)}
             if op == "gone":
                 return {"ranks": sorted(k[len(GONE_PREFIX):] for k in self._data if k.startswith(GONE_PREFIX))}
         raise WireError(f"unknown store operation {op!r:.40}")
