@@ -233,6 +233,17 @@ class RefitSender(RefitEndpoint):
         error.__cause__ = exc
         return error
 
+    def connected_gen_ranks(self) -> frozenset[int] | None:
+        """Train rank 0 (the store's host): the gen ranks connected to this job's store now (one that died or
+        closed is not); None on other train ranks, before ``setup()``, or when the store cannot tell."""
+        if not self.plans or self._rdv is None:
+            return None
+        try:
+            present = self._rdv.client.present(within=commit.CAUSE_READ_S)
+        except RefitError:
+            return None
+        return frozenset(int(who.split("/")[1]) for who in present if who.startswith(f"{Side.GEN.value}/"))
+
     def close(self) -> None:
         """As :meth:`RefitEndpoint.close`; train rank 0 first waits (a few seconds at most) until every other
         train rank read its last decision, so that a trainer exiting after ``send()`` never takes the

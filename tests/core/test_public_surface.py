@@ -43,9 +43,10 @@ SURFACE = {
         "refuse_engine", "refuse_serving", "resume_engine", "resume_serving", "safetensors_specs", "serving_verdict",
         "settle_serving", "trace_loads"],
     "refit_core.apps": [
-        "DemoContext", "DemoPrograms", "DemoReport", "RayRefit", "RefitTrainActor", "Rollout", "completion_logprobs",
-        "free_port", "load_config", "mismatches", "quantized_reference", "reference_region", "reference_state_dict",
-        "reference_tensor", "same_bytes", "send_versions", "spawn", "train_demo"],
+        "DemoContext", "DemoPrograms", "DemoReport", "RayRefit", "RefitFleet", "RefitTrainActor", "Rollout",
+        "completion_logprobs", "free_port", "join_fleet", "load_config", "mismatches", "quantized_reference",
+        "reference_region", "reference_state_dict", "reference_tensor", "same_bytes", "send_versions", "spawn",
+        "train_demo"],
     "refit_core.testing": [
         "Conformance", "GenFactory", "ModelCase", "PluginConformance", "RankContext", "Refusal", "RoundTrip",
         "TrainFactory", "check_plugin", "check_transport"],
@@ -55,8 +56,9 @@ SURFACE = {
 }
 """Every public name, by module: a name joins or leaves the surface here, on purpose, with the guide."""
 
-SURFACE_CEILING = 96
-"""The most names the five public modules may hold together (141 in three modules before the split).
+SURFACE_CEILING = 98
+"""The most names the five public modules may hold together (141 in three modules before the split; 96 before
+the fleet's two entry points, ``RefitFleet`` and ``join_fleet``).
 
 Below this, every name is imported by a plugin of this repository or pinned by its tests (the engine-wide
 serving verdict the vLLM and SGLang plugins re-export, the example plugin's imports), or is an entry point
@@ -206,13 +208,17 @@ def test_every_name_documented_before_the_split_still_imports_and_warns_where_it
             assert moved and moved[0].startswith(f"{module}.{name} left the public surface: "), (module, name, moved)
 
 
+NEW_IN_APPS = {"RefitFleet", "join_fleet"}
+"""Names that came to ``refit_core.apps`` after the split: never in ``refit_core.kit``."""
+
+
 def test_a_name_moved_to_apps_is_the_same_object_there():
     import refit_core.apps
     import refit_core.kit
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        for name in set(SURFACE["refit_core.apps"]) - LAZY:
+        for name in set(SURFACE["refit_core.apps"]) - LAZY - NEW_IN_APPS:
             assert getattr(refit_core.kit, name) is getattr(refit_core.apps, name), name
 
 

@@ -1,0 +1,250 @@
+"""The train side of a fleet: :class:`RefitFleet`, one per train rank, for the whole run.
+
+Each step, train rank 0 drops the replicas whose ranks left (died, or closed) or that failed the last step,
+admits the joins whose replica has all its ranks asking (:class:`~refit_core.fleet.roster.Roster`), and
+publishes the step's members; every train rank then sets up its part of each new replica's job (a
+:class:`~refit_core.RefitSender` against the address train rank 0 gave it; replicas with one layout share one
+plan) and sends the step to every member, one replica's job after the other. A replica's job fails alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from refit_core.contract.env import with_overrides
+from refit_core.contract.errors import RefitError
+from refit_core.contract.options import RefitOptions, UpdateMode
+from refit_core.contract.plugins import PluginManager
+from refit_core.contract.side import Side
+from refit_core.endpoints.sender import RefitSender
+from refit_core.fleet.records import (
+    JOINS,
+    LEADER,
+    STATE,
+    FleetStep,
+    JoinRequest,
+    Member,
+    ReplicaFailure,
+    ReplicaState,
+    admit_key,
+    join_key,
+    members_key,
+)
+from refit_core.fleet.roster import Roster
+from refit_core.net.ports import free_port
+from refit_core.net import wire
+from refit_core.net.auth import JobCredentials
+from refit_core.net.keys import size_key
+from refit_core.net.rendezvous import Rendezvous
+from refit_core.net.store_protocol import Endpoint
+
+log = logging.getLogger("refit")
+
+JOIN_READ_S = 1.0
+"""How long train rank 0 waits for a join request whose ticket was drawn (its rank writes it right after)."""
+LEFT = "its ranks left the job between steps (died, or closed): dropped until it joins again"
+"""The last error of a replica dropped because its ranks left."""
+KEPT_STEPS = 2
+"""Steps whose member lists the fleet's store keeps (the other train ranks have read older ones)."""
+
+
+class RefitFleet:
+    """The train side of a fleet of engine replicas that come and go; one per train rank, for the whole run.
+
+    ``open()`` once (train rank 0 hosts the fleet's store at ``rendezvous``), then ``send(version)`` every step:
+    it returns a :class:`~refit_core.fleet.records.FleetStep` saying which replicas hold ``version``, which
+    joined for it and which failed it (each dropped until it joins again; the others are unaffected), and
+    raises only when this train rank itself cannot go on. Replicas join with
+    :func:`~refit_core.fleet.replica.join_fleet`. In place, every replica's job confirms each step (train rank
+    0 decides, the other train ranks read it), so that every train rank judges each replica alike.
+    """
+
+    def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
+                 options: RefitOptions | None = None, plugins: PluginManager | None = None,
+                 host_id: str | None = None) -> None:
+        options = with_overrides(options or RefitOptions())
+        if options.mode is UpdateMode.IN_PLACE and not options.confirm:
+            options = options.overridden({"confirm": True}, explicit=False)
+        self.model, self.address, self.rank, self.world_size = model, rendezvous, rank, world_size
+        self.options, self.plugins, self.host_id = options, plugins, host_id
+        self._rdv: Rendezvous | None = None
+        self._senders: dict[str, tuple[Member, RefitSender]] = {}
+        self._step = 0
+        self._roster = Roster(options.store)
+        self._states: dict[str, ReplicaState] = {}
+        self._tickets = 0
+        """Train rank 0: the join tickets read so far."""
+
+    @property
+    def leads(self) -> bool:
+        """True on train rank 0: it hosts the fleet's store and decides each step's members."""
+        return self.rank == 0
+
+    def open(self) -> None:
+        """Join (train rank 0: host) the fleet's store. No replica needs to be there yet."""
+        if self._rdv is not None:
+            raise RefitError(f"train rank {self.rank}: the fleet is open already")
+        credentials = JobCredentials.required(self.options, f"train rank {self.rank}")
+        self._rdv = Rendezvous(self.address, host=self.leads, who=f"{Side.TRAIN.value}/{self.rank}",
+                               timeout_s=self.options.timeout_s, credentials=credentials, limits=self.options.store,
+                               guests=True)
+        if self.leads:
+            self._rdv.publish(size_key(Side.TRAIN), self.world_size)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def send(self, version: int) -> FleetStep:
+        """Send the model's weights as ``version`` to every replica of the fleet now (see the class doc)."""
+        rdv = self._require_open()
+        start = time.perf_counter()
+        step, self._step = self._step, self._step + 1
+        members = self._lead(rdv, step) if self.leads else self._follow(rdv, step)
+        for name in set(self._senders) - {m.replica for m in members}:
+            self._forget(name)
+        landed, joined, failed = [], [], []
+        for member in members:
+            held = self._senders.get(member.replica)
+            if held is not None and held[0] != member:  # restarted under its name: a new job
+                self._forget(member.replica)
+                held = None
+            if held is None:
+                sender = self._sender_for(member)
+                try:
+                    sender.setup()
+                except RefitError as exc:
+                    sender.close()
+                    failed.append(ReplicaFailure(member.replica, f"its setup failed: {exc}"))
+                    continue
+                self._senders[member.replica] = (member, sender)
+                joined.append(member.replica)
+            _, sender = self._senders[member.replica]
+            try:
+                sender.send(version)
+            except RefitError as exc:
+                self._forget(member.replica)
+                failed.append(ReplicaFailure(member.replica, str(exc)))
+                continue
+            landed.append(member.replica)
+        if self.leads:
+            self._record(rdv, version, landed, failed)
+        result = FleetStep(step, version, tuple(landed), tuple(joined), tuple(failed), time.perf_counter() - start)
+        if failed:
+            log.warning("refit fleet step %d: %d replica(s) failed and were dropped: %s", step, len(failed),
+                        "; ".join(f"{f.replica}: {f.reason[:200]}" for f in failed))
+        return result
+
+    def _sender_for(self, member: Member) -> RefitSender:
+        return RefitSender(self.model, rendezvous=member.address, rank=self.rank, world_size=self.world_size,
+                           options=self.options, plugins=self.plugins, host_id=self.host_id)
+
+    def _forget(self, replica: str) -> None:
+        held = self._senders.pop(replica, None)
+        if held is not None:
+            held[1].close()
+
+    def _lead(self, rdv: Rendezvous, step: int) -> list[Member]:
+        """Train rank 0: drop the replicas that left or failed, answer the joins, publish the step's members."""
+        for member in list(self._roster.members.values()):
+            if not self._alive(member):
+                self._roster.drop(member.replica)
+                self._forget(member.replica)
+                if member.replica in self._states:
+                    self._states[member.replica] = replace(self._states[member.replica], last_error=LEFT)
+        answers = self._roster.consider(self._new_joins(rdv), self._alive, self._new_address, time.time())
+        for old in answers.replaced:
+            self._forget(old.replica)
+        for member in answers.admitted:
+            self._states[member.replica] = ReplicaState(member.replica, member.gen_ranks, None, time.time())
+        members = list(self._roster.members.values())
+        rdv.publish(members_key(step), [m.to_wire() for m in members])
+        for ticket, admission in answers.admissions.items():
+            rdv.publish(admit_key(ticket), admission.to_wire())
+        if step >= KEPT_STEPS:
+            rdv.client.delete_key(members_key(step - KEPT_STEPS))
+        return members
+
+    def _follow(self, rdv: Rendezvous, step: int) -> list[Member]:
+        """Every other train rank: the step's members as train rank 0 published them."""
+        (listed,) = rdv.wait([members_key(step)], f"train rank 0's member list of fleet step {step}",
+                             watched={LEADER})
+        if not isinstance(listed, list):
+            raise RefitError(f"fleet step {step}: train rank 0's member list is {listed!r:.80}")
+        return [Member.from_wire(m) for m in listed]
+
+    def _alive(self, member: Member) -> bool:
+        """Whether every rank of ``member`` is still connected to its job (True before its first setup)."""
+        held = self._senders.get(member.replica)
+        if held is None or held[0] != member:
+            return True
+        connected = held[1].connected_gen_ranks()
+        return connected is None or connected >= set(range(member.gen_ranks))
+
+    def _new_address(self) -> str:
+        host = Endpoint.parse(self.address).host
+        return f"[{host}]:{free_port(host)}" if ":" in host else f"{host}:{free_port(host)}"
+
+    def _new_joins(self, rdv: Rendezvous) -> list[JoinRequest]:
+        """The join requests written since the last step (a ticket whose request is not there yet waits)."""
+        drawn = rdv.read(JOINS, default=0)
+        requests = []
+        while self._tickets < (drawn if type(drawn) is int else 0):
+            ticket = self._tickets + 1
+            raw = rdv.client.try_get(join_key(ticket), wait_s=JOIN_READ_S)
+            if raw is None:
+                break
+            self._tickets = ticket
+            rdv.client.delete_key(join_key(ticket))
+            try:
+                requests.append(JoinRequest.from_wire(ticket, wire.decode(bytes(raw), join_key(ticket))))
+            except (RefitError, ValueError) as exc:
+                log.warning("refit fleet: ignored join ticket %d: %s", ticket, exc)
+        return requests
+
+    def _record(self, rdv: Rendezvous, version: int, landed: list[str], failed: list[ReplicaFailure]) -> None:
+        """Train rank 0: the fleet's view after a step, kept and published for ``refit status``."""
+        for name in landed:
+            layout = self._senders[name][1].schedule
+            state = self._states[name]
+            self._states[name] = replace(state, version=version, last_error=None,
+                                         layout=layout.fingerprint if layout is not None else state.layout)
+        for failure in failed:
+            self._roster.drop(failure.replica)
+            if failure.replica in self._states:
+                self._states[failure.replica] = replace(self._states[failure.replica], last_error=failure.reason[:1000])
+        rdv.publish(STATE, [s.to_wire() for s in self._states.values()])
+
+    # -- views and lifetime -------------------------------------------------------------------------
+
+    def fleet(self) -> tuple[ReplicaState, ...]:
+        """Train rank 0: every replica the fleet knows (those that failed their last step too, with its error),
+        in the order they joined. Other train ranks: the view train rank 0 last published."""
+        if self.leads:
+            return tuple(self._states.values())
+        wire = self._require_open().read(STATE, default=[])
+        return tuple(ReplicaState.from_wire(s) for s in wire) if isinstance(wire, list) else ()
+
+    def close(self) -> None:
+        """Close every replica's job and leave (train rank 0: stop) the fleet's store."""
+        for name in list(self._senders):
+            self._forget(name)
+        rdv, self._rdv = self._rdv, None
+        if rdv is not None:
+            rdv.close()
+
+    def _require_open(self) -> Rendezvous:
+        if self._rdv is None:
+            raise RefitError(f"train rank {self.rank}: call open() on the fleet before send()")
+        return self._rdv
+
+    def __enter__(self) -> RefitFleet:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["RefitFleet"]

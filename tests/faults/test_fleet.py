@@ -1,0 +1,160 @@
+"""A fleet whose replicas come and go (:mod:`refit_core.fleet`): toy trainers over gloo in real processes, engine
+replicas that die mid-step, restart under their name, join late, or try to join under a name in use."""
+
+import os
+import random
+import tempfile
+import time
+
+import pytest
+from fleet_ranks import FIRST_VERSION, gate, impostor_rank, replica_rank, trainer_rank
+from harness import Ranks
+
+from refit_core.contract.errors import RefitError
+from refit_core.contract.options import StoreLimits
+from refit_core.fleet.records import JoinRequest
+from refit_core.fleet.roster import MINUTE_S, Roster
+from refit_core.kit.launch import free_port
+from refit_core.net.auth import JobCredentials
+from refit_core.net.rendezvous import Rendezvous
+from refit_core.net.store_protocol import ERROR_KEY
+
+TRAIN = 2
+STEPS = 20
+DEADLINE_S = 10 + 5  # the ranks' timeout_s, and what a loaded 2-core machine adds
+
+
+def requests(replica: str, size: int, first_ticket: int, ranks: range | None = None) -> list[JoinRequest]:
+    return [JoinRequest(replica, r, size, first_ticket + i) for i, r in enumerate(ranks or range(size))]
+
+
+def addresses():
+    count = iter(range(1000))
+    return lambda: f"127.0.0.1:{20000 + next(count)}"
+
+
+def test_the_roster_admits_a_replica_once_all_its_ranks_asked_and_refuses_by_name():
+    roster, address = Roster(), addresses()
+    first = roster.consider(requests("a", 2, 1, range(1)), lambda m: True, address, 0.0)
+    assert first.admissions == {} and not roster.members  # rank 1 has yet to ask
+    second = roster.consider(requests("a", 2, 2, range(1, 2)), lambda m: True, address, 1.0)
+    assert [m.replica for m in second.admitted] == ["a"] and set(second.admissions) == {1, 2}
+    assert all(a.address == second.admitted[0].address and a.refused is None for a in second.admissions.values())
+    again = roster.consider(requests("a", 2, 3), lambda m: True, address, 2.0)  # "a" is alive: refused
+    assert set(again.admissions) == {3, 4} and not again.admitted
+    assert all("replica a is already in the fleet" in a.refused for a in again.admissions.values())
+    restart = roster.consider(requests("a", 2, 5), lambda m: False, address, 3.0)  # its ranks left: replaced
+    assert [m.incarnation for m in restart.admitted] == [5] and [m.incarnation for m in restart.replaced] == [1]
+    odd = roster.consider([JoinRequest("b", 0, 2, 7), JoinRequest("b", 1, 3, 8)], lambda m: True, address, 4.0)
+    assert all("disagree on its size" in a.refused for a in odd.admissions.values()) and "b" not in roster.members
+
+
+def test_the_roster_holds_the_fleet_to_its_limits_and_names_them():
+    roster, address = Roster(StoreLimits(max_replicas=2, max_joins_per_minute=3)), addresses()
+    for i, name in enumerate("ab"):
+        assert roster.consider(requests(name, 1, i + 1), lambda m: True, address, 0.0).admitted
+    full = roster.consider(requests("c", 1, 3), lambda m: True, address, 1.0)
+    assert "StoreLimits.max_replicas" in full.admissions[3].refused
+    roster.drop("a")
+    assert roster.consider(requests("c", 1, 4), lambda m: True, address, 2.0).admitted  # the third join this minute
+    roster.drop("c")
+    fast = roster.consider(requests("d", 1, 5), lambda m: True, address, 3.0)
+    assert "StoreLimits.max_joins_per_minute" in fast.admissions[5].refused
+    assert roster.consider(requests("d", 1, 6), lambda m: True, address, MINUTE_S + 1).admitted
+    superseded = roster.consider([JoinRequest("e", 0, 2, 7), JoinRequest("e", 0, 2, 8)], lambda m: True, address, 99)
+    assert "superseded" in superseded.admissions[7].refused and 8 not in superseded.admissions
+
+
+def test_only_a_fleets_store_admits_replica_identities_and_a_duplicate_fails_alone():
+    credentials = JobCredentials.of("refit", "fleet-test")
+
+    def joins(address: str, who: str) -> Rendezvous:
+        return Rendezvous(address, host=False, who=who, timeout_s=5, credentials=credentials)
+
+    address = f"127.0.0.1:{free_port()}"
+    plain = Rendezvous(address, host=True, who="train/0", timeout_s=5, credentials=credentials)
+    try:
+        with pytest.raises(RefitError, match="is not a refit rank's identity"):
+            joins(address, "replica/a/0")
+    finally:
+        plain.close()
+    address = f"127.0.0.1:{free_port()}"
+    fleet = Rendezvous(address, host=True, who="train/0", timeout_s=5, credentials=credentials, guests=True)
+    first = joins(address, "replica/a/0")
+    try:
+        with pytest.raises(RefitError, match="replica/a/0 is already connected to this refit fleet"):
+            joins(address, "replica/a/0")
+        assert fleet.client.try_get(ERROR_KEY) is None  # the job goes on
+        joins(address, "replica/b/0").close()
+    finally:
+        first.close()
+        fleet.close()
+
+
+@pytest.mark.slow
+def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join():
+    """2 train ranks, replicas r0 (1 rank), r1 (2 ranks) and r2 (1 rank); over 20 steps r2 is killed at a random
+    point of a random step and restarted under its name, r3 joins late, and an impostor asks to join as r0.
+    The trainers open the fleet once and never set up again; every replica holds every version it receives
+    bitwise; the survivors get every step; the restarted and added replicas get the step after they asked,
+    whole; the impostor is refused by name; every step ends within its deadline."""
+    rng = random.Random(2026)
+    kill_at, add_at = rng.randrange(3, 8), 12
+    last = FIRST_VERSION + STEPS - 1
+    folder, address = tempfile.mkdtemp(prefix="refit-fleet-"), f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        for r in range(TRAIN):
+            ranks.start(trainer_rank, r, address, TRAIN, STEPS, folder)
+        replicas = {10: ("r0", 0, 1), 11: ("r1", 0, 2), 12: ("r1", 1, 2), 13: ("r2", 0, 1)}
+        for rank, (name, local, size) in replicas.items():
+            ranks.start(replica_rank, rank, address, name, local, size, last)
+        ranks.release()
+
+        def asks(*rank_ids: int) -> None:  # their join requests are in before the next step starts
+            ranks.wait_for([(r, "joining") for r in rank_ids], 60)
+            time.sleep(0.5)
+
+        asks(10, 11, 12, 13)
+        steps = []
+        for step in range(STEPS):
+            if step == kill_at + 1:
+                ranks.start(replica_rank, 14, address, "r2", 0, 1, last)
+                asks(14)
+            if step == add_at:
+                ranks.start(replica_rank, 15, address, "r3", 0, 1, last)
+                ranks.start(impostor_rank, 16, address, "r0")
+                asks(15)
+            open(gate(folder, step), "w").close()
+            if step == kill_at:
+                time.sleep(rng.uniform(0.0, 0.03))
+                ranks.kill(13)
+            got = ranks.wait_for([(r, "step") for r in range(TRAIN)], 60)
+            steps.append([got[(r, "step")] for r in range(TRAIN)])
+            for r in range(TRAIN):
+                del ranks.seen[(r, "step")]
+        results = ranks.wait_for([(r, "result") for r in (0, 1, 10, 11, 12, 14, 15, 16)], 60)
+    finally:
+        ranks.close()
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+
+    for step, (lead, other) in enumerate(steps):
+        assert (lead["landed"], sorted(lead["failed"])) == (other["landed"], sorted(other["failed"])), (step, steps)
+        assert lead["seconds"] < DEADLINE_S, (step, lead)
+        assert {"r0", "r1"} <= set(lead["landed"]), (step, lead)
+        assert ("r2" in lead["landed"]) == (step < kill_at or step > kill_at), (step, kill_at, lead)
+        assert ("r3" in lead["landed"]) == (step >= add_at), (step, lead)
+    assert sorted(steps[0][0]["joined"]) == ["r0", "r1", "r2"]
+    assert steps[kill_at + 1][0]["joined"] == ["r2"] and steps[add_at][0]["joined"] == ["r3"]
+    for r in range(TRAIN):
+        assert results[(r, "result")]["opened"] == 1
+    view = {name: (version, error) for name, version, _, _, error in results[(0, "result")]["fleet"]}
+    assert view == {name: (last, None) for name in ("r0", "r1", "r2", "r3")}, view
+    first = {10: FIRST_VERSION, 11: FIRST_VERSION, 12: FIRST_VERSION, 14: FIRST_VERSION + kill_at + 1,
+             15: FIRST_VERSION + add_at}
+    for rank, start in first.items():
+        held = results[(rank, "result")]["held"]
+        assert held == [(v, True) for v in range(start, last + 1)], (rank, held)
+    assert "replica r0 is already in the fleet" in results[(16, "result")]["error"]
