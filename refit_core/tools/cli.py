@@ -1,4 +1,5 @@
-"""The ``refit`` command line: ``plugins``, ``plan``, ``demo``, ``check-plugin`` and ``bench``."""
+"""The ``refit`` command line: ``plugins``, ``plan``, ``demo``, ``check-plugin``, ``status``, ``secret`` and
+``bench``."""
 
 from __future__ import annotations
 
@@ -295,6 +296,19 @@ def cmd_secret(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from refit_core.contract.options import RefitOptions
+    from refit_core.fleet.status import fleet_table, read_fleet
+
+    wanted = {"job": args.job} if args.job else {}
+    states = read_fleet(args.rendezvous, RefitOptions(**wanted, **({"secret": args.secret} if args.secret else {})))
+    if not states:
+        print(f"the fleet at {args.rendezvous} has no replicas yet (train rank 0 publishes its view after each step)")
+        return 0
+    print(fleet_table(states))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
         from refit_core.tools.bench import main as bench_main
@@ -389,6 +403,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GPU benchmark: wire vs baselines vs refit (see benchmarks/)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
+
+    status = sub.add_parser("status", help="print a running fleet's replicas: version, ranks, layout, join time, "
+                                           "last error (RefitFleet)")
+    status.add_argument("rendezvous", help="the fleet's HOST:PORT (train rank 0's RefitFleet rendezvous)")
+    status.add_argument("--secret", help="the job's secret (default: REFIT_SECRET from the environment)")
+    status.add_argument("--job", help="the job's name (default: REFIT_JOB, else refit's)")
+    status.set_defaults(func=cmd_status)
 
     secret = sub.add_parser("secret", help="print a fresh random secret for a job: REFIT_SECRET=$(refit secret), "
                                            "the same on every rank")

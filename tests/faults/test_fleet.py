@@ -18,6 +18,7 @@ from refit_core.kit.launch import free_port
 from refit_core.net.auth import JobCredentials
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.store_protocol import ERROR_KEY
+from refit_core.tools import cli
 
 TRAIN = 2
 STEPS = 20
@@ -92,7 +93,7 @@ def test_only_a_fleets_store_admits_replica_identities_and_a_duplicate_fails_alo
 
 
 @pytest.mark.slow
-def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join():
+def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join(capsys):
     """2 train ranks, replicas r0 (1 rank), r1 (2 ranks) and r2 (1 rank); over 20 steps r2 is killed at a random
     point of a random step and restarted under its name, r3 joins late, and an impostor asks to join as r0.
     The trainers open the fleet once and never set up again; every replica holds every version it receives
@@ -133,6 +134,9 @@ def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join():
             steps.append([got[(r, "step")] for r in range(TRAIN)])
             for r in range(TRAIN):
                 del ranks.seen[(r, "step")]
+            if step == STEPS - 2:  # the running job's view, from outside, as `refit status` prints it
+                assert cli.main(["status", address]) == 0
+                status = capsys.readouterr().out
         results = ranks.wait_for([(r, "result") for r in (0, 1, 10, 11, 12, 14, 15, 16)], 60)
     finally:
         ranks.close()
@@ -158,3 +162,5 @@ def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join():
         held = results[(rank, "result")]["held"]
         assert held == [(v, True) for v in range(start, last + 1)], (rank, held)
     assert "replica r0 is already in the fleet" in results[(16, "result")]["error"]
+    rows = {line.split()[0]: line.split()[1:3] for line in status.splitlines()[1:]}
+    assert rows == {name: [str(size), str(last - 1)] for name, size in (("r0", 1), ("r1", 2), ("r2", 1), ("r3", 1))}

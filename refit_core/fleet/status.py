@@ -1,0 +1,45 @@
+"""A running fleet's view from outside (``refit status``): read what train rank 0 last published, as an observer
+that proves the job's secret, and print it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from refit_core.contract.env import with_overrides
+from refit_core.contract.options import RefitOptions
+from refit_core.fleet.records import STATE, ReplicaState
+from refit_core.net.auth import JobCredentials
+from refit_core.net.rendezvous import Rendezvous
+
+STATUS_TIMEOUT_S = 10.0
+
+
+def read_fleet(address: str, options: RefitOptions | None = None,
+               timeout_s: float = STATUS_TIMEOUT_S) -> tuple[ReplicaState, ...]:
+    """The fleet's view at ``address`` as train rank 0 last published it (after its last step; empty before
+    the first). ``options`` carry the job's name and secret (the environment's ``REFIT_SECRET`` applies)."""
+    options = with_overrides(options or RefitOptions())
+    credentials = JobCredentials.required(options, "refit status")
+    rdv = Rendezvous(address, host=False, who=f"observer/status-{os.getpid()}/0", timeout_s=timeout_s,
+                     credentials=credentials)
+    try:
+        wire = rdv.read(STATE, default=[])
+    finally:
+        rdv.close()
+    return tuple(ReplicaState.from_wire(s) for s in wire) if isinstance(wire, list) else ()
+
+
+def fleet_table(states: Sequence[ReplicaState], now: float | None = None) -> str:
+    """``states`` as a table: each replica's name, ranks, version, how long ago it joined, layout, last error."""
+    now = time.time() if now is None else now
+    rows = [("replica", "ranks", "version", "joined", "layout", "last error")]
+    for s in states:
+        rows.append((s.replica, str(s.gen_ranks), "-" if s.version is None else str(s.version),
+                     f"{max(0.0, now - s.joined_at):.0f} s ago", s.layout or "-", (s.last_error or "-")[:100]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)
+
+
+__all__ = ["fleet_table", "read_fleet"]
