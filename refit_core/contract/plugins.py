@@ -40,6 +40,10 @@ class PluginInfo:
     backends: list[Backend] = field(default_factory=list)
 
 
+EXPERT_NAMES_KEPT = 1 << 20
+"""The most expert-naming answers a plugin manager keeps (names of about 50 models the size of DeepSeek-V3)."""
+
+
 class PluginManager:
     """refit's hook caller. ``get_plugin_manager()`` returns the process-wide instance."""
 
@@ -49,6 +53,9 @@ class PluginManager:
         self._pm.register(defaults, name="refit-core-defaults")
         self._specs: set[str] = {hookspecs.__name__}
         self._info: dict[str, PluginInfo] = {}
+        self._expert_names: dict[str, ExpertName | None] = {}
+        """Answers of the expert-naming hook so far (a setup asks about each of a model's tensors several
+        times: 19,000 names cost seconds through pluggy); emptied when a plugin registers."""
         self.broken: dict[str, str] = {}
         """Plugins whose import failed: name -> error (they are skipped, and named in errors)."""
         if load_entry_points:
@@ -75,6 +82,7 @@ class PluginManager:
                  version: str = "") -> None:
         """Register a plugin object or module by hand (tests, notebooks, in-tree backends)."""
         self._pm.register(plugin, name=name)
+        self._expert_names.clear()
         self._info[name] = PluginInfo(name, distribution, version, self._registered_by(REGISTER_BACKENDS, name))
 
     def add_hookspecs(self, specs: ModuleType | type) -> None:
@@ -188,7 +196,14 @@ class PluginManager:
 
     def expert_name(self, hf_name: str) -> ExpertName | None:
         """``hf_name`` split into its expert group and index, or None if it is no per-expert name."""
-        return self.hook.refit_expert_name(hf_name=hf_name)
+        try:
+            return self._expert_names[hf_name]
+        except KeyError:
+            pass
+        if len(self._expert_names) >= EXPERT_NAMES_KEPT:
+            self._expert_names.clear()
+        found = self._expert_names[hf_name] = self.hook.refit_expert_name(hf_name=hf_name)
+        return found
 
     def expert_member_name(self, group: str, index: int) -> str | None:
         """The per-expert checkpoint name of expert ``index`` of ``group``, or None if no plugin knows it.
