@@ -74,14 +74,16 @@ def set_up(rdv: Rendezvous, request: SetupRequest, clock: SetupClock) -> SetupRe
             exchange = agreement.exchange_metadata(rdv, me, request.world_size, request.options, device,
                                                    request.host_id, pieces)
             sizes, settings = exchange.sizes, exchange.settings
-            metas = agreement.gather_metadata(rdv, sizes) if me == RankId(Side.TRAIN, 0) else None
+            metas = (agreement.gather_metadata(rdv, sizes, [p.meta for p in pieces]) if me == agreement.PLANNER
+                     else None)
         with clock.phase("plan"):
             own = agreement.own_plan(rdv, me, settings, sizes, metas, request.plugins, request.experts)
             experts, namer = request.experts, request.plugins.expert_name
             experts.seen.update(own.part.experts)
-            experts.learn([[p.meta for p in pieces]])
-            counts = own.part.facts.counts[me.side]
-            rankplan.check_against(own.part, [group_meta(p.meta, namer, counts) for p in pieces])
+            if metas is None:  # a part read from the planner; the planner's own is made from these very pieces
+                experts.learn([[p.meta for p in pieces]])
+                counts = own.part.facts.counts[me.side]
+                rankplan.check_against(own.part, [group_meta(p.meta, namer, counts) for p in pieces])
             request.check_plan(own.schedule, own.links, pieces)
         with clock.phase("agree"):
             agreement.agree(rdv, me, own.part.facts.fingerprint, sizes)
