@@ -30,7 +30,7 @@ from refit_core.net.rendezvous import Rendezvous
 from refit_core.plan import codec, rankplan
 from refit_core.plan.gcpause import gc_paused
 from refit_core.plan.links import Link, Placement, pair_links, placement_of
-from refit_core.plan.planning import plan_with_relay
+from refit_core.plan.planning import PlanCache, plan_with_relay
 from refit_core.plan.relay import RelayPlan, check_relay_pairs
 from refit_core.plan.schedule import Schedule
 from refit_core.plan.subset import logical_name
@@ -122,11 +122,11 @@ def read_own_part(rdv: Rendezvous, me: RankId) -> rankplan.RankPlan:
 
 def own_plan(rdv: Rendezvous, me: RankId, settings: RefitOptions, sizes: dict[Side, int],
              metas: dict[Side, list[list[PieceMeta]]] | None, plugins: PluginManager,
-             experts: ExpertNaming) -> OwnPlan:
+             experts: ExpertNaming, plans: PlanCache | None = None) -> OwnPlan:
     """Step 2 for any rank: the planner (given every rank's ``metas``) plans for all (:func:`plan_for_all`),
     every other rank reads its own part (:func:`read_own_part`)."""
     if metas is not None:
-        whole = plan_for_all(rdv, me, settings, sizes, metas, plugins, experts)
+        whole = plan_for_all(rdv, me, settings, sizes, metas, plugins, experts, plans)
         part, schedule, relay, links = whole.mine, whole.schedule, whole.relay, whole.links
     else:
         part = read_own_part(rdv, me)
@@ -138,20 +138,21 @@ def own_plan(rdv: Rendezvous, me: RankId, settings: RefitOptions, sizes: dict[Si
 
 
 def plan_for_all(rdv: Rendezvous, me: RankId, settings: RefitOptions, sizes: dict[Side, int],
-                 metas: dict[Side, list[list[PieceMeta]]], plugins: PluginManager, experts: ExpertNaming) -> WholePlan:
+                 metas: dict[Side, list[list[PieceMeta]]], plugins: PluginManager, experts: ExpertNaming,
+                 plans: PlanCache | None = None) -> WholePlan:
     """The planner: plan once and publish every other rank's part.
 
     With relay fanout the trainers feed only the first wave's replicas; the relay plan (waves, parents,
     relay messages) is hashed into the fingerprint with the settings. ``experts`` learns every rank's
-    expert names.
+    expert names; ``plans`` keeps plans across setups (None: plan every time).
     """
     grouped = {side: group_side(metas[side], plugins.expert_name) for side in Side}
     for side in Side:
         experts.learn(metas[side])
     groups = set(grouped[Side.GEN].counts) | set(grouped[Side.TRAIN].counts)
     with gc_paused():
-        schedule, relay = plan_with_relay(grouped[Side.TRAIN].metas, grouped[Side.GEN].metas, settings,
-                                          expert_groups=groups)
+        plan = plan_with_relay if plans is None else plans.plan
+        schedule, relay = plan(grouped[Side.TRAIN].metas, grouped[Side.GEN].metas, settings, expert_groups=groups)
     links = assign_links(rdv, schedule, sizes, settings.colocate, relay)
     facts = rankplan.PlanFacts(
         schedule.fingerprint, schedule.num_src, schedule.num_dst, schedule.bucket_bytes, schedule.summary,

@@ -30,6 +30,7 @@ from refit_core.net.auth import JobCredentials
 from refit_core.net.keys import RankId
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.transport import Transport
+from refit_core.plan.planning import PlanCache
 from refit_core.plan.items import Message
 from refit_core.plan.links import Link
 from refit_core.plan.relay import RelayPlan
@@ -92,6 +93,8 @@ class RefitEndpoint:
         self._broken: str | None = None  # why the last step failed; a new setup() clears it
         self._aborted = False  # True: by abort()
         self._clock = SetupClock()
+        self._plans: PlanCache | None = None
+        """The planner's plans kept across setups (None: it plans every setup)."""
 
     @property
     def me(self) -> RankId:
@@ -154,7 +157,7 @@ class RefitEndpoint:
         rdv = self._rdv = Rendezvous(self.address, host=self.plans, who=str(self.me), timeout_s=self.options.timeout_s,
                                      credentials=credentials, limits=self.options.store)
         request = SetupRequest(self.me, self.world_size, self.address, self.options, self.host_id, self.plugins,
-                               self._experts, self._local_pieces, self._check_plan)
+                               self._experts, self._local_pieces, self._check_plan, self._plans)
         self._clock = SetupClock()
         try:
             done = set_up(rdv, request, self._clock)

@@ -18,6 +18,7 @@ from refit_core.endpoints import adapters, commit
 from refit_core.endpoints.base import RefitEndpoint
 from refit_core.endpoints.versions import checked_version
 from refit_core.endpoints.wiring import by_peer, colocated_path, combined_stats, executor_settings, split_rounds
+from refit_core.plan.planning import PlanCache
 from refit_core.plan.items import Message
 from refit_core.plan.links import Link
 from refit_core.plan.schedule import Schedule
@@ -29,15 +30,20 @@ log = logging.getLogger("refit")
 
 
 class RefitSender(RefitEndpoint):
-    """The train side of a refit, one per train rank. ``send(version)`` every step."""
+    """The train side of a refit, one per train rank. ``send(version)`` every step.
+
+    ``plans``: train rank 0 keeps its plans there across setups with the same inputs (a
+    :class:`~refit_core.plan.planning.PlanCache`, shared by a fleet's replica jobs; None: it plans every setup).
+    """
 
     side = Side.TRAIN
 
     def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
                  options: RefitOptions | None = None, plugins: PluginManager | None = None,
-                 host_id: str | None = None) -> None:
+                 host_id: str | None = None, plans: PlanCache | None = None) -> None:
         super().__init__(model, rendezvous=rendezvous, rank=rank, world_size=world_size, options=options,
                          plugins=plugins, host_id=host_id)
+        self._plans = plans
         self._decided = -1
         """The last step train rank 0 published a decision on."""
         self._heard_by = -1

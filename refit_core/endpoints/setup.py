@@ -21,6 +21,7 @@ from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.transport import StoreWatch, Transport, open_transport, resolve_kind
 from refit_core.plan import rankplan
 from refit_core.plan.links import Link
+from refit_core.plan.planning import PlanCache
 from refit_core.plan.schedule import Schedule
 from refit_core.run.broadcast_links import broadcast_view
 from refit_core.run.timing import SetupClock
@@ -44,6 +45,8 @@ class SetupRequest:
     check_plan: Callable[[Schedule, dict[tuple[int, int], Link], list[Piece]], None]
     """Raises if this rank cannot run the plan (its schedule and its pairs' links) with its pieces (before the
     agreement barrier)."""
+    plans: PlanCache | None = None
+    """The planner's plans kept across setups (None: plan every setup)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ def set_up(rdv: Rendezvous, request: SetupRequest, clock: SetupClock) -> SetupRe
             metas = (agreement.gather_metadata(rdv, sizes, [p.meta for p in pieces]) if me == agreement.PLANNER
                      else None)
         with clock.phase("plan"):
-            own = agreement.own_plan(rdv, me, settings, sizes, metas, request.plugins, request.experts)
+            own = agreement.own_plan(rdv, me, settings, sizes, metas, request.plugins, request.experts,
+                                     request.plans)
             experts, namer = request.experts, request.plugins.expert_name
             experts.seen.update(own.part.experts)
             if metas is None:  # a part read from the planner; the planner's own is made from these very pieces

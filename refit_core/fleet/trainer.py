@@ -40,6 +40,7 @@ from refit_core.net.auth import JobCredentials
 from refit_core.net.keys import size_key
 from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.store_protocol import Endpoint
+from refit_core.plan.planning import PlanCache
 
 log = logging.getLogger("refit")
 
@@ -77,6 +78,8 @@ class RefitFleet:
         self._states: dict[str, ReplicaState] = {}
         self._tickets = 0
         """Train rank 0: the join tickets read so far."""
+        self.plans = PlanCache()
+        """Train rank 0's plans, one per replica layout, shared by the replicas' jobs."""
 
     @property
     def leads(self) -> bool:
@@ -138,7 +141,7 @@ class RefitFleet:
 
     def _sender_for(self, member: Member) -> RefitSender:
         return RefitSender(self.model, rendezvous=member.address, rank=self.rank, world_size=self.world_size,
-                           options=self.options, plugins=self.plugins, host_id=self.host_id)
+                           options=self.options, plugins=self.plugins, host_id=self.host_id, plans=self.plans)
 
     def _forget(self, replica: str) -> None:
         held = self._senders.pop(replica, None)

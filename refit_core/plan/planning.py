@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Hashable, Sequence
 
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.pieces import PieceMeta
@@ -37,4 +38,31 @@ def plan_with_relay(train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Seque
     return schedule, relay_down_tree(tree, schedule, options.chunk_bytes, options.slice_pieces)
 
 
-__all__ = ["plan_with_relay"]
+class PlanCache:
+    """Plans kept by everything that decides them: both sides' (expert-grouped) metadata, the agreed settings
+    and the expert groups, so that setups with the same inputs plan once (a fleet's replicas of one layout;
+    the trainers' metadata does not change between them). Holds the ``capacity`` plans used last."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._plans: OrderedDict[Hashable, tuple[Schedule, RelayPlan | None]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def plan(self, train_metas: Sequence[Sequence[PieceMeta]], gen_metas: Sequence[Sequence[PieceMeta]],
+             settings: RefitOptions, *, expert_groups: Collection[str] = ()) -> tuple[Schedule, RelayPlan | None]:
+        """:func:`plan_with_relay` of these inputs, planned on the first call only."""
+        key = (tuple(map(tuple, train_metas)), tuple(map(tuple, gen_metas)), settings.digest(),
+               frozenset(expert_groups))
+        found = self._plans.get(key)
+        if found is not None:
+            self.hits += 1
+            self._plans.move_to_end(key)
+            return found
+        self.misses += 1
+        found = self._plans[key] = plan_with_relay(train_metas, gen_metas, settings, expert_groups=expert_groups)
+        while len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+        return found
+
+
+__all__ = ["PlanCache", "plan_with_relay"]
