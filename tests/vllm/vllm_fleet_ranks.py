@@ -87,21 +87,6 @@ def model_replica(report: Report, address: str, name: str, last: int) -> dict:
 # -- the vLLM replica: its worker's side, run through collective_rpc (in process: one worker, uniproc) ------
 
 
-def join_worker(worker: Any, address: str, name: str) -> int:
-    """Join this vLLM worker to the fleet at ``address`` as its replica ``name``'s rank, the receiver where
-    ``RefitWorkerExtension.refit_receive`` finds it (what ``refit_init`` does for a fixed job); its rank."""
-    from refit_vllm.state import attach, worker_rank
-
-    worker = getattr(worker, "worker", worker)  # vLLM's wrapper: the extension's methods run on the worker in it
-    rank, workers = worker_rank(worker.vllm_config.parallel_config)
-    model = worker.model_runner.get_model()
-    attach(model, worker.vllm_config)
-    worker.refit_close()
-    worker._refit_receiver = join_fleet(model, fleet=address, replica=name, rank=rank, world_size=workers,
-                                        options=options(), join_timeout_s=JOIN_TIMEOUT_S)
-    return rank
-
-
 def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
     """Every weight the worker's model computes with (``scenarios._engine_tensors``)."""
     return _engine_tensors(worker.model_runner.get_model())
@@ -125,7 +110,8 @@ def vllm_replica(report: Report, address: str, name: str, last: int) -> dict:
         expected = {step: llm.collective_rpc(reloaded_tensors, args=(step,))[0] for step in range(1, WEIGHTS + 1)}
         constant = [n for n in expected[1] if any(same_bytes(expected[1][n], expected[s][n]) for s in (2, 3))]
         report("joining")
-        ranks = llm.collective_rpc(join_worker, args=(address, name))
+        ranks = llm.collective_rpc("refit_join_fleet", args=(address, name),
+                                   kwargs={"options": {"timeout_s": TIMEOUT_S}, "join_timeout_s": JOIN_TIMEOUT_S})
         held = []
         while not held or held[-1][0] != last:
             (version,) = llm.collective_rpc("refit_receive")

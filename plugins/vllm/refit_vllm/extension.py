@@ -5,6 +5,10 @@
     llm.collective_rpc("refit_receive")                           # each step, with their send
     llm.reset_prefix_cache()
 
+or, as one replica of a fleet (``refit_core.apps.RefitFleet`` on the trainers), joining the running job:
+
+    llm.collective_rpc("refit_join_fleet", args=("127.0.0.1:29600", "replica-3"))
+
 The same receiver as the ``refit`` weight-transfer backend, without vLLM's weight-transfer config.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from refit_core import LoraSpec, RefitError, RefitOptions, RefitReceiver, get_plugin_manager
+from refit_core.apps import join_fleet
 
 from .checkpoint import step_catalog
 from .lora import AdapterTarget, adapter_versions, lora_spec
@@ -51,6 +56,19 @@ class RefitWorkerExtension:
         receiver.setup()
         self._refit_receiver = receiver
         return rank_offset + rank
+
+    def refit_join_fleet(self, fleet: str, replica: str, options: dict[str, Any] | None = None,
+                         loader: list[str] | None = None, join_timeout_s: float = 600.0) -> int:
+        """Join this engine, as replica ``replica`` (its workers its ranks), to the running fleet whose store is at
+        ``fleet`` (:func:`refit_core.apps.join_fleet`); returns this worker's rank. ``refit_receive`` then receives
+        the step that admitted it, whole. After a failed step, join again."""
+        self.refit_close()
+        rank, workers = worker_rank(self.vllm_config.parallel_config)
+        model = self._refit_model()
+        attach(model, self.vllm_config, loader=loader or ())
+        self._refit_receiver = join_fleet(model, fleet=fleet, replica=replica, rank=rank, world_size=workers,
+                                          options=RefitOptions(**(options or {})), join_timeout_s=join_timeout_s)
+        return rank
 
     def refit_receive(self, version: int | None = None, only: list[str] | None = None) -> int | None:
         """Receive one step (the engine keeps its previous weights where it can if it fails); returns
