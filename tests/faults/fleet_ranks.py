@@ -1,16 +1,24 @@
 """Rank programs for the fleet tests: toy trainers that refit a fleet step by step (each step once the test
 opens its gate), and toy engine replicas that join it, check every version they receive bitwise, and join
-again after a failed step."""
+again after a failed step; the fleet campaign's replicas may be struck (killed or stopped) at a point of a
+step, and log what they did to a file."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
 
 from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
 
-from refit_core import RefitError, RefitOptions
+from refit_core import RefitError, RefitOptions, RefitReceiver
 from refit_core.apps import RefitFleet, join_fleet
 from refit_core.kit.verify import mismatches
 
@@ -24,18 +32,19 @@ def weights_of(version: int) -> int:
 
 
 def options(**extra: object) -> RefitOptions:
-    return RefitOptions(timeout_s=10, bucket_bytes=1024, num_buffers=2, **extra)
+    return RefitOptions(**{"timeout_s": 10, "bucket_bytes": 1024, "num_buffers": 2, **extra})
 
 
 def gate(folder: str, step: int) -> str:
     return os.path.join(folder, f"step-{step}")
 
 
-def trainer_rank(rank: int, report, address: str, train: int, steps: int, folder: str) -> dict:
+def trainer_rank(rank: int, report, address: str, train: int, steps: int, folder: str,
+                 settings: dict | None = None) -> dict:
     """Train rank ``rank`` of ``train``: open the fleet once, then ``steps`` steps, step ``s`` once the file
-    ``gate(folder, s)`` exists; reports each step's :class:`FleetStep`."""
+    ``gate(folder, s)`` exists; reports each step's :class:`FleetStep`. ``settings``: more options."""
     model = ToyTrainer(rank, train)
-    fleet = RefitFleet(model, rendezvous=address, rank=rank, world_size=train, options=options())
+    fleet = RefitFleet(model, rendezvous=address, rank=rank, world_size=train, options=options(**(settings or {})))
     fleet.open()
     opened = 1
     for step in range(steps):
@@ -50,30 +59,50 @@ def trainer_rank(rank: int, report, address: str, train: int, steps: int, folder
     return {"opened": opened, "fleet": view}
 
 
-def replica_rank(rank: int, report, address: str, replica: str, local: int, size: int, last: int) -> dict:
-    """Rank ``local`` of replica ``replica`` (``size`` ranks): join, then receive until version ``last``,
-    reporting each version held and whether it is bitwise the trainers'; after a failed step, join again."""
-    engine = ToyEngine(local, size)
+Arm = Callable[[RefitReceiver, int], Callable[[bool], None] | None]
+"""Called before a replica's ``count``-th receive since its first join; what it returns (if anything) is called
+once that receive ended (True: it returned)."""
+
+
+def serve(engine: ToyEngine, join: Callable[[], RefitReceiver], last: int, note: Callable[[str, Any], None],
+          arm: Arm | None = None) -> dict:
+    """A replica rank's life: join, then receive until version ``last``, noting each version held and whether it
+    is bitwise the trainers'; after a failed step, join again. A refused join raises."""
     held, joins = [], 0
     while True:
-        report("joining", joins)
-        receiver = join_fleet(engine, fleet=address, replica=replica, rank=local, world_size=size, options=options(),
-                              join_timeout_s=60)
+        note("joining", joins)
+        receiver = join()
         joins += 1
         try:
-            while True:
-                receiver.receive()
+            for count in itertools.count():
+                after = arm(receiver, count) if arm is not None and joins == 1 else None
+                try:
+                    receiver.receive()
+                except RefitError:
+                    if after is not None:
+                        after(False)
+                    raise
                 version = receiver.version
                 pieces = receiver.plugins.destination_map(engine).pieces
                 bitwise = not mismatches(pieces, reference(0, weights_of(version)))
                 held.append((version, bitwise))
-                report("held", (version, bitwise))
+                note("held", (version, bitwise))
+                if after is not None:
+                    after(True)
                 if version == last:
                     receiver.close()
                     return {"held": held, "joins": joins}
         except RefitError as exc:
-            report("failed", str(exc)[:300])
+            note("failed", str(exc)[:300])
             receiver.close()
+
+
+def replica_rank(rank: int, report, address: str, replica: str, local: int, size: int, last: int) -> dict:
+    """Rank ``local`` of replica ``replica`` (``size`` ranks): join, then receive until version ``last``,
+    reporting each version held and whether it is bitwise the trainers'; after a failed step, join again."""
+    engine = ToyEngine(local, size)
+    return serve(engine, lambda: join_fleet(engine, fleet=address, replica=replica, rank=local, world_size=size,
+                                            options=options(), join_timeout_s=60), last, report)
 
 
 def impostor_rank(rank: int, report, address: str, replica: str) -> dict:
@@ -84,3 +113,152 @@ def impostor_rank(rank: int, report, address: str, replica: str) -> dict:
     except RefitError as exc:
         return {"error": str(exc)}
     return {"error": None}
+
+
+# -- the fleet campaign's replicas ------------------------------------------------------------------------
+
+
+class Point(StrEnum):
+    """Where in its step a struck replica rank is hit."""
+
+    TRANSFER = "transfer"
+    """Inside the transfer, before the rank's ``exchange``-th exchange of the step."""
+    AFTER_VOTE = "after_vote"
+    """Right after its vote that it landed the step."""
+    AFTER_SETTLE = "after_settle"
+    """Staged: right after it reported that it applied train rank 0's decision."""
+    BETWEEN = "between"
+    """Right after ``receive()`` returned: between this step and the next."""
+
+
+class Action(StrEnum):
+    """What hits the rank."""
+
+    KILL = "kill"
+    """SIGKILL."""
+    STOP = "stop"
+    """SIGSTOP, never continued (the campaign kills it later)."""
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A strike on one replica rank: ``action`` at ``point`` of fleet step ``step`` (of its first incarnation,
+    which joined for step 0; ``exchange``: which exchange, at :attr:`Point.TRANSFER`)."""
+
+    step: int
+    point: Point
+    action: Action
+    exchange: int = 1
+
+
+class RankLog:
+    """What a campaign replica rank did, one JSON line per event appended to its own file: a line written
+    survives a SIGKILL right after it (a queue's feeder thread may not), and the campaign reads it between steps."""
+
+    def __init__(self, folder: str, rank: int) -> None:
+        self.path = os.path.join(folder, f"rank-{rank}.log")
+
+    def note(self, event: str, value: Any = None) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, json.dumps([event, value]).encode() + b"\n")
+        finally:
+            os.close(fd)
+
+    def read(self) -> list[tuple[str, Any]]:
+        """The events noted so far, in order (none before the first)."""
+        try:
+            with open(self.path) as f:
+                return [tuple(json.loads(line)) for line in f if line.endswith("\n")]
+        except FileNotFoundError:
+            return []
+
+
+def _note_asks(log: RankLog) -> None:
+    """Note "asked" once this process's join request is in the fleet's store (``join_fleet`` then waits)."""
+    from refit_core.fleet import replica as module
+
+    class Asking(module.Rendezvous):  # type: ignore[name-defined,misc]
+        def wait(self, *args: Any, **kwargs: Any) -> list[Any]:
+            log.note("asked")
+            return super().wait(*args, **kwargs)
+    module.Rendezvous = Asking  # type: ignore[misc]
+
+
+def _arm(hit: Hit, log: RankLog) -> Arm:
+    """What installs ``hit`` in this process for the step it names (see :data:`Arm`)."""
+    from refit_core.endpoints import commit
+
+    def strike() -> None:
+        log.note("struck", hit.step)
+        os.kill(os.getpid(), signal.SIGKILL if hit.action is Action.KILL else signal.SIGSTOP)
+
+    def arm(receiver: RefitReceiver, count: int) -> Callable[[bool], None] | None:
+        if count != hit.step:
+            return None
+        undo: list[Callable[[], None]] = []
+        if hit.point is Point.TRANSFER:
+            transport = receiver._executor.transport
+            real_exchange, calls = transport.exchange, [0]
+
+            def exchange(*args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == hit.exchange:
+                    strike()
+                return real_exchange(*args, **kwargs)
+            transport.exchange = exchange
+            undo.append(lambda: setattr(transport, "exchange", real_exchange))
+        elif hit.point in (Point.AFTER_VOTE, Point.AFTER_SETTLE):
+            name = "vote" if hit.point is Point.AFTER_VOTE else "settle"
+            real = getattr(commit, name)
+
+            def struck(*args: Any, **kwargs: Any) -> Any:
+                result = real(*args, **kwargs)
+                if name == "settle" or args[2].landed:
+                    strike()
+                return result
+            setattr(commit, name, struck)
+            undo.append(lambda: setattr(commit, name, real))
+
+        def after(returned: bool) -> None:
+            for step in undo:
+                step()
+            if hit.point is Point.BETWEEN and returned:
+                strike()  # never returns
+            else:
+                log.note("missed", hit.step)
+        return after
+    return arm
+
+
+def start_path(folder: str, rank: int) -> str:
+    """The file a campaign replica rank started ahead waits for before it first joins."""
+    return os.path.join(folder, f"start-{rank}")
+
+
+def fleet_rank(rank: int, report, address: str, replica: str, local: int, size: int, last: int, settings: dict,
+               folder: str, hit: Hit | None, ahead: bool = False) -> dict:
+    """A campaign replica rank (:func:`serve`), noting its events in its :class:`RankLog` (``asked`` once its
+    join request is in; a join whose setup failed is tried again; a refused join notes ``refused`` and the
+    reason, and the rank ends); ``hit``: its strike; ``ahead``: it first waits for :func:`start_path`."""
+    log = RankLog(folder, rank)
+    _note_asks(log)
+    engine = ToyEngine(local, size)
+    while ahead and not os.path.exists(start_path(folder, rank)):
+        time.sleep(0.01)
+
+    def join() -> RefitReceiver:
+        while True:
+            try:
+                return join_fleet(engine, fleet=address, replica=replica, rank=local, world_size=size,
+                                  options=options(**settings), join_timeout_s=600)
+            except RefitError as exc:
+                if "refused replica" in str(exc):
+                    raise
+                log.note("failed", str(exc)[:300])
+                log.note("joining", None)
+    try:
+        return serve(engine, join, last, log.note, None if hit is None else _arm(hit, log))
+    except RefitError as exc:
+        log.note("refused", str(exc)[:500])
+        return {"refused": str(exc)}
