@@ -10,9 +10,11 @@ import pytest
 from fleet_ranks import FIRST_VERSION, gate, impostor_rank, replica_rank, trainer_rank
 from harness import Ranks
 
+from refit_core import RefitOptions
+from refit_core.contract.env import with_overrides
 from refit_core.contract.errors import RefitError
 from refit_core.contract.options import StoreLimits
-from refit_core.fleet.records import JoinRequest
+from refit_core.fleet.records import JOINS, JoinRequest
 from refit_core.fleet.roster import MINUTE_S, Roster
 from refit_core.kit.launch import free_port
 from refit_core.net.auth import JobCredentials
@@ -103,7 +105,7 @@ def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join(capsys):
     kill_at, add_at = rng.randrange(3, 8), 12
     last = FIRST_VERSION + STEPS - 1
     folder, address = tempfile.mkdtemp(prefix="refit-fleet-"), f"127.0.0.1:{free_port()}"
-    ranks = Ranks()
+    ranks, observer = Ranks(), None
     try:
         for r in range(TRAIN):
             ranks.start(trainer_rank, r, address, TRAIN, STEPS, folder)
@@ -112,20 +114,25 @@ def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join(capsys):
             ranks.start(replica_rank, rank, address, name, local, size, last)
         ranks.release()
 
-        def asks(*rank_ids: int) -> None:  # their join requests are in before the next step starts
-            ranks.wait_for([(r, "joining") for r in rank_ids], 60)
-            time.sleep(0.5)
+        def asks(tickets: int) -> None:  # the join requests are in before the next step starts
+            nonlocal observer
+            observer = observer or Rendezvous(address, host=False, who="observer/test-fleet/0", timeout_s=30,
+                                              credentials=JobCredentials.required(with_overrides(RefitOptions()), "t"))
+            deadline = time.monotonic() + 60
+            while observer.read(JOINS, default=0) < tickets:
+                assert time.monotonic() < deadline, f"fewer than {tickets} join requests after 60 s"
+                time.sleep(0.02)
 
-        asks(10, 11, 12, 13)
+        asks(4)
         steps = []
         for step in range(STEPS):
             if step == kill_at + 1:
                 ranks.start(replica_rank, 14, address, "r2", 0, 1, last)
-                asks(14)
+                asks(5)
             if step == add_at:
                 ranks.start(replica_rank, 15, address, "r3", 0, 1, last)
                 ranks.start(impostor_rank, 16, address, "r0")
-                asks(15)
+                asks(7)
             open(gate(folder, step), "w").close()
             if step == kill_at:
                 time.sleep(rng.uniform(0.0, 0.03))
@@ -139,6 +146,8 @@ def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join(capsys):
                 status = capsys.readouterr().out
         results = ranks.wait_for([(r, "result") for r in (0, 1, 10, 11, 12, 14, 15, 16)], 60)
     finally:
+        if observer is not None:
+            observer.close()
         ranks.close()
         for name in os.listdir(folder):
             os.unlink(os.path.join(folder, name))
