@@ -6,29 +6,40 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from refit_core.contract.env import with_overrides
 from refit_core.contract.options import RefitOptions
-from refit_core.fleet.records import STATE, ReplicaState
+from refit_core.fleet.records import JOINS, STATE, ReplicaState
 from refit_core.net.auth import JobCredentials
 from refit_core.net.rendezvous import Rendezvous
 
 STATUS_TIMEOUT_S = 10.0
 
 
-def read_fleet(address: str, options: RefitOptions | None = None,
-               timeout_s: float = STATUS_TIMEOUT_S) -> tuple[ReplicaState, ...]:
-    """The fleet's view at ``address`` as train rank 0 last published it (after its last step; empty before
-    the first). ``options`` carry the job's name and secret (the environment's ``REFIT_SECRET`` applies)."""
+@dataclass(frozen=True)
+class FleetStatus:
+    """A running fleet from outside: its replicas as train rank 0 last published them (after its last step;
+    empty before the first), and how many join requests its ranks have made so far (each rank of a joining
+    replica makes one; train rank 0 answers them at the start of its next step)."""
+
+    replicas: tuple[ReplicaState, ...]
+    join_requests: int
+
+
+def read_fleet(address: str, options: RefitOptions | None = None, timeout_s: float = STATUS_TIMEOUT_S) -> FleetStatus:
+    """The fleet at ``address`` now. ``options`` carry the job's name and secret (the environment's
+    ``REFIT_SECRET`` applies)."""
     options = with_overrides(options or RefitOptions())
     credentials = JobCredentials.required(options, "refit status")
     rdv = Rendezvous(address, host=False, who=f"observer/status-{os.getpid()}/0", timeout_s=timeout_s,
                      credentials=credentials)
     try:
-        wire = rdv.read(STATE, default=[])
+        wire, joins = rdv.read(STATE, default=[]), rdv.read(JOINS, default=0)
     finally:
         rdv.close()
-    return tuple(ReplicaState.from_wire(s) for s in wire) if isinstance(wire, list) else ()
+    replicas = tuple(ReplicaState.from_wire(s) for s in wire) if isinstance(wire, list) else ()
+    return FleetStatus(replicas, joins if type(joins) is int else 0)
 
 
 def fleet_table(states: Sequence[ReplicaState], now: float | None = None) -> str:
@@ -42,4 +53,4 @@ def fleet_table(states: Sequence[ReplicaState], now: float | None = None) -> str
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 
 
-__all__ = ["fleet_table", "read_fleet"]
+__all__ = ["FleetStatus", "fleet_table", "read_fleet"]

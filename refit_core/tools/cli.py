@@ -301,11 +301,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from refit_core.fleet.status import fleet_table, read_fleet
 
     wanted = {"job": args.job} if args.job else {}
-    states = read_fleet(args.rendezvous, RefitOptions(**wanted, **({"secret": args.secret} if args.secret else {})))
-    if not states:
+    status = read_fleet(args.rendezvous, RefitOptions(**wanted, **({"secret": args.secret} if args.secret else {})))
+    if status.replicas:
+        print(fleet_table(status.replicas))
+    else:
         print(f"the fleet at {args.rendezvous} has no replicas yet (train rank 0 publishes its view after each step)")
-        return 0
-    print(fleet_table(states))
+    print(f"join requests so far: {status.join_requests}")
     return 0
 
 

@@ -23,12 +23,12 @@ from typing import Any
 import scenarios
 from vllm_fleet_ranks import FIRST_VERSION, TIMEOUT_S, model_replica, trainer_rank, vllm_replica
 
+from refit_core import RefitError
 from refit_core.apps import free_port
+from refit_core.fleet.status import read_fleet
 from refit_core.net.auth import new_secret
 
 TRAIN = 2
-ASKED_S = 1.0
-"""How long after a replica says it is joining the driver starts the next step: its join request is in."""
 
 
 def _entry(fn: Callable[..., Any], who: str, events: Any, args: tuple) -> None:
@@ -65,19 +65,42 @@ class Crew:
                 missing = [w for w in wanted if not self.unread.get(w)]
                 raise AssertionError(f"no {missing} within {timeout_s:.0f} s; events so far: {self.log}")
             try:
-                who, event, payload = self.events.get(timeout=min(left, 0.5))
+                self._record(*self.events.get(timeout=min(left, 0.5)))
             except queue.Empty:
                 continue
-            if event == "crash":
-                raise AssertionError(f"{who} crashed:\n{payload}")
-            self.log.append((who, event, payload))
-            self.unread.setdefault((who, event), []).append(payload)
         return {w: self.unread[w].pop(0) for w in wanted}
 
-    def asks(self, *who: str, timeout_s: float = 120) -> None:
-        """Wait until the replicas ``who`` asked to join (their requests are in before the next step)."""
-        self.wait_for([(w, "joining") for w in who], timeout_s)
-        time.sleep(ASKED_S)
+    def _record(self, who: str, event: str, payload: Any) -> None:
+        """Keep one reported event; a rank's crash raises."""
+        if event == "crash":
+            raise AssertionError(f"{who} crashed:\n{payload}")
+        self.log.append((who, event, payload))
+        self.unread.setdefault((who, event), []).append(payload)
+
+    def asks(self, address: str, tickets: int, timeout_s: float = 120) -> None:
+        """Wait until the fleet at ``address`` holds ``tickets`` join requests (one per replica rank so far):
+        they are in before the next step, which admits them."""
+        deadline = time.monotonic() + timeout_s
+        while self._join_requests(address) < tickets:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"fewer than {tickets} join requests after {timeout_s:.0f} s: {self.log}")
+            self._drain()
+            time.sleep(0.05)
+
+    @staticmethod
+    def _join_requests(address: str) -> int:
+        try:
+            return read_fleet(address).join_requests
+        except RefitError:  # train rank 0 has yet to open the fleet's store
+            return 0
+
+    def _drain(self) -> None:
+        """Read the events reported so far; a rank's crash raises."""
+        while True:
+            try:
+                self._record(*self.events.get_nowait())
+            except queue.Empty:
+                return
 
     def kill(self, who: str) -> None:
         proc = self.procs[who]
@@ -114,15 +137,15 @@ def scenario_fleet(steps: int, seed: int) -> dict[str, Any]:
             crew.start(f"train{rank}", trainer_rank, rank, TRAIN, port, address, gates)
         for name in ("m1", "m2"):
             crew.start(name, model_replica, address, name, last)
-        crew.asks("vllm", "m1", "m2", timeout_s=600)
+        crew.asks(address, 3, timeout_s=600)
         out["ready_s"] = time.perf_counter() - began
         for step in range(steps):
             if step == kill_at + 1:
                 crew.start("m2-restarted", model_replica, address, "m2", last)
-                crew.asks("m2-restarted")
+                crew.asks(address, 4)
             if step == add_at:
                 crew.start("m3", model_replica, address, "m3", last)
-                crew.asks("m3")
+                crew.asks(address, 5)
             gates[step].set()
             if step == kill_at:
                 time.sleep(rng.uniform(0.0, 0.03))
