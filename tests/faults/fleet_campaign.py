@@ -38,6 +38,8 @@ SECRET = "fleet-campaign"
 SLACK_S = 3.0
 """What a step may take beyond ``timeout_s`` without a failed replica: new replicas' setups, a killed rank
 noticed, a loaded 2-core machine."""
+SETUP_S = 1.0
+"""What setting up a replica's job may add to a step (a loaded machine)."""
 START_S = 60.0
 """How long a started rank may take to ask to join (a new process on a loaded machine)."""
 EXCHANGES = 4
@@ -125,11 +127,12 @@ class Run:
         (a replica struck after it landed step ``s`` fails step ``s + 1``)."""
         return [s for s in self.strikes if s.strikes_rank and s.replica != spared and step - 1 <= s.step <= step]
 
-    def deadline_s(self, failed: int) -> float:
-        """How long a step may take in which ``failed`` replicas failed: ``timeout_s`` and :data:`SLACK_S`, plus
-        one replica job's deadline (its transfer's, then the commit's) for each (the trainers send to one
-        replica after the other, and a replica that lands costs little)."""
-        return self.timeout_s + SLACK_S + failed * (self.timeout_s + DECISION_GRACE_S + LINGER_S)
+    def deadline_s(self, failed: int, joined: int = 0) -> float:
+        """How long a step may take in which ``failed`` replicas failed and ``joined`` were set up: ``timeout_s``
+        and :data:`SLACK_S`, plus one replica job's deadline (its transfer's, then the commit's) for each that
+        failed and :data:`SETUP_S` for each set up (the trainers serve one replica after the other; one that
+        lands costs little)."""
+        return self.timeout_s + SLACK_S + failed * (self.timeout_s + DECISION_GRACE_S + LINGER_S) + joined * SETUP_S
 
 
 def _strike(rng: random.Random, change: Change, mode: str, sizes: tuple[int, ...], free: list[str],

@@ -15,7 +15,8 @@ its replica ranks logged, judged. Over all runs it counts, each of which a clean
   struck and still landed the step after its strike;
 - *rejoins late*: a replica whose every rank asked to join before step ``g`` (restarted, added, or joining
   again after a failed step), not back on the current version at step ``g`` or ``g + 1``;
-- *impostors admitted*: a replica asking to join under a live replica's name, not refused by that name.
+- *impostors admitted*: a replica asking to join under a live replica's name, not refused by that name (by train
+  rank 0, or by the fleet's store while that rank of the replica is connected to it, joining).
 
 It counts too the rejoins back on the current version at once, and within a step.
 """
@@ -35,7 +36,7 @@ BEHIND = "survivors hit behind a struck replica"
 SLOW = "survivors past their deadline, no strike"
 COUNTS = ("silent stale", "not bitwise", "train ranks disagree", "late", "hung", "survivors hit", BEHIND, SLOW,
           "dead replicas kept", "rejoins late", "impostors admitted")
-PAST_DEADLINE = ("did not complete within", "timed out after")
+PAST_DEADLINE = ("did not complete within", "timed out")
 """How a replica's ranks say they gave up on a step (or on its setup) at its deadline."""
 
 
@@ -116,7 +117,7 @@ class Census:
             views = {(tuple(sorted(r["landed"])), tuple(sorted(r["failed"]))) for r in reports}
             if len(views) > 1:
                 self.problem("train ranks disagree", f"{what}: step {step}: {reports}")
-            deadline = run.deadline_s(len(reports[0]["failed"]))
+            deadline = run.deadline_s(len(reports[0]["failed"]), len(reports[0]["joined"]))
             for rank, report in enumerate(reports):
                 if report["seconds"] > deadline:
                     self.problem("late", f"{what}: train rank {rank}, step {step}: {report['seconds']:.1f} s > "
@@ -132,15 +133,28 @@ class Census:
         returns = {r.since for r in record.returns if r.replica == name}
         for step in range(len(record.steps)):
             if record.went_out(name, step) and not (strike is not None and strike.step <= step <= strike.step + 1):
-                late = any(p in line.reason(step) for p in PAST_DEADLINE)
+                why = " / ".join([line.reason(step), *self._rank_failures(record, name, step)])
+                late = any(p in why for p in PAST_DEADLINE)
                 kind = "survivors hit" if not late else BEHIND if run.stalls(step, spared=name) else SLOW
-                self.problem(kind, f"{what}: {name} went out at step {step}: {line.reason(step)[:300]}")
+                self.problem(kind, f"{what}: {name} went out at step {step}: {why[:400]}")
             if line.landed(step) and step and not line.landed(step - 1) and not line.joined(step):
                 self.problem("dead replicas kept", f"{what}: {name} landed step {step} without joining again")
             if line.failed(step) and line.failed(step - 1) and step not in returns:
                 self.problem("dead replicas kept", f"{what}: {name} failed steps {step - 1} and {step}")
             if line.landed(step):
                 self._judge_held(what, run, record, name, step)
+
+    @staticmethod
+    def _rank_failures(record: Record, name: str, step: int) -> list[str]:
+        """What the ranks of ``name`` noted as their first failure after they held the step before ``step``
+        (a rank that gave up on its own, idle past its deadline, closes its end: the trainers see a peer leave)."""
+        held = ["held", [FIRST_VERSION + step - 1, True]]
+        failures = []
+        for n in record.ranks[step].get(name, {}).values():
+            log = [list(e) for e in record.logs[n]]
+            start = log.index(held) if held in log else 0
+            failures += [str(v) for e, v in log[start:] if e == "failed"][:1]
+        return failures
 
     def _judge_held(self, what: str, run: Run, record: Record, name: str, step: int) -> None:
         live = [n for n in record.ranks[step][name].values() if not run.downed(record.started[n], step)]
@@ -192,6 +206,8 @@ class Census:
             refused = [str(v) for e, v in record.logs[number] if e == "refused"]
             if any(f"replica {started.replica} is already in the fleet" in r for r in refused):
                 self.outcomes["impostor refused by name"] += 1
+            elif any(f"replica/{started.replica}/0 is already connected" in r for r in refused):
+                self.outcomes["impostor refused by the store (that rank of the replica joining)"] += 1
             else:
                 self.problem("impostors admitted", f"{what}: an impostor of {started.replica}: {refused}")
 

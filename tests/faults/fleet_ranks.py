@@ -231,6 +231,11 @@ def _arm(hit: Hit, log: RankLog) -> Arm:
     return arm
 
 
+REFUSALS = ("refused replica", "is already connected to this refit fleet")
+"""How a refused join says so: by train rank 0 (a name in use, a limit), or by the fleet's store (a rank of that
+replica is connected to it now, joining)."""
+
+
 def start_path(folder: str, rank: int) -> str:
     """The file a campaign replica rank started ahead waits for before it first joins."""
     return os.path.join(folder, f"start-{rank}")
@@ -253,7 +258,7 @@ def fleet_rank(rank: int, report, address: str, replica: str, local: int, size: 
                 return join_fleet(engine, fleet=address, replica=replica, rank=local, world_size=size,
                                   options=options(**settings), join_timeout_s=600)
             except RefitError as exc:
-                if "refused replica" in str(exc):
+                if any(refusal in str(exc) for refusal in REFUSALS):
                     raise
                 log.note("failed", str(exc)[:300])
                 log.note("joining", None)

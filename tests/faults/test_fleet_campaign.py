@@ -15,8 +15,8 @@ WORKERS = 4
 """Runs at a time: their ranks mostly wait (on gates, on stopped peers)."""
 STALL = (f"{BEHIND}: a replica's step deadline counts from its receive() (its setup's from its join), not from "
          "when the trainers reach it; they send to one replica after the other, so a replica stopped ahead in the "
-         "fanout (a stall of timeout_s) fails every replica behind it, and a replica admitted behind it fails its "
-         "setup")
+         "fanout (a stall of timeout_s) fails every replica behind it, a replica admitted behind it fails its setup, "
+         "and a replica idle in receive() for longer than timeout_s between two steps fails on its own")
 STAGED = ("train ranks disagree: staged, a replica that dies after its vote fails the step on train rank 0 (it "
           "never settles: 'committed, but not everywhere') and lands it on the other train ranks (they read the "
           "commit decision)")
