@@ -137,10 +137,7 @@ class RayRefit:
             raise RefitError("a refit needs at least one train actor and one engine actor")
         self.trainers = list(trainers)
         self.engines = list(engines)
-        options = options or RefitOptions(timeout_s=timeout_s)
-        if options.secret is None:
-            options = options.overridden({"secret": new_secret()}, explicit=False)
-        self.options = options
+        self.options = job_options(options, timeout_s)
         self.timeout_s = timeout_s
         self.train_names = list(train_names or (f"train actor {i}" for i in range(len(trainers))))
         self.engine_names = list(engine_names or (f"engine actor {j}" for j in range(len(engines))))
@@ -188,6 +185,14 @@ class RayRefit:
         self.fingerprint = None
 
 
+def job_options(options: RefitOptions | None, timeout_s: float) -> RefitOptions:
+    """``options`` (None: ``RefitOptions(timeout_s=timeout_s)``) with a fresh random secret unless they carry
+    one: it reaches the actors over Ray's own channel, never the rendezvous, so no other process can join."""
+    options = options or RefitOptions(timeout_s=timeout_s)
+    if options.secret is None:
+        options = options.overridden({"secret": new_secret()}, explicit=False)
+    return options
+
 
 def gather(calls: dict[Any, str], what: str, timeout_s: float) -> list[Any]:
     """Results of ``calls`` (Ray object ref -> the actor's name), in order.
@@ -218,4 +223,4 @@ def _cause(exc: Exception) -> str:
     return str(exc).strip().splitlines()[-1]
 
 
-__all__ = ["RayRefit", "RefitActor", "RefitReceiveActor", "RefitTrainActor", "SyncReport", "gather"]
+__all__ = ["RayRefit", "RefitActor", "RefitReceiveActor", "RefitTrainActor", "SyncReport", "gather", "job_options"]

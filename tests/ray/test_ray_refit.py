@@ -75,10 +75,39 @@ class PolicyCopy(RefitReceiveActor):
                 param.add_(1.0)
 
 
-def _trainers(config: dict[str, Any], ranks: int = 2) -> list[Any]:
+class FleetCopy:
+    """A replica of a fleet: a ``transformers`` copy of the policy (other weights until refit) that joins the
+    fleet and receives its steps, the gen-actor side of ``RayFleet``."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from refit_dtensor.parallel import build_model
+
+        self.config, self.model, self.receiver = config, build_model(config, seed=123), None
+
+    def refit_join_fleet(self, fleet: str, replica: str, options: RefitOptions, join_timeout_s: float) -> int:
+        from refit_core.apps import join_fleet
+
+        self.receiver = join_fleet(self.model, fleet=fleet, replica=replica, rank=0, world_size=1, options=options,
+                                   join_timeout_s=join_timeout_s)
+        return self.refit_fleet_receive()
+
+    def refit_fleet_receive(self) -> int:
+        return self.receiver.receive().version
+
+    def bitwise(self, step: int) -> bool:
+        """Whether every weight is, bit for bit, the reference weights of ``step`` (the trainers' start)."""
+        from refit_core.apps import reference_state_dict, same_bytes
+
+        state, reference = self.model.state_dict(), reference_state_dict(self.config, SEED, step)
+        return state.keys() == reference.keys() and all(same_bytes(state[n], t) for n, t in reference.items())
+
+
+def _trainers(config: dict[str, Any], ranks: int = 2, fleet: bool = False) -> list[Any]:
     from refit_dtensor.policy import FSDPPolicyActor
 
-    Trainer = ray.remote(num_cpus=1)(FSDPPolicyActor)
+    from refit_core.apps.ray_fleet import fleet_train_actor
+
+    Trainer = ray.remote(num_cpus=1)(fleet_train_actor(FSDPPolicyActor) if fleet else FSDPPolicyActor)
     trainers = [Trainer.remote(r, ranks, config, seed=SEED, lr=1e-3) for r in range(ranks)]
     (address,) = gather({trainers[0].refit_address.remote(): "train actor 0"}, "address", TIMEOUT_S)
     gather({t.init_training.remote(address): f"train actor {r}" for r, t in enumerate(trainers)}, "build", TIMEOUT_S)
@@ -168,6 +197,33 @@ def test_ray_refit_reports_actors_that_do_not_answer(local_ray) -> None:
             refit.setup()
     finally:
         _kill(*trainers, silent)
+
+
+def test_ray_fleet_admits_a_replica_and_its_restart_under_its_name_bitwise(local_ray) -> None:
+    """RayFleet over an FSDP2 train actor: a replica joins and holds version 0 bitwise; its actor is killed, another
+    joins under its name, and the next step admits it whole, bitwise; the trainer opened the fleet once."""
+    from refit_core.apps.ray_fleet import RayFleet
+
+    config = load_config("tiny-qwen3")
+    Copy = ray.remote(num_cpus=0)(FleetCopy)
+    copies = [Copy.remote(config), Copy.remote(config)]  # the second starts now, as the first's restart
+    trainers = _trainers(config, ranks=1, fleet=True)
+    try:
+        fleet = RayFleet(trainers, timeout_s=TIMEOUT_S)
+        fleet.open()
+        for version, copy in enumerate(copies):
+            joined = copy.refit_join_fleet.remote(fleet.address, "a", fleet.options, TIMEOUT_S)
+            fleet.await_joins(version + 1)
+            step = fleet.send(version)
+            assert (step.landed, step.joined, step.failed) == (("a",), ("a",), ()), step
+            assert ray.get(joined, timeout=TIMEOUT_S) == version
+            assert ray.get(copy.bitwise.remote(0), timeout=TIMEOUT_S)  # the trainer holds step 0's weights
+            ray.kill(copy)
+            with pytest.raises(ray.exceptions.RayActorError):  # gone: its connections to the fleet closed
+                ray.get(copy.refit_fleet_receive.remote(), timeout=TIMEOUT_S)
+        fleet.close()
+    finally:
+        _kill(*trainers, *copies)
 
 
 @pytest.mark.vllm
