@@ -13,16 +13,22 @@ cached KV came from the old weights. :meth:`sample` serves the RL loop's rollout
 Built with ``lora=LoraSpec`` (adapter mode), the engine serves with LoRA slots (``enable_lora``, one slot
 of the smallest ``max_lora_rank`` vLLM allows at or above the adapter's rank), refit moves only the
 adapter into them (:mod:`.lora`), and :meth:`sample` generates with it.
+
+As one replica of a fleet (``refit demo --loop --replicas N``), the engine joins the trainers' running fleet
+with :meth:`refit_join_fleet` (again after a restart) and receives each step with :meth:`refit_fleet_receive`,
+through refit's worker extension rather than vLLM's weight-transfer API.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import tempfile
+from collections.abc import AsyncIterator
 from typing import Any
 
-from refit_core import LoraSpec, PlanError, RefitOptions
+from refit_core import LoraSpec, PlanError, RefitError, RefitOptions
 from refit_core.apps import Rollout
 
 from .demo import engine_env, engine_kwargs
@@ -83,19 +89,47 @@ class VLLMEngineActor:
         """Pause (keeping requests in flight), receive ``version``, publish it, resume; returns bytes."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        await self.engine.pause_generation(mode="keep")
-        try:
+        async with self._paused():
             await self.engine.start_weight_update()
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
             await self.engine.finish_weight_update(weight_version=str(version))
-            await self.engine.reset_prefix_cache()
-        finally:
-            await self.engine.resume_generation()
         stats = await self.engine.collective_rpc("refit_step_stats")
         return sum(int(s.get("bytes", 0)) for s in stats)
 
     async def refit_close(self) -> None:
         await self.engine.collective_rpc("shutdown_weight_transfer_engine")
+
+    @contextlib.asynccontextmanager
+    async def _paused(self) -> AsyncIterator[None]:
+        """Generation paused with ``keep`` (requests in flight stay), the prefix cache reset after the update."""
+        await self.engine.pause_generation(mode="keep")
+        try:
+            yield
+            await self.engine.reset_prefix_cache()
+        finally:
+            await self.engine.resume_generation()
+
+    # -- one replica of a fleet (refit_core.apps.ray_fleet.RayFleet on the trainers) -----------------
+
+    async def refit_join_fleet(self, fleet: str, replica: str, options: RefitOptions,
+                               join_timeout_s: float = 600.0) -> int:
+        """Join the running fleet whose store is at ``fleet`` as replica ``replica`` (its workers its ranks,
+        through :meth:`refit_vllm.extension.RefitWorkerExtension.refit_join_fleet`), then receive the step that
+        admitted it, whole; returns that step's version. After a failed step, join again."""
+        if self.lora is not None:
+            raise PlanError("a fleet replica receives whole weights: build the engine without lora=")
+        await self.engine.collective_rpc("refit_join_fleet", args=(fleet, replica), kwargs={
+            "options": given_wire(options), "join_timeout_s": join_timeout_s})
+        return await self.refit_fleet_receive()
+
+    async def refit_fleet_receive(self) -> int:
+        """Receive the fleet's next step (generation paused with ``keep``, as :meth:`refit_receive`); returns
+        its version."""
+        async with self._paused():
+            versions = await self.engine.collective_rpc("refit_receive")
+        if len(set(versions)) != 1:
+            raise RefitError(f"the engine's workers hold different versions after a fleet step: {versions}")
+        return int(versions[0])
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -145,6 +179,13 @@ class VLLMEngineActor:
         self.engine.shutdown()
 
 
+def given_wire(options: RefitOptions) -> dict[str, Any]:
+    """The settings ``options`` were given, and the secret, as plain data for a worker: a default sent as a value
+    would count as chosen there, and disagree with a side that chose otherwise (a fleet's trainers confirm)."""
+    given = {name.split(".")[0] for name in options.explicit} | {"secret"}
+    return {name: value for name, value in options.to_wire(secrets=True).items() if name in given}
+
+
 def lora_slot_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``rank``."""
     from typing import get_args
@@ -158,4 +199,4 @@ def lora_slot_rank(rank: int) -> int:
     return fits[0]
 
 
-__all__ = ["VLLMEngineActor", "lora_slot_rank"]
+__all__ = ["VLLMEngineActor", "given_wire", "lora_slot_rank"]
