@@ -77,18 +77,34 @@ class FSDPPolicyActor(RefitTrainActor):
         *before* the update (the weights the engine sampled with) and the loss.
         """
         mine = list(range(self.rank, len(rollouts), self.world_size))
-        device = next(self.model.parameters()).device
-        sequences = torch.tensor([rollouts[i].prompt + rollouts[i].tokens for i in mine], device=device)
-        prompt_len = len(rollouts[mine[0]].prompt)
-        adv = torch.tensor([advantages[i] for i in mine], dtype=torch.float32, device=device)
-        logits = self.model(input_ids=sequences).logits
-        logprobs = torch.stack([completion_logprobs(logits[b], sequences[b], prompt_len)
-                                for b in range(len(mine))])
+        logits, logprobs = self._forward([rollouts[i] for i in mine])
+        adv = torch.tensor([advantages[i] for i in mine], dtype=torch.float32, device=logprobs.device)
         loss = -(adv.unsqueeze(1) * logprobs).mean()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
         return {"indices": mine, "logprobs": logprobs.detach().cpu().tolist(), "loss": loss.item()}
+
+    def score(self, rollouts: list[Rollout]) -> dict[str, Any]:
+        """Every rollout (prompts of one length, completions of one length) under the policy as it is now, no
+        update; every rank scores them all (FSDP's forward is collective). Returns the log-probabilities of their
+        tokens and the policy's greedy choice at each position, fed the rollout's tokens before it: equal to
+        the rollout's tokens exactly when HF's greedy generation from its prompt is the rollout."""
+        with torch.no_grad():
+            logits, logprobs = self._forward(rollouts)
+        prompt_len = len(rollouts[0].prompt)
+        greedy = logits[:, prompt_len - 1:-1].argmax(-1)
+        return {"logprobs": logprobs.cpu().tolist(), "greedy": greedy.cpu().tolist()}
+
+    def _forward(self, rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's logits of ``rollouts`` (prompt + completion) and its log-probabilities of their tokens."""
+        device = next(self.model.parameters()).device
+        sequences = torch.tensor([r.prompt + r.tokens for r in rollouts], device=device)
+        prompt_len = len(rollouts[0].prompt)
+        logits = self.model(input_ids=sequences).logits
+        logprobs = torch.stack([completion_logprobs(logits[b], sequences[b], prompt_len)
+                                for b in range(len(rollouts))])
+        return logits, logprobs
 
     def shutdown(self) -> None:
         self.refit_close()
