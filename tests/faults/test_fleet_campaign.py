@@ -3,7 +3,7 @@ runs hundreds): replica ranks killed or stopped at random points of a step, rest
 replicas added, impostors under live names, with 1 or 2 train ranks, in either mode."""
 
 import pytest
-from fleet_campaign import Change, Run, Strike, campaign, execute
+from fleet_campaign import SECRET, Change, Run, Strike, campaign, execute
 from fleet_census import BEHIND, COUNTS, SLOW, Census
 from fleet_ranks import Point
 
@@ -62,3 +62,52 @@ def test_train_ranks_judge_a_replica_killed_after_its_staged_vote_alike():
     """Staged, 2 train ranks: r2 killed right after its vote of step 1; both train ranks should report it alike."""
     census = judged(Run(0, "staged", 2, (1, 1, 1), (Strike(Change.KILL, 1, "r2", 0, Point.AFTER_VOTE),), TIMEOUT_S))
     assert not census.problems, census.summary()
+
+
+GHOST = ("a joiner that draws its ticket and dies before it writes its request stops every later join: train rank "
+         "0 reads the tickets in order and waits for that request at every step (fleet/trainer.py _new_joins)")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=GHOST)
+def test_a_joiner_that_dies_between_its_ticket_and_its_request_blocks_no_later_join():
+    """A rank draws a join ticket and leaves before step 1; replica r1 asks before step 1: it should join then."""
+    import shutil
+    import tempfile
+    import time
+
+    from fleet_ranks import FIRST_VERSION, RankLog, fleet_rank, gate, options, trainer_rank
+    from harness import Ranks
+
+    from refit_core.contract.env import with_overrides
+    from refit_core.fleet.records import JOINS
+    from refit_core.kit.launch import free_port
+    from refit_core.net.auth import JobCredentials
+    from refit_core.net.rendezvous import Rendezvous
+
+    folder, address = tempfile.mkdtemp(), f"127.0.0.1:{free_port()}"
+    settings = {"timeout_s": TIMEOUT_S, "secret": SECRET}
+    ranks, steps = Ranks(), []
+
+    def ask(number: int, replica: str) -> None:
+        ranks.start(fleet_rank, number, address, replica, 0, 1, FIRST_VERSION + 2, settings, folder, None)
+        while not any(event == "asked" for event, _ in RankLog(folder, number).read()):
+            time.sleep(0.02)
+    try:
+        ranks.start(trainer_rank, 0, address, 1, 3, folder, settings)
+        ranks.release()
+        ask(10, "r0")
+        for step in range(3):
+            if step == 1:
+                ghost = Rendezvous(address, host=False, who="replica/ghost/0", timeout_s=TIMEOUT_S,
+                                   credentials=JobCredentials.required(with_overrides(options(**settings)), "ghost"))
+                ghost.client.add(JOINS, 1)
+                ghost.close()
+                ask(11, "r1")
+            open(gate(folder, step), "w").close()
+            steps.append(ranks.wait_for([(0, "step")], 60)[(0, "step")])
+            del ranks.seen[(0, "step")]
+    finally:
+        ranks.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert [s["landed"] for s in steps] == [["r0"], ["r0", "r1"], ["r0", "r1"]], steps
