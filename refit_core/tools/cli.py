@@ -230,11 +230,19 @@ def _choose_forwarding(plan: Planner, relay: RelayOptions, topology: str) -> Rel
 
 
 def loop_settings(args: argparse.Namespace) -> LoopSettings:
-    """``refit demo --loop``'s settings: the model and steps given, else the loop's own defaults."""
+    """``refit demo --loop``'s settings: the model and steps given, else the loop's own defaults; ``--replicas``
+    and ``--chaos`` checked (a fleet of replicas; a kill needs another replica to go on with)."""
+    from refit_core.tools.demo.fleet_loop import chaos_step
     from refit_core.tools.demo.rl_loop import LoopSettings, loop_lora
 
-    return LoopSettings(model=args.model or LoopSettings.model, steps=args.steps or LoopSettings.steps,
-                        device=args.device or "cpu", plot=args.plot, lora=loop_lora(args.lora))
+    steps = args.steps or LoopSettings.steps
+    if args.replicas < 1:
+        raise RefitError(f"--replicas {args.replicas}: at least 1")
+    if args.chaos is not None and args.replicas < 2:
+        raise RefitError("--chaos kills a replica and the loop goes on with the others: use --replicas 2 or more")
+    return LoopSettings(model=args.model or LoopSettings.model, steps=steps, device=args.device or "cpu",
+                        plot=args.plot, lora=loop_lora(args.lora), replicas=args.replicas,
+                        chaos_step=None if args.chaos is None else chaos_step(steps, args.chaos))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -242,9 +250,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from refit_core.tools.demo.runner import DemoPlan, default_device, fit_to_gpus, pick_pair, run_demo
 
     if args.loop:
+        settings = loop_settings(args)
+        if settings.replicas > 1:
+            from refit_core.tools.demo.fleet_loop import run_cli as run_fleet_cli
+
+            return run_fleet_cli(settings, args.train, args.gen)
         from refit_core.tools.demo.rl_loop import run_cli
 
-        return run_cli(loop_settings(args), args.train, args.gen)
+        return run_cli(settings, args.train, args.gen)
+    if args.replicas != 1 or args.chaos is not None:
+        raise RefitError("--replicas and --chaos go with --loop")
     pm = get_plugin_manager()
     demos = installed_demos(pm)
     able = [demos.of(b.name) for b in pm.backends(GEN)]
@@ -384,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a real RL loop instead: GRPO on a tiny policy (Ray actors, FSDP2 -> vLLM), refit "
                            "after every step, reward and generation-KL table and plot (needs refit-core[ray])")
     demo.add_argument("--plot", default="refit-rl-loop.png", help="with --loop: where to write the PNG")
+    demo.add_argument("--replicas", type=int, default=1,
+                      help="with --loop: N engine replicas in a fleet (refit_join_fleet), the rollouts spread over "
+                           "them, each checked against HF after every step it holds (default 1: one engine)")
+    demo.add_argument("--chaos", type=int, nargs="?", const=-1, metavar="STEP",
+                      help="with --loop --replicas N: kill the last replica's actor at STEP (default: mid-run) and "
+                           "restart it under its name; it rejoins the fleet the step after")
     demo.add_argument("--lora", metavar="r=N[,alpha=A][,targets=...][,mode=adapter]",
                       help="with --loop: train a LoRA adapter on the frozen policy and refit it merged (or, with "
                            "mode=adapter, into an engine's LoRA slots); prints bytes per step beside the full "

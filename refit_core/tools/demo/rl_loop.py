@@ -80,6 +80,10 @@ class LoopSettings:
     lora: LoraSpec | None = None
     """Train a LoRA adapter instead of the whole policy (None: full fine-tuning; ``lr`` then applies
     unless it was left at the default, where :data:`LORA_LR` does)."""
+    replicas: int = 1
+    """Engine replicas: more than one runs the loop on a fleet (:mod:`refit_core.tools.demo.fleet_loop`)."""
+    chaos_step: int | None = None
+    """With ``replicas`` > 1: the step at which the last replica's actor is killed and restarted (None: never)."""
 
     @property
     def learning_rate(self) -> float:
@@ -115,7 +119,8 @@ class LoopResult:
         return bool(self.rows) and all(r.version == str(r.step) for r in self.rows)
 
 
-def _actor_class(backend: Backend, side: Side) -> type:
+def loop_actor_class(backend: Backend, side: Side) -> type:
+    """The Ray actor class ``backend`` registered for the loop's ``side`` (see the module doc)."""
     path = installed_demos(get_plugin_manager()).of(backend.name).rl_actor(side)
     if not path:
         raise RefitError(f"backend {backend.name!r} has no RL-loop {side} actor "
@@ -124,7 +129,8 @@ def _actor_class(backend: Backend, side: Side) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def _prompts(settings: LoopSettings, vocab: int) -> list[list[int]]:
+def loop_prompts(settings: LoopSettings, vocab: int) -> list[list[int]]:
+    """The loop's prompts: ``settings.prompts`` of ``settings.prompt_tokens`` random tokens, the same every run."""
     rng = random.Random(settings.seed)
     return [[rng.randrange(vocab) for _ in range(settings.prompt_tokens)] for _ in range(settings.prompts)]
 
@@ -146,26 +152,20 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
         report("refit loop: local Ray cluster up (actor logs under /tmp/ray/session_latest/logs)")
     try:
         start = time.perf_counter()
-        engine_class = _actor_class(gen, GEN)
+        engine_class = loop_actor_class(gen, GEN)
         lora = settings.lora
         adapter_mode = lora is not None and lora.mode is LoraMode.ADAPTER
         if adapter_mode and not getattr(engine_class, "supports_lora", False):
             raise RefitError(f"--lora mode=adapter needs a {gen.name} engine actor with LoRA slots "
                              f"({engine_class.__qualname__} has none): use mode=merged")
-        Trainer: Any = ray.remote(num_cpus=1)(_actor_class(train, TRAIN))
-        Engine: Any = ray.remote(num_cpus=1)(engine_class)
         extra: dict[str, Any] = {} if lora is None else {"lora": lora}
-        trainers = [Trainer.remote(r, settings.train_ranks, config, seed=settings.seed, lr=settings.learning_rate,
-                                   device=settings.device, **extra) for r in range(settings.train_ranks)]
+        trainers = train_actors(loop_actor_class(train, TRAIN), settings, config, **extra)
+        Engine: Any = ray.remote(num_cpus=1)(engine_class)
         engine = Engine.remote(None, config=config, seed=settings.seed, device=settings.device,
                                **(extra if adapter_mode else {}))
         report(f"refit loop: starting {settings.train_ranks} {train.name} train actor(s) and a {gen.name} "
                f"engine actor ({settings.model})")
-        (address,) = gather({trainers[0].refit_address.remote(): "train actor 0"}, "picking an address",
-                            settings.timeout_s)
-        report(f"refit loop: actors up after {time.perf_counter() - start:.1f} s; building the policy")
-        gather({t.init_training.remote(address): f"train actor {r}" for r, t in enumerate(trainers)},
-               "building the policy", settings.timeout_s)
+        build_policy(trainers, settings, start, report)
         report(f"refit loop: policy built after {time.perf_counter() - start:.1f} s; setting up refit")
         refit = RayRefit(trainers, [engine], timeout_s=settings.timeout_s)
         refit.setup()
@@ -179,7 +179,7 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
                f"ready in {result.setup_s:.1f} s (plan {refit.fingerprint}); reward = fraction of tokens "
                f"in the target set (chance {reward.chance:.3f})")
         report(_header())
-        prompts = _prompts(settings, int(config["vocab_size"]))
+        prompts = loop_prompts(settings, int(config["vocab_size"]))
         console = StepConsole(settings.steps)
         for step in range(1, settings.steps + 1):
             began = time.perf_counter()
@@ -187,27 +187,18 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
                 prompts, group_size=settings.group_size, max_tokens=settings.completion_tokens,
                 temperature=1.0, seed=settings.seed * 1000 + step), timeout=settings.timeout_s)
             gen_s = time.perf_counter() - began
-            rewards = [reward(r.tokens) for r in rollouts]
-            advantages = group_advantages(rewards, settings.group_size)
-            outcomes = gather({t.train_step.remote(rollouts, advantages): f"train actor {r}"
-                               for r, t in enumerate(trainers)}, f"training step {step}", settings.timeout_s)
-            trainer_lp: dict[int, list[float]] = {}
-            for out in outcomes:
-                trainer_lp.update(zip(out["indices"], out["logprobs"]))
-            mismatch = logprob_mismatch([lp for r in rollouts for lp in r.logprobs],
-                                        [lp for i in range(len(rollouts)) for lp in trainer_lp[i]])
+            trained = train_on(trainers, rollouts, reward, settings, step)
             # evaluation requests stay in flight across the update: paused with keep, resumed on step
             in_flight = engine.sample.remote(prompts[:2], max_tokens=EVAL_TOKENS, temperature=0.0, seed=step)
             ray.get(engine.wait_in_flight.remote(min_tokens=2), timeout=settings.timeout_s)
             sync = refit.sync(version=step)
             carried = ray.get(in_flight, timeout=settings.timeout_s)
             version = ray.get(engine.weight_version.remote(), timeout=settings.timeout_s)
-            row = StepRow(step, sum(rewards) / len(rewards), mismatch,
-                          sum(o["loss"] for o in outcomes) / len(outcomes), sync.seconds * 1e3,
+            row = StepRow(step, trained.reward, trained.mismatch, trained.loss, sync.seconds * 1e3,
                           sum(len(r.tokens) for r in rollouts) / gen_s,
                           sum(1 for r in carried if len(set(r.versions)) > 1), version)
             result.rows.append(row)
-            console.row(_line(row), reward=f"{row.reward:.3f}", kl=f"{mismatch.kl:.1e}")
+            console.row(_line(row), reward=f"{row.reward:.3f}", kl=f"{row.mismatch.kl:.1e}")
         console.close()
         refit.close()
         gather({t.shutdown.remote(): f"train actor {r}" for r, t in enumerate(trainers)}, "shutting down",
@@ -220,6 +211,54 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
         result.plot = write_plot(result, settings.plot)
         report(f"refit loop: plot written to {result.plot}")
     return result
+
+
+def train_actors(actor_class: type, settings: LoopSettings, config: dict[str, Any], **extra: Any) -> list[Any]:
+    """One train actor of ``actor_class`` per train rank (one CPU each), started; ``extra`` goes to each."""
+    import ray
+
+    Trainer: Any = ray.remote(num_cpus=1)(actor_class)
+    return [Trainer.remote(r, settings.train_ranks, config, seed=settings.seed, lr=settings.learning_rate,
+                           device=settings.device, **extra) for r in range(settings.train_ranks)]
+
+
+def build_policy(trainers: list[Any], settings: LoopSettings, start: float, report: Callable[[str], None]) -> None:
+    """The trainers' process group on train actor 0's node, and the sharded policy (collective)."""
+    from refit_core.kit.ray import gather
+
+    (address,) = gather({trainers[0].refit_address.remote(): "train actor 0"}, "picking an address",
+                        settings.timeout_s)
+    report(f"refit loop: actors up after {time.perf_counter() - start:.1f} s; building the policy")
+    gather({t.init_training.remote(address): f"train actor {r}" for r, t in enumerate(trainers)},
+           "building the policy", settings.timeout_s)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One optimizer step of the trainers: the rollouts' mean reward, the generation KL of the weights they
+    were sampled with, and the mean loss."""
+
+    reward: float
+    mismatch: LogprobMismatch
+    loss: float
+
+
+def train_on(trainers: list[Any], rollouts: list[Rollout], reward: TargetSetReward, settings: LoopSettings,
+             step: int) -> Trained:
+    """Score ``rollouts`` (consecutive groups of ``settings.group_size``), take a GRPO step on every train actor
+    and measure the engines' log-probabilities against the trainers' before the update."""
+    from refit_core.kit.ray import gather
+
+    rewards = [reward(r.tokens) for r in rollouts]
+    advantages = group_advantages(rewards, settings.group_size)
+    outcomes = gather({t.train_step.remote(rollouts, advantages): f"train actor {r}"
+                       for r, t in enumerate(trainers)}, f"training step {step}", settings.timeout_s)
+    trainer_lp: dict[int, list[float]] = {}
+    for out in outcomes:
+        trainer_lp.update(zip(out["indices"], out["logprobs"]))
+    mismatch = logprob_mismatch([lp for r in rollouts for lp in r.logprobs],
+                                [lp for i in range(len(rollouts)) for lp in trainer_lp[i]])
+    return Trained(sum(rewards) / len(rewards), mismatch, sum(o["loss"] for o in outcomes) / len(outcomes))
 
 
 def _model_bytes(config: dict[str, Any]) -> int:
@@ -248,15 +287,23 @@ def start_local_ray(actors: int, env: dict[str, str] | None = None) -> None:
              runtime_env={"env_vars": env_vars})
 
 
+STEP_COLUMNS = (f"{'step':>4}  {'reward':>7}  {'gen KL':>8}  {'max|dlp|':>8}  {'loss':>8}  {'refit ms':>8}  "
+                f"{'gen tok/s':>9}")
+"""The per-step table's first columns, in every loop (:func:`step_cells` fills them)."""
+
+
+def step_cells(row: StepRow) -> str:
+    """``row``'s cells under :data:`STEP_COLUMNS`."""
+    return (f"{row.step:>4}  {row.reward:>7.3f}  {row.mismatch.kl:>8.1e}  {row.mismatch.max_abs:>8.1e}  "
+            f"{row.loss:>8.4f}  {row.refit_ms:>8.1f}  {row.gen_tokens_per_s:>9.0f}")
+
+
 def _header() -> str:
-    return (f"{'step':>4}  {'reward':>7}  {'gen KL':>8}  {'max|dlp|':>8}  {'loss':>8}  {'refit ms':>8}  "
-            f"{'gen tok/s':>9}  {'carried':>7}  version")
+    return f"{STEP_COLUMNS}  {'carried':>7}  version"
 
 
 def _line(row: StepRow) -> str:
-    return (f"{row.step:>4}  {row.reward:>7.3f}  {row.mismatch.kl:>8.1e}  {row.mismatch.max_abs:>8.1e}  "
-            f"{row.loss:>8.4f}  {row.refit_ms:>8.1f}  {row.gen_tokens_per_s:>9.0f}  {row.carried_requests:>7}  "
-            f"{row.version}")
+    return f"{step_cells(row)}  {row.carried_requests:>7}  {row.version}"
 
 
 def write_plot(result: LoopResult, path: str) -> str:
