@@ -32,7 +32,7 @@ log = logging.getLogger("refit")
 class RefitSender(RefitEndpoint):
     """The train side of a refit, one per train rank. ``send(version)`` every step.
 
-    ``plans``: train rank 0 keeps its plans there across setups with the same inputs (a
+    ``plan_cache``: train rank 0 keeps its plans there across setups with the same inputs (a
     :class:`~refit_core.plan.planning.PlanCache`, shared by a fleet's replica jobs; None: it plans every setup).
     """
 
@@ -40,10 +40,10 @@ class RefitSender(RefitEndpoint):
 
     def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
                  options: RefitOptions | None = None, plugins: PluginManager | None = None,
-                 host_id: str | None = None, plans: PlanCache | None = None) -> None:
+                 host_id: str | None = None, plan_cache: PlanCache | None = None) -> None:
         super().__init__(model, rendezvous=rendezvous, rank=rank, world_size=world_size, options=options,
                          plugins=plugins, host_id=host_id)
-        self._plans = plans
+        self._plans = plan_cache
         self._decided = -1
         """The last step train rank 0 published a decision on."""
         self._heard_by = -1

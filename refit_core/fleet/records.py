@@ -30,6 +30,17 @@ def admit_key(ticket: int) -> str:
     return f"fleet/admit/{ticket}"
 
 
+def start_key(step: int) -> str:
+    """In a replica's own job's store: train rank 0 starts that job's step ``step`` now (its version)."""
+    return f"fleet/start/{step}"
+
+
+def outcome_key(step: int) -> str:
+    """Which replicas landed fleet step ``step`` and which failed it, as train rank 0 judged (every train rank
+    reports that)."""
+    return f"fleet/outcome/{step}"
+
+
 def members_key(step: int) -> str:
     """The replicas step ``step`` fans out to (a list of :class:`Member`), as train rank 0 decided."""
     return f"fleet/members/{step}"
@@ -171,4 +182,5 @@ class FleetStep:
 
 
 __all__ = ["JOINS", "LEADER", "REPLICA_NAME", "STATE", "Admission", "FleetStep", "JoinRequest", "Member",
-           "ReplicaFailure", "ReplicaState", "admit_key", "check_name", "join_key", "members_key"]
+           "ReplicaFailure", "ReplicaState", "admit_key", "check_name", "join_key", "members_key", "outcome_key",
+           "start_key"]

@@ -3,7 +3,9 @@ again after a crash or a failed step)."""
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from refit_core.contract.env import with_overrides
@@ -11,7 +13,8 @@ from refit_core.contract.errors import RefitError
 from refit_core.contract.options import RefitOptions
 from refit_core.contract.plugins import PluginManager
 from refit_core.endpoints.receiver import RefitReceiver
-from refit_core.fleet.records import JOINS, LEADER, Admission, JoinRequest, admit_key, check_name, join_key
+from refit_core.run.executor import StepStats
+from refit_core.fleet.records import JOINS, LEADER, Admission, JoinRequest, admit_key, check_name, join_key, start_key
 from refit_core.net.auth import JobCredentials
 from refit_core.net.rendezvous import Rendezvous
 
@@ -19,14 +22,28 @@ JOIN_TIMEOUT_S = 600.0
 """How long a joining rank waits, by default, for the trainers' next step to admit its replica."""
 
 
+class ReplicaReceiver(RefitReceiver):
+    """A rank of a fleet's replica: ``receive()`` first waits, without a deadline, until train rank 0 announces
+    the step in the replica's job (a replica idles between steps as long as training takes, and the trainers
+    reach the replicas one after another); the step's deadline counts from then. Train rank 0 leaving, or
+    dropping this replica (its job's store closes), ends the wait with an error."""
+
+    def receive(self, *, only: Iterable[str] | None = None) -> StepStats:
+        if self.settings is not None and self._rdv is not None and self._broken is None:
+            self._rdv.wait([start_key(self._steps)], f"train rank 0 to start step {self._steps}", timeout_s=math.inf,
+                           watched={LEADER})
+        return super().receive(only=only)
+
+
 def join_fleet(engine: Any, *, fleet: str, replica: str, rank: int, world_size: int,
                options: RefitOptions | None = None, plugins: PluginManager | None = None, host_id: str | None = None,
                join_timeout_s: float = JOIN_TIMEOUT_S) -> RefitReceiver:
     """Join rank ``rank`` of replica ``replica`` (``world_size`` ranks) to the fleet whose store is at ``fleet``.
 
-    Returns this rank's :class:`~refit_core.RefitReceiver`, set up: its next ``receive()`` is the step that
-    admitted the replica, whole. Train rank 0 admits a replica at the start of a step once all its ranks asked,
-    so this waits up to ``join_timeout_s`` for that; every rank proves the job's secret
+    Returns this rank's :class:`ReplicaReceiver` (a :class:`~refit_core.RefitReceiver`), set up: its next
+    ``receive()`` is the step that admitted the replica, whole, and waits for train rank 0 to start each step.
+    Train rank 0 admits a replica at the start of a step once all its ranks asked, so this waits up to
+    ``join_timeout_s`` for that; every rank proves the job's secret
     (``options.secret``). A replica named like one still in the fleet, its ranks connected, is refused by name
     (:class:`~refit_core.RefitError`); one whose ranks died or closed is replaced (a restart). After a failed
     step (``receive()`` raised), ``close()`` the receiver and join again.
@@ -50,10 +67,10 @@ def join_fleet(engine: Any, *, fleet: str, replica: str, rank: int, world_size: 
         rdv.close()
     if admission.refused is not None or admission.address is None:
         raise RefitError(f"the fleet at {fleet} refused replica {replica} rank {rank}: {admission.refused}")
-    receiver = RefitReceiver(engine, rendezvous=admission.address, rank=rank, world_size=world_size, options=options,
-                             plugins=plugins, host_id=host_id)
+    receiver = ReplicaReceiver(engine, rendezvous=admission.address, rank=rank, world_size=world_size,
+                               options=options, plugins=plugins, host_id=host_id)
     receiver.setup()
     return receiver
 
 
-__all__ = ["JOIN_TIMEOUT_S", "join_fleet"]
+__all__ = ["JOIN_TIMEOUT_S", "ReplicaReceiver", "join_fleet"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from refit_core.contract.options import RefitOptions, UpdateMode
 from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
 from refit_core.endpoints.sender import RefitSender
+from refit_core.run.executor import StepStats
 from refit_core.fleet.records import (
     JOINS,
     LEADER,
@@ -32,6 +34,8 @@ from refit_core.fleet.records import (
     admit_key,
     join_key,
     members_key,
+    outcome_key,
+    start_key,
 )
 from refit_core.fleet.roster import Roster
 from refit_core.net.ports import free_port
@@ -48,8 +52,24 @@ JOIN_READ_S = 1.0
 """How long train rank 0 waits for a join request whose ticket was drawn (its rank writes it right after)."""
 LEFT = "its ranks left the job between steps (died, or closed): dropped until it joins again"
 """The last error of a replica dropped because its ranks left."""
+LATE_TICKET_S = 600.0
+"""How long train rank 0 keeps looking for the request of a drawn join ticket (its rank may have died)."""
 KEPT_STEPS = 2
 """Steps whose member lists the fleet's store keeps (the other train ranks have read older ones)."""
+
+
+class _ReplicaSender(RefitSender):
+    """A train rank's part of one replica's job. Train rank 0 announces each step in the job's store before it
+    moves a byte: the replica's ranks wait for that without a deadline (they idle between steps as long as
+    training takes, and the trainers reach the replicas one after another), and their step's deadline counts
+    from it (:class:`~refit_core.fleet.replica.ReplicaReceiver`)."""
+
+    def send(self, version: int, *, only: Iterable[str] | None = None, reset: bool = False) -> StepStats:
+        if self.plans and self._rdv is not None and self.settings is not None:
+            self._rdv.publish(start_key(self._steps), version)
+            if self._steps >= KEPT_STEPS:
+                self._rdv.client.delete_key(start_key(self._steps - KEPT_STEPS))
+        return super().send(version, only=only, reset=reset)
 
 
 class RefitFleet:
@@ -77,7 +97,9 @@ class RefitFleet:
         self._roster = Roster(options.store)
         self._states: dict[str, ReplicaState] = {}
         self._tickets = 0
-        """Train rank 0: the join tickets read so far."""
+        """Train rank 0: the last join ticket drawn that it knows of."""
+        self._late: dict[int, float] = {}
+        """Train rank 0: tickets drawn whose request it has yet to read, and since when (``time.monotonic()``)."""
         self.plans = PlanCache()
         """Train rank 0's plans, one per replica layout, shared by the replicas' jobs."""
 
@@ -107,41 +129,63 @@ class RefitFleet:
         members = self._lead(rdv, step) if self.leads else self._follow(rdv, step)
         for name in set(self._senders) - {m.replica for m in members}:
             self._forget(name)
-        landed, joined, failed = [], [], []
+        joined, failed = self._set_up_new(members)
+        landed = []
         for member in members:
             held = self._senders.get(member.replica)
-            if held is not None and held[0] != member:  # restarted under its name: a new job
-                self._forget(member.replica)
-                held = None
-            if held is None:
-                sender = self._sender_for(member)
-                try:
-                    sender.setup()
-                except RefitError as exc:
-                    sender.close()
-                    failed.append(ReplicaFailure(member.replica, f"its setup failed: {exc}"))
-                    continue
-                self._senders[member.replica] = (member, sender)
-                joined.append(member.replica)
-            _, sender = self._senders[member.replica]
+            if held is None:  # its setup failed
+                continue
             try:
-                sender.send(version)
+                held[1].send(version)
             except RefitError as exc:
                 self._forget(member.replica)
                 failed.append(ReplicaFailure(member.replica, str(exc)))
                 continue
             landed.append(member.replica)
         if self.leads:
-            self._record(rdv, version, landed, failed)
+            self._record(rdv, step, version, landed, failed)
+        else:
+            landed, failed = self._adopt(rdv, step)
         result = FleetStep(step, version, tuple(landed), tuple(joined), tuple(failed), time.perf_counter() - start)
         if failed:
             log.warning("refit fleet step %d: %d replica(s) failed and were dropped: %s", step, len(failed),
                         "; ".join(f"{f.replica}: {f.reason[:200]}" for f in failed))
         return result
 
+    def _set_up_new(self, members: list[Member]) -> tuple[list[str], list[ReplicaFailure]]:
+        """Set up this rank's part of the job of every member new to it (a replica restarted under its name is
+        new), before the step moves a byte to anyone; the replicas that joined, and those whose setup failed."""
+        joined, failed = [], []
+        for member in members:
+            held = self._senders.get(member.replica)
+            if held is not None and held[0] == member:
+                continue
+            self._forget(member.replica)
+            sender = self._sender_for(member)
+            try:
+                sender.setup()
+            except RefitError as exc:
+                sender.close()
+                failed.append(ReplicaFailure(member.replica, f"its setup failed: {exc}"))
+                continue
+            self._senders[member.replica] = (member, sender)
+            joined.append(member.replica)
+        return joined, failed
+
+    def _adopt(self, rdv: Rendezvous, step: int) -> tuple[list[str], list[ReplicaFailure]]:
+        """Every other train rank: train rank 0's judgement of the step (its decisions rule: a replica that
+        died after its vote failed there, whatever this rank saw); a replica it failed is dropped here too."""
+        (outcome,) = rdv.wait([outcome_key(step)], f"train rank 0's outcome of fleet step {step}", watched={LEADER})
+        if not isinstance(outcome, dict) or not isinstance(outcome.get("landed"), list):
+            raise RefitError(f"fleet step {step}: train rank 0's outcome is {outcome!r:.80}")
+        failed = [ReplicaFailure(str(name), str(reason)) for name, reason in outcome.get("failed", [])]
+        for failure in failed:
+            self._forget(failure.replica)
+        return [str(name) for name in outcome["landed"]], failed
+
     def _sender_for(self, member: Member) -> RefitSender:
-        return RefitSender(self.model, rendezvous=member.address, rank=self.rank, world_size=self.world_size,
-                           options=self.options, plugins=self.plugins, host_id=self.host_id, plans=self.plans)
+        return _ReplicaSender(self.model, rendezvous=member.address, rank=self.rank, world_size=self.world_size,
+                              options=self.options, plugins=self.plugins, host_id=self.host_id, plan_cache=self.plans)
 
     def _forget(self, replica: str) -> None:
         held = self._senders.pop(replica, None)
@@ -190,15 +234,24 @@ class RefitFleet:
         return f"[{host}]:{free_port(host)}" if ":" in host else f"{host}:{free_port(host)}"
 
     def _new_joins(self, rdv: Rendezvous) -> list[JoinRequest]:
-        """The join requests written since the last step (a ticket whose request is not there yet waits)."""
+        """The join requests written since the last step. A ticket drawn but not yet written waits for its request
+        (a joining rank writes it right after drawing it), up to :data:`JOIN_READ_S` once, then in later steps
+        for :data:`LATE_TICKET_S`: one whose rank died in between holds up no other join."""
         drawn = rdv.read(JOINS, default=0)
-        requests = []
-        while self._tickets < (drawn if type(drawn) is int else 0):
-            ticket = self._tickets + 1
-            raw = rdv.client.try_get(join_key(ticket), wait_s=JOIN_READ_S)
-            if raw is None:
-                break
+        now = time.monotonic()
+        for ticket in range(self._tickets + 1, (drawn if type(drawn) is int else 0) + 1):
+            self._late[ticket] = now
             self._tickets = ticket
+        requests = []
+        waited = False
+        for ticket, since in list(self._late.items()):
+            raw = rdv.client.try_get(join_key(ticket), wait_s=0.0 if waited or since < now else JOIN_READ_S)
+            waited = waited or since == now
+            if raw is None:
+                if now - since > LATE_TICKET_S:
+                    del self._late[ticket]
+                continue
+            del self._late[ticket]
             rdv.client.delete_key(join_key(ticket))
             try:
                 requests.append(JoinRequest.from_wire(ticket, wire.decode(bytes(raw), join_key(ticket))))
@@ -206,8 +259,13 @@ class RefitFleet:
                 log.warning("refit fleet: ignored join ticket %d: %s", ticket, exc)
         return requests
 
-    def _record(self, rdv: Rendezvous, version: int, landed: list[str], failed: list[ReplicaFailure]) -> None:
-        """Train rank 0: the fleet's view after a step, kept and published for ``refit status``."""
+    def _record(self, rdv: Rendezvous, step: int, version: int, landed: list[str],
+                failed: list[ReplicaFailure]) -> None:
+        """Train rank 0: the step's outcome, for the other train ranks, and the fleet's view after it, kept and
+        published for ``refit status``."""
+        rdv.publish(outcome_key(step), {"landed": landed, "failed": [[f.replica, f.reason[:2000]] for f in failed]})
+        if step >= KEPT_STEPS:
+            rdv.client.delete_key(outcome_key(step - KEPT_STEPS))
         for name in landed:
             layout = self._senders[name][1].schedule
             state = self._states[name]
