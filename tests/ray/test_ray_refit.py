@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from typing import Any
 
 import pytest
@@ -94,12 +95,27 @@ class FleetCopy:
     def refit_fleet_receive(self) -> int:
         return self.receiver.receive().version
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def bitwise(self, step: int) -> bool:
         """Whether every weight is, bit for bit, the reference weights of ``step`` (the trainers' start)."""
         from refit_core.apps import reference_state_dict, same_bytes
 
         state, reference = self.model.state_dict(), reference_state_dict(self.config, SEED, step)
         return state.keys() == reference.keys() and all(same_bytes(state[n], t) for n, t in reference.items())
+
+
+def _await_exit(pid: int, timeout_s: float = 30.0) -> None:
+    """Wait until process ``pid`` (on this host) has exited: Ray marks a killed actor dead before its process is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"process {pid} still runs {timeout_s:.0f} s after ray.kill"
+        time.sleep(0.05)
 
 
 def _trainers(config: dict[str, Any], ranks: int = 2, fleet: bool = False) -> list[Any]:
@@ -218,9 +234,11 @@ def test_ray_fleet_admits_a_replica_and_its_restart_under_its_name_bitwise(local
             assert (step.landed, step.joined, step.failed) == (("a",), ("a",), ()), step
             assert ray.get(joined, timeout=TIMEOUT_S) == version
             assert ray.get(copy.bitwise.remote(0), timeout=TIMEOUT_S)  # the trainer holds step 0's weights
+            pid = ray.get(copy.pid.remote(), timeout=TIMEOUT_S)
             ray.kill(copy)
-            with pytest.raises(ray.exceptions.RayActorError):  # gone: its connections to the fleet closed
+            with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(copy.refit_fleet_receive.remote(), timeout=TIMEOUT_S)
+            _await_exit(pid)  # its process gone, its connections to the fleet closed: the next step drops it
         fleet.close()
     finally:
         _kill(*trainers, *copies)
