@@ -10,6 +10,7 @@ plan) and sends the step to every member, one replica's job after the other. A r
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -60,15 +61,22 @@ KEPT_STEPS = 2
 
 class _ReplicaSender(RefitSender):
     """A train rank's part of one replica's job. Train rank 0 announces each step in the job's store before it
-    moves a byte: the replica's ranks wait for that without a deadline (they idle between steps as long as
-    training takes, and the trainers reach the replicas one after another), and their step's deadline counts
-    from it (:class:`~refit_core.fleet.replica.ReplicaReceiver`)."""
+    moves a byte, and every other rank of the job, train or gen, waits for that without a deadline: the trainers
+    reach the replicas one after another (train rank 0 last, when it waits for a replica that is stopped), and
+    a replica idles between steps as long as training takes. Every rank's step deadline counts from the
+    announcement (:class:`~refit_core.fleet.replica.ReplicaReceiver` on the replica's ranks). Train rank 0
+    leaving ends the wait with an error."""
 
     def send(self, version: int, *, only: Iterable[str] | None = None, reset: bool = False) -> StepStats:
-        if self.plans and self._rdv is not None and self.settings is not None:
-            self._rdv.publish(start_key(self._steps), version)
-            if self._steps >= KEPT_STEPS:
-                self._rdv.client.delete_key(start_key(self._steps - KEPT_STEPS))
+        if self._rdv is not None and self.settings is not None and self._broken is None:
+            key = start_key(self._steps)
+            if self.plans:
+                self._rdv.publish(key, version)
+                if self._steps >= KEPT_STEPS:
+                    self._rdv.client.delete_key(start_key(self._steps - KEPT_STEPS))
+            else:
+                self._rdv.wait([key], f"train rank 0 to start step {self._steps} of this replica's job",
+                               timeout_s=math.inf, watched={LEADER})
         return super().send(version, only=only, reset=reset)
 
 
@@ -175,7 +183,8 @@ class RefitFleet:
     def _adopt(self, rdv: Rendezvous, step: int) -> tuple[list[str], list[ReplicaFailure]]:
         """Every other train rank: train rank 0's judgement of the step (its decisions rule: a replica that
         died after its vote failed there, whatever this rank saw); a replica it failed is dropped here too."""
-        (outcome,) = rdv.wait([outcome_key(step)], f"train rank 0's outcome of fleet step {step}", watched={LEADER})
+        (outcome,) = rdv.wait([outcome_key(step)], f"train rank 0's outcome of fleet step {step}", timeout_s=math.inf,
+                              watched={LEADER})  # train rank 0 bounds each replica's step by its deadline
         if not isinstance(outcome, dict) or not isinstance(outcome.get("landed"), list):
             raise RefitError(f"fleet step {step}: train rank 0's outcome is {outcome!r:.80}")
         failed = [ReplicaFailure(str(name), str(reason)) for name, reason in outcome.get("failed", [])]
