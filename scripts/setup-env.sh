@@ -25,3 +25,7 @@ for plugin in plugins/*/; do
 done
 venv_install .venv "${editables[@]}"
 .venv/bin/refit plugins
+# the per-step bound-memory check as one compiled loop (refit_core/endpoints/compiled_check.py), about 20 s once;
+# without a C++ compiler the check runs in Python
+.venv/bin/python -c "from refit_core.endpoints.compiled_check import build; build()" \
+    || echo "setup: the compiled bound-memory check was not built (no C++ compiler?): the check runs in Python"

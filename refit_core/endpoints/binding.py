@@ -9,7 +9,7 @@ checks before every step, on its critical path, that the model's tensors are sti
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import compress
 from operator import attrgetter, itemgetter
@@ -20,6 +20,7 @@ from refit_core.contract.errors import RefitError
 from refit_core.contract.experts import ExpertNamer, group_piece
 from refit_core.contract.pieces import Piece
 from refit_core.contract.side import Side
+from refit_core.endpoints.compiled_check import CompiledCheck, compiled_check
 from refit_core.run.validate import check_no_overlap, check_view
 
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
@@ -89,13 +90,15 @@ class BoundTensors:
     ``objects``: whether the listing hands the same tensor objects every time (``refit_model_tensors``), so
     that another object names the change; a plugin's pieces may be new views of the same memory at each call.
 
-    Checked before every step, on its critical path: the common case (nothing changed) is two passes of C
-    calls (``map``), one over the tensors' addresses and one over their distinct storages' addresses; only
-    a difference is diagnosed. Together they see every way the memory can change under a tensor: ``.data =``
-    and ``set_()`` give the tensor another storage (another address: the bound storage is still held, so its
-    memory is not reused while it lives), a storage resized gets a new allocation (the old one is held while
-    it copies), and a freed storage (``untyped_storage().resize_(0)``) has none: its address falls to 0, and
-    its tensors' to their byte offsets. The storages' pass sees a bound storage freed even when the tensor
+    Checked before every step, on its critical path: the common case (nothing changed) is one compiled loop
+    over the tensors (:mod:`~refit_core.endpoints.compiled_check`: each tensor's storage object, address, size
+    and offset), or where that is not built, two passes of C calls (``map``), one over the tensors' addresses
+    and one over their distinct storages' addresses; only a difference is diagnosed. The passes see every way
+    the memory can change under a tensor: ``.data =`` and ``set_()`` give the tensor another storage (another
+    address: the bound storage is still held, so its memory is not reused while it lives), a storage resized
+    gets a new allocation (the old one is held while it copies), and a freed storage
+    (``untyped_storage().resize_(0)``) has none: its address falls to 0, and its tensors' to their byte
+    offsets. The storages' pass sees a bound storage freed even when the tensor
     was then given new memory at the very address the freed one had (a caching allocator's reuse), which
     the executors' views, still on the freed storage, would hand the transport."""
 
@@ -110,6 +113,9 @@ class BoundTensors:
     """The distinct storages among :attr:`storages` (by address), each checked once per step."""
     distinct_addresses: tuple[int, ...]
     objects: bool = True
+    compiled: CompiledRecord = field(default_factory=lambda: CompiledRecord(), compare=False, repr=False)
+    """The compiled check's record of these tensors, once that check is at hand
+    (:mod:`refit_core.endpoints.compiled_check`): then a step's check is one compiled loop."""
 
     @classmethod
     def of(cls, names: Sequence[str], tensors: Sequence[torch.Tensor], objects: bool = True) -> BoundTensors:
@@ -129,24 +135,32 @@ class BoundTensors:
     def first_change(self, now: Sequence[tuple[str, torch.Tensor]]) -> MemoryChange | None:
         """The first of ``now`` (the model's tensors listed again, as when bound) that is not the memory bound,
         and how it changed; None if every one is."""
-        if len(now) == len(self.names) and self._unchanged(map(_SECOND, now)):
+        if len(now) == len(self.names) and self._unchanged(now, 1):
             return None
         return self._first_change(tuple(map(_SECOND, now)))
 
     def first_change_of(self, tensors: Sequence[torch.Tensor]) -> MemoryChange | None:
         """:meth:`first_change` for the tensors alone, in the order bound."""
-        if len(tensors) == len(self.names) and self._unchanged(tensors):
+        if len(tensors) == len(self.names) and self._unchanged(tensors, -1):
             return None
         return self._first_change(tensors)
 
-    def _unchanged(self, tensors: Iterable[torch.Tensor]) -> bool:
-        """The common case, on the step's critical path: every address as recorded (one C call per tensor, one
-        per distinct storage)."""
+    def _unchanged(self, items: Sequence[object], field: int) -> bool:
+        """The common case, on the step's critical path: every tensor of ``items`` (the items themselves, or
+        their ``field``-th element) as recorded. One compiled loop once that is at hand, else one C call per
+        tensor and one per distinct storage; a pass in Python then records the tensors for the compiled loop."""
+        compiled = self.compiled
+        if compiled.record is not None and compiled.check is not None:
+            return compiled.check.first_moved(items, compiled.record, field) < 0
+        tensors: Iterable[object] = items if field < 0 else map(itemgetter(field), items)  # type: ignore[arg-type]
         try:
-            return (tuple(map(_ADDRESS, tensors)) == self.addresses
-                    and tuple(map(_STORAGE_ADDRESS, self.distinct)) == self.distinct_addresses)
+            unchanged = (tuple(map(_ADDRESS, tensors)) == self.addresses  # type: ignore[arg-type]
+                         and tuple(map(_STORAGE_ADDRESS, self.distinct)) == self.distinct_addresses)
         except TypeError:  # something else than a tensor: named by _first_change
             return False
+        if unchanged:
+            compiled.adopt(self.tensors)
+        return unchanged
 
     def _first_change(self, tensors: Sequence[object]) -> MemoryChange | None:
         if len(tensors) != len(self.names):
@@ -181,6 +195,24 @@ class BoundTensors:
         return None
 
 
+@dataclass
+class CompiledRecord:
+    """A bind's record for the compiled check (:mod:`~refit_core.endpoints.compiled_check`), taken from the
+    bound tensors right after a check in Python passed (None until the compiled check is at hand)."""
+
+    check: CompiledCheck | None = None
+    record: bytes | None = None
+    allowed: bool = True
+    """False: the check stays in Python (what ``benchmarks/bound_check.py`` compares with)."""
+
+    def adopt(self, bound: Sequence[torch.Tensor]) -> None:
+        """Record ``bound`` (just checked unchanged) for the compiled check if it is at hand now: a model of
+        :data:`~refit_core.endpoints.compiled_check.BUILD_FROM` tensors or more starts its build if none is."""
+        check = compiled_check(build_from=len(bound)) if self.allowed else None
+        if check is not None:
+            self.record, self.check = check.record(bound), check
+
+
 def checked_views(pieces: list[Piece], side: Side, rank: int, expert_name: ExpertNamer,
                   counts: dict[str, int]) -> tuple[list[str], list[torch.Tensor]]:
     """Every (expert-grouped) piece's name and view, each view re-checked (see :mod:`refit_core.run.validate`;
@@ -205,10 +237,13 @@ class PieceLayout:
     specs: tuple[object, ...]
     boxes: tuple[object, ...]
     viewed: tuple[bool, ...]
+    viewed_bytes: bytes = b""
+    """:attr:`viewed`, one byte a piece (what the compiled check reads)."""
 
     @classmethod
     def of(cls, pieces: Sequence[Piece]) -> PieceLayout:
-        return cls(tuple(map(_SPEC, pieces)), tuple(map(_BOX, pieces)), tuple(p.view is not None for p in pieces))
+        viewed = tuple(p.view is not None for p in pieces)
+        return cls(tuple(map(_SPEC, pieces)), tuple(map(_BOX, pieces)), viewed, bytes(viewed))
 
     def same(self, pieces: Sequence[Piece]) -> bool:
         """Whether ``pieces`` have this layout (the same specs and boxes, in order)."""
@@ -260,10 +295,15 @@ class BoundMemory:
     def first_piece_change(self, pieces: Sequence[Piece]) -> MemoryChange | None:
         """What changed since the bind, against ``pieces``, the plugin's pieces now (a new layout is a change)."""
         assert self.layout is not None
+        compiled = self.identity.compiled
+        if compiled.check is not None and compiled.record is not None and compiled.check.first_piece_moved(
+                pieces, self.layout.specs, self.layout.boxes, self.layout.viewed_bytes, compiled.record) < 0:
+            return None
         if not self.layout.same(pieces):
             return MemoryChange("", Moved.LISTING_CHANGED, "the plugin's pieces are not the ones it listed then "
                                                            "(call setup() again after changing the model)")
         return self.identity.first_change_of(self.layout.views(pieces))
 
 
-__all__ = ["BoundMemory", "BoundTensors", "MemoryChange", "Moved", "PieceLayout", "checked_views", "device_of"]
+__all__ = ["BoundMemory", "BoundTensors", "CompiledRecord", "MemoryChange", "Moved", "PieceLayout", "checked_views",
+           "device_of"]

@@ -173,15 +173,23 @@ def test_a_tensor_changed_after_setup_fails_the_step_on_every_rank_naming_it(cul
                 assert outcome["unchanged"], (case, rank, outcome)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
 @pytest.mark.parametrize("change", ["data", "set", "resize", "free", "reused", "view", "object", "count"])
-def test_each_change_is_found_and_named_without_a_step(change):
+def test_each_change_is_found_and_named_without_a_step(change, compiled):
     """The check alone, on a listing of two tensors: each change found, named and told apart; none when
-    the model only updated its tensors in place."""
-    from refit_core.endpoints.binding import BoundTensors, Moved
+    the model only updated its tensors in place. In Python, and through the compiled loop
+    (``refit_core/endpoints/compiled_check.py``), whose record the first passing check takes."""
+    from dataclasses import replace
 
+    from refit_core.endpoints.binding import BoundTensors, CompiledRecord, Moved
+
+    if compiled:
+        compiled_check_or_skip()
     param, other = torch.nn.Parameter(torch.ones(4, 4), requires_grad=False), torch.ones(8)
-    bound = BoundTensors.listed([("p", param), ("o", other)])
+    bound = replace(BoundTensors.listed([("p", param), ("o", other)]), compiled=CompiledRecord(allowed=compiled))
     param.add_(1.0)  # in place: no change
+    assert bound.first_change([("p", param), ("o", other)]) is None
+    assert (bound.compiled.record is not None) is compiled
     assert bound.first_change([("p", param), ("o", other)]) is None
     now = [("p", param), ("o", other)]
     if change == "data":
@@ -212,6 +220,17 @@ def test_each_change_is_found_and_named_without_a_step(change):
                 "object": ("o", Moved.OBJECT_REPLACED, ""), "count": ("", Moved.LISTING_CHANGED, "")}[change]
     assert found is not None and (found.name, found.moved) == expected[:2], found
     assert expected[2] in found.detail, found
+
+
+def compiled_check_or_skip() -> None:
+    """Build the compiled check (cached: ``scripts/setup-env.sh`` builds it); skip only without a compiler."""
+    import shutil
+
+    from refit_core.endpoints.compiled_check import build
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler here: the compiled check cannot be built (the check runs in Python)")
+    build()
 
 
 def test_a_storage_bound_empty_is_checked_too():
