@@ -14,8 +14,10 @@ on, so its cost depends on the number of tensors, not on their sizes: one-elemen
 real model's.
 
 Two paths, as a plugin implements them: ``listed`` (``refit_model_tensors``) and ``pieces`` (no such hook:
-the pieces the plugin hands, compared by spec and box, then as ``listed``): two ``map`` passes, the tensors'
-addresses, then their distinct storages'. (One call of torch's ``_tensors_data_ptrs_at_indices_equal``, CUDA
+the pieces the plugin hands, compared by spec and box, then as ``listed``), each two ways, side by side:
+``compiled``, one loop of :mod:`refit_core.endpoints.compiled_check` (built first, once per machine), and
+``python``, where no compiler is: two ``map`` passes, the tensors' addresses, then their distinct storages'.
+(One call of torch's ``_tensors_data_ptrs_at_indices_equal``, CUDA
 builds only, over the tensors and a one-byte witness tensor per storage was measured slower on 4 x H200's
 Xeon, 2.75 against 2.23 ms at 18,867 tensors, and was dropped; see
 ``benchmarks/results/cpu-bound-check-2026-11-28.md``.) Also ``before``: the check this replaced (the listed
@@ -33,14 +35,15 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import is_, itemgetter
 
 import torch
 
 from refit_core.contract.pieces import SourcePiece
 from refit_core.contract.spec import Box
-from refit_core.endpoints.binding import BoundMemory, BoundTensors
+from refit_core.endpoints.binding import BoundMemory, BoundTensors, CompiledRecord
+from refit_core.endpoints.compiled_check import build
 from refit_core.kit.models import PRESETS, checkpoint_specs
 
 
@@ -97,11 +100,15 @@ def measure(pieces: list[SourcePiece], repeat: int) -> dict[str, Timing]:
         return all(map(is_, tensors, objects)) and tuple(map(torch.Tensor.data_ptr, tensors)) == addresses
 
     timings = {"before": timed(before, repeat)}
-    bound = BoundTensors.listed(listed)
-    memory = BoundMemory.after_bind([], [], None, pieces)
-    assert bound.first_change(listed) is None and memory.first_piece_change(pieces) is None
-    timings["listed"] = timed(lambda: bound.first_change(listed), repeat)
-    timings["pieces"] = timed(lambda: memory.first_piece_change(pieces), repeat)
+    for compiled in (False, True):
+        bound = replace(BoundTensors.listed(listed), compiled=CompiledRecord(allowed=compiled))
+        memory = BoundMemory.after_bind([], [], None, pieces)
+        memory = replace(memory, identity=replace(memory.identity, compiled=CompiledRecord(allowed=compiled)))
+        assert bound.first_change(listed) is None and memory.first_piece_change(pieces) is None
+        assert (bound.compiled.record is not None) is compiled, "the compiled check is not built: build() it first"
+        how = "compiled" if compiled else "python"
+        timings[f"listed, {how}"] = timed(lambda: bound.first_change(listed), repeat)
+        timings[f"pieces, {how}"] = timed(lambda: memory.first_piece_change(pieces), repeat)
     freed = pieces[-1].view.clone()
     broken = BoundTensors.listed([*listed[:-1], ("freed", freed)])
     freed.untyped_storage().resize_(0)
@@ -125,6 +132,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
                         help="where the tensors live (all: the CPU, and the GPU where CUDA is available)")
     args = parser.parse_args()
+    build()  # once per machine (about 20 s), then cached
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     devices = [torch.device("cpu")] if args.device != "cuda" else []
@@ -138,7 +146,8 @@ def main() -> None:
         for shape in SHAPES:
             pieces = model(shape.preset, device)
             for path, t in measure(pieces, args.repeat).items():
-                goal = {"diagnosis": "(a failure)", "before": "(old check)"}.get(path, f"< {shape.goal_ms:g} ms")
+                goal = {"diagnosis": "(a failure)", "before": "(old check)"}.get(
+                    path, f"< {shape.goal_ms:g} ms" if "compiled" in path else "(no compiler)")
                 print(f"| {device.type} | {shape.preset} | {len(pieces):,} | {path} | {t.best_cpu:.3f} ms | "
                       f"{t.median_cpu:.3f} ms | {t.median_wall:.3f} ms | {1e6 * t.median_cpu / len(pieces):.0f} ns | "
                       f"{goal} |")
