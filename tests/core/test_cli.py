@@ -60,7 +60,8 @@ def test_an_engine_layout_that_splits_heads_names_the_heads(capsys):
 
 
 def test_demo_loop_takes_the_steps_and_model_it_is_given():
-    from refit_core.tools.cli import build_parser, loop_settings
+    from refit_core.tools.cli import build_parser
+    from refit_core.tools.demo.command import loop_settings
     from refit_core.tools.demo.rl_loop import LoopSettings
 
     given = loop_settings(build_parser().parse_args(["demo", "--loop", "--steps", "2", "--model", "tiny-llama"]))

@@ -9,7 +9,8 @@ import pytest
 
 from refit_core import RefitError
 from refit_core.kit.rl import LogprobMismatch
-from refit_core.tools.cli import build_parser, loop_settings, main
+from refit_core.tools.cli import build_parser, main
+from refit_core.tools.demo.command import loop_settings
 from refit_core.tools.demo.fleet_loop import FleetResult, FleetRow, ProbeCheck, fleet_header, fleet_line
 from refit_core.tools.demo.rl_loop import LoopSettings, StepRow
 
