@@ -27,12 +27,12 @@ Over all runs it counts, each of which a clean campaign keeps at 0:
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from commit_ranks import VERSIONS
 from memory_strikes import MemoryStrike
+from tally import Tally
 
 COUNTS = ("silent stale sends", "silent version splits", "unreported torn tensors", "cross-job bytes", "late",
           "hung", "recoveries not bitwise", "memory faults not named on every rank", "memory faults that moved bytes")
@@ -41,12 +41,9 @@ FREED = "freed"
 
 
 @dataclass
-class Census:
+class Census(Tally):
     """What the campaign found; a clean campaign has no problems."""
 
-    runs: int = 0
-    void: int = 0
-    """Runs in which a step before the strike failed (a loaded machine): nothing to judge."""
     strikes: int = 0
     recoveries: int = 0
     """Runs that set up again after the fault and refitted bitwise."""
@@ -55,15 +52,6 @@ class Census:
     memory_named: int = 0
     """Of those, the runs in which every rank's second step failed naming it and every gen rank stayed on the
     first step (the struck one whole; every one, staged)."""
-    outcomes: Counter = field(default_factory=Counter)
-    counts: Counter = field(default_factory=Counter)
-    problems: list[str] = field(default_factory=list)
-    slowest: float = 0.0
-    """The slowest survivor's step, as a fraction of its deadline."""
-
-    def problem(self, kind: str, text: str) -> None:
-        self.counts[kind] += 1
-        self.problems.append(f"{kind}: {text}")
 
     def judge(self, what: str, mode: str, train: int, gen: int, results: dict[int, dict | None],
               deadlines: dict[int, float], replacements: dict[int, dict | None], intruder: dict | None = None,
@@ -157,9 +145,7 @@ class Census:
                  f"{self.slowest:.2f} of its deadline, {self.recoveries} of {judged} recoveries bitwise",
                  f"  memory faults named on every rank, every gen rank on the first step: {self.memory_named} of "
                  f"{self.memory}",
-                 *(f"  {k}: {v}" for k, v in sorted(self.outcomes.items())),
-                 *(f"  {k}: {self.counts[k]}" for k in COUNTS),
-                 f"  problems: {len(self.problems)}", *(f"    {p}" for p in self.problems)]
+                 *self.tail(COUNTS)]
         return "\n".join(lines)
 
 

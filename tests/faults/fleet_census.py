@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fleet_ranks import FIRST_VERSION, Point
+from tally import Tally
 
 if TYPE_CHECKING:
     from fleet_campaign import Record, Return, Run, Strike
@@ -61,12 +62,9 @@ class Timeline:
 
 
 @dataclass
-class Census:
+class Census(Tally):
     """What the fleet campaign found; a clean campaign has no problems."""
 
-    runs: int = 0
-    void: int = 0
-    """Runs in which a strike did not land in its step (a step before it failed): nothing to judge."""
     strikes: Counter = field(default_factory=Counter)
     rejoins: int = 0
     """Replicas whose every rank asked to join before a step of the run (restarted, added, joining again)."""
@@ -74,15 +72,6 @@ class Census:
     """Of those, the replicas back on the current version at that step."""
     within_one: int = 0
     """Of those, the replicas back on the current version at that step or the next."""
-    outcomes: Counter = field(default_factory=Counter)
-    counts: Counter = field(default_factory=Counter)
-    problems: list[str] = field(default_factory=list)
-    slowest: float = 0.0
-    """The slowest step of any train rank, as a fraction of its deadline."""
-
-    def problem(self, kind: str, text: str) -> None:
-        self.counts[kind] += 1
-        self.problems.append(f"{kind}: {text}")
 
     def judge(self, run: Run, record: Record) -> None:
         """Add one run."""
@@ -217,9 +206,7 @@ class Census:
                  "its deadline",
                  f"  rejoins (restarted, added, or joining again): {self.rejoins}, back on the current version at "
                  f"once: {self.at_once}, within 1 step: {self.within_one}",
-                 *(f"  {k}: {v}" for k, v in sorted(self.outcomes.items())),
-                 *(f"  {k}: {self.counts[k]}" for k in COUNTS),
-                 f"  problems: {len(self.problems)}", *(f"    {p}" for p in self.problems)]
+                 *self.tail(COUNTS)]
         return "\n".join(lines)
 
 
