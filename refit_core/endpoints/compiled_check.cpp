@@ -18,17 +18,23 @@ struct Record {
   int64_t offset;       // the tensor's storage offset, in elements
 };
 
+// False for anything that is not a tensor with a plain storage (the Python check then decides): no C++
+// exception may leave this module (a symbolic size, say, throws).
 bool read(PyObject* item, Record* out) {
   if (!THPVariable_CheckExact(item) && !THPVariable_Check(item)) return false;
-  const at::Tensor& tensor = THPVariable_Unpack(item);
-  c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
-  if (!impl->has_storage()) return false;
-  const c10::Storage& storage = impl->unsafe_storage();
-  out->storage = storage.unsafeGetStorageImpl();
-  out->data = storage.data();
-  out->nbytes = static_cast<int64_t>(storage.nbytes());
-  out->offset = impl->storage_offset();
-  return true;
+  try {
+    const at::Tensor& tensor = THPVariable_Unpack(item);
+    c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+    if (!impl->has_storage()) return false;
+    const c10::Storage& storage = impl->unsafe_storage();
+    out->storage = storage.unsafeGetStorageImpl();
+    out->data = storage.data();
+    out->nbytes = static_cast<int64_t>(storage.nbytes());
+    out->offset = impl->storage_offset();
+    return true;
+  } catch (...) {
+    return false;
+  }
 }
 
 bool same(PyObject* item, const Record& recorded) {
