@@ -118,18 +118,21 @@ class Crew:
 
 def scenario_fleet(steps: int, seed: int) -> dict[str, Any]:
     """2 FSDP2 train ranks refit replica ``vllm`` (a vLLM engine) and the cheap replicas ``m1`` and ``m2`` for
-    ``steps`` steps; ``m2`` is killed at a random point of a random step and restarted under its name, ``m3``
-    joins later. Returns every step's ``FleetStep`` as each train rank saw it and every rank's result."""
+    ``steps`` steps; ``m2`` is killed at a random point of a random step and restarted under its name, two steps
+    later the engine is killed the same way and restarted under its name (a new engine), and ``m3`` joins later.
+    Returns every step's ``FleetStep`` as each train rank saw it and every rank's result."""
     os.environ["REFIT_PLUGINS"] = "dtensor,vllm"  # every other installed plugin costs imports, and is not used
     os.environ["REFIT_SECRET"] = os.environ.get("REFIT_SECRET") or new_secret()  # the ranks are one job
     rng = random.Random(seed)
     kill_at = rng.randrange(2, steps // 2)
-    add_at = max(kill_at + 2, 2 * steps // 3)
+    engine_kill_at = kill_at + 2
+    add_at = max(engine_kill_at + 2, 2 * steps // 3)
     last = FIRST_VERSION + steps - 1
     address, port = f"127.0.0.1:{free_port()}", free_port()
     crew = Crew()
     gates = [crew.ctx.Event() for _ in range(steps)]
-    out: dict[str, Any] = {"kill_at": kill_at, "add_at": add_at, "last": last, "timeout_s": TIMEOUT_S, "steps": []}
+    out: dict[str, Any] = {"kill_at": kill_at, "engine_kill_at": engine_kill_at, "add_at": add_at, "last": last,
+                           "timeout_s": TIMEOUT_S, "steps": []}
     began = time.perf_counter()
     try:
         crew.start("vllm", vllm_replica, address, "vllm", last)  # first: its engine takes longest to build
@@ -143,20 +146,24 @@ def scenario_fleet(steps: int, seed: int) -> dict[str, Any]:
             if step == kill_at + 1:
                 crew.start("m2-restarted", model_replica, address, "m2", last)
                 crew.asks(address, 4)
+            if step == engine_kill_at + 1:  # a new engine: built, then asks (about 30 s on 2 cores)
+                crew.start("vllm-restarted", vllm_replica, address, "vllm", last)
+                crew.asks(address, 5, timeout_s=600)
             if step == add_at:
                 crew.start("m3", model_replica, address, "m3", last)
-                crew.asks(address, 5)
+                crew.asks(address, 6)
             gates[step].set()
-            if step == kill_at:
+            if step in (kill_at, engine_kill_at):
                 time.sleep(rng.uniform(0.0, 0.03))
-                crew.kill("m2")
+                crew.kill("m2" if step == kill_at else "vllm")
             got = crew.wait_for([(f"train{r}", "step") for r in range(TRAIN)], 180)
             out["steps"].append([got[(f"train{r}", "step")] for r in range(TRAIN)])
         out["steps_s"] = time.perf_counter() - began - out["ready_s"]
-        who = [f"train{r}" for r in range(TRAIN)] + ["vllm", "m1", "m2-restarted", "m3"]
+        who = [f"train{r}" for r in range(TRAIN)] + ["vllm-restarted", "m1", "m2-restarted", "m3"]
         results = crew.wait_for([(w, "result") for w in who], 300)
         out["results"] = {w: results[(w, "result")] for w in who}
-        out["killed_held"] = [payload for w, event, payload in crew.log if (w, event) == ("m2", "held")]
+        out["killed_held"] = {killed: [payload for w, event, payload in crew.log if (w, event) == (killed, "held")]
+                              for killed in ("m2", "vllm")}
     finally:
         crew.close()
     return out
