@@ -81,6 +81,24 @@ class MemoryChange:
         return f"{role} tensor {self.name} {where}: {what} (on the {side} side: {remedy}); nothing of the step moved"
 
 
+@dataclass
+class CompiledRecord:
+    """A bind's record for the compiled check (:mod:`~refit_core.endpoints.compiled_check`), taken from the
+    bound tensors right after a check in Python passed (None until the compiled check is at hand)."""
+
+    check: CompiledCheck | None = None
+    record: bytes | None = None
+    allowed: bool = True
+    """False: the check stays in Python (what ``benchmarks/bound_check.py`` compares with)."""
+
+    def adopt(self, bound: Sequence[torch.Tensor]) -> None:
+        """Record ``bound`` (just checked unchanged) for the compiled check if it is at hand now: a model of
+        :data:`~refit_core.endpoints.compiled_check.BUILD_FROM` tensors or more starts its build if none is."""
+        check = compiled_check(build_from=len(bound)) if self.allowed else None
+        if check is not None:
+            self.record, self.check = check.record(bound), check
+
+
 @dataclass(frozen=True)
 class BoundTensors:
     """A model's tensors as refit bound them: each object, the address of its first element (``data_ptr()``)
@@ -113,7 +131,7 @@ class BoundTensors:
     """The distinct storages among :attr:`storages` (by address), each checked once per step."""
     distinct_addresses: tuple[int, ...]
     objects: bool = True
-    compiled: CompiledRecord = field(default_factory=lambda: CompiledRecord(), compare=False, repr=False)
+    compiled: CompiledRecord = field(default_factory=CompiledRecord, compare=False, repr=False)
     """The compiled check's record of these tensors, once that check is at hand
     (:mod:`refit_core.endpoints.compiled_check`): then a step's check is one compiled loop."""
 
@@ -193,24 +211,6 @@ class BoundTensors:
             return MemoryChange(name, Moved.VIEW_MOVED, f"from byte {self.addresses[index] - address} to byte "
                                                         f"{tensor.data_ptr() - address} of its storage")
         return None
-
-
-@dataclass
-class CompiledRecord:
-    """A bind's record for the compiled check (:mod:`~refit_core.endpoints.compiled_check`), taken from the
-    bound tensors right after a check in Python passed (None until the compiled check is at hand)."""
-
-    check: CompiledCheck | None = None
-    record: bytes | None = None
-    allowed: bool = True
-    """False: the check stays in Python (what ``benchmarks/bound_check.py`` compares with)."""
-
-    def adopt(self, bound: Sequence[torch.Tensor]) -> None:
-        """Record ``bound`` (just checked unchanged) for the compiled check if it is at hand now: a model of
-        :data:`~refit_core.endpoints.compiled_check.BUILD_FROM` tensors or more starts its build if none is."""
-        check = compiled_check(build_from=len(bound)) if self.allowed else None
-        if check is not None:
-            self.record, self.check = check.record(bound), check
 
 
 def checked_views(pieces: list[Piece], side: Side, rank: int, expert_name: ExpertNamer,
