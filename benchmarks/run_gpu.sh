@@ -69,6 +69,9 @@ export PYTHONPATH=$PWD:$PWD/tests/example_plugin:$PYTHONPATH
 # machine has torch and transformers) so that the tests and `refit demo` discover them.
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . -e plugins/dtensor -e tests/example_plugin \
   2>&1 | tail -3 | tee -a "$LOG"
+# the per-step bound-memory check's compiled loop (refit_core/endpoints/compiled_check.py), built once, as
+# scripts/setup-env.sh builds it: every step of every run below checks through it
+$PY -c "from refit_core.endpoints.compiled_check import build; build()" 2>&1 | tail -3 | tee -a "$LOG"
 
 step() { [[ " $STEPS " == *" $1 "* ]] && echo "== $1 at $(date -u +%T)" | tee -a "$LOG"; }
 
