@@ -28,7 +28,7 @@ from refit_core.endpoints.setup import SetupRequest, set_up
 from refit_core.endpoints.subsets import NetworkExecutor, Subsets
 from refit_core.net.auth import JobCredentials
 from refit_core.net.keys import RankId
-from refit_core.net.rendezvous import Rendezvous
+from refit_core.net.rendezvous import Abandoned, Rendezvous
 from refit_core.net.transport import Transport
 from refit_core.plan.planning import PlanCache
 from refit_core.plan.items import Message
@@ -112,6 +112,12 @@ class RefitEndpoint:
     def _local_pieces(self) -> list[Piece]:
         raise NotImplementedError
 
+    def _abandoned(self) -> Abandoned | None:
+        """Ranks of this job that died before they came to its store, and why it cannot go on, asked whenever
+        this rank looks for failures (None: it can; always, here). A fleet's train rank 0 names a replica rank
+        that died after the fleet admitted it (:mod:`refit_core.fleet.trainer`)."""
+        return None
+
     def _make_executors(self, schedule: Schedule, settings: RefitOptions, scope: HeaderScope) -> None:
         """This rank's network executor (pairs over NCCL / gloo; its headers claim ``scope``) and colocated part,
         each if it has any."""
@@ -156,6 +162,7 @@ class RefitEndpoint:
         credentials = JobCredentials.required(self.options, f"{self.side} rank {self.rank}")
         rdv = self._rdv = Rendezvous(self.address, host=self.plans, who=str(self.me), timeout_s=self.options.timeout_s,
                                      credentials=credentials, limits=self.options.store)
+        rdv.abandoned = self._abandoned
         request = SetupRequest(self.me, self.world_size, self.address, self.options, self.host_id, self.plugins,
                                self._experts, self._local_pieces, self._check_plan, self._plans)
         self._clock = SetupClock()

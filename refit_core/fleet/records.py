@@ -20,6 +20,11 @@ STATE = "fleet/state"
 """The fleet's view (:class:`ReplicaState` per replica), as train rank 0 last published it (``refit status``)."""
 
 
+def replica_identity(replica: str, rank: int) -> str:
+    """The fleet's store identity of rank ``rank`` of replica ``replica``, while it joins."""
+    return f"replica/{replica}/{rank}"
+
+
 def join_key(ticket: int) -> str:
     """A joining rank's :class:`JoinRequest`, under the ticket it drew."""
     return f"fleet/join/{ticket}"

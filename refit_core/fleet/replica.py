@@ -14,7 +14,17 @@ from refit_core.contract.options import RefitOptions
 from refit_core.contract.plugins import PluginManager
 from refit_core.endpoints.receiver import RefitReceiver
 from refit_core.run.executor import StepStats
-from refit_core.fleet.records import JOINS, LEADER, Admission, JoinRequest, admit_key, check_name, join_key, start_key
+from refit_core.fleet.records import (
+    JOINS,
+    LEADER,
+    Admission,
+    JoinRequest,
+    admit_key,
+    check_name,
+    join_key,
+    replica_identity,
+    start_key,
+)
 from refit_core.net.auth import JobCredentials
 from refit_core.net.rendezvous import Rendezvous
 
@@ -53,9 +63,9 @@ def join_fleet(engine: Any, *, fleet: str, replica: str, rank: int, world_size: 
         raise RefitError(f"replica {replica}: rank {rank} of a world of {world_size}")
     options = with_overrides(options or RefitOptions())
     credentials = JobCredentials.required(options, f"replica {replica} rank {rank}")
-    rdv = Rendezvous(fleet, host=False, who=f"replica/{replica}/{rank}", timeout_s=options.timeout_s,
+    rdv = Rendezvous(fleet, host=False, who=replica_identity(replica, rank), timeout_s=options.timeout_s,
                      credentials=credentials)
-    try:
+    try:  # connected to the fleet's store until the job's setup is done: train rank 0 sees a death in between
         ticket = rdv.client.add(JOINS, 1)
         rdv.publish(join_key(ticket), JoinRequest(replica, rank, world_size, ticket).to_wire())
         deadline = time.monotonic() + join_timeout_s
@@ -63,13 +73,13 @@ def join_fleet(engine: Any, *, fleet: str, replica: str, rank: int, world_size: 
                              timeout_s=max(0.0, deadline - time.monotonic()), watched={LEADER})
         admission = Admission.from_wire(answer)
         rdv.client.delete_key(admit_key(ticket))
+        if admission.refused is not None or admission.address is None:
+            raise RefitError(f"the fleet at {fleet} refused replica {replica} rank {rank}: {admission.refused}")
+        receiver = ReplicaReceiver(engine, rendezvous=admission.address, rank=rank, world_size=world_size,
+                                   options=options, plugins=plugins, host_id=host_id)
+        receiver.setup()
     finally:
         rdv.close()
-    if admission.refused is not None or admission.address is None:
-        raise RefitError(f"the fleet at {fleet} refused replica {replica} rank {rank}: {admission.refused}")
-    receiver = ReplicaReceiver(engine, rendezvous=admission.address, rank=rank, world_size=world_size,
-                               options=options, plugins=plugins, host_id=host_id)
-    receiver.setup()
     return receiver
 
 

@@ -36,14 +36,16 @@ from refit_core.fleet.records import (
     join_key,
     members_key,
     outcome_key,
+    replica_identity,
     start_key,
 )
 from refit_core.fleet.roster import Roster
 from refit_core.net.ports import free_port
 from refit_core.net import wire
 from refit_core.net.auth import JobCredentials
-from refit_core.net.keys import size_key
-from refit_core.net.rendezvous import Rendezvous
+from refit_core.net.keys import RankId, size_key
+from refit_core.net.store import StoreServer
+from refit_core.net.rendezvous import Abandoned, Rendezvous
 from refit_core.net.store_protocol import Endpoint
 from refit_core.plan.planning import PlanCache
 
@@ -66,6 +68,29 @@ class _ReplicaSender(RefitSender):
     a replica idles between steps as long as training takes. Every rank's step deadline counts from the
     announcement (:class:`~refit_core.fleet.replica.ReplicaReceiver` on the replica's ranks). Train rank 0
     leaving ends the wait with an error."""
+
+    def __init__(self, model: Any, *, member: Member, fleet_store: StoreServer | None, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.member = member
+        self._fleet_store = fleet_store
+        """Train rank 0: the fleet's store, where a rank of the replica waits until its job's setup is done."""
+
+    def _abandoned(self) -> Abandoned | None:
+        """Train rank 0, during the job's setup: the ranks of the replica in neither its job's store nor the
+        fleet's (a joining rank stays in the fleet's store until its job's setup is done) died after the fleet
+        admitted it, before they came: the job's setup fails now, not at its deadline."""
+        job = self._rdv.server if self._rdv is not None else None
+        if job is None or self._fleet_store is None or self.settings is not None:  # set up: they came
+            return None
+        here = set(job.present()) | set(self._fleet_store.present())
+        replica = self.member.replica
+        missing = [r for r in range(self.member.gen_ranks)
+                   if str(RankId(Side.GEN, r)) not in here and replica_identity(replica, r) not in here]
+        if not missing:
+            return None
+        return Abandoned(frozenset(str(RankId(Side.GEN, r)) for r in missing),
+                         f"replica {replica} rank(s) {missing} left after the fleet admitted it, before its job's "
+                         "setup was done (it exited or was killed)")
 
     def send(self, version: int, *, only: Iterable[str] | None = None, reset: bool = False) -> StepStats:
         if self._rdv is not None and self.settings is not None and self._broken is None:
@@ -193,8 +218,10 @@ class RefitFleet:
         return [str(name) for name in outcome["landed"]], failed
 
     def _sender_for(self, member: Member) -> RefitSender:
-        return _ReplicaSender(self.model, rendezvous=member.address, rank=self.rank, world_size=self.world_size,
-                              options=self.options, plugins=self.plugins, host_id=self.host_id, plan_cache=self.plans)
+        fleet_store = self._rdv.server if self._rdv is not None else None
+        return _ReplicaSender(self.model, member=member, fleet_store=fleet_store, rendezvous=member.address,
+                              rank=self.rank, world_size=self.world_size, options=self.options, plugins=self.plugins,
+                              host_id=self.host_id, plan_cache=self.plans)
 
     def _forget(self, replica: str) -> None:
         held = self._senders.pop(replica, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from refit_core.contract.errors import AuthenticationError, PlanError, PluginError, RefitError, RendezvousError
@@ -26,6 +27,15 @@ from refit_core.net.store import ERROR_KEY, WAIT_SLICE_S, Endpoint, StoreClient,
 POLL_S = 0.02
 HANDSHAKE_S = 5.0
 _KINDS = {cls.__name__: cls for cls in (PlanError, PluginError, RendezvousError, AuthenticationError)}
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """Ranks that will never come to a job's store (store identities: they died before they came), and why the
+    job cannot go on: a failure to raise, and ranks no one waits for."""
+
+    ranks: frozenset[str]
+    reason: str
 
 
 class Rendezvous:
@@ -52,6 +62,9 @@ class Rendezvous:
             raise
         self.client.watch = self._check_failures
         self.store = self.client
+        self.abandoned: Callable[[], Abandoned | None] | None = None
+        """Asked whenever this rank looks for failures: ranks expected here that died before they came, and why
+        the job cannot go on (None while it can; see :mod:`refit_core.fleet`)."""
         self.downloaded = 0
         """Bytes of values this rank read through :meth:`read` and :meth:`wait` (setup's metadata)."""
 
@@ -158,6 +171,9 @@ class Rendezvous:
         if gone:
             raise RendezvousError(f"{', '.join(map(rank_name, gone))} left the refit "
                                   "(its connection to the rendezvous closed: it exited or was killed)")
+        abandoned = self.abandoned() if self.abandoned is not None else None
+        if abandoned is not None:
+            raise RendezvousError(abandoned.reason)
 
     def linger(self, keys: list[str], timeout_s: float) -> None:
         """Keep the store up until ``keys`` exist (or their ranks are gone) or ``timeout_s`` passes:
@@ -165,7 +181,8 @@ class Rendezvous:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                gone = set(self.client.gone())
+                abandoned = self.abandoned() if self.abandoned is not None else None
+                gone = set(self.client.gone()) | (abandoned.ranks if abandoned is not None else frozenset())
                 pending = [k for k in keys if (who := publisher(k)) is None or str(who) not in gone]
                 if not pending or self.client.check(pending):
                     return

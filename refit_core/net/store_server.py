@@ -76,6 +76,11 @@ class StoreServer:
 
     # -- state --------------------------------------------------------------------------------
 
+    def present(self) -> list[str]:
+        """The rank identities connected now (what the ``present`` operation answers)."""
+        with self._cond:
+            return sorted(self._members)
+
     def seal(self) -> None:
         """Admit no more ranks (setup finished); connected ranks keep their connections."""
         with self._cond:

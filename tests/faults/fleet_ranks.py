@@ -115,6 +115,20 @@ def impostor_rank(rank: int, report, address: str, replica: str) -> dict:
     return {"error": None}
 
 
+def deserter_rank(rank: int, report, address: str, replica: str) -> dict:
+    """A replica rank that dies right after the fleet admitted it, before its job's setup: the process exits
+    where its receiver's ``setup()`` would start."""
+    from refit_core.fleet.replica import ReplicaReceiver
+
+    def die(self: ReplicaReceiver) -> None:
+        os._exit(0)
+
+    ReplicaReceiver.setup = die  # type: ignore[method-assign]
+    join_fleet(ToyEngine(0, 1), fleet=address, replica=replica, rank=0, world_size=1, options=options(),
+               join_timeout_s=60)
+    return {}
+
+
 # -- the fleet campaign's replicas ------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ import tempfile
 import time
 
 import pytest
-from fleet_ranks import FIRST_VERSION, gate, impostor_rank, replica_rank, trainer_rank
+from fleet_ranks import FIRST_VERSION, deserter_rank, gate, impostor_rank, replica_rank, trainer_rank
 from harness import Ranks
 
 from refit_core.contract.errors import RefitError
@@ -168,3 +168,43 @@ def test_a_fleet_keeps_refitting_while_replicas_die_restart_and_join(capsys):
     rows = {line.split()[0]: line.split()[1:3] for line in status.splitlines()[1:-1]}
     assert status.splitlines()[-1] == "join requests so far: 7"
     assert rows == {name: [str(size), str(last - 1)] for name, size in (("r0", 1), ("r1", 2), ("r2", 1), ("r3", 1))}
+
+
+def test_a_replica_that_dies_after_its_admission_fails_its_step_at_once():
+    """A replica rank that dies after the fleet admitted it, before it came to its job's store: every train rank
+    fails that replica's step within seconds (it was still in the fleet's store, then in neither), not at the
+    10 s deadline; the other replica lands every step, and the dead one is dropped."""
+    steps, last = 3, FIRST_VERSION + 2
+    folder, address = tempfile.mkdtemp(prefix="refit-fleet-"), f"127.0.0.1:{free_port()}"
+    ranks = Ranks()
+    try:
+        for r in range(TRAIN):
+            ranks.start(trainer_rank, r, address, TRAIN, steps, folder)
+        ranks.start(replica_rank, 10, address, "r0", 0, 1, last)
+        ranks.start(deserter_rank, 11, address, "d")
+        ranks.release()
+        deadline = time.monotonic() + 60
+        while read_fleet(address).join_requests < 2:
+            assert time.monotonic() < deadline, "the replicas did not ask to join within 60 s"
+            time.sleep(0.05)
+        reports = []
+        for step in range(steps):
+            open(gate(folder, step), "w").close()
+            got = ranks.wait_for([(r, "step") for r in range(TRAIN)], 60)
+            reports.append([got[(r, "step")] for r in range(TRAIN)])
+            for r in range(TRAIN):
+                del ranks.seen[(r, "step")]
+        held = ranks.wait_for([(10, "result")], 60)[(10, "result")]["held"]
+    finally:
+        ranks.close()
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+    for lead, other in reports:
+        assert (lead["landed"], sorted(lead["failed"])) == (other["landed"], sorted(other["failed"])), reports
+    first = reports[0][0]
+    assert first["landed"] == ["r0"] and list(first["failed"]) == ["d"], first
+    assert "replica d rank(s) [0] left after the fleet admitted it" in first["failed"]["d"], first
+    assert max(report["seconds"] for report in reports[0]) < 5, reports[0]  # the deadline is 10 s
+    assert [(r[0]["landed"], r[0]["failed"]) for r in reports[1:]] == [(["r0"], {})] * 2, reports
+    assert held == [(v, True) for v in range(FIRST_VERSION, last + 1)], held
