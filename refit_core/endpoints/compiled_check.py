@@ -133,7 +133,7 @@ def _build_quietly(state: _State) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure to build leaves the Python check, which is correct
         state.failure = f"{type(exc).__name__}: {exc}"
         log.warning("refit: the compiled bound-memory check could not be built (%s); the check runs in Python "
-                 "(about 150 ns a tensor)", str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
+                    "(about 150 ns a tensor)", str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
         return
     state.module = module
 
