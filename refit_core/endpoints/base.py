@@ -162,7 +162,8 @@ class RefitEndpoint:
         credentials = JobCredentials.required(self.options, f"{self.side} rank {self.rank}")
         rdv = self._rdv = Rendezvous(self.address, host=self.plans, who=str(self.me), timeout_s=self.options.timeout_s,
                                      credentials=credentials, limits=self.options.store)
-        rdv.abandoned = self._abandoned
+        if type(self)._abandoned is not RefitEndpoint._abandoned:  # cleared by close(): no cycle keeps us alive
+            rdv.abandoned = self._abandoned
         request = SetupRequest(self.me, self.world_size, self.address, self.options, self.host_id, self.plugins,
                                self._experts, self._local_pieces, self._check_plan, self._plans)
         self._clock = SetupClock()
@@ -314,6 +315,8 @@ class RefitEndpoint:
         Safe after any failure; ``setup()`` may be called again afterwards, on the same address.
         """
         parts = (self._subsets, self.transport, self._colocated, self._rdv)  # each closed once, in this order
+        if self._rdv is not None:
+            self._rdv.abandoned = None
         self.transport, self._colocated, self._executor, self._rdv = None, None, None, None
         self._relay_out, self._subsets, self._memory = None, None, None  # none of them keeps this endpoint alive
         for part in parts:
