@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from itertools import compress
 from operator import attrgetter, itemgetter
 
@@ -237,13 +238,15 @@ class PieceLayout:
     specs: tuple[object, ...]
     boxes: tuple[object, ...]
     viewed: tuple[bool, ...]
-    viewed_bytes: bytes = b""
-    """:attr:`viewed`, one byte a piece (what the compiled check reads)."""
 
     @classmethod
     def of(cls, pieces: Sequence[Piece]) -> PieceLayout:
-        viewed = tuple(p.view is not None for p in pieces)
-        return cls(tuple(map(_SPEC, pieces)), tuple(map(_BOX, pieces)), viewed, bytes(viewed))
+        return cls(tuple(map(_SPEC, pieces)), tuple(map(_BOX, pieces)), tuple(p.view is not None for p in pieces))
+
+    @cached_property
+    def viewed_bytes(self) -> bytes:
+        """:attr:`viewed`, one byte a piece (what the compiled check reads)."""
+        return bytes(self.viewed)
 
     def same(self, pieces: Sequence[Piece]) -> bool:
         """Whether ``pieces`` have this layout (the same specs and boxes, in order)."""

@@ -171,9 +171,12 @@ class Rendezvous:
         if gone:
             raise RendezvousError(f"{', '.join(map(rank_name, gone))} left the refit "
                                   "(its connection to the rendezvous closed: it exited or was killed)")
-        abandoned = self.abandoned() if self.abandoned is not None else None
+        abandoned = self._abandoned_now()
         if abandoned is not None:
             raise RendezvousError(abandoned.reason)
+
+    def _abandoned_now(self) -> Abandoned | None:
+        return self.abandoned() if self.abandoned is not None else None
 
     def linger(self, keys: list[str], timeout_s: float) -> None:
         """Keep the store up until ``keys`` exist (or their ranks are gone) or ``timeout_s`` passes:
@@ -181,7 +184,7 @@ class Rendezvous:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                abandoned = self.abandoned() if self.abandoned is not None else None
+                abandoned = self._abandoned_now()
                 gone = set(self.client.gone()) | (abandoned.ranks if abandoned is not None else frozenset())
                 pending = [k for k in keys if (who := publisher(k)) is None or str(who) not in gone]
                 if not pending or self.client.check(pending):

@@ -308,7 +308,7 @@ class StoreServer:
             if op == "num_keys":
                 return {"value": len(self._data)}
             if op == "present":
-                return {"ranks": sorted(self._members)}
+                return {"ranks": self.present()}
             if op == "gone":
                 return {"ranks": sorted(k[len(GONE_PREFIX):] for k in self._data if k.startswith(GONE_PREFIX))}
         raise WireError(f"unknown store operation {op!r:.40}")
