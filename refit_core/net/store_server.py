@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import re
+import select
 import socket
 import threading
 import time
@@ -61,6 +62,9 @@ class StoreServer:
         self._stored = 0  # bytes of keys and values in _data
         self._cond = threading.Condition()
         self._members: dict[str, str] = {}  # rank identity -> peer address, while connected
+        self._serials: dict[str, int] = {}  # rank identity -> the number of its connection, while connected
+        self._sockets: dict[str, socket.socket] = {}  # rank identity -> its connection, while connected
+        self._accepted = 0  # connections admitted so far
         self._sealed = False
         self._closed = False
         self._connections: set[socket.socket] = set()
@@ -80,6 +84,12 @@ class StoreServer:
         """The rank identities connected now (what the ``present`` operation answers)."""
         with self._cond:
             return sorted(self._members)
+
+    def connections(self) -> dict[str, int]:
+        """Each rank identity connected now, and the number of its connection (every connection admitted gets a
+        new one: an identity that left and came back, a restarted process, has another number)."""
+        with self._cond:
+            return dict(self._serials)
 
     def seal(self) -> None:
         """Admit no more ranks (setup finished); connected ranks keep their connections."""
@@ -150,6 +160,8 @@ class StoreServer:
                 self._connections.discard(conn)
                 if who is not None and self._members.get(who) == peer:
                     del self._members[who]
+                    self._serials.pop(who, None)
+                    self._sockets.pop(who, None)
                     if not said_bye and not self._closed:
                         self._put(gone_key(who), b"its connection closed during setup or a step", checked=False)
                         self._cond.notify_all()
@@ -192,6 +204,10 @@ class StoreServer:
                 log.warning("refit store: refused %s: %s", peer, unknown)
                 return None
             holder = self._members.get(who)
+            if holder is not None and _GUEST.fullmatch(who) and _closed_by_peer(self._sockets[who]):
+                # its process died a moment ago (a restart under its name): its thread has yet to see that
+                log.debug("refit store: %s from %s replaces its closed connection from %s", who, peer, holder)
+                holder = None
             if holder is not None and _GUEST.fullmatch(who):  # a guest's duplicate is its own failure only
                 message = (f"{who} is already connected to this refit fleet (from {holder}): a replica identity "
                            "already present is refused; give each replica its own name")
@@ -207,6 +223,9 @@ class StoreServer:
                 send_frame(conn, {"refused": "duplicate", "message": message})
                 return None
             self._members[who] = peer
+            self._sockets[who] = conn
+            self._accepted += 1
+            self._serials[who] = self._accepted
             self._drop(gone_key(who))
         send_frame(conn, {"ok": True, "session": self.session, "max_frame": request_frame_bytes(self.limits)})
         return who, self.credentials.session("host", who, nonce, mine)
@@ -344,3 +363,15 @@ def _key(request: dict[str, Any]) -> str:
 def _error_record(kind: str, message: str) -> bytes:
     from refit_core.net.wire import encode
     return encode({"kind": kind, "message": message})
+
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    """Whether the other end of ``conn`` closed it (its process exited or was killed), without reading a byte or
+    waiting."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # open, nothing to read
+    except (OSError, ValueError):
+        return True  # reset, or closed here
