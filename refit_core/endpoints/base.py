@@ -56,6 +56,8 @@ class RefitEndpoint:
 
     side: ClassVar[Side]
     """Which side this endpoint serves (each subclass says)."""
+    store_host = "train rank 0"
+    """Who hosts this job's store, as errors name it (a fleet's feeder replica's rank 0 for the job it serves)."""
 
     def __init__(self, model: Any, *, rendezvous: str, rank: int, world_size: int,
                  options: RefitOptions | None = None, plugins: PluginManager | None = None,
@@ -161,7 +163,7 @@ class RefitEndpoint:
             self.close()
         credentials = JobCredentials.required(self.options, f"{self.side} rank {self.rank}")
         rdv = self._rdv = Rendezvous(self.address, host=self.plans, who=str(self.me), timeout_s=self.options.timeout_s,
-                                     credentials=credentials, limits=self.options.store)
+                                     credentials=credentials, limits=self.options.store, hosted_by=self.store_host)
         if type(self)._abandoned is not RefitEndpoint._abandoned:  # cleared by close(): no cycle keeps us alive
             rdv.abandoned = self._abandoned
         request = SetupRequest(self.me, self.world_size, self.address, self.options, self.host_id, self.plugins,

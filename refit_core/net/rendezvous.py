@@ -42,12 +42,13 @@ class Rendezvous:
     """One setup's store: hosted here when ``host``, joined always as rank ``who`` (the store identity of a
     :class:`~refit_core.net.keys.RankId`, ``"train/0"``); its keys are :mod:`refit_core.net.keys`.
     ``limits`` bound what the store accepts (the host's only; None: :class:`StoreLimits` defaults); ``guests``:
-    the host admits a fleet's joining replicas and observers too (:mod:`refit_core.fleet`).
+    the host admits a fleet's joining replicas and observers too (:mod:`refit_core.fleet`); ``hosted_by``: who
+    hosts the store, as errors name it.
     Without a secret in ``credentials`` it logs a warning, once per process."""
 
     def __init__(self, address: str, *, host: bool, who: str, timeout_s: float,
                  credentials: JobCredentials | None = None, handshake_s: float = HANDSHAKE_S,
-                 limits: StoreLimits | None = None, guests: bool = False) -> None:
+                 limits: StoreLimits | None = None, guests: bool = False, hosted_by: str = "train rank 0") -> None:
         endpoint = Endpoint.parse(address)
         credentials = credentials or JobCredentials()
         warn_without_secret(credentials, str(endpoint))
@@ -55,7 +56,8 @@ class Rendezvous:
         self.server = (StoreServer(endpoint, credentials, handshake_s=handshake_s, limits=limits, guests=guests)
                        if host else None)
         try:
-            self.client = StoreClient(endpoint, credentials, who, timeout_s=timeout_s, handshake_s=handshake_s)
+            self.client = StoreClient(endpoint, credentials, who, timeout_s=timeout_s, handshake_s=handshake_s,
+                                      host=hosted_by)
         except BaseException:
             if self.server is not None:
                 self.server.close()

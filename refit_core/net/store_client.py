@@ -47,10 +47,12 @@ class StoreClient(dist.Store):
     """
 
     def __init__(self, endpoint: Endpoint, credentials: JobCredentials, who: str, *, timeout_s: float,
-                 handshake_s: float) -> None:
+                 handshake_s: float, host: str = "train rank 0") -> None:
         super().__init__()
         self.endpoint = endpoint
         self.who = who
+        self.host = host
+        """Who hosts the store, as errors name it."""
         self.timeout_s = timeout_s
         self.answer_s = min(timeout_s, ANSWER_S)
         """How long the host may take to answer one request (beyond the read it holds open)."""
@@ -89,7 +91,7 @@ class StoreClient(dist.Store):
                 last = f"the rendezvous was {state} (a previous setup's store had not yet been replaced)"
             if time.monotonic() > deadline:
                 raise RendezvousError(f"could not join the refit rendezvous at {self.endpoint} within "
-                                      f"{self.timeout_s:.0f} s: {last}; train rank 0 hosts it")
+                                      f"{self.timeout_s:.0f} s: {last}; {self.host} hosts it")
             time.sleep(0.1)
 
     def _handshake(self, sock: socket.socket, credentials: JobCredentials, handshake_s: float) -> str | None:
@@ -179,10 +181,10 @@ class StoreClient(dist.Store):
                 reply = recv_frame(sock, self._reply_bytes, where, seal=self._mac,
                                    deadline=time.monotonic() + budget)
             except socket.timeout:
-                raise self._drop(f"{where} (train rank 0 hosts it) did not answer within {budget:.1f} s: it is "
+                raise self._drop(f"{where} ({self.host} hosts it) did not answer within {budget:.1f} s: it is "
                                  "stopped, hung or overloaded") from None
             except (OSError, ConnectionError) as exc:
-                raise self._drop(f"lost {where} (train rank 0 hosts it and has probably exited or failed): "
+                raise self._drop(f"lost {where} ({self.host} hosts it and has probably exited or failed): "
                                  f"{exc}") from None
             except WireError as exc:
                 raise self._drop(f"{where} sent a bad answer: {exc}") from None
@@ -206,6 +208,15 @@ class StoreClient(dist.Store):
         if name not in reply:
             raise RendezvousError(f"the refit rendezvous at {self.endpoint} answered without {name!r}")
         return reply[name]
+
+    @property
+    def local_host(self) -> str:
+        """The address of this rank's interface that reaches the store's host (where this rank can serve others
+        on that network)."""
+        sock = self._sock
+        if sock is None:
+            raise RendezvousError(f"the connection to the refit rendezvous at {self.endpoint} is closed")
+        return str(sock.getsockname()[0])
 
     def set(self, key: str, value: bytes | str, within: float | None = None) -> None:
         """Store ``value`` under ``key``; ``within``: what is left of the caller's deadline (None: a
