@@ -275,6 +275,42 @@ class StoreLimits(_Settings):
             raise OptionError(f"StoreLimits({shown}): each must be >= 1")
 
 
+class Membership(StrEnum):
+    """How a fleet's step treats a replica lost mid-step (:class:`FleetOptions`)."""
+
+    PER_REPLICA = "per_replica"
+    """The lost replica, and the replicas below it in the relay tree, fail the step; the others commit it and the
+    run goes on (``RefitFleet.send()`` reports the failures)."""
+    STRICT = "strict"
+    """Any lost replica fails the fleet's step: ``RefitFleet.send()`` raises on every train rank (a
+    ``FleetStepError`` saying which replicas hold the version), as a fixed world's step does."""
+
+
+@_tracks_explicit
+@dataclass(frozen=True)
+class FleetOptions(_Settings):
+    """How a fleet (:class:`~refit_core.RefitFleet`) feeds its replicas and judges its steps (train rank 0's own
+    setting: only its values count).
+
+    - ``membership``: :class:`Membership` (``per_replica`` by default).
+    - ``direct``: how many replicas the trainers feed themselves (0, the default: all of them). Past that, a
+      joining replica is fed by a replica of its layout that already holds the weights (its *feeder*), which
+      forwards each step once it landed it: the relay tree of the fleet. Engines with a loader path or
+      quantized destinations are always fed by the trainers.
+    - ``fanout``: replicas each feeder forwards to (2).
+    """
+
+    membership: Membership = _setting(Membership.PER_REPLICA, Membership)
+    direct: int = _setting(0, int)
+    fanout: int = _setting(2, int)
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        if self.direct < 0 or self.fanout < 1:
+            raise OptionError(f"FleetOptions(direct={self.direct}, fanout={self.fanout}): direct must be >= 0 and "
+                              "fanout >= 1")
+
+
 @_tracks_explicit
 @dataclass(frozen=True)
 class RefitOptions(_Settings):
@@ -310,6 +346,7 @@ class RefitOptions(_Settings):
       reach the rendezvous, local ones included, can join, and two jobs that share the job name and
       the port can mix.
     - ``store``: :class:`StoreLimits`: what the rendezvous store accepts (train rank 0's own setting).
+    - ``fleet``: :class:`FleetOptions`: a fleet's relay tree and how it judges a step (train rank 0's own).
 
     - ``strided_copies``: :class:`StridedCopy`: how a colocated gen rank moves large strided copies
       (a local setting; ``triton`` by default, the fastest on an H200, ``foreach`` where Triton or CUDA
@@ -344,6 +381,7 @@ class RefitOptions(_Settings):
     insecure: bool = _setting(False, bool, local=True)
     relay: RelayOptions = _nested(RelayOptions)
     store: StoreLimits = field(default_factory=StoreLimits, metadata={"kind": StoreLimits, "local": True})
+    fleet: FleetOptions = field(default_factory=FleetOptions, metadata={"kind": FleetOptions, "local": True})
     strided_copies: StridedCopy = _setting(StridedCopy.TRITON, StridedCopy, local=True)
     step_trace: bool = _setting(False, bool, local=True)
     overlap_check: bool = _setting(True, bool, local=True)
@@ -445,6 +483,6 @@ class RefitOptions(_Settings):
 
 
 
-__all__ = ["DEFAULT_CHOICE", "CastPolicy", "MessageMode", "MessageOptions", "NcclBackend",
+__all__ = ["DEFAULT_CHOICE", "CastPolicy", "FleetOptions", "Membership", "MessageMode", "MessageOptions", "NcclBackend",
            "NcclChoice", "NcclOptions", "PerTransportOptions", "RefitOptions", "RelayOptions", "StoreLimits",
            "StridedCopy", "TransportKind", "TransportOptions", "UpdateMode"]

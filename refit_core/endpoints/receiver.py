@@ -174,6 +174,11 @@ class RefitReceiver(RefitEndpoint):
         self._bind(self._pieces[:fast] + loaded)
         return [(s.name, b) for s, b in zip(self._loader, buffers)]
 
+    def held_pieces(self) -> list[Piece]:
+        """The destination pieces in engine memory this rank writes (the loader path's excluded), as its last step
+        bound them (its setup's before the first): what a fleet's feeder forwards (:mod:`refit_core.fleet.mirror`)."""
+        return self._pieces[:len(self._pieces) - len(self._loader)]
+
     def _bound_names(self) -> list[str]:
         """The names of the pieces bound last (empty before the first bind)."""
         return [] if self._memory is None else self._memory.names

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from refit_core.contract.errors import WireError
+from refit_core.contract.errors import RefitError, WireError
 
 REPLICA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A replica's name: what its ranks' store identities (``replica/NAME/RANK``) and every report call it."""
@@ -46,6 +46,18 @@ def outcome_key(step: int) -> str:
     return f"fleet/outcome/{step}"
 
 
+def feed_key(replica: str, incarnation: int) -> str:
+    """The address of the job through which a relayed replica (``incarnation``: its :attr:`Member.incarnation`)
+    gets its steps: its feeder's rank 0 hosts that job and writes the address here."""
+    return f"fleet/feed/{replica}/{incarnation}"
+
+
+def report_key(step: int, member: Member) -> str:
+    """A feeder's rank 0's :class:`FeedReport` on relayed replica ``member`` for fleet step ``step`` (or the
+    replica's own, when its feeder stopped answering before the step began there)."""
+    return f"fleet/report/{step}/{member.replica}/{member.incarnation}"
+
+
 def members_key(step: int) -> str:
     """The replicas step ``step`` fans out to (a list of :class:`Member`), as train rank 0 decided."""
     return f"fleet/members/{step}"
@@ -68,15 +80,18 @@ def _field(data: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any
 
 @dataclass(frozen=True)
 class JoinRequest:
-    """Rank ``rank`` of replica ``replica`` (``gen_ranks`` ranks in all) asks to join, under ``ticket``."""
+    """Rank ``rank`` of replica ``replica`` (``gen_ranks`` ranks in all) asks to join, under ``ticket``;
+    ``layout``: the digest of what this rank's engine holds (:func:`refit_core.fleet.mirror.layout_digest`; "":
+    it cannot feed another replica)."""
 
     replica: str
     rank: int
     gen_ranks: int
     ticket: int
+    layout: str = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"replica": self.replica, "rank": self.rank, "gen_ranks": self.gen_ranks}
+        return {"replica": self.replica, "rank": self.rank, "gen_ranks": self.gen_ranks, "layout": self.layout}
 
     @classmethod
     def from_wire(cls, ticket: int, data: Any) -> JoinRequest:
@@ -89,55 +104,108 @@ class JoinRequest:
             raise WireError(f"{what}: {exc}") from None
         if not 0 <= rank < gen_ranks <= 1 << 16:
             raise WireError(f"{what}: rank {rank} of {gen_ranks}")
-        return cls(replica, rank, gen_ranks, ticket)
+        layout = data.get("layout", "")
+        if not isinstance(layout, str) or len(layout) > 64:
+            raise WireError(f"{what}: field 'layout' is {layout!r:.40}")
+        return cls(replica, rank, gen_ranks, ticket, layout)
 
 
 @dataclass(frozen=True)
 class Member:
-    """A replica the trainers fan out to: its name, the address of its own refit job with the trainers, its
-    ranks, and the ticket of its rank 0's join (another ticket under the same name: it restarted)."""
+    """A replica of the fleet: its name, the address of its own refit job with the trainers ("" when a feeder
+    serves it), its ranks, the ticket of its rank 0's join (another ticket under the same name: it restarted),
+    the replica that forwards it each step once it landed it (None: the trainers feed it) and the digest of its
+    engines' layout ("": it cannot feed another replica)."""
 
     replica: str
     address: str
     gen_ranks: int
     incarnation: int
+    feeder: str | None = None
+    layout: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {"replica": self.replica, "address": self.address, "gen_ranks": self.gen_ranks,
-                "incarnation": self.incarnation}
+                "incarnation": self.incarnation, "feeder": self.feeder, "layout": self.layout}
 
     @classmethod
     def from_wire(cls, data: Any) -> Member:
         what = "a fleet member"
+        feeder = data.get("feeder") if isinstance(data, dict) else None
+        if feeder is not None and not isinstance(feeder, str):
+            raise WireError(f"{what}: field 'feeder' is {feeder!r:.40}")
         return cls(_field(data, "replica", str, what), _field(data, "address", str, what),
-                   _field(data, "gen_ranks", int, what), _field(data, "incarnation", int, what))
+                   _field(data, "gen_ranks", int, what), _field(data, "incarnation", int, what), feeder,
+                   _field(data, "layout", str, what))
 
 
 @dataclass(frozen=True)
 class Admission:
-    """Train rank 0's answer to a join: the address to set up against, or why the join is refused (None:
-    admitted)."""
+    """Train rank 0's answer to a join: the admitted :class:`Member` (its address to set up against, or its
+    feeder, whose rank 0 writes the address under :func:`feed_key`), or why the join is refused (None: admitted)."""
 
-    address: str | None
+    member: Member | None
     refused: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"address": self.address, "refused": self.refused}
+        return {"member": None if self.member is None else self.member.to_wire(), "refused": self.refused}
 
     @classmethod
     def from_wire(cls, data: Any) -> Admission:
         refused = data.get("refused") if isinstance(data, dict) else None
-        address = data.get("address") if isinstance(data, dict) else None
-        if not (isinstance(refused, str) and address is None or isinstance(address, str) and refused is None):
+        member = data.get("member") if isinstance(data, dict) else None
+        if isinstance(refused, str) and member is None:
+            return cls(None, refused)
+        if refused is not None or member is None:
             raise WireError(f"a fleet admission: {data!r:.80}")
-        return cls(address, refused)
+        return cls(Member.from_wire(member))
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What the feeding side of a replica's job announces before each step moves a byte: the weights' version,
+    the fleet's step and its members (a replica forwards the step to those it feeds, once it landed it)."""
+
+    version: int
+    step: int
+    members: tuple[Member, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version, "step": self.step, "members": [m.to_wire() for m in self.members]}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> StepStart:
+        what = "a fleet step's start"
+        members = _field(data, "members", list, what)
+        return cls(_field(data, "version", int, what), _field(data, "step", int, what),
+                   tuple(Member.from_wire(m) for m in members))
+
+
+@dataclass(frozen=True)
+class FeedReport:
+    """A feeder's rank 0 on one relayed replica's step: whether it landed, why not, and the fingerprint of the
+    plan of their job ("" before its first setup)."""
+
+    landed: bool
+    reason: str = ""
+    layout: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"landed": self.landed, "reason": self.reason[:2000], "layout": self.layout}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> FeedReport:
+        what = "a feeder's report"
+        return cls(_field(data, "landed", bool, what), _field(data, "reason", str, what),
+                   _field(data, "layout", str, what))
 
 
 @dataclass(frozen=True)
 class ReplicaState:
     """One replica as the fleet sees it: its name, its ranks, the version it holds (None: none yet), when it
     joined (seconds since the epoch), its layout (the fingerprint of the plan its job runs; replicas with one
-    layout share one plan; "" before its first setup) and the error of its last failed step (None: none)."""
+    layout share one plan; "" before its first step), the error of its last failed step (None: none) and the
+    replica that feeds it (None: the trainers)."""
 
     replica: str
     gen_ranks: int
@@ -145,19 +213,24 @@ class ReplicaState:
     joined_at: float
     layout: str = ""
     last_error: str | None = None
+    feeder: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"replica": self.replica, "gen_ranks": self.gen_ranks, "version": self.version,
-                "joined_at": self.joined_at, "layout": self.layout, "last_error": self.last_error}
+                "joined_at": self.joined_at, "layout": self.layout, "last_error": self.last_error,
+                "feeder": self.feeder}
 
     @classmethod
     def from_wire(cls, data: Any) -> ReplicaState:
         what = "a fleet state"
         version, error = data.get("version"), data.get("last_error")
-        if version is not None and type(version) is not int or error is not None and not isinstance(error, str):
+        feeder = data.get("feeder")
+        if (version is not None and type(version) is not int or error is not None and not isinstance(error, str)
+                or feeder is not None and not isinstance(feeder, str)):
             raise WireError(f"{what}: {data!r:.80}")
         return cls(_field(data, "replica", str, what), _field(data, "gen_ranks", int, what), version,
-                   float(_field(data, "joined_at", (int, float), what)), _field(data, "layout", str, what), error)
+                   float(_field(data, "joined_at", (int, float), what)), _field(data, "layout", str, what), error,
+                   feeder)
 
 
 @dataclass(frozen=True)
@@ -186,6 +259,17 @@ class FleetStep:
         return not self.failed
 
 
-__all__ = ["JOINS", "LEADER", "REPLICA_NAME", "STATE", "Admission", "FleetStep", "JoinRequest", "Member",
-           "ReplicaFailure", "ReplicaState", "admit_key", "check_name", "join_key", "members_key", "outcome_key",
-           "start_key"]
+class FleetStepError(RefitError):
+    """A fleet step that lost a replica, under ``FleetOptions(membership="strict")``: raised on every train rank
+    after the step; :attr:`result` says which replicas hold the version and which failed."""
+
+    def __init__(self, result: FleetStep) -> None:
+        failed = "; ".join(f"{f.replica}: {f.reason[:200]}" for f in result.failed)
+        super().__init__(f"fleet step {result.step} (version {result.version}) lost {len(result.failed)} "
+                         f"replica(s) under strict membership: {failed}; held by {list(result.landed)}")
+        self.result = result
+
+
+__all__ = ["JOINS", "LEADER", "REPLICA_NAME", "STATE", "Admission", "FeedReport", "FleetStep", "FleetStepError",
+           "JoinRequest", "Member", "ReplicaFailure", "ReplicaState", "StepStart", "admit_key", "check_name",
+           "feed_key", "join_key", "members_key", "outcome_key", "report_key", "start_key"]

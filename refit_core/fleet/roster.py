@@ -3,11 +3,12 @@ store: :mod:`refit_core.fleet.trainer` reads the joins and publishes the answers
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from refit_core.contract.options import StoreLimits
+from refit_core.contract.options import FleetOptions, StoreLimits
 from refit_core.fleet.records import Admission, JoinRequest, Member
 
 MINUTE_S = 60.0
@@ -16,7 +17,8 @@ MINUTE_S = 60.0
 @dataclass(frozen=True)
 class Answers:
     """What one round of joins came to: each answered ticket's :class:`Admission`, the replicas admitted, and
-    the members they replace (the same name, restarted: the trainers drop the old job)."""
+    the members they replace (the same name, restarted: the trainers drop the old job), with the replicas below
+    those in the relay tree."""
 
     admissions: dict[int, Admission]
     admitted: tuple[Member, ...] = ()
@@ -25,17 +27,45 @@ class Answers:
 
 @dataclass
 class Roster:
-    """The fleet's members in the order they joined, and the joins still waiting for the rest of their replica's
-    ranks. ``limits``: the fleet's size and join rate (:class:`StoreLimits`)."""
+    """The fleet's members in the order they joined (a feeder before the replicas it feeds), and the joins still
+    waiting for the rest of their replica's ranks. ``limits``: the fleet's size and join rate
+    (:class:`StoreLimits`); ``shape``: how many replicas the trainers feed and how many each feeder forwards to
+    (:class:`FleetOptions`)."""
 
     limits: StoreLimits = field(default_factory=StoreLimits)
+    shape: FleetOptions = field(default_factory=FleetOptions)
     members: dict[str, Member] = field(default_factory=dict)
     pending: dict[str, dict[int, JoinRequest]] = field(default_factory=dict)
     admitted_at: deque[float] = field(default_factory=deque)
 
-    def drop(self, replica: str) -> Member | None:
-        """Take ``replica`` out of the fleet (it died, left or failed a step); its member record, None if absent."""
-        return self.members.pop(replica, None)
+    def drop(self, replica: str) -> tuple[Member, ...]:
+        """Take ``replica`` out of the fleet (it died, left or failed a step), and every replica below it in the
+        relay tree (they lost their feed); their member records, ``replica``'s first (none if absent)."""
+        member = self.members.pop(replica, None)
+        if member is None:
+            return ()
+        below = [m.replica for m in self.members.values() if m.feeder == replica]
+        return (member, *(d for name in below for d in self.drop(name)))
+
+    def depth(self, replica: str) -> int:
+        """Feeders between ``replica`` and the trainers (0: the trainers feed it)."""
+        feeder = self.members[replica].feeder
+        return 0 if feeder is None else 1 + self.depth(feeder)
+
+    def _feeder(self, layout: str) -> str | None:
+        """Who feeds a new replica of ``layout``: None (the trainers) while they feed fewer than
+        ``shape.direct`` (or all, at 0), or when it cannot be fed by another; else the shallowest member of its
+        layout with room for another child (None if none has)."""
+        fed = [m for m in self.members.values() if m.feeder is None]
+        if not layout or not self.shape.direct or len(fed) < self.shape.direct:
+            return None
+        children: dict[str, int] = {}
+        for m in self.members.values():
+            if m.feeder is not None:
+                children[m.feeder] = children.get(m.feeder, 0) + 1
+        room = [m.replica for m in self.members.values()
+                if m.layout == layout and children.get(m.replica, 0) < self.shape.fanout]
+        return min(room, key=self.depth) if room else None
 
     def consider(self, requests: Iterable[JoinRequest], alive: Callable[[Member], bool], address: Callable[[], str],
                  now: float) -> Answers:
@@ -65,14 +95,15 @@ class Roster:
             if refusal is not None:
                 answers.update({r.ticket: Admission(None, refusal) for r in waiting.values()})
                 continue
-            old = self.members.pop(replica, None)
-            if old is not None:
-                replaced.append(old)
-            member = Member(replica, address(), len(waiting), waiting[0].ticket)
+            replaced.extend(self.drop(replica))
+            layout = replica_layout([waiting[r].layout for r in range(len(waiting))])
+            feeder = self._feeder(layout)
+            member = Member(replica, address() if feeder is None else "", len(waiting), waiting[0].ticket, feeder,
+                            layout)
             self.members[replica] = member
             self.admitted_at.append(now)
             admitted.append(member)
-            answers.update({r.ticket: Admission(member.address) for r in waiting.values()})
+            answers.update({r.ticket: Admission(member) for r in waiting.values()})
         return Answers(answers, tuple(admitted), tuple(replaced))
 
     def _refusal(self, replica: str, alive: Callable[[Member], bool], now: float) -> str | None:
@@ -92,4 +123,11 @@ class Roster:
         return None
 
 
-__all__ = ["Answers", "Roster"]
+def replica_layout(ranks: list[str]) -> str:
+    """A replica's layout from its ranks' digests, in rank order ("" if one rank's engine cannot feed)."""
+    if not all(ranks):
+        return ""
+    return hashlib.sha256("|".join(ranks).encode()).hexdigest()[:16]
+
+
+__all__ = ["Answers", "Roster", "replica_layout"]

@@ -43,12 +43,14 @@ def read_fleet(address: str, options: RefitOptions | None = None, timeout_s: flo
 
 
 def fleet_table(states: Sequence[ReplicaState], now: float | None = None) -> str:
-    """``states`` as a table: each replica's name, ranks, version, how long ago it joined, layout, last error."""
+    """``states`` as a table: each replica's name, ranks, version, how long ago it joined, who feeds it
+    (``trainers`` or its feeder replica), layout, last error."""
     now = time.time() if now is None else now
-    rows = [("replica", "ranks", "version", "joined", "layout", "last error")]
+    rows = [("replica", "ranks", "version", "joined", "fed by", "layout", "last error")]
     for s in states:
         rows.append((s.replica, str(s.gen_ranks), "-" if s.version is None else str(s.version),
-                     f"{max(0.0, now - s.joined_at):.0f} s ago", s.layout or "-", (s.last_error or "-")[:100]))
+                     f"{max(0.0, now - s.joined_at):.0f} s ago", s.feeder or "trainers", s.layout or "-",
+                     (s.last_error or "-")[:100]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 

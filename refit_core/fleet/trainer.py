@@ -1,10 +1,13 @@
 """The train side of a fleet: :class:`RefitFleet`, one per train rank, for the whole run.
 
-Each step, train rank 0 drops the replicas whose ranks left (died, or closed) or that failed the last step,
-admits the joins whose replica has all its ranks asking (:class:`~refit_core.fleet.roster.Roster`), and
-publishes the step's members; every train rank then sets up its part of each new replica's job (a
-:class:`~refit_core.RefitSender` against the address train rank 0 gave it; replicas with one layout share one
-plan) and sends the step to every member, one replica's job after the other. A replica's job fails alone.
+Each step, train rank 0 drops the replicas whose ranks left (died, or closed) or that failed the last step (with
+the replicas below them in the relay tree), admits the joins whose replica has all its ranks asking
+(:class:`~refit_core.fleet.roster.Roster`, which also picks each new replica's feeder), and publishes the step's
+members; every train rank then sets up its part of the job of each new replica the trainers feed (a
+:class:`~refit_core.fleet.jobs.JobSender` against the address train rank 0 gave it; replicas with one layout share
+one plan) and sends the step to each, one replica's job after the other. Every other replica gets the step from
+its feeder once the feeder landed it (:mod:`refit_core.fleet.mirror`), and train rank 0 reads the feeders'
+reports. A replica's job fails alone, with the replicas below it.
 """
 
 from __future__ import annotations
@@ -12,40 +15,42 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
 from refit_core.contract.env import with_overrides
 from refit_core.contract.errors import RefitError
-from refit_core.contract.options import RefitOptions, UpdateMode
+from refit_core.contract.options import Membership, RefitOptions, UpdateMode
 from refit_core.contract.plugins import PluginManager
 from refit_core.contract.side import Side
-from refit_core.endpoints.sender import RefitSender
-from refit_core.run.executor import StepStats
+from refit_core.fleet.jobs import KEPT_STEPS, JobSender
 from refit_core.fleet.records import (
     JOINS,
     LEADER,
     STATE,
+    FeedReport,
     FleetStep,
+    FleetStepError,
     JoinRequest,
     Member,
     ReplicaFailure,
     ReplicaState,
+    StepStart,
     admit_key,
+    feed_key,
     join_key,
     members_key,
     outcome_key,
     replica_identity,
-    start_key,
+    report_key,
 )
 from refit_core.fleet.roster import Roster
-from refit_core.net.ports import free_port
 from refit_core.net import wire
 from refit_core.net.auth import JobCredentials
-from refit_core.net.keys import RankId, size_key
+from refit_core.net.keys import size_key
+from refit_core.net.ports import free_address
+from refit_core.net.rendezvous import Rendezvous
 from refit_core.net.store import StoreServer
-from refit_core.net.rendezvous import Abandoned, Rendezvous
 from refit_core.net.store_protocol import Endpoint
 from refit_core.plan.planning import PlanCache
 
@@ -57,52 +62,9 @@ LEFT = "its ranks left the job between steps (died, or closed): dropped until it
 """The last error of a replica dropped because its ranks left."""
 LATE_TICKET_S = 600.0
 """How long train rank 0 keeps looking for the request of a drawn join ticket (its rank may have died)."""
-KEPT_STEPS = 2
-"""Steps whose member lists the fleet's store keeps (the other train ranks have read older ones)."""
-
-
-class _ReplicaSender(RefitSender):
-    """A train rank's part of one replica's job. Train rank 0 announces each step in the job's store before it
-    moves a byte, and every other rank of the job, train or gen, waits for that without a deadline: the trainers
-    reach the replicas one after another (train rank 0 last, when it waits for a replica that is stopped), and
-    a replica idles between steps as long as training takes. Every rank's step deadline counts from the
-    announcement (:class:`~refit_core.fleet.replica.ReplicaReceiver` on the replica's ranks). Train rank 0
-    leaving ends the wait with an error."""
-
-    def __init__(self, model: Any, *, member: Member, fleet_store: StoreServer | None, **kwargs: Any) -> None:
-        super().__init__(model, **kwargs)
-        self.member = member
-        self._fleet_store = fleet_store
-        """Train rank 0: the fleet's store, where a rank of the replica waits until its job's setup is done."""
-
-    def _abandoned(self) -> Abandoned | None:
-        """Train rank 0, during the job's setup: the ranks of the replica in neither its job's store nor the
-        fleet's (a joining rank stays in the fleet's store until its job's setup is done) died after the fleet
-        admitted it, before they came: the job's setup fails now, not at its deadline."""
-        job = self._rdv.server if self._rdv is not None else None
-        if job is None or self._fleet_store is None or self.settings is not None:  # set up: they came
-            return None
-        here = set(job.present()) | set(self._fleet_store.present())
-        replica = self.member.replica
-        missing = [r for r in range(self.member.gen_ranks)
-                   if str(RankId(Side.GEN, r)) not in here and replica_identity(replica, r) not in here]
-        if not missing:
-            return None
-        return Abandoned(frozenset(str(RankId(Side.GEN, r)) for r in missing),
-                         f"replica {replica} rank(s) {missing} left after the fleet admitted it, before its job's "
-                         "setup was done (it exited or was killed)")
-
-    def send(self, version: int, *, only: Iterable[str] | None = None, reset: bool = False) -> StepStats:
-        if self._rdv is not None and self.settings is not None and self._broken is None:
-            key = start_key(self._steps)
-            if self.plans:
-                self._rdv.publish(key, version)
-                if self._steps >= KEPT_STEPS:
-                    self._rdv.client.delete_key(start_key(self._steps - KEPT_STEPS))
-            else:
-                self._rdv.wait([key], f"train rank 0 to start step {self._steps} of this replica's job",
-                               timeout_s=math.inf, watched={LEADER})
-        return super().send(version, only=only, reset=reset)
+FEED_S_PER_TIMEOUT = 2.0
+"""How long train rank 0 waits for a feeder's report on each replica it feeds, in ``timeout_s``: a child's first
+step sets its job up (within ``timeout_s``), then moves the step (within ``timeout_s``)."""
 
 
 class RefitFleet:
@@ -125,9 +87,9 @@ class RefitFleet:
         self.model, self.address, self.rank, self.world_size = model, rendezvous, rank, world_size
         self.options, self.plugins, self.host_id = options, plugins, host_id
         self._rdv: Rendezvous | None = None
-        self._senders: dict[str, tuple[Member, RefitSender]] = {}
+        self._senders: dict[str, tuple[Member, JobSender]] = {}
         self._step = 0
-        self._roster = Roster(options.store)
+        self._roster = Roster(options.store, options.fleet)
         self._states: dict[str, ReplicaState] = {}
         self._tickets = 0
         """Train rank 0: the last join ticket drawn that it knows of."""
@@ -135,6 +97,10 @@ class RefitFleet:
         """Train rank 0: tickets drawn whose request it has yet to read, and since when (``time.monotonic()``)."""
         self.plans = PlanCache()
         """Train rank 0's plans, one per replica layout, shared by the replicas' jobs."""
+        self._admitted: set[str] = set()
+        """Train rank 0: the replicas admitted for this step."""
+        self._connections: dict[str, tuple[int | None, ...]] = {}
+        """Train rank 0: the fleet's store's numbers of each member's ranks' connections when it was admitted."""
 
     @property
     def leads(self) -> bool:
@@ -160,14 +126,17 @@ class RefitFleet:
         start = time.perf_counter()
         step, self._step = self._step, self._step + 1
         members = self._lead(rdv, step) if self.leads else self._follow(rdv, step)
-        for name in set(self._senders) - {m.replica for m in members}:
+        fed = [m for m in members if m.feeder is None]
+        for name in set(self._senders) - {m.replica for m in fed}:
             self._forget(name)
-        joined, failed = self._set_up_new(members)
+        joined, failed = self._set_up_new(fed)
+        announcement = StepStart(version, step, tuple(members))
         landed = []
-        for member in members:
+        for member in fed:
             held = self._senders.get(member.replica)
             if held is None:  # its setup failed
                 continue
+            held[1].start = announcement
             try:
                 held[1].send(version)
             except RefitError as exc:
@@ -176,13 +145,18 @@ class RefitFleet:
                 continue
             landed.append(member.replica)
         if self.leads:
-            self._record(rdv, step, version, landed, failed)
+            layouts = self._await_feeds(rdv, step, members, landed, failed)
+            joined += [m.replica for m in members if m.feeder is not None and m.replica in self._admitted
+                       and m.replica in landed]
+            self._record(rdv, step, version, landed, failed, joined, layouts)
         else:
-            landed, failed = self._adopt(rdv, step)
+            landed, failed, joined = self._adopt(rdv, step)
         result = FleetStep(step, version, tuple(landed), tuple(joined), tuple(failed), time.perf_counter() - start)
         if failed:
             log.warning("refit fleet step %d: %d replica(s) failed and were dropped: %s", step, len(failed),
                         "; ".join(f"{f.replica}: {f.reason[:200]}" for f in failed))
+            if self.options.fleet.membership is Membership.STRICT:
+                raise FleetStepError(result)
         return result
 
     def _set_up_new(self, members: list[Member]) -> tuple[list[str], list[ReplicaFailure]]:
@@ -205,7 +179,49 @@ class RefitFleet:
             joined.append(member.replica)
         return joined, failed
 
-    def _adopt(self, rdv: Rendezvous, step: int) -> tuple[list[str], list[ReplicaFailure]]:
+    def _await_feeds(self, rdv: Rendezvous, step: int, members: list[Member], landed: list[str],
+                     failed: list[ReplicaFailure]) -> dict[str, str]:
+        """Train rank 0: the outcome of every replica a feeder serves, in tree order, from its feeder's report
+        (appended to ``landed`` and ``failed``). A replica whose feeder did not land the step fails with it; so
+        does one whose feeder's rank 0 left, or reported nothing within :data:`FEED_S_PER_TIMEOUT` deadlines of
+        its last report (a feeder serves its replicas one after the other), and every later one of that feeder.
+        Returns each landed one's plan fingerprint."""
+        layouts: dict[str, str] = {}
+        gen_ranks = {m.replica: m.gen_ranks for m in members}
+        since: dict[str, float] = {}
+        stuck: dict[str, str] = {}
+        for member in members:
+            feeder = member.feeder
+            if feeder is None:
+                continue
+            reason: str | None
+            key = report_key(step, member)
+            if feeder not in landed or feeder in stuck:
+                reason = stuck.get(feeder) or f"its feeder {feeder} did not get the step"
+                rdv.offer(feed_key(member.replica, member.incarnation), {"refused": reason})
+            else:
+                budget = self.options.timeout_s * FEED_S_PER_TIMEOUT
+                watched = {replica_identity(feeder, r) for r in range(gen_ranks[feeder])}
+                try:
+                    (raw,) = rdv.wait([key], f"replica {feeder}'s report on feeding replica {member.replica} step "
+                                      f"{step}", timeout_s=max(0.0, since.setdefault(feeder, time.monotonic())
+                                                               + budget - time.monotonic()), watched=watched)
+                    report = FeedReport.from_wire(raw)
+                    reason = None if report.landed else report.reason
+                    layouts[member.replica] = report.layout
+                except RefitError as exc:
+                    reason = stuck[feeder] = f"its feeder {feeder} did not report: {exc}"
+                since[feeder] = time.monotonic()
+            rdv.client.delete_key(key)
+            if reason is None and member.replica in self._admitted:  # its ranks have read their job's address
+                rdv.client.delete_key(feed_key(member.replica, member.incarnation))
+            if reason is None:
+                landed.append(member.replica)
+            else:
+                failed.append(ReplicaFailure(member.replica, reason))
+        return layouts
+
+    def _adopt(self, rdv: Rendezvous, step: int) -> tuple[list[str], list[ReplicaFailure], list[str]]:
         """Every other train rank: train rank 0's judgement of the step (its decisions rule: a replica that
         died after its vote failed there, whatever this rank saw); a replica it failed is dropped here too."""
         (outcome,) = rdv.wait([outcome_key(step)], f"train rank 0's outcome of fleet step {step}", timeout_s=math.inf,
@@ -215,11 +231,13 @@ class RefitFleet:
         failed = [ReplicaFailure(str(name), str(reason)) for name, reason in outcome.get("failed", [])]
         for failure in failed:
             self._forget(failure.replica)
-        return [str(name) for name in outcome["landed"]], failed
+        return ([str(name) for name in outcome["landed"]], failed,
+                [str(name) for name in outcome.get("joined", [])])
 
-    def _sender_for(self, member: Member) -> RefitSender:
+    def _sender_for(self, member: Member) -> JobSender:
         fleet_store = self._rdv.server if self._rdv is not None else None
-        return _ReplicaSender(self.model, member=member, fleet_store=fleet_store, rendezvous=member.address,
+        return JobSender(self.model, member=member, fleet_present=None if fleet_store is None else fleet_store.present,
+                         rendezvous=member.address,
                               rank=self.rank, world_size=self.world_size, options=self.options, plugins=self.plugins,
                               host_id=self.host_id, plan_cache=self.plans)
 
@@ -229,19 +247,25 @@ class RefitFleet:
             held[1].close()
 
     def _lead(self, rdv: Rendezvous, step: int) -> list[Member]:
-        """Train rank 0: drop the replicas that left or failed, answer the joins, publish the step's members."""
+        """Train rank 0: drop the replicas that left or failed (with the replicas below them), answer the joins,
+        publish the step's members."""
         for member in list(self._roster.members.values()):
-            if not self._alive(member):
-                self._roster.drop(member.replica)
-                self._forget(member.replica)
-                if member.replica in self._states:
-                    self._states[member.replica] = replace(self._states[member.replica], last_error=LEFT)
+            if member.replica in self._roster.members and not self._alive(member):
+                for dropped in self._roster.drop(member.replica):
+                    self._forget(dropped.replica)
+                    error = LEFT if dropped is member else f"its feeder {dropped.feeder} was dropped: {LEFT}"
+                    self._states[dropped.replica] = replace(self._states[dropped.replica], last_error=error)
         answers = self._roster.consider(self._new_joins(rdv), self._alive, self._new_address, time.time())
         for old in answers.replaced:
             self._forget(old.replica)
+        self._admitted = {m.replica for m in answers.admitted}
+        connections = self._fleet_store().connections()
         for member in answers.admitted:
-            self._states[member.replica] = ReplicaState(member.replica, member.gen_ranks, None, time.time())
+            self._connections[member.replica] = self._connections_of(member, connections)
+            self._states[member.replica] = ReplicaState(member.replica, member.gen_ranks, None, time.time(),
+                                                        feeder=member.feeder)
         members = list(self._roster.members.values())
+        self._connections = {m.replica: self._connections[m.replica] for m in members}
         rdv.publish(members_key(step), [m.to_wire() for m in members])
         for ticket, admission in answers.admissions.items():
             rdv.publish(admit_key(ticket), admission.to_wire())
@@ -257,8 +281,21 @@ class RefitFleet:
             raise RefitError(f"fleet step {step}: train rank 0's member list is {listed!r:.80}")
         return [Member.from_wire(m) for m in listed]
 
+    def _fleet_store(self) -> StoreServer:
+        assert self._rdv is not None and self._rdv.server is not None, "train rank 0 hosts the fleet's store"
+        return self._rdv.server
+
+    @staticmethod
+    def _connections_of(member: Member, connections: dict[str, int]) -> tuple[int | None, ...]:
+        """The numbers of the connections of ``member``'s ranks to the fleet's store (None: not connected)."""
+        return tuple(connections.get(replica_identity(member.replica, r)) for r in range(member.gen_ranks))
+
     def _alive(self, member: Member) -> bool:
-        """Whether every rank of ``member`` is still connected to its job (True before its first setup)."""
+        """Whether every rank of ``member`` is still connected: to the fleet's store, over the connection it was
+        admitted on (a rank restarted under its name comes back on another), and to its job with the trainers
+        (True before its first setup)."""
+        if self._connections_of(member, self._fleet_store().connections()) != self._connections.get(member.replica):
+            return False
         held = self._senders.get(member.replica)
         if held is None or held[0] != member:
             return True
@@ -266,8 +303,7 @@ class RefitFleet:
         return connected is None or connected >= set(range(member.gen_ranks))
 
     def _new_address(self) -> str:
-        host = Endpoint.parse(self.address).host
-        return f"[{host}]:{free_port(host)}" if ":" in host else f"{host}:{free_port(host)}"
+        return free_address(Endpoint.parse(self.address).host)
 
     def _new_joins(self, rdv: Rendezvous) -> list[JoinRequest]:
         """The join requests written since the last step. A ticket drawn but not yet written waits for its request
@@ -295,18 +331,20 @@ class RefitFleet:
                 log.warning("refit fleet: ignored join ticket %d: %s", ticket, exc)
         return requests
 
-    def _record(self, rdv: Rendezvous, step: int, version: int, landed: list[str],
-                failed: list[ReplicaFailure]) -> None:
+    def _record(self, rdv: Rendezvous, step: int, version: int, landed: list[str], failed: list[ReplicaFailure],
+                joined: list[str], layouts: dict[str, str]) -> None:
         """Train rank 0: the step's outcome, for the other train ranks, and the fleet's view after it, kept and
-        published for ``refit status``."""
-        rdv.publish(outcome_key(step), {"landed": landed, "failed": [[f.replica, f.reason[:2000]] for f in failed]})
+        published for ``refit status`` (``layouts``: the plan fingerprints of the replicas feeders serve)."""
+        rdv.publish(outcome_key(step), {"landed": landed, "joined": joined,
+                                        "failed": [[f.replica, f.reason[:2000]] for f in failed]})
         if step >= KEPT_STEPS:
             rdv.client.delete_key(outcome_key(step - KEPT_STEPS))
         for name in landed:
-            layout = self._senders[name][1].schedule
+            held = self._senders.get(name)
+            schedule = held[1].schedule if held is not None else None
             state = self._states[name]
-            self._states[name] = replace(state, version=version, last_error=None,
-                                         layout=layout.fingerprint if layout is not None else state.layout)
+            layout = schedule.fingerprint if schedule is not None else layouts.get(name) or state.layout
+            self._states[name] = replace(state, version=version, last_error=None, layout=layout)
         for failure in failed:
             self._roster.drop(failure.replica)
             if failure.replica in self._states:

@@ -50,4 +50,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-__all__ = ["free_port"]
+
+
+def free_address(host: str) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) with a port of :func:`free_port` on ``host``'s interface."""
+    port = free_port(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+__all__ = ["free_address", "free_port"]

@@ -19,7 +19,7 @@ from refit_toy.demo import reference
 from refit_toy.models import ToyEngine, ToyTrainer
 
 from refit_core import RefitError, RefitOptions, RefitReceiver
-from refit_core.apps import RefitFleet, join_fleet
+from refit_core.apps import FleetStepError, RefitFleet, join_fleet
 from refit_core.kit.verify import mismatches
 
 FIRST_VERSION = 100
@@ -51,9 +51,14 @@ def trainer_rank(rank: int, report, address: str, train: int, steps: int, folder
         while not os.path.exists(gate(folder, step)):
             time.sleep(0.01)
         model.load(reference(0, step % WEIGHTS))
-        result = fleet.send(FIRST_VERSION + step)
+        raised = None
+        try:
+            result = fleet.send(FIRST_VERSION + step)
+        except FleetStepError as exc:  # strict membership
+            result, raised = exc.result, str(exc)
         report("step", {"step": step, "landed": list(result.landed), "joined": list(result.joined),
-                        "failed": {f.replica: f.reason for f in result.failed}, "seconds": result.seconds})
+                        "failed": {f.replica: f.reason for f in result.failed}, "seconds": result.seconds,
+                        "feeders": {s.replica: s.feeder for s in fleet.fleet()}, "raised": raised})
     view = [(s.replica, s.version, s.gen_ranks, s.layout, s.last_error) for s in fleet.fleet()]
     fleet.close()
     return {"opened": opened, "fleet": view}
@@ -99,10 +104,20 @@ def serve(engine: ToyEngine, join: Callable[[], RefitReceiver], last: int, note:
 
 def replica_rank(rank: int, report, address: str, replica: str, local: int, size: int, last: int) -> dict:
     """Rank ``local`` of replica ``replica`` (``size`` ranks): join, then receive until version ``last``,
-    reporting each version held and whether it is bitwise the trainers'; after a failed step, join again."""
+    reporting each version held and whether it is bitwise the trainers'; after a failed step, join again (a join
+    whose feeder lost the step is tried again)."""
     engine = ToyEngine(local, size)
-    return serve(engine, lambda: join_fleet(engine, fleet=address, replica=replica, rank=local, world_size=size,
-                                            options=options(), join_timeout_s=60), last, report)
+
+    def join() -> RefitReceiver:
+        while True:
+            try:
+                return join_fleet(engine, fleet=address, replica=replica, rank=local, world_size=size,
+                                  options=options(), join_timeout_s=60)
+            except RefitError as exc:
+                if "cannot get its first step" not in str(exc):
+                    raise
+                report("failed", str(exc)[:300])
+    return serve(engine, join, last, report)
 
 
 def impostor_rank(rank: int, report, address: str, replica: str) -> dict:
@@ -143,6 +158,9 @@ class Point(StrEnum):
     """Staged: right after it reported that it applied train rank 0's decision."""
     BETWEEN = "between"
     """Right after ``receive()`` returned: between this step and the next."""
+    FORWARD = "forward"
+    """A feeder replica's rank, inside its forwarding of the step to the first replica it feeds, before its
+    ``exchange``-th exchange there (a relay parent struck mid-step)."""
 
 
 class Action(StrEnum):
@@ -189,14 +207,30 @@ class RankLog:
 
 
 def _note_asks(log: RankLog) -> None:
-    """Note "asked" once this process's join request is in the fleet's store (``join_fleet`` then waits)."""
+    """Note "asked" once this process's join request is in the fleet's store (``join_fleet`` then waits for its
+    admission)."""
     from refit_core.fleet import replica as module
+    from refit_core.fleet.records import admit_key
 
     class Asking(module.Rendezvous):  # type: ignore[name-defined,misc]
-        def wait(self, *args: Any, **kwargs: Any) -> list[Any]:
-            log.note("asked")
-            return super().wait(*args, **kwargs)
+        def wait(self, keys: list[str], *args: Any, **kwargs: Any) -> list[Any]:
+            if keys[0].startswith(admit_key(0).rstrip("0")):
+                log.note("asked")
+            return super().wait(keys, *args, **kwargs)
     module.Rendezvous = Asking  # type: ignore[misc]
+
+
+def _strike_in(transport: Any, exchange: int, strike: Callable[[], None]) -> Callable[[], None]:
+    """Make ``transport`` call ``strike`` before its ``exchange``-th exchange; what undoes that."""
+    real_exchange, calls = transport.exchange, [0]
+
+    def exchanging(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == exchange:
+            strike()
+        return real_exchange(*args, **kwargs)
+    transport.exchange = exchanging
+    return lambda: setattr(transport, "exchange", real_exchange)
 
 
 def _arm(hit: Hit, log: RankLog) -> Arm:
@@ -212,16 +246,22 @@ def _arm(hit: Hit, log: RankLog) -> Arm:
             return None
         undo: list[Callable[[], None]] = []
         if hit.point is Point.TRANSFER:
-            transport = receiver._executor.transport
-            real_exchange, calls = transport.exchange, [0]
+            undo.append(_strike_in(receiver._executor.transport, hit.exchange, strike))
+        elif hit.point is Point.FORWARD:
+            from refit_core.fleet.mirror import MirrorSender
 
-            def exchange(*args: Any, **kwargs: Any) -> Any:
-                calls[0] += 1
-                if calls[0] == hit.exchange:
-                    strike()
-                return real_exchange(*args, **kwargs)
-            transport.exchange = exchange
-            undo.append(lambda: setattr(transport, "exchange", real_exchange))
+            receiver.wait_forwarded()  # the last step's forwarding is not this step's
+            real_send = MirrorSender.send
+
+            def send(self: MirrorSender, version: int, **kwargs: Any) -> Any:
+                MirrorSender.send = real_send  # type: ignore[method-assign]  # the first child only
+                restore = _strike_in(self.transport, hit.exchange, strike)
+                try:
+                    return real_send(self, version, **kwargs)
+                finally:
+                    restore()
+            MirrorSender.send = send  # type: ignore[method-assign]
+            undo.append(lambda: setattr(MirrorSender, "send", real_send))
         elif hit.point in (Point.AFTER_VOTE, Point.AFTER_SETTLE):
             name = "vote" if hit.point is Point.AFTER_VOTE else "settle"
             real = getattr(commit, name)
@@ -235,6 +275,8 @@ def _arm(hit: Hit, log: RankLog) -> Arm:
             undo.append(lambda: setattr(commit, name, real))
 
         def after(returned: bool) -> None:
+            if hit.point is Point.FORWARD and returned:
+                receiver.wait_forwarded()  # it forwards once receive() returned
             for step in undo:
                 step()
             if hit.point is Point.BETWEEN and returned:
