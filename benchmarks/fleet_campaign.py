@@ -5,10 +5,12 @@
 
 Each run: 1 or 2 train ranks refit 3 toy replicas (1 or 2 ranks each) for 6 steps over gloo, in a random mode,
 with one or two membership strikes: a replica rank killed or stopped at a random point of a step (and maybe
-restarted under its name), a replica added, an impostor under a live name. No relay parent is struck: a fleet
-feeds every replica from the trainers directly. Exits non-zero if the census finds a problem (a replica reported
-landed that does not hold the step bitwise, train ranks that disagree, a step past its deadline, a run that hung,
-a replica out though no strike hit it, a dead replica kept, a rejoin not back within a step, an impostor admitted).
+restarted under its name), a replica added, an impostor under a live name. In half the runs the trainers feed one
+replica, which forwards each step to the other two (a relay tree), and half the rank strikes there hit that relay
+parent (in its own transfer, while it forwards, around its commit). Exits non-zero if the census finds a problem
+(a replica reported landed that does not hold the step bitwise, train ranks that disagree, a step past its
+deadline, a run that hung, a replica out though no strike hit it nor a feeder above it, a dead replica kept, a
+rejoin not back within a step, an impostor admitted).
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@ refit 3 toy replicas of 1 or 2 ranks each over gloo for :data:`STEPS` steps, in 
 membership strikes land at random steps: a replica rank SIGKILLed or SIGSTOPped at a random point of a step
 (inside its transfer, after its vote, after it settled, or right after the step, before the next), a stopped
 rank killed later; the struck replica restarted under its name (its other rank, if it has two, joins again by
-itself); a new replica added; an impostor asking to join under a live replica's name. :mod:`fleet_census`
-judges every run.
-
-No relay parent is struck: a fleet feeds every replica from the trainers directly, over one job per replica,
-so there is no relay parent in it (relay trees and the broadcast keep fixed membership; a relay parent lost
-mid-step is ``tests/relay``'s).
+itself); a new replica added; an impostor asking to join under a live replica's name. In half the runs the
+trainers feed ``r0`` alone, which forwards each step to ``r1`` and ``r2`` (``FleetOptions(direct=1)``), and a rank
+strike hits that relay parent half the time, inside its own transfer, while it forwards, or around its commit.
+:mod:`fleet_census` judges every run.
 
 ``benchmarks/fleet_campaign.py`` runs a few hundred; ``tests/faults/test_fleet_campaign.py`` a few dozen.
 """
@@ -103,14 +101,18 @@ class Run:
     strikes: tuple[Strike, ...]
     timeout_s: float = 4.0
     steps: int = STEPS
+    relay: bool = False
+    """The trainers feed one replica; it feeds two, and so on (``FleetOptions(direct=1, fanout=2)``)."""
 
     def describe(self) -> str:
-        return (f"run {self.index} ({self.mode}, {self.train} train, replicas {list(self.sizes)}: "
+        relay = ", relay tree" if self.relay else ""
+        return (f"run {self.index} ({self.mode}, {self.train} train{relay}, replicas {list(self.sizes)}: "
                 f"{'; '.join(s.describe() for s in self.strikes)})")
 
     def settings(self) -> dict[str, Any]:
         """Every rank's options, on top of ``fleet_ranks.options()``."""
-        return {"timeout_s": self.timeout_s, "mode": self.mode, "secret": SECRET}
+        relay = {"fleet": {"direct": 1, "fanout": 2}} if self.relay else {}
+        return {"timeout_s": self.timeout_s, "mode": self.mode, "secret": SECRET, **relay}
 
     def struck(self, replica: str) -> Strike | None:
         """The KILL or STOP strike on ``replica``, if any (at most one per replica)."""
@@ -136,15 +138,18 @@ class Run:
 
 
 def _strike(rng: random.Random, change: Change, mode: str, sizes: tuple[int, ...], free: list[str],
-            added: int) -> Strike:
-    """One random strike of kind ``change``, on a replica of ``free`` (taken from it) where it needs one."""
+            added: int, relay: bool) -> Strike:
+    """One random strike of kind ``change``, on a replica of ``free`` (taken from it) where it needs one; in a relay
+    tree, a rank strike hits the relay parent ``r0`` half the time (while it is free)."""
     if change is Change.ADD:
         return Strike(change, rng.randint(1, STEPS - 2), f"r{REPLICAS + added}", size=rng.choice([1, 2]))
-    replica = free.pop(rng.randrange(len(free)))
+    parent = relay and change is not Change.IMPOSTOR and "r0" in free and rng.random() < 0.5
+    replica = free.pop(free.index("r0") if parent else rng.randrange(len(free)))
     if change is Change.IMPOSTOR:
         return Strike(change, rng.randint(1, STEPS - 1), replica)
     step = rng.randint(1, STEPS - 3)
     points = [Point.TRANSFER, Point.AFTER_VOTE, Point.BETWEEN] + ([Point.AFTER_SETTLE] if mode == "staged" else [])
+    points += [Point.FORWARD] * 2 if parent else []
     restart = step + rng.choice([1, 2]) if rng.random() < 0.6 else None
     return Strike(change, step, replica, rng.randrange(sizes[int(replica[1:])]), rng.choice(points),
                   rng.randint(1, EXCHANGES), restart)
@@ -157,11 +162,14 @@ def draw(rng: random.Random, index: int, timeout_s: float = 4.0) -> Run:
     sizes = tuple(rng.choice([1, 2]) for _ in range(REPLICAS))
     free = [f"r{i}" for i in range(REPLICAS)]
     changes = sorted(rng.choices(list(Change), k=rng.choice([1, 2])), key=lambda c: c is Change.IMPOSTOR)
+    relay = rng.random() < 0.5
+    if relay:  # the replicas the tree may join: every rank of one layout (r0 feeds the others)
+        sizes = (sizes[0],) * REPLICAS
     strikes, added = [], 0
     for change in changes:
-        strikes.append(_strike(rng, change, mode, sizes, free, added))
+        strikes.append(_strike(rng, change, mode, sizes, free, added, relay))
         added += change is Change.ADD
-    return Run(index, mode, rng.choice([1, 2]), sizes, tuple(strikes), timeout_s)
+    return Run(index, mode, rng.choice([1, 2]), sizes, tuple(strikes), timeout_s, relay=relay)
 
 
 class Role(StrEnum):
@@ -221,6 +229,11 @@ class Record:
     def lead(self, step: int) -> dict:
         """Train rank 0's report of step ``step``."""
         return self.steps[step][0]
+
+    def feeders(self, replica: str, step: int) -> list[str]:
+        """The replicas that fed ``replica`` as the last step left them: its feeder, that one's, and so on."""
+        feeder = self.lead(step - 1)["feeders"].get(replica) if step else None
+        return [] if feeder is None else [feeder, *self.feeders(feeder, step)]
 
     def went_out(self, replica: str, step: int) -> bool:
         """Whether ``replica`` stopped holding the current version at ``step``: it failed the step, or held the
@@ -283,7 +296,9 @@ class Conductor:
         return ahead
 
     def asks(self, number: int) -> int:
-        return sum(event == "asked" for event, _ in RankLog(self.folder, number).read())
+        """How many times rank ``number`` asked to join, or was refused before it could (an impostor, by the
+        fleet's store, while the live replica's rank is connected)."""
+        return sum(event in ("asked", "refused") for event, _ in RankLog(self.folder, number).read())
 
     def _await_asks(self, wanted: dict[int, int], timeout_s: float = START_S) -> None:
         deadline = time.monotonic() + timeout_s

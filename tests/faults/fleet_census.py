@@ -8,15 +8,17 @@ its replica ranks logged, judged. Over all runs it counts, each of which a clean
 - *late* / *hung*: a step past its deadline (``Run.deadline_s``: a replica job's deadline per failed replica),
   or a run in which a rank did not ask to join, report a step or end in time, or crashed;
 - *survivors hit*: a replica that stops holding the current version (fails a step, or is dropped) though no
-  strike hit it then; *survivors hit behind a struck replica*: the same, its ranks (or its setup) past their
-  deadline while the trainers waited on a replica struck in that step (or the one before); *survivors past
-  their deadline, no strike*: the same without a strike (the trainers were slow to reach it: a loaded machine);
+  strike hit it then, nor its feeder (or a feeder above it) at that step; *survivors hit behind a struck
+  replica*: the same, its ranks (or its setup) past their deadline while the trainers waited on a replica struck
+  in that step (or the one before); *survivors past their deadline, no strike*: the same without a strike (the
+  trainers were slow to reach it: a loaded machine);
 - *dead replicas kept*: a replica landed after it went out without joining again, failed twice in a row, or
   struck and still landed the step after its strike;
 - *rejoins late*: a replica whose every rank asked to join before step ``g`` (restarted, added, or joining
   again after a failed step), not back on the current version at step ``g`` or ``g + 1``;
 - *impostors admitted*: a replica asking to join under a live replica's name, not refused by that name (by train
-  rank 0, or by the fleet's store while that rank of the replica is connected to it, joining).
+  rank 0, or by the fleet's store while that rank of the replica is connected to it: a replica's ranks stay
+  connected while they serve).
 
 It counts too the rejoins back on the current version at once, and within a step.
 """
@@ -121,7 +123,8 @@ class Census(Tally):
             self._judge_struck(what, strike, line)
         returns = {r.since for r in record.returns if r.replica == name}
         for step in range(len(record.steps)):
-            if record.went_out(name, step) and not (strike is not None and strike.step <= step <= strike.step + 1):
+            if (record.went_out(name, step) and not (strike is not None and strike.step <= step <= strike.step + 1)
+                    and not self._lost_feed(run, record, name, step)):
                 why = " / ".join([line.reason(step), *self._rank_failures(record, name, step)])
                 late = any(p in why for p in PAST_DEADLINE)
                 kind = "survivors hit" if not late else BEHIND if run.stalls(step, spared=name) else SLOW
@@ -132,6 +135,13 @@ class Census(Tally):
                 self.problem("dead replicas kept", f"{what}: {name} failed steps {step - 1} and {step}")
             if line.landed(step):
                 self._judge_held(what, run, record, name, step)
+
+    @staticmethod
+    def _lost_feed(run: Run, record: Record, name: str, step: int) -> bool:
+        """Whether a feeder above ``name`` went out at ``step``, or was struck then or in the step before."""
+        return any(record.went_out(feeder, step) or any(s.step <= step <= s.step + 1 for s in run.strikes
+                                                         if s.strikes_rank and s.replica == feeder)
+                   for feeder in record.feeders(name, step))
 
     @staticmethod
     def _rank_failures(record: Record, name: str, step: int) -> list[str]:
@@ -196,7 +206,7 @@ class Census(Tally):
             if any(f"replica {started.replica} is already in the fleet" in r for r in refused):
                 self.outcomes["impostor refused by name"] += 1
             elif any(f"replica/{started.replica}/0 is already connected" in r for r in refused):
-                self.outcomes["impostor refused by the store (that rank of the replica joining)"] += 1
+                self.outcomes["impostor refused by the store (that rank of the replica connected)"] += 1
             else:
                 self.problem("impostors admitted", f"{what}: an impostor of {started.replica}: {refused}")
 

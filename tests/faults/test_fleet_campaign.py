@@ -1,7 +1,7 @@
 """A few dozen runs of the randomized fleet campaign (``fleet_campaign.py``; ``benchmarks/fleet_campaign.py``
-runs hundreds): replica ranks killed or stopped at random points of a step, restarted under their name, new
-replicas added, impostors under live names, with 1 or 2 train ranks, in either mode; and the three problems the
-campaign found, each pinned."""
+runs hundreds): replica ranks killed or stopped at random points of a step, relay parents among them, restarted
+under their name, new replicas added, impostors under live names, with 1 or 2 train ranks, in either mode, fed by
+the trainers or through a relay tree; and the three problems the campaign found, each pinned."""
 
 import pytest
 from fleet_campaign import SECRET, Change, Run, Strike, campaign, execute
@@ -22,13 +22,14 @@ def test_a_random_fleet_campaign_keeps_every_replica_current_and_brings_rejoins_
     assert not any(census.counts[k] for k in COUNTS), census.summary()
     assert census.rejoins and census.within_one == census.rejoins, census.summary()
     # the draw covers what the campaign is for: each change, each point, both modes, 1 and 2 train ranks,
-    # replicas of 1 and 2 ranks, a restart, two strikes in one run
+    # replicas of 1 and 2 ranks, a restart, two strikes in one run, a relay parent struck
     strikes = [s for r in seen for s in r.strikes]
     assert {s.change for s in strikes} == set(Change), seen
     assert {s.point for s in strikes if s.strikes_rank} == set(Point), seen
     assert {r.mode for r in seen} == {"staged", "in_place"} and {r.train for r in seen} == {1, 2}, seen
     assert {size for r in seen for size in r.sizes} == {1, 2}, seen
     assert any(s.restart is not None for s in strikes) and any(len(r.strikes) > 1 for r in seen), seen
+    assert any(r.relay and r.struck("r0") is not None for r in seen) and not all(r.relay for r in seen), seen
 
 
 def judged(run: Run) -> Census:
