@@ -9,8 +9,10 @@ Replica A joins before the first step; replica B joins the running job later, wi
 is train rank 0's second of that layout). For each, the joiner's own setup phases (``setup_times()``: its
 pieces, the metadata exchange, the wait for its part of the plan, the agreement, the transport: its planning and
 setup) against the goal of 2 s, and its first step's bind (part of that step); and train rank 0's setup of each
-replica's job. Every step is checked
-bitwise on the replicas.
+replica's job. Every step is checked bitwise on the replicas.
+
+``--relay``: the trainers feed replica A only (``FleetOptions(direct=1)``), and replica B joins under A, which
+forwards it each step (:mod:`refit_core.fleet.mirror`): B's job is planned by A's rank 0, from A's pieces.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _phases(times: Any) -> dict[str, float]:
     return {name: getattr(times, f"{name}_s") for name in ("pieces", "metadata", "plan", "agree", "transport")}
 
 
-def _rank(rank: int, nprocs: int, address: str, folder: str) -> dict[str, Any]:
+def _rank(rank: int, nprocs: int, address: str, folder: str, relay: bool) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -49,7 +51,7 @@ def _rank(rank: int, nprocs: int, address: str, folder: str) -> dict[str, Any]:
     from refit_core.tools.bench import layouts
 
     plugins = layouts.register()
-    options = RefitOptions(timeout_s=300, bucket_bytes=64 << 20)
+    options = RefitOptions(timeout_s=300, bucket_bytes=64 << 20, fleet={"direct": 1 if relay else 0})
     cfg = config()
     if rank == 0:
         model = layouts.MegatronSequentialStyleModel(cfg, tp=1, rank=0, device="cpu")
@@ -61,7 +63,8 @@ def _rank(rank: int, nprocs: int, address: str, folder: str) -> dict[str, Any]:
             step = fleet.send(version)
             steps.append((version, list(step.landed), list(step.joined)))
             for name in step.joined:
-                planned[name] = _phases(fleet._senders[name][1].setup_times)
+                if name in fleet._senders:
+                    planned[name] = _phases(fleet._senders[name][1].setup_times)
             if "a" in step.landed and not b_asked:  # replica B joins the running job before the next step
                 open(os.path.join(folder, "b-joins"), "w").close()
                 time.sleep(2.0)
@@ -85,19 +88,21 @@ def _rank(rank: int, nprocs: int, address: str, folder: str) -> dict[str, Any]:
         receiver.receive()
         held.append((receiver.version, not engine.mismatches(receiver.version)))
     bind = receiver.setup_times.bind_s
+    fed = {child: _phases(mirror.setup_times) for child, mirror in receiver._feeding.items()}
     receiver.close()
     return {"replica": name, "setup": setup, "bind_s": bind, "join_call_s": joined_s, "held": held,
-            "tensors": len(engine.params)}
+            "tensors": len(engine.params), "fed": fed, "feeder": receiver.member.feeder}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args()
+    parser.add_argument("--relay", action="store_true", help="replica B is fed by replica A, not the trainers")
+    args = parser.parse_args()
     from refit_core.apps import free_port, spawn
 
     folder = tempfile.mkdtemp(prefix="refit-join-")
     address = f"127.0.0.1:{free_port()}"
-    results = spawn(_rank, 3, address, folder, env={"REFIT_PLUGINS": "none"}, timeout_s=900)
+    results = spawn(_rank, 3, address, folder, args.relay, env={"REFIT_PLUGINS": "none"}, timeout_s=900)
     trainer = results[0]
     print(f"{BASE} with dims shrunk ({SHRUNK}): trainer {trainer['tensors']:,} parameters holding "
           f"{trainer['pieces']:,} pieces, replicas {results[1]['tensors']:,} parameters each; "
@@ -108,6 +113,7 @@ def main() -> int:
         s = r["setup"]
         total = sum(s.values())
         when = "first step" if r["replica"] == "a" else "a later step (running job)"
+        when += f", fed by {r['feeder']}" if r["feeder"] else ""
         print(f"| {r['replica']} | {when} | {s['pieces']:.3f} s | {s['metadata']:.3f} s | {s['plan']:.3f} s | "
               f"{s['agree']:.3f} s | {s['transport']:.3f} s | **{total:.3f} s** | {r['bind_s']:.3f} s | "
               f"< {GOAL_S:g} s {'✓' if total < GOAL_S else '✗'} |")
@@ -115,6 +121,10 @@ def main() -> int:
     for name, p in trainer["planner"].items():
         print(f"  {name}: " + ", ".join(f"{k} {v:.3f} s" for k, v in p.items()))
     print("train rank 0's plans: %d planned, %d reused" % trainer["plans"])
+    for r in results[1:]:
+        for child, p in r["fed"].items():
+            print(f"replica {r['replica']}'s setup of the job feeding {child} (its plan phase plans): "
+                  + ", ".join(f"{k} {v:.3f} s" for k, v in p.items()))
     print("\nsteps (version, landed, joined):", trainer["steps"])
     ok = all(bitwise for r in results[1:] for _, bitwise in r["held"])
     print("every version held bitwise:", ok)
