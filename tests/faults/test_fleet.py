@@ -243,9 +243,10 @@ def test_the_roster_grows_a_relay_tree_of_one_layout_and_drops_a_feeder_with_its
 @pytest.mark.slow
 def test_a_relay_fleet_loses_a_feeder_mid_step_and_reattaches_its_children():
     """One train rank feeds r0 only (``FleetOptions(direct=1, fanout=2)``); r0 forwards each step to r1 and r2, and
-    r1 to r3. r1 is killed at a random point of step 2: r1, and r3 below it unless r3 already had the step, fail
-    that step alone; r0 and r2 land every step. r3 rejoins and is re-attached to another holder, r1 restarts
-    under its name, r4 joins late: each holds the step after it asked, whole. Every version any replica holds is
+    r1 to r3. r1 is killed at a random point of step 2: r1, and r3 below it unless r3 already had the step, miss
+    that step alone (failed, or dropped if r1 died before train rank 0 began it); r0 and r2 land every step. r3
+    rejoins and is re-attached to another holder, r1 restarts under its name, r4 joins late: each holds the step
+    after it asked, whole. Every version any replica holds is
     bitwise the trainers'; the trainer never sets up again; every step ends within its deadline."""
     rng = random.Random(49)
     steps, kill_at, add_at = 7, 2, 5
@@ -292,11 +293,12 @@ def test_a_relay_fleet_loses_a_feeder_mid_step_and_reattaches_its_children():
         assert {"r0", "r2"} <= set(report["landed"]), (step, report)
         if step != kill_at:
             assert {"r1", "r3"} <= set(report["landed"]) and not report["failed"], (step, report)
-    assert "r1" in reports[kill_at]["failed"] or "r1" in reports[kill_at]["landed"], reports[kill_at]
-    assert sorted(reports[kill_at + 1]["joined"]) == ["r1", "r3"] and reports[add_at]["joined"] == ["r4"], reports
-    feeders = reports[-1]["feeders"]
-    assert feeders["r0"] is None and feeders["r1"] != "r1" and feeders["r3"] in ("r0", "r2", "r1"), feeders
-    assert all(feeders[name] is not None for name in ("r1", "r2", "r3", "r4")), feeders  # all relayed
+    # r1 failed step 2, or landed it and died after, or died before train rank 0 began it (dropped, with r3)
+    assert "r1" in reports[kill_at + 1]["joined"] and reports[add_at]["joined"] == ["r4"], reports
+    assert "r3" in reports[kill_at]["joined"] + reports[kill_at + 1]["joined"], reports
+    feeders, final = reports[-1]["feeders"], reports[-1]["landed"]
+    assert feeders["r0"] is None and sorted(final) == ["r0", "r1", "r2", "r3", "r4"], reports[-1]
+    assert all(feeders[name] in final and feeders[name] != name for name in final if name != "r0"), feeders
     assert results[(0, "result")]["opened"] == 1
     for rank, start in {10: FIRST_VERSION, 12: FIRST_VERSION, 20: FIRST_VERSION + kill_at + 1,
                         21: FIRST_VERSION + add_at}.items():
