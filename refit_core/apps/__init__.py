@@ -11,8 +11,8 @@ preset name, a ``config.json`` or a model directory). Reference weights: :func:`
 quantized as refit quantizes them); :func:`mismatches` checks destination views against them and
 :func:`same_bytes` two tensors, bit for bit (same dtype, shape and bytes: -0.0 is not 0.0). RL: :class:`Rollout`
 and :func:`completion_logprobs`; a fleet of engine replicas that join, die and restart while the trainers refit:
-:class:`RefitFleet` (every train rank; each step returns a :class:`FleetStep`, or under strict membership raises
-:class:`FleetStepError`) and :func:`join_fleet` (every rank of a replica). Ray:
+:class:`RefitFleet` (every train rank; each step returns a ``FleetStep``, or under strict membership raises
+:class:`FleetStepError`, whose ``result`` is that ``FleetStep``) and :func:`join_fleet` (every rank of a replica). Ray:
 :class:`RayRefit` (the driver) and :class:`RefitTrainActor` (a train actor to subclass), loaded with Ray on
 first use only.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from refit_core import _compat
-from refit_core.fleet.records import FleetStep, FleetStepError
+from refit_core.fleet.records import FleetStepError
 from refit_core.fleet.replica import join_fleet
 from refit_core.fleet.trainer import RefitFleet
 from refit_core.kit.demo import DemoContext, DemoPrograms, DemoReport, send_versions, train_demo
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from refit_core.kit.ray import RayRefit, RefitTrainActor
 
 __all__ = [
-    "DemoContext", "DemoPrograms", "DemoReport", "FleetStep", "FleetStepError", "RayRefit", "RefitFleet",
+    "DemoContext", "DemoPrograms", "DemoReport", "FleetStepError", "RayRefit", "RefitFleet",
     "RefitTrainActor", "Rollout", "completion_logprobs", "free_port", "join_fleet", "load_config", "mismatches",
     "quantized_reference", "reference_region", "reference_state_dict", "reference_tensor", "same_bytes",
     "send_versions", "spawn", "train_demo",
