@@ -115,13 +115,21 @@ class MegatronActor(Actor):
     def offload_round_trip(self) -> bool:
         """verl's own Megatron offload and load (``offload_megatron_model_to_cpu``, ``load_megatron_model_to_gpu``):
         megatron's parameter buffers are freed, then allocated again and the values copied back. True: every
-        parameter's memory was freed in between."""
+        parameter's memory was freed in between.
+
+        In between, as a colocated rollout does when it wakes, other tensors take the freed memory, so the
+        buffers come back elsewhere. Without them the host's allocator may hand each buffer its old address
+        again (verl 0.9.1 keeps one host copy per buffer, so nothing else is allocated in between): the
+        weights would then be where refit bound them, and nothing would have moved."""
         from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
 
         with unpinned():
             offload_megatron_model_to_cpu(self.engine.module)
         freed = all(p.untyped_storage().size() == 0 for p in self.engine.module[0].parameters())
+        buffers = [buffer for chunk in self.engine.module for buffer in chunk.buffers]
+        in_between = [torch.empty(buffer.param_data_size, dtype=buffer.param_data.dtype) for buffer in buffers]
         load_megatron_model_to_gpu(self.engine.module, load_grad=False)
+        del in_between
         return freed
 
     @verl_method(dispatch_mode=Dispatch.ONE_TO_ALL)
