@@ -105,11 +105,6 @@ class ReplicaReceiver(RefitReceiver):
         if thread is not None:
             thread.join()
 
-    @property
-    def feeds(self) -> tuple[str, ...]:
-        """The replicas this one forwards each step to now."""
-        return tuple(self._feeding)
-
     def _feed(self, start: StepStart, version: int) -> None:
         """Forward ``version`` to every replica this one feeds in ``start``'s members, one after the other; rank
         0 reports each outcome to the fleet (a child's failure stays the child's). Runs on the forwarding

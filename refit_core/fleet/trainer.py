@@ -249,13 +249,18 @@ class RefitFleet:
     def _lead(self, rdv: Rendezvous, step: int) -> list[Member]:
         """Train rank 0: drop the replicas that left or failed (with the replicas below them), answer the joins,
         publish the step's members."""
+        connected = self._fleet_store().connections()
+
+        def alive(member: Member) -> bool:
+            return self._alive(member, connected)
+
         for member in list(self._roster.members.values()):
-            if member.replica in self._roster.members and not self._alive(member):
+            if member.replica in self._roster.members and not alive(member):
                 for dropped in self._roster.drop(member.replica):
                     self._forget(dropped.replica)
                     error = LEFT if dropped is member else f"its feeder {dropped.feeder} was dropped: {LEFT}"
                     self._states[dropped.replica] = replace(self._states[dropped.replica], last_error=error)
-        answers = self._roster.consider(self._new_joins(rdv), self._alive, self._new_address, time.time())
+        answers = self._roster.consider(self._new_joins(rdv), alive, self._new_address, time.time())
         for old in answers.replaced:
             self._forget(old.replica)
         self._admitted = {m.replica for m in answers.admitted}
@@ -290,11 +295,11 @@ class RefitFleet:
         """The numbers of the connections of ``member``'s ranks to the fleet's store (None: not connected)."""
         return tuple(connections.get(replica_identity(member.replica, r)) for r in range(member.gen_ranks))
 
-    def _alive(self, member: Member) -> bool:
-        """Whether every rank of ``member`` is still connected: to the fleet's store, over the connection it was
-        admitted on (a rank restarted under its name comes back on another), and to its job with the trainers
-        (True before its first setup)."""
-        if self._connections_of(member, self._fleet_store().connections()) != self._connections.get(member.replica):
+    def _alive(self, member: Member, connections: dict[str, int]) -> bool:
+        """Whether every rank of ``member`` is still connected: to the fleet's store (``connections``: its
+        connection numbers now), over the connection it was admitted on (a rank restarted under its name comes back
+        on another), and to its job with the trainers (True before its first setup)."""
+        if self._connections_of(member, connections) != self._connections.get(member.replica):
             return False
         held = self._senders.get(member.replica)
         if held is None or held[0] != member:
