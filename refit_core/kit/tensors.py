@@ -27,8 +27,11 @@ class ModuleTensors:
     tensor shared by two slots is listed once, as ``named_parameters()`` lists it.
     """
 
-    def __init__(self, roots: Sequence[tuple[str, torch.nn.Module]]) -> None:
+    def __init__(self, roots: Sequence[tuple[str, torch.nn.Module]], buffers: bool = True) -> None:
+        """``buffers``: False lists the parameters alone (buffers a forward may replace, like a dynamic rotary
+        embedding's ``inv_freq``, are then no concern of the check)."""
         self.roots = list(roots)
+        self.buffers = buffers
         self.walks = 0
         """How many times the trees were walked (1 while nothing structural changed)."""
         # columns, each read in one pass of C calls (``map``): a slot is ``tables[i][keys[i]]``, a link
@@ -41,7 +44,9 @@ class ModuleTensors:
         self._children: list[torch.nn.Module] = []
 
     def _walk(self) -> None:
-        slots: dict[str, list[tuple[str, dict[str, torch.Tensor | None], str]]] = {"_parameters": [], "_buffers": []}
+        slots: dict[str, list[tuple[str, dict[str, torch.Tensor | None], str]]] = {"_parameters": []}
+        if self.buffers:
+            slots["_buffers"] = []
         seen: dict[str, set[int]] = {kind: set() for kind in slots}
         holders: set[int] = set()  # the modules holding a listed tensor, or a submodule that does
         modules: list[torch.nn.Module] = []
@@ -60,7 +65,7 @@ class ModuleTensors:
                 holders.add(id(module))
         links = [(module._modules, key, child) for module in modules for key, child in module._modules.items()
                  if child is not None and id(child) in holders]
-        every = slots["_parameters"] + slots["_buffers"]
+        every = slots["_parameters"] + slots.get("_buffers", [])
         self._names = [name for name, _, _ in every]
         self._tables = [table for _, table, _ in every]
         self._keys = [key for _, _, key in every]

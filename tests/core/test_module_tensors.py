@@ -63,3 +63,14 @@ def test_only_submodules_on_the_way_to_a_tensor_are_watched() -> None:
     assert _same(tensors(), _walked(model)) and tensors.walks == 2
     model[2] = torch.nn.Sequential(torch.nn.Linear(4, 2))
     assert _same(tensors(), _walked(model)) and tensors.walks == 3
+
+
+def test_without_buffers_a_replaced_buffer_is_no_concern() -> None:
+    """``buffers=False`` lists the parameters alone: a forward that replaces a buffer (a dynamic rotary
+    embedding's ``inv_freq``) changes nothing listed and walks nothing again."""
+    model = _model()
+    tensors = ModuleTensors([("0", model)], buffers=False)
+    before = tensors()
+    assert _same(before, [(f"0.{n}", t) for n, t in model.named_parameters()])
+    model.step = torch.ones(1)
+    assert _same(tensors(), before) and tensors.walks == 1

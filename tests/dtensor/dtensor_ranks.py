@@ -243,6 +243,8 @@ def refit_ranks(rank: int, world: int, train_world: int, ports: list[int], src_l
                 checks[f"source_equal_{step}"] = all(
                     same_bytes(_full(p), truth["params"][n]) for n, p in named_parameters(model))
                 checks[f"sent_bytes_{step}"] = endpoint.send(version=step).bytes
+            if index == 0:
+                checks["moves"] = _moves_seen(endpoint, model)
         else:
             endpoint = RefitReceiver(model, rendezvous=address, rank=side_rank, world_size=side_world,
                                      options=options)
@@ -268,6 +270,20 @@ def refit_ranks(rank: int, world: int, train_world: int, ports: list[int], src_l
                                            f"127.0.0.1:{ports[2 + len(cases)]}", mismatch)
     dist.destroy_process_group()
     return out
+
+
+def _moves_seen(endpoint: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """What the bound-memory check says of the train side's model (the dtensor plugin's ``refit_model_tensors``),
+    after a forward (FSDP2 keeps the root's all-gathered copies), then after a parameter is replaced."""
+    memory = endpoint._memory
+    with torch.no_grad():
+        model(input_ids=PROMPT)
+    after_forward = endpoint._memory_problem()
+    name, param = next(iter(named_parameters(model)))
+    owner, _, key = name.rpartition(".")
+    setattr(model.get_submodule(owner), key, torch.nn.Parameter(param.detach().clone()))
+    return {"lists": memory is not None and memory.lists, "after_forward": after_forward, "replaced": name,
+            "after_replace": endpoint._memory_problem()}
 
 
 def _logits(model: torch.nn.Module, config: dict[str, Any], full: dict[str, torch.Tensor],

@@ -149,6 +149,18 @@ def test_tp_split_tied_embeddings_stay_in_sync_on_the_destination(refits):
             assert result[case][f"logits_{step}"]["own_forward_close"]
 
 
+@pytest.mark.parametrize("pair", ["fsdp2-to-tp2", "tp2-to-2d", "2d-to-fsdp2", "replicated2-to-fsdp2"])
+def test_a_replaced_parameter_is_named_and_a_forward_is_not_a_move(refits, pair):
+    """The dtensor plugin lists each parameter's local tensor (``refit_model_tensors``), so refit checks the
+    model's own tensors before every step: a forward since setup (FSDP2 keeps the root's all-gathered copies
+    until it reshards) passes, a parameter replaced by a copy is named on every train rank."""
+    train, _ = refits(pair)
+    for rank in train:
+        moves = rank[next(iter(rank))]["moves"]
+        assert moves["lists"] and moves["after_forward"] is None, moves
+        assert f"source tensor {moves['replaced']} now lives at a different address" in moves["after_replace"]
+
+
 def test_replicated_sources_share_the_work(refits):
     """Two plain (non-DTensor) replicas of the whole model: the planner splits the sends."""
     train, _ = refits("replicated2-to-fsdp2")

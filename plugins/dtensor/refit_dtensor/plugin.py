@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.distributed.tensor import DTensor
 
 from refit_core import (
@@ -29,7 +30,7 @@ from refit_core.kit import refuse_serving, resume_serving
 from .layout import layout_pieces
 from .lora import inner_model, lora_pieces, peft_of
 from .names import clean_name, tied_targets, unwrap
-from .shards import model_pieces, reshard
+from .shards import model_pieces, model_tensors, reshard
 
 BACKEND = "dtensor"
 
@@ -62,6 +63,13 @@ def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
     if unwrap(model) is None:
         return None
     return model_pieces(model, SourcePiece)
+
+
+@hookimpl
+def refit_model_tensors(model: Any) -> list[tuple[str, torch.Tensor]] | None:
+    if peft_of(model) is not None or unwrap(model) is None:
+        return None  # a PeftModel: refit compares its adapter pieces before every step
+    return model_tensors(model)
 
 
 @hookimpl

@@ -8,15 +8,18 @@ parameter's local storage. The same code runs on metadata (``layout.py``), with 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from refit_core import Box, DestinationPiece, PluginError, Quantization, SourcePiece, TensorSpec
+from refit_core.kit import ModuleTensors
 
 from .fp8 import quantization_of
-from .names import Naming, Target, named_parameters, unwrap
+from .names import Naming, Target, clean_name, named_parameters, unwrap
 from .placements import LocalBlock, tensor_blocks
 
 P = TypeVar("P", SourcePiece, DestinationPiece)
@@ -59,13 +62,14 @@ def param_pieces(kind: type[P], targets: Sequence[Target], dtype: torch.dtype, b
     return pieces
 
 
-def reshard(model: Any) -> int:
+def reshard(model: Any, found: list[Any] | None = None) -> int:
     """Put every FSDP2 module of ``model`` back in its sharded state; returns how many there are.
 
     FSDP2 keeps the root's parameters unsharded after a forward (no backward to reshard them):
     the module then holds all-gathered copies, which a later forward would reuse. Pieces are views
     of the sharded storage, so a destination reshards before bytes land (the next forward
-    all-gathers the new weights) and both sides reshard before pieces are taken.
+    all-gathers the new weights) and both sides reshard before pieces are taken. ``found``, if given,
+    gets the FSDP2 modules.
     """
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -74,6 +78,8 @@ def reshard(model: Any) -> int:
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for module in modules:
         module.reshard()
+    if found is not None:
+        found.extend(modules)
     return len(modules)
 
 
@@ -96,6 +102,42 @@ def model_pieces(model: Any, kind: type[P]) -> list[P]:
         quant = quantization_of(hf, name, param)
         pieces.extend(param_pieces(kind, targets, param.dtype, blocks, local.detach(), quant))
     return pieces
+
+
+@dataclass
+class _Listing:
+    """A model's parameters as :func:`model_tensors` lists them: their slots (walked again only when the tree
+    changed), their clean names as of the last walk, and the model's FSDP2 modules then."""
+
+    slots: ModuleTensors
+    walks: int = -1
+    names: list[str] = field(default_factory=list)
+    fsdp: list[Any] = field(default_factory=list)
+
+
+_listings: weakref.WeakKeyDictionary[Any, _Listing] = weakref.WeakKeyDictionary()
+
+
+def model_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter's local tensor (a DTensor's own shard, else the parameter), under its clean name: the
+    memory :func:`model_pieces` views, listed before every step. FSDP2's all-gathered copies are dropped first,
+    as :func:`model_pieces` does, so a forward since the bind is not taken for a move. The tree is walked once
+    (and again when a module in it is replaced): 0.2 ms a call for a 32-layer tiny Llama."""
+    hf = unwrap(model)
+    if hf is None:
+        raise PluginError(f"{type(model).__qualname__} is not a transformers PreTrainedModel")
+    listing = _listings.get(hf)
+    if listing is None:
+        listing = _listings[hf] = _Listing(ModuleTensors([("", hf)], buffers=False))
+    for module in listing.fsdp:
+        module.reshard()
+    named = listing.slots()
+    if listing.slots.walks != listing.walks:  # the first call, or the tree changed: its FSDP2 modules too
+        listing.walks, listing.names, listing.fsdp = listing.slots.walks, [clean_name(n) for n, _ in named], []
+        if reshard(hf, listing.fsdp):
+            named = listing.slots()
+    return [(name, tensor._local_tensor if isinstance(tensor, DTensor) else tensor)
+            for name, (_, tensor) in zip(listing.names, named)]
 
 
 @torch.no_grad()

@@ -45,9 +45,13 @@ def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
 
 @hookimpl
 def refit_model_tensors(model: Any) -> list[tuple[str, torch.Tensor]] | None:
-    if not (is_training_engine(model) and is_megatron_engine(model)):
-        return None  # an FSDP engine: refit asks refit_source_pieces again before every step
-    return megatron_tensors(model)
+    if not is_training_engine(model):
+        return None
+    if is_megatron_engine(model):
+        return megatron_tensors(model)
+    from refit_dtensor import plugin as dtensor
+
+    return dtensor.refit_model_tensors(source_model(model))  # None for a PEFT model: its pieces are compared
 
 
 @hookimpl
