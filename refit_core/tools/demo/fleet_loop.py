@@ -39,12 +39,12 @@ from refit_core.tools.demo.rl_loop import (
     build_policy,
     loop_actor_class,
     loop_prompts,
-    start_local_ray,
+    local_ray,
+    plotted,
     step_cells,
     summarize,
     train_actors,
     train_on,
-    write_plot,
 )
 
 ABSENT = "--"
@@ -264,8 +264,6 @@ class FleetLoop:
 def run_fleet_loop(settings: LoopSettings, train: Backend, gen: Backend,
                    report: Callable[[str], None] = print) -> FleetResult:
     """Run the loop with ``settings.replicas`` engine replicas in a fleet on a local Ray cluster."""
-    import ray
-
     from refit_core.apps.ray_fleet import fleet_train_actor
     from refit_core.kit.ray import gather
     from refit_core.tools.demo.console import StepConsole
@@ -276,11 +274,7 @@ def run_fleet_loop(settings: LoopSettings, train: Backend, gen: Backend,
     reward = TargetSetReward()
     result = FleetResult(chance_reward=reward.chance, kl_bound=settings.kl_bound,
                          replicas=replica_names(settings.replicas))
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        start_local_ray(settings.train_ranks + settings.replicas + 1)
-        report("refit loop: local Ray cluster up (actor logs under /tmp/ray/session_latest/logs)")
-    try:
+    with local_ray(settings.train_ranks + settings.replicas + 1, report):
         start = time.perf_counter()
         trainers = train_actors(fleet_train_actor(loop_actor_class(train, TRAIN)), settings, config)
         loop = FleetLoop(settings, loop_actor_class(gen, GEN), config, trainers)
@@ -320,13 +314,7 @@ def run_fleet_loop(settings: LoopSettings, train: Backend, gen: Backend,
         loop.close()
         gather({t.shutdown.remote(): f"train actor {r}" for r, t in enumerate(trainers)}, "shutting down",
                settings.timeout_s)
-    finally:
-        if owns_ray:
-            ray.shutdown()
-    if settings.plot:
-        result.plot = write_plot(result, settings.plot)
-        report(f"refit loop: plot written to {result.plot}")
-    return result
+    return plotted(result, settings, report)
 
 
 def _first_clause(reason: str) -> str:

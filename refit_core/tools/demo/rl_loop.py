@@ -44,9 +44,10 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from refit_core.contract.backend import GEN, TRAIN, Backend
 from refit_core.contract.errors import RefitError
@@ -119,6 +120,9 @@ class LoopResult:
         return bool(self.rows) and all(r.version == str(r.step) for r in self.rows)
 
 
+R = TypeVar("R", bound=LoopResult)
+
+
 def loop_actor_class(backend: Backend, side: Side) -> type:
     """The Ray actor class ``backend`` registered for the loop's ``side`` (see the module doc)."""
     path = installed_demos(get_plugin_manager()).of(backend.name).rl_actor(side)
@@ -146,11 +150,7 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
     config = load_config(settings.model)
     reward = TargetSetReward()
     result = LoopResult(chance_reward=reward.chance, kl_bound=settings.kl_bound)
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        start_local_ray(settings.train_ranks + 2)
-        report("refit loop: local Ray cluster up (actor logs under /tmp/ray/session_latest/logs)")
-    try:
+    with local_ray(settings.train_ranks + 2, report):
         start = time.perf_counter()
         engine_class = loop_actor_class(gen, GEN)
         lora = settings.lora
@@ -204,13 +204,7 @@ def run_loop(settings: LoopSettings, train: Backend, gen: Backend,
         gather({t.shutdown.remote(): f"train actor {r}" for r, t in enumerate(trainers)}, "shutting down",
                settings.timeout_s)
         ray.get(engine.shutdown.remote(), timeout=settings.timeout_s)
-    finally:
-        if owns_ray:
-            ray.shutdown()
-    if settings.plot:
-        result.plot = write_plot(result, settings.plot)
-        report(f"refit loop: plot written to {result.plot}")
-    return result
+    return plotted(result, settings, report)
 
 
 def train_actors(actor_class: type, settings: LoopSettings, config: dict[str, Any], **extra: Any) -> list[Any]:
@@ -275,6 +269,31 @@ def lora_bytes_line(lora: LoraSpec, sent: int, adapter: int, full: int) -> str:
     share = sent / full if full else 0.0
     return (f"refit loop: LoRA r={lora.rank} ({lora.mode.value} mode): refit moves {format_bytes(sent)} per step, "
             f"{share:.1%} of the full model's {format_bytes(full)} (the adapter alone: {format_bytes(adapter)})")
+
+
+@contextmanager
+def local_ray(actors: int, report: Callable[[str], None]) -> Iterator[None]:
+    """A loop's Ray cluster: the one this process joined already, or a local one for ``actors`` one-CPU actors,
+    started here and shut down on the way out."""
+    import ray
+
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        start_local_ray(actors)
+        report("refit loop: local Ray cluster up (actor logs under /tmp/ray/session_latest/logs)")
+    try:
+        yield
+    finally:
+        if owns_ray:
+            ray.shutdown()
+
+
+def plotted(result: R, settings: LoopSettings, report: Callable[[str], None]) -> R:
+    """``result``, with the plot of its steps written where ``settings.plot`` says (if it does)."""
+    if settings.plot:
+        result.plot = write_plot(result, settings.plot)
+        report(f"refit loop: plot written to {result.plot}")
+    return result
 
 
 def start_local_ray(actors: int, env: dict[str, str] | None = None) -> None:
