@@ -9,6 +9,7 @@ values are PEFT's own, unscaled: an engine that folds ``alpha / rank`` into B do
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -17,7 +18,7 @@ from typing import Protocol
 import torch
 
 from refit_core.contract.errors import OptionError
-from refit_core.contract.pieces import SourcePiece
+from refit_core.contract.pieces import DestinationMap, SourcePiece
 
 LORA_A = "lora_A"
 LORA_B = "lora_B"
@@ -153,6 +154,29 @@ class AdapterFactors(Protocol):
     it returns the :class:`LoraFactors` of every adapted module by module name."""
 
     def gather(self) -> Mapping[str, LoraFactors]: ...
+
+
+class AdapterReceiver(ABC):
+    """What a gen rank receives into in adapter mode, in place of an engine's model (engine plugins build theirs
+    on :class:`refit_core.kit.AdapterSlots`). The core's own hooks hand the receiver its destination map and call
+    :meth:`begin`, :meth:`finish` and :meth:`abort` around each step, so an engine plugin's hooks answer None
+    for it."""
+
+    @abstractmethod
+    def destination_map(self) -> DestinationMap:
+        """Where the adapter's boxes land in the engine's slots."""
+
+    @abstractmethod
+    def begin(self) -> None:
+        """Before any byte of a step lands (it may raise to refuse the step)."""
+
+    @abstractmethod
+    def finish(self, version: int) -> None:
+        """Every byte of ``version`` landed."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """The step failed: the previous version serves again."""
 
 
 @dataclass(frozen=True)

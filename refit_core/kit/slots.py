@@ -8,11 +8,12 @@ receiver's destination map, the step's catalog, and the save / restore of the sl
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from refit_core.contract.lora import AdapterReceiver
 from refit_core.contract.pieces import DestinationMap, DestinationPiece
 from refit_core.contract.spec import Box, TensorSpec
 
@@ -41,12 +42,15 @@ class SlotPlan:
     pieces: tuple[SlotBox, ...]
 
 
-class AdapterSlots(ABC):
+class AdapterSlots(AdapterReceiver):
     """What a gen rank receives into in adapter mode, engine-independent: :attr:`plan` (None until the
-    adapter is registered), :attr:`saved` (the slot bytes a running step may overwrite; None outside a
-    step) and :meth:`live_slot`, the one engine-specific part."""
+    adapter is registered), :attr:`version` (the last version that landed; None before the first),
+    :attr:`saved` (the slot bytes a running step may overwrite; None outside a step) and :meth:`live_slot`,
+    the one engine-specific part. A step saves the slot bytes it overwrites when it begins and puts them back
+    if it fails."""
 
     plan: SlotPlan | None
+    version: int | None
     saved: list[torch.Tensor] | None
 
     @abstractmethod
@@ -67,6 +71,15 @@ class AdapterSlots(ABC):
         """The adapter tensors a step moves, by name (what an nccl-style ``update_info`` is held against)."""
         assert self.plan is not None
         return {s.name: s for s in self.plan.specs}
+
+    def begin(self) -> None:
+        self.save_slots()
+
+    def finish(self, version: int) -> None:
+        self.version, self.saved = version, None
+
+    def abort(self) -> None:
+        self.restore_slots()
 
     def save_slots(self) -> None:
         """Before any byte lands: save the slot bytes the step overwrites."""

@@ -172,13 +172,15 @@ def _serve(port: int, sglang_port: int, tp_rank: int, tp: int) -> dict[str, Any]
         manager.unload_lora_adapter(reference)
     receiver.close()
 
-    # a failed step's restore: every slot byte back
+    # a failed step's restore through the hooks refit calls (the core's own, for an adapter target): every slot
+    # byte back
     before = [v.clone() for v in target.views()]
-    target.begin()
+    moved = receiver.plugins.begin_update(target)
     for view in target.views():
         view.fill_(7.0)
-    target.abort()
-    out["restored"] = all(same_bytes(a, b) for a, b in zip(before, target.views()))
+    restored = receiver.plugins.abort_update(target, [s.name for s in target.plan.specs])
+    out["restored"] = restored is True and moved is False and all(
+        same_bytes(a, b) for a, b in zip(before, target.views()))
 
     # registration once: a later session for the same name finds its slot, nothing is loaded again
     adapters = dict(manager.loras)

@@ -103,21 +103,23 @@ def _slots(worker: Any, names: list[str]) -> dict[str, Any]:
 
 
 def _abort_restores(worker: Any) -> dict[str, Any]:
-    """The adapter's own begin / abort on the live slots, around garbage written into every byte of it:
-    the slots come back byte for byte (what a failed step does)."""
+    """The begin / abort hooks a failed step calls, on the adapter's live slots, around garbage written into
+    every byte of it: the slots come back byte for byte (the core's own hooks answer for an adapter target)."""
     from refit_vllm.lora import AdapterTarget, lora_spec
 
+    from refit_core import get_plugin_manager
     from refit_core.apps import same_bytes
 
+    plugins = get_plugin_manager()
     target = AdapterTarget(worker.model_runner.get_model(), lora_spec(SPEC))
     before = [v.clone() for v in target.views()]
-    target.begin()
+    moved = plugins.begin_update(target)
     for view in target.views():
         view.fill_(7.0)
     torn = not all(same_bytes(v, b) for v, b in zip(target.views(), before))
-    target.abort()
-    return {"torn": torn, "restored": all(same_bytes(v, b) for v, b in zip(target.views(), before)),
-            "pieces": len(before)}
+    restored = plugins.abort_update(target, [p.spec.name for p in plugins.destination_map(target).pieces])
+    return {"torn": torn, "restored": restored is True and moved is False
+            and all(same_bytes(v, b) for v, b in zip(target.views(), before)), "pieces": len(before)}
 
 
 def _rows(mapping: Any) -> list[str]:

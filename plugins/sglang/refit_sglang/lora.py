@@ -96,18 +96,6 @@ class AdapterTarget(AdapterSlots):
         assert isinstance(piece, SlotPiece)
         return getattr(self.manager.memory_pool, piece.buffer)[piece.module][piece.layer]
 
-    def begin(self) -> None:
-        """Before any byte lands: save the slot bytes the step overwrites."""
-        self.save_slots()
-
-    def finish(self, version: int) -> None:
-        """The bytes landed (nothing to fold in: SGLang scales dense LoRA at run time)."""
-        self.version, self.saved = version, None
-
-    def abort(self) -> None:
-        """Put back the slot bytes saved when the step began (the previous version serves)."""
-        self.restore_slots()
-
 
 # -- what the engine can hold -----------------------------------------------------------------
 

@@ -20,7 +20,6 @@ import torch
 
 from refit_core import Backend, DestinationMap, DestinationPiece, ParallelLayout, RefitError, Side, hookimpl
 
-from .lora import AdapterTarget
 from .state import state_of
 
 log = logging.getLogger("refit.sglang")
@@ -36,8 +35,6 @@ def refit_register_backends(register: Callable[[Backend], None]) -> None:
 
 @hookimpl
 def refit_destination_map(model: Any) -> DestinationMap | None:
-    if isinstance(model, AdapterTarget):
-        return model.destination_map()
     state = state_of(model)
     if state is None:
         return None
@@ -55,11 +52,8 @@ def refit_begin_update(model: Any) -> bool | None:
     """True when SGLang re-materialized a fast-path tensor since its views were handed out (then
     refit asks for the views again), False when they stay valid. The padding SGLang's loaders
     write (zeroed vocab rows) is written before the first update and after every re-materialization:
-    a model whose weights never went through ``load_weights`` may hold anything there. An adapter
-    (:class:`~refit_sglang.lora.AdapterTarget`) saves the slot bytes the step overwrites."""
-    if isinstance(model, AdapterTarget):
-        model.begin()
-        return False
+    a model whose weights never went through ``load_weights`` may hold anything there. (An adapter,
+    :class:`~refit_sglang.lora.AdapterTarget`, is the core's: ``refit_core.contract.defaults``.)"""
     state = state_of(model)
     if state is None:
         return None
@@ -90,9 +84,6 @@ def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> b
 def refit_finish_update(model: Any, version: int) -> bool | None:
     """Run the model's post-load fix-up (SGLang skips it when a load ran; refit's fast path
     bypassed ``load_weights``) and record ``version``."""
-    if isinstance(model, AdapterTarget):
-        model.finish(version)
-        return True
     state = state_of(model)
     if state is None:
         return None

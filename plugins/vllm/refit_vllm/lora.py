@@ -107,7 +107,7 @@ class AdapterTarget(AdapterSlots):
         if state is not None and state.refusal is not None:
             error, state.refusal = state.refusal, None
             raise error
-        self.save_slots()
+        super().begin()
 
     def finish(self, version: int) -> None:
         """The bytes landed: fold ``alpha / r`` into B as vLLM's loader does (``lora_b *= scaling``)."""
@@ -118,12 +118,8 @@ class AdapterTarget(AdapterSlots):
                 for p, view in zip(self.plan.pieces, self.views()):
                     if p.spec.name.endswith(_B_SUFFIX):
                         view *= scale
-        self.version, self.saved = version, None
+        super().finish(version)
         _registered(_manager(self.model))[self.spec.name].version = version
-
-    def abort(self) -> None:
-        """Put back the slot bytes saved when the step began (the previous version serves)."""
-        self.restore_slots()
 
 
 def lora_spec(value: LoraSpec | dict[str, Any] | str) -> LoraSpec:

@@ -30,7 +30,6 @@ from . import reload
 from .destinations import ModelPlan, model_plan
 from .held import HeldWeights
 from .layout import destination_layout
-from .lora import AdapterTarget
 from .lora_layout import adapter_destination_layout
 from .probe import quiet_loads
 from .reload import live_tensor
@@ -84,8 +83,6 @@ def _views(model: torch.nn.Module, plan: ModelPlan, live: bool) -> list[torch.Te
 
 @hookimpl
 def refit_destination_map(model: Any) -> DestinationMap | None:
-    if isinstance(model, AdapterTarget):
-        return model.destination_map()
     state = state_of(model)
     if state is None:
         return None
@@ -103,9 +100,6 @@ def refit_source_pieces(model: Any) -> list[SourcePiece] | None:
 
 @hookimpl
 def refit_begin_update(model: Any) -> bool | None:
-    if isinstance(model, AdapterTarget):
-        model.begin()
-        return False
     state = state_of(model)
     if state is None:
         return None
@@ -137,9 +131,6 @@ def refit_load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> b
 
 @hookimpl
 def refit_finish_update(model: Any, version: int) -> bool | None:
-    if isinstance(model, AdapterTarget):
-        model.finish(version)
-        return True
     state = state_of(model)
     if state is None:
         return None
@@ -158,11 +149,8 @@ def refit_abort_update(model: Any, torn: list[str]) -> bool | None:
     """After a failed step: the reload path gives every layer its previous kernel tensors back (the
     step wrote only into re-materialized checkpoint-format copies); what cannot be restored -- direct
     writes into live tensors, and layers the engine's own loader already processed -- makes the
-    model refuse to serve (its forward raises) until a refit succeeds. An adapter's slots get their
-    saved bytes back (:class:`~refit_vllm.lora.AdapterTarget`)."""
-    if isinstance(model, AdapterTarget):
-        model.abort()
-        return True
+    model refuse to serve (its forward raises) until a refit succeeds. (An adapter's slots get their
+    saved bytes back from the core's own hook: :class:`~refit_vllm.lora.AdapterTarget`.)"""
     state = state_of(model)
     if state is None:
         return None
