@@ -17,7 +17,8 @@ import torch
 
 
 class ModuleTensors:
-    """The parameters, then the buffers, of ``roots`` (each named ``PREFIX.NAME``), in walk order.
+    """The parameters, then the buffers (unless ``buffers=False``), of ``roots`` (each named ``PREFIX.NAME``), in
+    walk order.
 
     Calling it returns the tensors in their slots now, so a parameter replaced with a new tensor, or
     given new memory, shows up (the core compares each with what it bound). A replaced submodule that

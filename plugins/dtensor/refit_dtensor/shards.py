@@ -7,8 +7,8 @@ parameter's local storage. The same code runs on metadata (``layout.py``), with 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -122,7 +122,8 @@ def model_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
     """Every parameter's local tensor (a DTensor's own shard, else the parameter), under its clean name: the
     memory :func:`model_pieces` views, listed before every step. FSDP2's all-gathered copies are dropped first,
     as :func:`model_pieces` does, so a forward since the bind is not taken for a move. The tree is walked once
-    (and again when a module in it is replaced): 0.2 ms a call for a 32-layer tiny Llama."""
+    (and again when a module in it is replaced): 0.14 ms a call for a 32-layer tiny Llama on a CPU core,
+    against 16.5 ms for its pieces."""
     hf = unwrap(model)
     if hf is None:
         raise PluginError(f"{type(model).__qualname__} is not a transformers PreTrainedModel")
