@@ -1,4 +1,7 @@
-"""Human-readable sizes and durations for progress lines and summaries."""
+"""Byte units, and human-readable sizes and durations for progress lines and summaries."""
+
+MiB = 1 << 20
+"""Bytes in a mebibyte."""
 
 
 def format_bytes(n: float) -> str:

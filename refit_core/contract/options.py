@@ -36,8 +36,8 @@ from refit_core.contract.settings import (
     _tracks_explicit,
 )
 from refit_core.contract.transport_options import PerTransportOptions, TransportOptions
+from refit_core.units import MiB
 
-MiB = 1 << 20
 _MESSAGE_ALIGN = 16
 """Messages start at multiples of this many bytes (:data:`refit_core.plan.items.ALIGN`, which the settings
 cannot import: ``tests/core/test_options.py`` holds them equal), so ``bucket_bytes`` is a multiple of it."""

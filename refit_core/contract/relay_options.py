@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from refit_core.contract.errors import OptionError
 from refit_core.contract.settings import _setting, _Settings, _tracks_explicit
+from refit_core.units import MiB
 
-MiB = 1 << 20
 
 RELAY_COMMS_PER_LINK = 8
 """NCCL communicators per link when replicas relay: a relaying rank receives and forwards at once (4 x H200,

@@ -11,9 +11,9 @@ from refit_core.kit.models import checkpoint_specs, load_config
 from refit_core.tools.bench.methods import is_baseline
 from refit_core.tools.bench.broadcast import NAME as BROADCAST
 from refit_core.tools.bench.validity import Ratio, Timed, same_bytes_ratio
+from refit_core.units import MiB
 
 GiB = 1 << 30
-MiB = 1 << 20
 
 
 def _setup_reads(s: dict[str, Any]) -> str:

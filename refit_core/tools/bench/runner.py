@@ -27,9 +27,9 @@ from refit_core.tools.bench.rank import SAFE_ENV, WIRE_PLAN_KEY
 from refit_core.tools.bench.rank import run_rank as _worker  # spawned by name: step_anatomy.py replaces it
 from refit_core.tools.bench.report import draw_timeline, environment, timeline_path, write
 from refit_core.tools.bench.results import summarize, table, wire_ratio
+from refit_core.units import MiB
 
 GiB = 1 << 30
-MiB = 1 << 20
 DEFAULT_MODELS = "llama-3-8b-shape,qwen3-30b-a3b-shape"
 DEFAULT_METHODS = "wire,per-tensor,packed,refit"
 
