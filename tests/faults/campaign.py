@@ -36,6 +36,9 @@ PAUSE_S = 1.5
 SLACK_S = 3.0
 """What a loaded 2-core machine may add to a deadline (process scheduling, a slow gloo teardown)."""
 SECRET, INTRUDER_SECRET = "fault-campaign", "fault-campaign-intruder"
+JOB_ENV, INTRUDER_ENV = {"REFIT_SECRET": SECRET}, {"REFIT_SECRET": INTRUDER_SECRET}
+"""Each job's secret, in its ranks' environment: an environment override wins over ``RefitOptions(secret=...)``,
+so a ``REFIT_SECRET`` the ranks inherited (the suite sets one: ``tests/conftest.py``) made the two jobs one."""
 RECOVERY = (2, VERSIONS[1] + 1)
 """The recovery step's reference weights and version."""
 RECOVERY_TIMEOUT_S = 60.0
@@ -200,7 +203,7 @@ def _endpoint(rank: int, address: str, options, run: Run):
 def _options(run: Run, timeout_s: float):
     from refit_core import RefitOptions
 
-    return RefitOptions(timeout_s=timeout_s, bucket_bytes=1024, num_buffers=2, mode=run.mode, secret=SECRET)
+    return RefitOptions(timeout_s=timeout_s, bucket_bytes=1024, num_buffers=2, mode=run.mode)
 
 
 def campaign_rank(rank: int, report, address: str, run: Run, again: str) -> dict:
@@ -285,9 +288,8 @@ def _intrude(ranks: Ranks, address: str) -> None:
             break
         except OSError:
             time.sleep(0.05)
-    options = {"secret": INTRUDER_SECRET, "timeout_s": 10}
     for rank, train in ((INTRUDER, True), (INTRUDER + 1, False)):
-        ranks.start(job_rank, rank, address, train, INTRUDER_SEED, options)
+        ranks.start(job_rank, rank, address, train, INTRUDER_SEED, {"timeout_s": 10}, env=INTRUDER_ENV)
 
 
 INTRUDER = 100
@@ -321,7 +323,7 @@ def execute(run: Run) -> tuple[dict[int, dict | None], dict[int, dict | None], d
     again = os.path.join(tempfile.mkdtemp(prefix="refit-campaign-"), "again")
     try:
         for rank in everyone:
-            ranks.start(campaign_rank, rank, address, run, again)
+            ranks.start(campaign_rank, rank, address, run, again, env=JOB_ENV)
         ranks.release()
         if run.two_jobs:
             _intrude(ranks, address)
@@ -333,7 +335,7 @@ def execute(run: Run) -> tuple[dict[int, dict | None], dict[int, dict | None], d
             return phase, {}, intruder
         for rank in sorted(run.dead):  # as an operator would: end what is left of it, start a replacement
             ranks.kill(rank)
-            ranks.start(recovery_rank, rank, address, run)
+            ranks.start(recovery_rank, rank, address, run, env=JOB_ENV)
         open(again, "w").close()
         done = _collect(ranks, [*survivors, *sorted(run.dead)], "result", RECOVERY_TIMEOUT_S + 30)
         results: dict[int, dict | None] = {}

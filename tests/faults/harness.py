@@ -52,9 +52,10 @@ class Ranks:
         self.procs: dict[int, mp.Process] = {}
         self.seen: dict[tuple[int, str], Any] = {}
 
-    def start(self, fn: Callable[..., Any], rank: int, *args: Any) -> None:
-        proc = self._ctx.Process(target=_entry, args=(fn, rank, self.events, self.go, dict(os.environ), args),
-                                 daemon=True)
+    def start(self, fn: Callable[..., Any], rank: int, *args: Any, env: dict[str, str] | None = None) -> None:
+        """Start ``fn(rank, report, *args)`` in a rank process, in this process's environment with ``env`` over it."""
+        proc = self._ctx.Process(target=_entry, args=(fn, rank, self.events, self.go, {**os.environ, **(env or {})},
+                                                      args), daemon=True)
         proc.start()
         self.procs[rank] = proc
 
