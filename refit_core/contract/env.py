@@ -3,7 +3,8 @@
 Settings travel as typed objects (:class:`~refit_core.contract.options.RefitOptions`); these variables are
 documented overrides for quick experiments, applied once, when a sender or receiver is created. A
 value set here counts as set explicitly on this rank (see :mod:`refit_core.contract.options`): set it on the
-train side alone, or the same on both sides.
+train side alone, or the same on both sides. It wins over a value set in code, and the rank logs a warning
+saying so.
 
 ========================== ================================ =====================================
 variable                   setting                          values
@@ -29,6 +30,7 @@ plugins read their own documented ``REFIT_*`` variables through :func:`read`.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -37,6 +39,8 @@ from typing import Any
 
 from refit_core.contract.errors import OptionError
 from refit_core.contract.options import RefitOptions
+
+log = logging.getLogger("refit")
 
 PLUGINS = "REFIT_PLUGINS"
 TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
@@ -130,11 +134,26 @@ def _overridden(options: RefitOptions, environ: Mapping[str, str] | None) -> Ref
             raise OptionError(f"{override.variable}={text!r} (setting {override.setting}): {exc}") from None
     if not values:
         return options
+    _warn_of_replaced(options, values)
     try:
         return options.overridden(values)
     except OptionError as exc:
         variables = ", ".join(o.variable for o in OVERRIDES if o.setting in values)
         raise OptionError(f"{exc} (from the environment: {variables})") from None
+
+
+def _warn_of_replaced(options: RefitOptions, values: Mapping[str, Any]) -> None:
+    """Log each setting given in code that an environment variable replaces with another value (a secret's
+    values are not shown): two programs that set their own secrets in code are one job when both inherit one
+    ``REFIT_SECRET``."""
+    variables = {o.setting: o.variable for o in OVERRIDES}
+    for setting in sorted(values.keys() & options.explicit):
+        current: Any = options
+        for part in setting.split("."):
+            current = getattr(current, part)
+        if current != values[setting]:
+            shown = "" if setting == "secret" else f" ({current!r} in code, {values[setting]!r} from the environment)"
+            log.warning("refit: %s in the environment overrides %s set in code%s", variables[setting], setting, shown)
 
 
 __all__ = ["OVERRIDES", "PLUGINS", "TORCHRUN_RUN_ID", "Override", "launcher_secret", "plugin_selection", "read",

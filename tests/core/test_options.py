@@ -80,6 +80,22 @@ def test_environment_overrides_are_explicit_settings():
         options.overridden({"messages.zerocopy": False})
 
 
+def test_an_override_of_a_setting_given_in_code_is_logged_without_showing_a_secret(caplog):
+    """Programs that set their own secrets in code but inherit one REFIT_SECRET are one job: each is told."""
+    env = {"REFIT_SECRET": "from-the-shell", "REFIT_NCCL_COMMS": "4", "REFIT_JOB": "same"}
+    with caplog.at_level("WARNING", logger="refit"):
+        options = with_overrides(RefitOptions(secret="in-code", nccl={"comms_per_link": 2}, job="same"), env)
+    assert options.secret == "from-the-shell" and options.nccl.comms_per_link == 4
+    assert [r.getMessage() for r in caplog.records] == [
+        "refit: REFIT_NCCL_COMMS in the environment overrides nccl.comms_per_link set in code (2 in code, 4 from "
+        "the environment)",
+        "refit: REFIT_SECRET in the environment overrides secret set in code"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="refit"):
+        with_overrides(RefitOptions(), env)  # nothing given in code: nothing replaced
+    assert not caplog.records
+
+
 @pytest.mark.parametrize(("env", "named"), [
     ({"REFIT_NCCL_COMMS": "two"}, "REFIT_NCCL_COMMS='two' (setting nccl.comms_per_link)"),
     ({"REFIT_ZERO_COPY": "maybe"}, "REFIT_ZERO_COPY='maybe' (setting messages.zero_copy)"),
