@@ -9,6 +9,7 @@ import select
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from refit_core.contract.errors import RendezvousError
@@ -43,6 +44,16 @@ class _Refused(Exception):
     """A request over one of the store's limits: answered with this message, the connection stays."""
 
 
+@dataclass(frozen=True)
+class _Member:
+    """A connected rank's connection: its peer address, its socket, and its number (each admitted connection
+    gets the next one)."""
+
+    peer: str
+    conn: socket.socket
+    serial: int
+
+
 class StoreServer:
     """The store's host: one listening socket bound to ``endpoint``'s interface, a thread per client;
     ``limits`` bound what authenticated ranks may store (default :class:`StoreLimits`)."""
@@ -61,9 +72,7 @@ class StoreServer:
         self._data: dict[str, bytes] = {}
         self._stored = 0  # bytes of keys and values in _data
         self._cond = threading.Condition()
-        self._members: dict[str, str] = {}  # rank identity -> peer address, while connected
-        self._serials: dict[str, int] = {}  # rank identity -> the number of its connection, while connected
-        self._sockets: dict[str, socket.socket] = {}  # rank identity -> its connection, while connected
+        self._members: dict[str, _Member] = {}  # rank identity -> its connection, while connected
         self._accepted = 0  # connections admitted so far
         self._sealed = False
         self._closed = False
@@ -89,7 +98,7 @@ class StoreServer:
         """Each rank identity connected now, and the number of its connection (every connection admitted gets a
         new one: an identity that left and came back, a restarted process, has another number)."""
         with self._cond:
-            return dict(self._serials)
+            return {who: member.serial for who, member in self._members.items()}
 
     def seal(self) -> None:
         """Admit no more ranks (setup finished); connected ranks keep their connections."""
@@ -158,10 +167,8 @@ class StoreServer:
         finally:
             with self._cond:
                 self._connections.discard(conn)
-                if who is not None and self._members.get(who) == peer:
+                if who is not None and (held := self._members.get(who)) is not None and held.conn is conn:
                     del self._members[who]
-                    self._serials.pop(who, None)
-                    self._sockets.pop(who, None)
                     if not said_bye and not self._closed:
                         self._put(gone_key(who), b"its connection closed during setup or a step", checked=False)
                         self._cond.notify_all()
@@ -203,8 +210,9 @@ class StoreServer:
                 send_frame(conn, {"refused": "identity", "message": unknown})
                 log.warning("refit store: refused %s: %s", peer, unknown)
                 return None
-            holder = self._members.get(who)
-            if holder is not None and _GUEST.fullmatch(who) and _closed_by_peer(self._sockets[who]):
+            held = self._members.get(who)
+            holder = held.peer if held is not None else None
+            if held is not None and _GUEST.fullmatch(who) and _closed_by_peer(held.conn):
                 # its process died a moment ago (a restart under its name): its thread has yet to see that
                 log.debug("refit store: %s from %s replaces its closed connection from %s", who, peer, holder)
                 holder = None
@@ -222,10 +230,8 @@ class StoreServer:
                 self._cond.notify_all()
                 send_frame(conn, {"refused": "duplicate", "message": message})
                 return None
-            self._members[who] = peer
-            self._sockets[who] = conn
             self._accepted += 1
-            self._serials[who] = self._accepted
+            self._members[who] = _Member(peer, conn, self._accepted)
             self._drop(gone_key(who))
         send_frame(conn, {"ok": True, "session": self.session, "max_frame": request_frame_bytes(self.limits)})
         return who, self.credentials.session("host", who, nonce, mine)
