@@ -118,12 +118,11 @@ class ReplicaReceiver(RefitReceiver):
     def _feed_each(self, start: StepStart, version: int) -> None:
         me = self.member.replica
         children = [m for m in start.members if m.feeder == me]
-        for name in set(self._feeding) - {c.replica for c in children}:
-            self._feeding.pop(name).close()
+        self._stop_feeding(set(self._feeding) - {c.replica for c in children})
         for child in children:
             mirror = self._feeding.get(child.replica)
             if mirror is not None and mirror.member != child:  # restarted under its name: a new job
-                self._feeding.pop(child.replica).close()
+                self._stop_feeding([child.replica])
                 mirror = None
             try:
                 if mirror is None:
@@ -134,9 +133,7 @@ class ReplicaReceiver(RefitReceiver):
                 assert mirror.schedule is not None
                 report = FeedReport(True, layout=mirror.schedule.fingerprint)
             except RefitError as exc:
-                held = self._feeding.pop(child.replica, None)
-                if held is not None:
-                    held.close()
+                self._stop_feeding([child.replica])
                 report = FeedReport(False, f"its feeder {me} could not forward the step: {exc}")
             if self.rank == 0:
                 try:
@@ -174,9 +171,12 @@ class ReplicaReceiver(RefitReceiver):
         if self.rank == 0 and self.member.feeder is not None and step is not None:
             self.fleet_store.offer(report_key(step, self.member), FeedReport(False, reason).to_wire())
 
-    def _stop_feeding(self) -> None:
-        for name in list(self._feeding):
-            self._feeding.pop(name).close()
+    def _stop_feeding(self, children: Iterable[str] | None = None) -> None:
+        """Close the jobs that feed ``children`` (None: every replica this one feeds)."""
+        for name in list(self._feeding if children is None else children):
+            held = self._feeding.pop(name, None)
+            if held is not None:
+                held.close()
 
     def close(self) -> None:
         """Close the jobs feeding this replica's children (once the forwarding under way ended), its own job, and

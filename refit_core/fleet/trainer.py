@@ -237,9 +237,8 @@ class RefitFleet:
     def _sender_for(self, member: Member) -> JobSender:
         fleet_store = self._rdv.server if self._rdv is not None else None
         return JobSender(self.model, member=member, fleet_present=None if fleet_store is None else fleet_store.present,
-                         rendezvous=member.address,
-                              rank=self.rank, world_size=self.world_size, options=self.options, plugins=self.plugins,
-                              host_id=self.host_id, plan_cache=self.plans)
+                         rendezvous=member.address, rank=self.rank, world_size=self.world_size, options=self.options,
+                         plugins=self.plugins, host_id=self.host_id, plan_cache=self.plans)
 
     def _forget(self, replica: str) -> None:
         held = self._senders.pop(replica, None)
@@ -264,7 +263,7 @@ class RefitFleet:
         for old in answers.replaced:
             self._forget(old.replica)
         self._admitted = {m.replica for m in answers.admitted}
-        connections = self._fleet_store().connections()
+        connections = self._fleet_store().connections()  # again: a joiner may have connected since the first read
         for member in answers.admitted:
             self._connections[member.replica] = self._connections_of(member, connections)
             self._states[member.replica] = ReplicaState(member.replica, member.gen_ranks, None, time.time(),

@@ -50,8 +50,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-
-
 def free_address(host: str) -> str:
     """``host:port`` (``[host]:port`` for IPv6) with a port of :func:`free_port` on ``host``'s interface."""
     port = free_port(host)
